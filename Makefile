@@ -1,0 +1,33 @@
+# `make demo` and `make test` work on a fresh machine with nothing but Python >= 3.11 installed.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip >/dev/null
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/python experiments/full_study.py
+
+lint: venv
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: venv
+	$(BIN)/python benchmarks/plasticity_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

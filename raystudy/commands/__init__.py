@@ -1,0 +1,1 @@
+"""Sub-commands of the ``raystudy`` CLI: one module each, exposing ``register(subparsers)``."""

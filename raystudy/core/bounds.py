@@ -1,0 +1,192 @@
+"""Theoretical upper bounds on the plasticity of each component (the paper's Section 4).
+
+Every bound ``B(f)`` satisfies ``rate(f; x, y) <= Lip(f) <= B(f)`` on the domain stated with it:
+
+LayerNorm (LN1, LN2)
+    ``B = ||gamma||_inf / sigma``, valid for tokens whose per-token standard deviation
+    ``sqrt(var(x_i) + eps)`` is at least ``sigma`` (the paper's assumption of consistent per-token
+    statistics). :func:`measure_sigma` estimates ``sigma`` from data as the *minimum* per-token
+    standard deviation over the embedded tokens, the conservative choice for an upper bound.
+Linear layers (FC1, FC2)
+    ``B = ||W||_2``, the spectral norm (largest singular value); biases cancel in ``f(x) - f(y)``.
+    In ``embedding`` mode FC2 acts on zero-lifted tokens ``[x_i, 0, ..., 0]``, so its bound there is the
+    spectral norm of the first ``d`` input columns, ``||W_2[:, :d]||_2`` (column ``bound``);
+    ``bound_hidden`` holds ``||W_2||_2`` for its real ``4d``-dimensional domain.
+Multi-head self-attention (MHA, Castin et al. 2024)
+    ``B = sum_h ||O^h||_2 ||V^h||_2 sqrt(3n + (12n + 3) r^4 ||A^h||_2^2)`` with
+    ``A^h = (Q^h)^T K^h / sqrt(k)``, ``Q^h, K^h, V^h in R^{k x d}`` the head's query/key/value maps,
+    ``O^h in R^{d x k}`` its slice of the output projection, ``k = d / H`` the head dimension, ``n`` the
+    sequence length, and ``r`` the token radius: the sequences lie in the ball where
+    ``sqrt(mean_i ||x_i||^2) <= r``. Assumes the attention biases are zero (they are ignored) and no
+    query/key or output normalisation and no gating (the bound is NaN for such models).
+
+The bounds table has columns ``layer, component, bound`` plus ``bound_hidden``, ``radius``, ``seq_len``
+and ``sigma`` (the values they were computed with).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from raystudy.core.components import COMPONENTS, get_adapter
+
+
+def spectral_norm(w: torch.Tensor) -> float:
+    """Largest singular value of a matrix ``(m, n)``, computed in float64."""
+    return float(torch.linalg.matrix_norm(w.detach().to("cpu", torch.float64), ord=2))
+
+
+def layernorm_bound(ln: nn.Module, sigma: float) -> float:
+    """``||gamma||_inf / sigma`` for a LayerNorm with weight ``gamma in R^d`` (1 if it has no weight)."""
+    gamma = getattr(ln, "weight", None)
+    g = 1.0 if gamma is None else float(gamma.detach().abs().max())
+    return g / sigma
+
+
+def attention_heads(attn: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Per-head matrices ``Q, K, V`` (``(k, d)`` each) and ``O`` (``(d, k)``) of a timm ``Attention``."""
+    w = attn.qkv.weight.detach()  # (3d, d): rows [Q; K; V], head h at rows h*k:(h+1)*k of each
+    heads = attn.num_heads
+    k = w.shape[0] // 3 // heads
+    q, kk, v = w[:heads * k], w[heads * k: 2 * heads * k], w[2 * heads * k:]
+    o = attn.proj.weight.detach()  # (d, H k)
+    return [
+        {"Q": q[h * k:(h + 1) * k], "K": kk[h * k:(h + 1) * k], "V": v[h * k:(h + 1) * k],
+         "O": o[:, h * k:(h + 1) * k]}
+        for h in range(heads)
+    ]
+
+
+def attention_bound(attn: nn.Module, *, radius: float, seq_len: int) -> float:
+    """``sum_h ||O^h||_2 ||V^h||_2 sqrt(3n + (12n + 3) r^4 ||A^h||_2^2)``, ``A^h = Q^hT K^h / sqrt(k)``."""
+    extras = [a for a in ("q_norm", "k_norm", "norm") if not isinstance(getattr(attn, a, nn.Identity()), nn.Identity)]
+    if extras or getattr(attn, "gate", None) is not None:
+        warnings.warn(f"attention bound assumes plain multi-head attention (found {extras or 'a gate'}); "
+                      "reporting NaN", stacklevel=2)
+        return math.nan
+    total = 0.0
+    n, r = float(seq_len), float(radius)
+    for h in attention_heads(attn):
+        k = h["Q"].shape[0]
+        a = h["Q"].to(torch.float64).T @ h["K"].to(torch.float64) / math.sqrt(k)  # (d, d)
+        a2 = spectral_norm(a)
+        total += spectral_norm(h["O"]) * spectral_norm(h["V"]) * math.sqrt(3 * n + (12 * n + 3) * r**4 * a2**2)
+    return total
+
+
+def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float | None = None) -> pd.DataFrame:
+    """Upper bounds for every block and component (see the module docstring for the formulas).
+
+    Args:
+        model: a supported model.
+        radius: token radius ``r`` (measure it with :func:`measure_radius`).
+        seq_len: sequence length ``n`` (e.g. 197 for ViT-B/16 at 224 px).
+        sigma: per-token standard-deviation lower bound for the LayerNorm bounds (measure it with
+            :func:`measure_sigma`); ``None`` reports the LayerNorm bounds as NaN.
+
+    Returns:
+        DataFrame ``layer, component, bound, bound_hidden, radius, seq_len, sigma``.
+    """
+    if radius <= 0 or seq_len <= 0:
+        raise ValueError(f"radius and seq_len must be positive, got radius={radius}, seq_len={seq_len}")
+    if sigma is not None and sigma <= 0:
+        raise ValueError(f"sigma must be positive, got {sigma}")
+    rows = []
+    for layer, b in enumerate(get_adapter(model).blocks()):
+        d = b.FC1.in_features
+        ln1 = math.nan if sigma is None else layernorm_bound(b.LN1, sigma)
+        ln2 = math.nan if sigma is None else layernorm_bound(b.LN2, sigma)
+        mha = attention_bound(b.MHA, radius=radius, seq_len=seq_len)
+        fc1 = spectral_norm(b.FC1.weight)
+        fc2_lift, fc2 = spectral_norm(b.FC2.weight[:, :d]), spectral_norm(b.FC2.weight)
+        for comp, bound, hidden in zip(COMPONENTS, (ln1, mha, ln2, fc1, fc2_lift), (ln1, mha, ln2, fc1, fc2)):
+            rows.append((layer, comp, bound, hidden))
+    df = pd.DataFrame(rows, columns=["layer", "component", "bound", "bound_hidden"])
+    df["radius"] = float(radius)
+    df["seq_len"] = int(seq_len)
+    df["sigma"] = np.nan if sigma is None else float(sigma)
+    return df
+
+
+def token_radius(tokens: torch.Tensor) -> torch.Tensor:
+    """Per-sequence radius ``r = sqrt(mean_i ||x_i||^2)``: ``(N, n, d) -> (N,)`` in float32."""
+    return tokens.float().pow(2).sum(-1).mean(-1).sqrt()
+
+
+def token_sigma(tokens: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Per-token standard deviation as LayerNorm sees it, ``sqrt(var(x_i) + eps)``: ``(N, n, d) -> (N, n)``."""
+    return (tokens.float().var(-1, unbiased=False) + eps).sqrt()
+
+
+class TokenStats:
+    """Running statistics of embedded tokens, for the bounds: radius (mean/max over sequences), sigma
+    (min per-token std), sequence length. Feed batches of ``(N, n, d)`` tokens with :meth:`update`;
+    :meth:`merge` combines the statistics of several workers."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.radius_sum = 0.0
+        self.radius_max = 0.0
+        self.sigma_min = math.inf
+        self.seq_len: int | None = None
+
+    def update(self, tokens: torch.Tensor, eps: float = 1e-6) -> TokenStats:
+        r = token_radius(tokens)
+        self.count += int(r.numel())
+        self.radius_sum += float(r.double().sum())
+        self.radius_max = max(self.radius_max, float(r.max()))
+        self.sigma_min = min(self.sigma_min, float(token_sigma(tokens, eps).min()))
+        self.seq_len = int(tokens.shape[1])
+        return self
+
+    def merge(self, other: TokenStats) -> TokenStats:
+        self.count += other.count
+        self.radius_sum += other.radius_sum
+        self.radius_max = max(self.radius_max, other.radius_max)
+        self.sigma_min = min(self.sigma_min, other.sigma_min)
+        self.seq_len = self.seq_len or other.seq_len
+        return self
+
+    @property
+    def radius(self) -> float:
+        """Mean of the per-sequence radii (the paper's ``r``)."""
+        return self.radius_sum / self.count if self.count else math.nan
+
+    @property
+    def sigma(self) -> float:
+        return self.sigma_min
+
+    def as_dict(self) -> dict:
+        return {"radius": self.radius, "radius_max": self.radius_max, "sigma": self.sigma,
+                "seq_len": self.seq_len, "n_sequences": self.count}
+
+
+@torch.inference_mode()
+def measure_token_stats(model: nn.Module, images: torch.Tensor, *, batch_size: int = 64) -> TokenStats:
+    """Embed ``images`` ``(N, 3, H, W)`` in batches and collect :class:`TokenStats`."""
+    adapter = get_adapter(model)
+    was_training = model.training
+    model.eval()
+    stats = TokenStats()
+    try:
+        for i in range(0, images.shape[0], batch_size):
+            stats.update(adapter.embed(images[i:i + batch_size]))
+    finally:
+        model.train(was_training)
+    return stats
+
+
+def measure_radius(model: nn.Module, images: torch.Tensor, *, batch_size: int = 64) -> float:
+    """The paper's token radius: mean over embedded sequences of ``sqrt(mean_i ||x_i||^2)``."""
+    return measure_token_stats(model, images, batch_size=batch_size).radius
+
+
+def measure_sigma(model: nn.Module, images: torch.Tensor, *, batch_size: int = 64) -> float:
+    """The LayerNorm sigma estimate: minimum per-token ``sqrt(var + eps)`` over the embedded tokens."""
+    return measure_token_stats(model, images, batch_size=batch_size).sigma

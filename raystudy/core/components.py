@@ -1,0 +1,229 @@
+"""The component registry: which module computes LN1, MHA, LN2, FC1 and FC2 in every block.
+
+A pre-norm transformer block computes::
+
+    x = x + MHA(LN1(x))          # LN1: LayerNorm before attention; MHA: attention incl. output projection
+    x = x + FC2(act(FC1(LN2(x))))  # LN2: LayerNorm before the MLP; FC1 / FC2: the two MLP linear layers
+
+Finetuning *configurations* are the five component names (that component trainable in every block,
+everything else frozen), ``All`` (every parameter trainable) and ``Head`` (linear probing: only the
+classifier). The classification head is trainable in every configuration but is never part of a
+selection returned here; callers add :func:`head_parameters` themselves.
+
+Each supported architecture family has exactly one :class:`Adapter` that maps these names to modules and
+parameters. Unsupported models fail with :class:`UnsupportedModelError`, which lists the families.
+
+LayerScale (DINOv2-style ``ls1`` / ``ls2``) is *not* part of any component by default: the paper's
+components are the LayerNorms, the attention module and the two linear layers. Pass
+``include_layerscale=True`` to :func:`trainable_parameters` to attach ``ls1`` to MHA and ``ls2`` to FC2
+(the component whose output each one scales). Plasticity always measures the component without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+COMPONENTS: tuple[str, ...] = ("LN1", "MHA", "LN2", "FC1", "FC2")
+CONFIGURATIONS: tuple[str, ...] = COMPONENTS + ("All", "Head")
+
+
+class UnsupportedModelError(TypeError):
+    """Raised for a model that no adapter in the registry supports."""
+
+
+@dataclass(frozen=True)
+class BlockComponents:
+    """The modules of one block, by component name.
+
+    ``LN1``/``LN2`` map ``(B, n, d) -> (B, n, d)``; ``MHA`` maps ``(B, n, d) -> (B, n, d)``;
+    ``FC1`` is a linear ``d -> h`` and ``FC2`` a linear ``h -> d`` (``h = 4d`` in a standard ViT).
+    ``ls1``/``ls2`` are the block's LayerScale modules (``nn.Identity`` when absent).
+    """
+
+    LN1: nn.Module
+    MHA: nn.Module
+    LN2: nn.Module
+    FC1: nn.Linear
+    FC2: nn.Linear
+    prefix: str  # parameter-name prefix of the block, e.g. "blocks.3."
+    names: dict[str, str]  # component -> module path relative to the block, e.g. {"MHA": "attn", ...}
+    ls1: nn.Module
+    ls2: nn.Module
+    module: nn.Module  # the whole block: (B, n, d) -> (B, n, d)
+
+    def __getitem__(self, component: str) -> nn.Module:
+        if component not in COMPONENTS:
+            raise KeyError(f"unknown component {component!r}; expected one of {COMPONENTS}")
+        return getattr(self, component)
+
+
+class Adapter:
+    """Maps one architecture family's modules to component names. Subclass and :func:`register_adapter`."""
+
+    family: str = ""
+    description: str = ""
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def blocks(self) -> list[BlockComponents]:
+        """The components of every block, in depth order (layer 0 first)."""
+        raise NotImplementedError
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Embedding stage: ``(N, 3, H, W)`` images -> ``(N, n, d)`` tokens fed to the first block."""
+        raise NotImplementedError
+
+    def head_modules(self) -> dict[str, nn.Module]:
+        """Classifier module(s) by parameter-name prefix (e.g. ``{"head.": model.head}``)."""
+        raise NotImplementedError
+
+
+_ADAPTERS: list[type[Adapter]] = []
+
+
+def register_adapter(cls: type[Adapter]) -> type[Adapter]:
+    """Class decorator adding an adapter to the registry (first match wins)."""
+    _ADAPTERS.append(cls)
+    return cls
+
+
+def supported_families() -> list[str]:
+    return [f"{a.family} ({a.description})" for a in _ADAPTERS]
+
+
+def get_adapter(model: nn.Module) -> Adapter:
+    """The adapter for ``model``; raises :class:`UnsupportedModelError` listing the supported families."""
+    for cls in _ADAPTERS:
+        if cls.matches(model):
+            return cls(model)
+    raise UnsupportedModelError(
+        f"unsupported model {type(model).__module__}.{type(model).__name__}: raystudy supports the families "
+        + "; ".join(supported_families())
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# timm VisionTransformer family: ViT, DeiT (incl. distilled), DeiT-III, DINOv2-style (LayerScale, registers)
+# --------------------------------------------------------------------------------------------------
+
+
+@register_adapter
+class TimmViTAdapter(Adapter):
+    family = "timm-vit"
+    description = (
+        "timm VisionTransformer and subclasses with pre-norm blocks: vit_*, deit_* (incl. distilled), "
+        "deit3_*, *_dinov2 (LayerScale, register tokens)"
+    )
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        try:
+            from timm.models.vision_transformer import VisionTransformer
+        except ImportError:  # pragma: no cover - timm is a dependency
+            return False
+        return isinstance(model, VisionTransformer)
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self._blocks = []
+        for i, blk in enumerate(model.blocks):
+            missing = [a for a in ("norm1", "attn", "norm2", "mlp") if not hasattr(blk, a)]
+            mlp = getattr(blk, "mlp", None)
+            if not missing and not (isinstance(getattr(mlp, "fc1", None), nn.Linear)
+                                    and isinstance(getattr(mlp, "fc2", None), nn.Linear)):
+                missing.append("mlp.fc1/mlp.fc2 as nn.Linear")
+            if missing or type(blk).__name__ not in ("Block",):
+                raise UnsupportedModelError(
+                    f"block {i} of {type(model).__name__} is a {type(blk).__name__} "
+                    f"(missing: {missing or 'none'}); the timm-vit adapter needs pre-norm timm `Block`s. "
+                    "Supported families: " + "; ".join(supported_families())
+                )
+            self._blocks.append(
+                BlockComponents(
+                    LN1=blk.norm1, MHA=blk.attn, LN2=blk.norm2, FC1=blk.mlp.fc1, FC2=blk.mlp.fc2,
+                    prefix=f"blocks.{i}.",
+                    names={"LN1": "norm1", "MHA": "attn", "LN2": "norm2", "FC1": "mlp.fc1", "FC2": "mlp.fc2"},
+                    ls1=getattr(blk, "ls1", nn.Identity()), ls2=getattr(blk, "ls2", nn.Identity()),
+                    module=blk,
+                )
+            )
+
+    def blocks(self) -> list[BlockComponents]:
+        return self._blocks
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        # Exactly what VisionTransformer.forward_features applies before its blocks.
+        m = self.model
+        x = m.patch_embed(images)
+        x = m._pos_embed(x)
+        x = m.patch_drop(x)
+        x = m.norm_pre(x)
+        return x
+
+    def head_modules(self) -> dict[str, nn.Module]:
+        heads = {"head.": self.model.head}
+        if isinstance(getattr(self.model, "head_dist", None), nn.Module):
+            heads["head_dist."] = self.model.head_dist
+        return heads
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter selections
+# --------------------------------------------------------------------------------------------------
+
+
+def _component_prefixes(adapter: Adapter, component: str, include_layerscale: bool) -> list[str]:
+    prefixes = []
+    for b in adapter.blocks():
+        prefixes.append(b.prefix + b.names[component] + ".")
+        if include_layerscale and component == "MHA" and not isinstance(b.ls1, nn.Identity):
+            prefixes.append(b.prefix + "ls1.")
+        if include_layerscale and component == "FC2" and not isinstance(b.ls2, nn.Identity):
+            prefixes.append(b.prefix + "ls2.")
+    return prefixes
+
+
+def head_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The classifier's parameters ``(name, parameter)``: trainable in every configuration."""
+    prefixes = tuple(get_adapter(model).head_modules())
+    return [(n, p) for n, p in model.named_parameters() if n.startswith(prefixes)]
+
+
+def trainable_parameters(
+    model: nn.Module, config: str, *, include_layerscale: bool = False
+) -> list[tuple[str, nn.Parameter]]:
+    """Parameters selected by a finetuning configuration, excluding the classification head.
+
+    ``config`` is one of :data:`CONFIGURATIONS`: a component name selects that component in every block;
+    ``All`` selects every non-head parameter (embeddings and the final norm included); ``Head`` selects
+    nothing (linear probing: the caller adds :func:`head_parameters`). Order follows
+    ``model.named_parameters()``.
+    """
+    if config not in CONFIGURATIONS:
+        raise ValueError(f"unknown configuration {config!r}; expected one of {CONFIGURATIONS}")
+    adapter = get_adapter(model)
+    head = tuple(adapter.head_modules())
+    if config == "Head":
+        return []
+    if config == "All":
+        return [(n, p) for n, p in model.named_parameters() if not n.startswith(head)]
+    prefixes = tuple(_component_prefixes(adapter, config, include_layerscale))
+    return [(n, p) for n, p in model.named_parameters() if n.startswith(prefixes)]
+
+
+def count_parameters(params: list[tuple[str, nn.Parameter]]) -> int:
+    return sum(p.numel() for _, p in params)
+
+
+def component_modules(model: nn.Module) -> list[BlockComponents]:
+    """Shorthand for ``get_adapter(model).blocks()``."""
+    return get_adapter(model).blocks()
+

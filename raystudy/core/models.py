@@ -1,0 +1,137 @@
+"""Building timm models, with pretrained weights from the hub (users with internet) or a local file."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_PREFIXES = ("module.", "model.", "_orig_mod.")  # DDP, wrappers, torch.compile
+
+
+class WeightsError(ValueError):
+    """A weights file that cannot be loaded into the model (names the file and the offending keys)."""
+
+
+def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a ``.safetensors`` file or a PyTorch state dict (``torch.load(weights_only=True)``).
+
+    A checkpoint that wraps its weights (``{"state_dict": ...}``, ``{"model": ...}``) is unwrapped, and
+    the prefixes ``module.``, ``model.`` and ``_orig_mod.`` are stripped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file not found: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle errors, truncated files, ...
+            raise WeightsError(f"cannot read weights file {path}: {e}") from e
+        for key in ("state_dict", "model", "module", "state_dict_ema"):
+            if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+                state = state[key]
+                break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise WeightsError(f"{path} does not hold a state dict of tensors")
+    for prefix in _PREFIXES:
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def _head_prefixes(model: nn.Module) -> tuple[str, ...]:
+    from raystudy.core.components import get_adapter
+
+    try:
+        return tuple(get_adapter(model).head_modules())
+    except TypeError:
+        return ("head.",)
+
+
+def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Module:
+    """Load a local weights file into ``model``.
+
+    Keys go through timm's checkpoint filter for the model's module when it has one (it converts
+    original-format checkpoints and resamples position embeddings to the model's resolution). Head
+    parameters whose shape differs from the model's (another number of classes) are dropped, so the head
+    stays freshly initialised. Any other missing or unexpected key raises :class:`WeightsError` naming
+    the file and the keys (``strict=False`` logs them instead).
+    """
+    import importlib
+
+    state = load_state_dict_file(path)
+    module = importlib.import_module(type(model).__module__)
+    filter_fn = getattr(module, "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        try:
+            state = filter_fn(state, model)
+        except Exception as e:
+            raise WeightsError(f"{path}: timm's checkpoint filter for {type(model).__name__} failed: {e}") from e
+    own = model.state_dict()
+    heads = _head_prefixes(model)
+    reinit = [k for k in state if k.startswith(heads) and k in own and state[k].shape != own[k].shape]
+    for k in reinit:
+        del state[k]
+    mismatched = [
+        f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+        for k, v in state.items() if k in own and v.shape != own[k].shape
+    ]
+    if mismatched:
+        raise WeightsError(f"{path}: shape mismatch for " + "; ".join(mismatched))
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not (k in reinit or (reinit and k.startswith(heads)))]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if result.unexpected_keys:
+        problems.append(f"unexpected keys {list(result.unexpected_keys)}")
+    if problems:
+        msg = f"{path} does not match {type(model).__name__}: " + "; ".join(problems)
+        if strict:
+            raise WeightsError(msg)
+        log.warning(msg)
+    if reinit:
+        log.info("%s: head re-initialised (%d tensors of another class count dropped)", path, len(reinit))
+    return model
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int | None = None,
+    pretrained: bool = False,
+    weights: str | Path | None = None,
+    img_size: int | None = None,
+    strict: bool = True,
+    **kwargs,
+) -> nn.Module:
+    """Create any timm model by name.
+
+    ``pretrained=True`` uses timm's hub download (needs internet). ``weights=FILE`` loads a local
+    ``.safetensors`` / PyTorch state dict (see :func:`load_weights`); for the original ``.npz`` files use
+    ``pretrained=True`` with ``pretrained_cfg_overlay=dict(file=FILE)``, which timm reads offline. When
+    ``num_classes`` differs from the checkpoint's, the head is newly initialised. Dropout and drop-path
+    stay at timm's defaults for the architecture (zero for ViTs) unless passed in ``kwargs``.
+    """
+    import timm
+
+    if weights is not None and pretrained:
+        raise ValueError("pass either pretrained=True (hub) or weights=FILE (local), not both")
+    if not timm.is_model(name):
+        raise ValueError(f"unknown timm model {name!r} (see timm.list_models())")
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    if img_size is not None:
+        kwargs["img_size"] = img_size
+    model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    if weights is not None:
+        load_weights(model, weights, strict=strict)
+    return model

@@ -1,0 +1,236 @@
+"""Plasticity: the average rate of change of every component of every block.
+
+For a pair of token sequences ``x, y in R^{n x d}`` and a component ``f``, the rate of change is::
+
+    rate(f; x, y) = ||f(x) - f(y)||_F / ||x - y||_F        (Frobenius norms over the whole sequence)
+
+and the plasticity ``P(f)`` is its mean over pairs (``x`` from pretraining images, ``y`` from downstream
+images).
+
+Modes
+-----
+``embedding`` (the paper's definition)
+    ``x`` and ``y`` are the outputs of the model's embedding stage (patch embedding, class/register
+    tokens, position embedding, pre-norm: everything before the first block). *Every* component of every
+    block receives these same embeddings, not the block's true input. FC2 takes inputs in ``R^{h}``
+    (``h = 4d``): each token is lifted by zero padding, ``[x_i, 0, ..., 0]``.
+``hidden`` (an extension)
+    each component receives its true input inside the forward pass of ``x`` and ``y`` (FC2 gets the real
+    ``h``-dimensional activation, no lift).
+
+Implementation (fast path)
+--------------------------
+``x`` and ``y`` go through the network as one batch of ``2N``; all reductions stay on the device and only
+the ``(N, L, 5)`` table of rates reaches the host. Exact algebraic shortcuts are used for the linear
+components: ``||W x + b - (W y + b)||_F = ||W (x - y)||_F`` (FC1 and FC2 on ``N`` differences instead of
+``2N`` inputs), and the zero-lifted FC2 only touches the first ``d`` input columns of its weight.
+Norms are computed in float32, also under the optional bf16 autocast.
+
+:mod:`raystudy.core.plasticity_reference` holds a deliberately literal implementation used by the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raystudy.core.components import COMPONENTS, get_adapter
+
+MODES = ("embedding", "hidden")
+RATE_COLUMNS = ["pair", "layer", "component", "rate"]
+SUMMARY_COLUMNS = ["layer", "component", "plasticity", "std", "ci95", "n_pairs"]
+
+
+class PlasticityInputError(ValueError):
+    """Bad input to the plasticity computation (shapes, non-finite values, identical pairs)."""
+
+
+def check_pair_batches(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Validate image batches ``x, y`` of shape ``(N, C, H, W)``: equal shapes, N > 0, finite values."""
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise PlasticityInputError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}")
+    if x.shape != y.shape:
+        raise PlasticityInputError(f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
+    if x.ndim != 4 or x.shape[0] == 0:
+        raise PlasticityInputError(f"expected image batches of shape (N, C, H, W) with N > 0, got {tuple(x.shape)}")
+    for name, t in (("x", x), ("y", y)):
+        bad = ~torch.isfinite(t).flatten(1).all(dim=1)
+        if bad.any():
+            raise PlasticityInputError(
+                f"{name} has non-finite values (NaN or inf) in pair(s) {bad.nonzero().flatten().tolist()[:10]}"
+            )
+
+
+def _check_denominator(den: torch.Tensor, what: str) -> None:
+    zero = den == 0
+    if zero.any():
+        raise PlasticityInputError(
+            f"pair(s) {zero.nonzero().flatten().tolist()[:10]} have identical {what} (x == y): the rate "
+            "||f(x) - f(y)|| / ||x - y|| is undefined; remove duplicate pairs"
+        )
+
+
+def _pair_norm(t: torch.Tensor) -> torch.Tensor:
+    """Frobenius norm of each pair's sequence: ``(N, n, k) -> (N,)`` in float32."""
+    return torch.linalg.vector_norm(t.float(), dim=tuple(range(1, t.ndim)))
+
+
+def _half_diff_norm(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``||t[:n] - t[n:]||_F`` per pair for a stacked ``(2N, ...)`` output, in float32."""
+    return _pair_norm(t[:n].float() - t[n:].float())
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _autocast(device: torch.device, amp_dtype: torch.dtype | None):
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+
+def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The embedding stage of a supported model: ``(N, 3, H, W) -> (N, n, d)``."""
+    return get_adapter(model).embed(images)
+
+
+@torch.inference_mode()
+def pair_rates_tensor(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    mode: str = "embedding",
+    amp_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Rates of change for every pair, block and component, as a device tensor.
+
+    Args:
+        model: a supported model (see :func:`raystudy.core.components.get_adapter`); evaluated in eval mode.
+        x, y: image batches ``(N, 3, H, W)`` on the model's device; pair ``i`` is ``(x[i], y[i])``.
+        mode: ``"embedding"`` (paper) or ``"hidden"``.
+        amp_dtype: e.g. ``torch.bfloat16`` to run the forward under autocast; norms stay float32.
+
+    Returns:
+        float32 tensor ``(N, L, 5)``: ``rates[i, l, c]`` for pair ``i``, block ``l`` and component
+        ``COMPONENTS[c]``.
+    """
+    if mode not in MODES:
+        raise PlasticityInputError(f"unknown mode {mode!r}; expected one of {MODES}")
+    adapter = get_adapter(model)
+    check_pair_batches(x, y)
+    n = x.shape[0]
+    blocks = adapter.blocks()
+    rates = torch.empty(n, len(blocks), len(COMPONENTS), dtype=torch.float32, device=x.device)
+    with _eval_mode(model), _autocast(x.device, amp_dtype):
+        z = adapter.embed(torch.cat([x, y]))  # (2N, n_tokens, d)
+        if mode == "embedding":
+            dz = z[:n].float() - z[n:].float()  # (N, n_tokens, d)
+            den = _pair_norm(dz)
+            _check_denominator(den, "embeddings")
+            d = dz.shape[-1]
+            for layer, b in enumerate(blocks):
+                rates[:, layer, 0] = _half_diff_norm(b.LN1(z), n) / den
+                rates[:, layer, 1] = _half_diff_norm(b.MHA(z), n) / den
+                rates[:, layer, 2] = _half_diff_norm(b.LN2(z), n) / den
+                rates[:, layer, 3] = _pair_norm(F.linear(dz, b.FC1.weight)) / den
+                # zero-lifted input [dz, 0, ..., 0]: only the first d input columns of W2 act on it
+                rates[:, layer, 4] = _pair_norm(F.linear(dz, b.FC2.weight[:, :d])) / den
+        else:
+            _hidden_rates(blocks, z, n, rates)
+    return rates
+
+
+def _hidden_rates(blocks, z: torch.Tensor, n: int, rates: torch.Tensor) -> None:
+    """Run the blocks on the stacked ``(2N, n, d)`` batch; forward hooks reduce each component on the fly."""
+    handles = []
+
+    def hook(layer: int, c: int):
+        def fn(module, args, output):
+            inp = args[0]
+            den = _half_diff_norm(inp, n)
+            _check_denominator(den, f"inputs to {COMPONENTS[c]} of block {layer}")
+            rates[:, layer, c] = _half_diff_norm(output, n) / den
+
+        return fn
+
+    try:
+        for layer, b in enumerate(blocks):
+            for c, name in enumerate(COMPONENTS):
+                handles.append(b[name].register_forward_hook(hook(layer, c)))
+        for b in blocks:
+            z = b.module(z)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def rates_frame(rates: torch.Tensor | np.ndarray, *, pair_offset: int = 0) -> pd.DataFrame:
+    """Long table ``pair, layer, component, rate`` from an ``(N, L, 5)`` rate tensor."""
+    arr = rates.detach().cpu().numpy() if isinstance(rates, torch.Tensor) else np.asarray(rates)
+    n, n_layers, n_comp = arr.shape
+    return pd.DataFrame(
+        {
+            "pair": np.repeat(np.arange(pair_offset, pair_offset + n, dtype=np.int64), n_layers * n_comp),
+            "layer": np.tile(np.repeat(np.arange(n_layers, dtype=np.int64), n_comp), n),
+            "component": np.tile(np.array(COMPONENTS, dtype=object), n * n_layers),
+            "rate": arr.reshape(-1).astype(np.float64),
+        }
+    )
+
+
+def pair_rates(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    mode: str = "embedding",
+    amp_dtype: torch.dtype | None = None,
+    pair_offset: int = 0,
+) -> pd.DataFrame:
+    """Per-pair rates of change as a DataFrame with columns ``pair, layer, component, rate``.
+
+    One row per pair, block and component; see :func:`pair_rates_tensor` for the arguments.
+    ``pair_offset`` numbers the pairs from that value (for batches of a larger stream).
+    """
+    return rates_frame(pair_rates_tensor(model, x, y, mode=mode, amp_dtype=amp_dtype), pair_offset=pair_offset)
+
+
+GROUP_KEYS = ("model", "dataset", "mode")
+
+
+def summarize(rates: pd.DataFrame) -> pd.DataFrame:
+    """Plasticity table from per-pair rates.
+
+    Groups by ``layer, component`` (and by ``model, dataset, mode`` when those columns exist):
+    ``plasticity`` = mean rate, ``std`` = sample standard deviation (ddof=1; 0 for a single pair),
+    ``ci95 = 1.96 std / sqrt(n_pairs)``, ``n_pairs`` = number of pairs. Components keep the
+    ``COMPONENTS`` order.
+    """
+    missing = [c for c in RATE_COLUMNS if c not in rates.columns]
+    if missing:
+        raise ValueError(f"rates table lacks column(s) {missing}")
+    if rates.empty:
+        raise ValueError("rates table is empty")
+    keys = [k for k in GROUP_KEYS if k in rates.columns] + ["layer", "component"]
+    g = rates.groupby(keys, sort=False, observed=True)["rate"]
+    out = g.agg(plasticity="mean", std="std", n_pairs="count").reset_index()
+    out["std"] = out["std"].fillna(0.0)
+    out["ci95"] = 1.96 * out["std"] / np.sqrt(out["n_pairs"])
+    out["n_pairs"] = out["n_pairs"].astype(np.int64)
+    order = {c: i for i, c in enumerate(COMPONENTS)}
+    out = out.sort_values(keys[:-1] + ["component"], key=lambda s: s.map(order) if s.name == "component" else s)
+    return out[keys + ["plasticity", "std", "ci95", "n_pairs"]].reset_index(drop=True)

@@ -1,0 +1,72 @@
+"""The paper's ViT preprocessing, usable with or without Ray.
+
+Training: random resized crop to ``size`` and random horizontal flip; evaluation: resize the shorter
+side to ``size`` then center crop ``size x size``. Both normalise with the ImageNet mean and std.
+Inputs are encoded image bytes (PNG/JPEG) or decoded ``uint8`` tensors ``(3, H, W)``; outputs are float32
+tensors ``(3, size, size)`` and batches ``(B, 3, size, size)``.
+
+Training randomness comes from a per-image seed (``seed``, ``epoch``, ``index``), so the same rows give the
+same tensors in every process, in Ray Data workers as in a plain loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2 as T
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def decode(image: bytes | torch.Tensor) -> torch.Tensor:
+    """Encoded PNG/JPEG bytes -> ``uint8`` tensor ``(3, H, W)`` (grey and RGBA converted to RGB)."""
+    if isinstance(image, torch.Tensor):
+        return image
+    data = torch.frombuffer(bytearray(image), dtype=torch.uint8)
+    return decode_image(data, mode=ImageReadMode.RGB)
+
+
+def eval_transform(size: int = 224) -> T.Compose:
+    return T.Compose([
+        T.Resize(size, antialias=True),
+        T.CenterCrop(size),
+        T.ToDtype(torch.float32, scale=True),
+        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0)) -> T.Compose:
+    return T.Compose([
+        T.RandomResizedCrop(size, scale=scale, antialias=True),
+        T.RandomHorizontalFlip(),
+        T.ToDtype(torch.float32, scale=True),
+        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A stable 63-bit seed for one image's augmentation (same on every machine and process)."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def transform_batch(
+    images: list, *, train: bool, size: int = 224, seed: int = 0, epoch: int = 0, indices: list[int] | None = None
+) -> torch.Tensor:
+    """Decode and transform a list of encoded images into a float32 batch ``(B, 3, size, size)``."""
+    tf = train_transform(size) if train else eval_transform(size)
+    out = torch.empty(len(images), 3, size, size, dtype=torch.float32)
+    for i, img in enumerate(images):
+        x = decode(img)
+        if train:
+            if indices is None:
+                raise ValueError("train transforms need the rows' indices to seed their augmentation")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sample_seed(seed, epoch, int(indices[i])))
+                out[i] = tf(x)
+        else:
+            out[i] = tf(x)
+    return out
