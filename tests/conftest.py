@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random-init models, miniature stores, one local Ray instance per test session."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def tiny_vit(**overrides):
+    """A small timm ViT (32 px, 8 px patches -> 17 tokens, d=48, 3 blocks, 4 heads)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    kw = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=10)
+    kw.update(overrides)
+    return VisionTransformer(**kw)
+
+
+def png_bytes(rng: np.random.Generator, h: int = 20, w: int = 24) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def make_store(path, *, n_per_split=(40, 10, 20), num_classes=10, seed=0, name="tiny"):
+    """Write a miniature prepared store of random PNGs; returns its path."""
+    from raystudy.data.store import SPLITS, write_store
+
+    rng = np.random.default_rng(seed)
+    rows, index = [], 0
+    for split, n in zip(SPLITS, n_per_split):
+        for _ in range(n):
+            rows.append({"image": png_bytes(rng), "label": index % num_classes, "split": split, "index": index})
+            index += 1
+    write_store(rows, path, name=name, source="test", classes=[f"c{i}" for i in range(num_classes)])
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (start-up costs several seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
