@@ -1,0 +1,231 @@
+"""Figures of a study (matplotlib, Agg canvas; every figure is written as PNG and SVG).
+
+Every function takes tidy DataFrames following the schemas of ARCHITECTURE.md, writes
+``<path_stem>.png`` and ``<path_stem>.svg`` and returns both paths. Figures are built on
+:class:`matplotlib.figure.Figure` with an Agg canvas, never through ``pyplot``: no global state, no GUI
+backend, safe in worker threads. Each configuration has one colour in every figure
+(:data:`COMPONENT_COLORS`): warm colours for the plastic components (MHA, FC1, FC2), cool ones for the
+LayerNorms, green for ``All`` and grey for ``Head``.
+
+When a table holds several models, datasets or modes, each combination gets its own panel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+from raystudy.core.components import COMPONENTS, CONFIGURATIONS
+
+#: One colour per configuration, shared by every figure (Okabe-Ito, colour-blind safe).
+COMPONENT_COLORS: dict[str, str] = {
+    "LN1": "#0072B2",  # blue
+    "MHA": "#D55E00",  # vermillion
+    "LN2": "#56B4E9",  # sky blue
+    "FC1": "#E69F00",  # orange
+    "FC2": "#CC79A7",  # reddish purple
+    "All": "#009E73",  # bluish green
+    "Head": "#7F7F7F",  # grey
+}
+assert set(COMPONENT_COLORS) == set(CONFIGURATIONS)
+
+#: Marker per configuration (helps in grey-scale prints).
+COMPONENT_MARKERS: dict[str, str] = {
+    "LN1": "v", "MHA": "o", "LN2": "^", "FC1": "s", "FC2": "D", "All": "*", "Head": "X",
+}
+
+#: Columns that split a table into panels when they hold more than one value.
+FACET_KEYS: tuple[str, ...] = ("model", "dataset", "mode", "optimizer")
+
+#: A log axis is used when the plotted values span more than this ratio.
+LOG_RATIO = 100.0
+
+#: Above this many values per violin, the kernel density is estimated on a fixed random subset.
+MAX_VIOLIN_POINTS = 100_000
+
+
+def _require(df: pd.DataFrame, columns: Sequence[str], name: str) -> None:
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"{name}: expected a pandas DataFrame, got {type(df).__name__}")
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"{name}: missing column(s) {missing}")
+    if df.empty:
+        raise ValueError(f"{name}: the table is empty")
+
+
+def _ordered(names) -> list[str]:
+    """Configuration names in CONFIGURATIONS order, unknown names last (sorted)."""
+    names = set(names)
+    return [c for c in CONFIGURATIONS if c in names] + sorted(names - set(CONFIGURATIONS))
+
+
+def _color(name: str) -> str:
+    return COMPONENT_COLORS.get(name, "#333333")
+
+
+def _facets(df: pd.DataFrame, keys: Sequence[str] = FACET_KEYS) -> tuple[list[tuple[str, pd.DataFrame]], str]:
+    """Split ``df`` by the ``keys`` that vary; returns ``[(panel title, rows)]`` and the constant part."""
+    present = [k for k in keys if k in df.columns]
+    varying = [k for k in present if df[k].nunique(dropna=False) > 1]
+    constant = ", ".join(f"{df[k].iloc[0]}" for k in present if k not in varying)
+    if not varying:
+        return [("", df)], constant
+    panels = []
+    for values, rows in df.groupby(varying, sort=True, dropna=False):
+        values = values if isinstance(values, tuple) else (values,)
+        panels.append((", ".join(str(v) for v in values), rows))
+    return panels, constant
+
+
+def _grid(n: int, *, width: float = 5.2, height: float = 3.8, max_cols: int = 3) -> tuple[Figure, list]:
+    cols = min(n, max_cols)
+    rows = int(np.ceil(n / cols))
+    fig = Figure(figsize=(width * cols, height * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel().tolist()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def _title(fig: Figure, title: str, constant: str) -> None:
+    text = title or ""
+    if constant:
+        text = f"{text} — {constant}" if text else constant
+    if text:
+        fig.suptitle(text, fontsize=13)
+
+
+def _needs_log(values: np.ndarray) -> bool:
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    return v.size > 1 and v.max() / v.min() > LOG_RATIO
+
+
+def save_figure(fig: Figure, path_stem: str | Path) -> list[Path]:
+    """Write ``<path_stem>.png`` (150 dpi) and ``<path_stem>.svg``; returns both paths."""
+    stem = Path(path_stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".svg")]
+    fig.savefig(paths[0], dpi=150)
+    # A fixed hash salt and no date keep the SVG byte-identical across runs.
+    with matplotlib.rc_context({"svg.hashsalt": "raystudy"}):
+        fig.savefig(paths[1], metadata={"Date": None})
+    return paths
+
+
+def _legend(fig: Figure, axes: list, n_entries: int) -> None:
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside right center", frameon=False, title="component")
+
+
+def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+    """Plasticity of each component across depth with its 95% interval band.
+
+    ``plasticity`` follows ``plasticity.parquet`` (``layer, component, plasticity, ci95`` used; ``model,
+    dataset, mode`` split panels when they vary). x: layer (0-based), y: plasticity = mean rate
+    ``||f(x) - f(y)||_F / ||x - y||_F`` over pairs; band: ``plasticity +- ci95``. One line per component in
+    COMPONENTS order; a dotted line marks plasticity 1 (above: the component amplifies input differences).
+    The y axis is logarithmic when the values span more than :data:`LOG_RATIO`.
+    """
+    _require(plasticity, ["layer", "component", "plasticity", "ci95"], "plasticity")
+    panels, constant = _facets(plasticity)
+    fig, axes = _grid(len(panels))
+    log = _needs_log(plasticity["plasticity"].to_numpy())
+    for ax, (name, rows) in zip(axes, panels):
+        for comp in _ordered(rows["component"].unique()):
+            r = rows[rows["component"] == comp].groupby("layer", as_index=False)[["plasticity", "ci95"]].mean()
+            r = r.sort_values("layer")
+            x, y, ci = r["layer"].to_numpy(), r["plasticity"].to_numpy(float), r["ci95"].to_numpy(float)
+            ax.plot(x, y, color=_color(comp), marker=COMPONENT_MARKERS.get(comp, "o"), ms=4, lw=1.8, label=comp)
+            ci = np.nan_to_num(ci, nan=0.0)
+            lo = np.maximum(y - ci, y * 1e-3) if log else y - ci
+            ax.fill_between(x, lo, y + ci, color=_color(comp), alpha=0.2, lw=0)
+        ax.axhline(1.0, color="black", lw=0.8, ls=":", zorder=0)
+        if log:
+            ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("layer")
+        ax.set_ylabel("plasticity (mean rate, 95% band)")
+        ax.grid(alpha=0.3)
+        if name:
+            ax.set_title(name)
+    _legend(fig, axes, len(COMPONENTS))
+    _title(fig, title or "Plasticity across depth", constant)
+    return save_figure(fig, path_stem)
+
+
+def _violins(ax, groups: list[tuple[str, np.ndarray]], *, log: bool, ylabel: str) -> None:
+    """Violin + median/quartile marks per group, coloured by component; ``log`` plots log10 values."""
+    rng = np.random.default_rng(0)
+    data, names = [], []
+    for name, values in groups:
+        v = np.asarray(values, dtype=float)
+        v = v[np.isfinite(v)]
+        if log:
+            v = np.log10(v[v > 0])
+        if v.size == 0:
+            continue
+        data.append(v)
+        names.append(name)
+    if not data:
+        ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
+        return
+    positions = np.arange(1, len(data) + 1)
+    kde_data = [d if d.size <= MAX_VIOLIN_POINTS else rng.choice(d, MAX_VIOLIN_POINTS, replace=False) for d in data]
+    # A violin needs some spread: constant groups are drawn as a line only.
+    spread = [d.size > 1 and np.ptp(d) > 0 for d in kde_data]
+    if any(spread):
+        idx = [i for i, s in enumerate(spread) if s]
+        parts = ax.violinplot([kde_data[i] for i in idx], positions=positions[idx], widths=0.8,
+                              showextrema=False)
+        for body, i in zip(parts["bodies"], idx):
+            body.set_facecolor(_color(names[i]))
+            body.set_edgecolor(_color(names[i]))
+            body.set_alpha(0.55)
+    for pos, d, name in zip(positions, data, names):
+        q1, med, q3 = np.percentile(d, [25, 50, 75])
+        ax.vlines(pos, q1, q3, color="black", lw=3)
+        ax.scatter([pos], [med], color="white", edgecolor="black", zorder=3, s=22)
+        ax.hlines([d.min(), d.max()], pos - 0.12, pos + 0.12, color=_color(name), lw=1)
+    ax.set_xticks(positions, names)
+    if log:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"$10^{{{v:g}}}$"))
+        ylabel = f"{ylabel} (log scale)"
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_rate_distribution(rates: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+    """Distribution of the per-pair rates of each component, pooled over layers.
+
+    ``rates`` follows ``rates.parquet`` (``component, rate`` used; ``model, dataset, mode`` split panels).
+    One violin per component (COMPONENTS order) with its quartiles (black bar), median (white dot) and
+    extremes; the axis is log10 when the rates span more than :data:`LOG_RATIO` (non-positive rates are
+    then left out). Above :data:`MAX_VIOLIN_POINTS` values per violin the density is estimated on a fixed
+    random subset; quartiles and extremes always use every value.
+    """
+    _require(rates, ["component", "rate"], "rates")
+    panels, constant = _facets(rates)
+    fig, axes = _grid(len(panels), width=5.6)
+    log = _needs_log(rates["rate"].to_numpy())
+    for ax, (name, rows) in zip(axes, panels):
+        comps = _ordered(rows["component"].unique())
+        groups = [(c, rows.loc[rows["component"] == c, "rate"].to_numpy()) for c in comps]
+        _violins(ax, groups, log=log, ylabel=r"rate $\|f(x)-f(y)\|_F\,/\,\|x-y\|_F$")
+        ax.axhline(0.0 if log else 1.0, color="black", lw=0.8, ls=":", zorder=0)
+        ax.set_xlabel("component")
+        if name:
+            ax.set_title(name)
+    _title(fig, title or "Per-pair rates (all layers)", constant)
+    return save_figure(fig, path_stem)
