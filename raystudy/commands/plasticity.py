@@ -1,0 +1,176 @@
+"""``raystudy plasticity``: per-pair rates and plasticity tables, locally or through the Ray pipeline.
+
+Local inputs (``--x PATH --y PATH``, no Ray): each PATH is an image folder (searched recursively, files
+in sorted order), a tensor file (``.pt`` / ``.npy``, shape ``(N, 3, H, W)``, already preprocessed), or a
+prepared store (its ``test`` split, ``val`` when it has no test images). Stores
+(``--pretrain STORE --downstream STORE ...``) run the distributed Ray Data pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="timm model name, e.g. vit_base_patch16_224")
+    p.add_argument("--weights", default=None, help="local .safetensors / PyTorch state dict")
+    p.add_argument("--pretrained", action="store_true", help="download timm's weights (needs internet)")
+    p.add_argument("--model-kwargs", default="{}", type=json.loads,
+                   help='JSON dict for timm.create_model, e.g. \'{"img_size": 32, "depth": 3}\'')
+    p.add_argument("--img-size", type=int, default=None, help="model resolution (default: the model's)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plasticity", help="measure the plasticity of every component of every block",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--x", help="pretraining-side images (folder, .pt/.npy tensor or store)")
+    p.add_argument("--y", help="downstream-side images (folder, .pt/.npy tensor or store)")
+    p.add_argument("--pretrain", help="prepared store of pretraining images (Ray pipeline)")
+    p.add_argument("--downstream", nargs="+", help="prepared downstream store(s) (Ray pipeline)")
+    p.add_argument("--pairs", type=int, default=None, help="number of pairs (default: all the smaller side has)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--mode", choices=("embedding", "hidden"), default="embedding")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pairing shuffle")
+    p.add_argument("--workers", type=int, default=1, help="actor pool size (Ray pipeline)")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--device", default=None, help="local mode: cpu or cuda (default: cuda if available)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward (norms stay float32)")
+    p.add_argument("--dataset", default=None, help="local mode: dataset name for the tables (default: y's name)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=run)
+
+
+def load_images(path: str | Path, size: int) -> tuple[object, str]:
+    """Images at ``path`` as a float32 tensor ``(N, 3, size, size)`` (eval transform applied to files)."""
+    import numpy as np
+    import torch
+
+    from raystudy.data.store import read_meta, read_split
+    from raystudy.data.transforms import transform_batch
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.is_dir() and (path / "dataset.json").exists():
+        meta = read_meta(path)
+        split = "test" if meta["counts"].get("test") else "val"
+        table = read_split(path, split, columns=["image"])
+        return transform_batch(table.column("image").to_pylist(), train=False, size=size), meta["name"]
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise ValueError(f"{path}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        images = []
+        for f in files:
+            try:
+                images.append(transform_batch([f.read_bytes()], train=False, size=size))
+            except RuntimeError as e:
+                raise ValueError(f"{f}: cannot decode image ({e})") from e
+        return torch.cat(images), path.name
+    if path.suffix == ".pt":
+        t = torch.load(path, map_location="cpu", weights_only=True)
+    elif path.suffix == ".npy":
+        t = torch.from_numpy(np.load(path))
+    else:
+        raise ValueError(f"{path}: expected an image folder, a prepared store, a .pt or a .npy file")
+    if not isinstance(t, torch.Tensor) or t.ndim != 4 or t.shape[1] != 3:
+        raise ValueError(f"{path}: expected a tensor of shape (N, 3, H, W), got {getattr(t, 'shape', type(t))}")
+    return t.float(), path.stem
+
+
+def paired(x, y, pairs: int | None, seed: int):
+    """Seeded shuffle of each side, then zip: pair ``i`` is ``(x[px[i]], y[py[i]])``."""
+    import numpy as np
+
+    n = min(len(x), len(y)) if pairs is None else pairs
+    if n <= 0 or n > min(len(x), len(y)):
+        raise ValueError(f"--pairs {pairs}: x has {len(x)} images and y {len(y)}; need 1 <= pairs <= both")
+    rng = np.random.default_rng(seed)
+    px, py = rng.permutation(len(x))[:n], rng.permutation(len(y))[:n]
+    return x[px], y[py]
+
+
+def run(args) -> int:
+    if args.pretrain or args.downstream:
+        return run_pipeline(args)
+    if not (args.x and args.y):
+        raise ValueError("give --x and --y (local images) or --pretrain and --downstream (stores)")
+    return run_local(args)
+
+
+def _build(args):
+    from raystudy.core.models import build_model
+
+    kwargs = dict(args.model_kwargs)
+    img_size = args.img_size or kwargs.pop("img_size", None)
+    return build_model(args.model, weights=args.weights, pretrained=args.pretrained, img_size=img_size, **kwargs)
+
+
+def run_local(args) -> int:
+    import pandas as pd
+    import torch
+    from tqdm import tqdm
+
+    from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution
+    from raystudy.core.plasticity import pair_rates, summarize
+    from raystudy.io import write_result
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = _build(args).to(device).eval()
+    size = model.patch_embed.img_size[0]
+    x, _ = load_images(args.x, size)
+    y, y_name = load_images(args.y, size)
+    x, y = paired(x, y, args.pairs, args.seed)
+    dataset = args.dataset or y_name
+    amp = torch.bfloat16 if args.bf16 else None
+    frames = []
+    with tqdm(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
+        for i in range(0, len(x), args.batch_size):
+            xb, yb = x[i:i + args.batch_size].to(device), y[i:i + args.batch_size].to(device)
+            frames.append(pair_rates(model, xb, yb, mode=args.mode, amp_dtype=amp, pair_offset=i))
+            bar.update(len(xb))
+    rates = pd.concat(frames, ignore_index=True)
+    rates.insert(0, "mode", args.mode)
+    rates.insert(0, "dataset", dataset)
+    rates.insert(0, "model", args.model)
+    table = summarize(rates)
+    out = Path(args.out)
+    write_result(rates, out, "rates")
+    write_result(table, out, "plasticity")
+    figs = plot_plasticity_depth(table, out / f"plasticity_{dataset}")
+    figs += plot_rate_distribution(rates, out / f"rates_{dataset}")
+    print_table(table)
+    print(f"\nwrote {out / 'rates.parquet'}, {out / 'plasticity.parquet'} and {len(figs)} figures in {out}")
+    return 0
+
+
+def print_table(table) -> None:
+    """Plasticity per component (rows) and layer (columns)."""
+    from raystudy.core.components import COMPONENTS
+
+    wide = table.pivot_table(index="component", columns="layer", values="plasticity").reindex(list(COMPONENTS))
+    wide["mean"] = wide.mean(axis=1)
+    print(wide.to_string(float_format=lambda v: f"{v:.4f}"))
+
+
+def run_pipeline(args) -> int:
+    from raystudy.distributed.plasticity import PlasticityJob, run_plasticity
+
+    if not (args.pretrain and args.downstream):
+        raise ValueError("the Ray pipeline needs both --pretrain STORE and --downstream STORE ...")
+    if args.pairs is None:
+        raise ValueError("--pairs is required with --pretrain/--downstream")
+    job = PlasticityJob(
+        model=args.model, weights=args.weights, model_kwargs=dict(args.model_kwargs), pretrain=args.pretrain,
+        downstream=list(args.downstream), pairs=args.pairs, batch_size=args.batch_size, mode=args.mode,
+        workers=args.workers, gpus_per_worker=args.gpus_per_worker, seed=args.seed,
+        img_size=args.img_size, amp_bf16=args.bf16, out_dir=args.out,
+    )
+    summary = run_plasticity(job)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
