@@ -1,0 +1,510 @@
+"""The study specification: one dataclass, loaded from a preset YAML and overridden from the command line.
+
+A study is the grid ``dataset x configuration x optimizer x lr x seed`` of finetuning runs (plus the
+plasticity of every dataset), all sharing one model, protocol and resource plan. Presets live in
+``experiments/presets/<name>.yaml``; any field can be overridden with ``--set key=value`` (dotted keys for
+the nested sections, values parsed as YAML: ``--set seeds=[0,1] --set plasticity.pairs=200``).
+
+Every grid point has a stable id, ``<dataset>-<configuration>-<optimizer>-lr<lr>-s<seed>`` (see
+:func:`trial_id`), which is how a resumed study recognises the runs it already has.
+
+Paths: store and weights paths that are relative are resolved against ``data_root`` (stores) or the
+current directory (weights). ``out`` is a local directory or any URI pyarrow understands
+(``s3://bucket/study``, ``gs://...``); on a cluster it must be reachable from every node (a shared
+filesystem such as NFS/EFS mounted at the same path, or object storage).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from raystudy.core.components import CONFIGURATIONS
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+SEARCHES: tuple[str, ...] = ("grid", "optuna")
+PLASTICITY_MODES: tuple[str, ...] = ("embedding", "hidden")
+PRESET_DIR = Path(__file__).resolve().parents[2] / "experiments" / "presets"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # names go into trial ids and directory names
+
+
+class SpecError(ValueError):
+    """An invalid study specification; the message starts with the offending field."""
+
+
+@dataclass
+class PlasticitySpec:
+    """The plasticity measurement of every dataset against the pretraining store (issue: distributed plasticity)."""
+
+    enabled: bool = True
+    pairs: int = 12800
+    batch_size: int = 256
+    mode: str = "embedding"
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+
+
+@dataclass
+class PretrainSpec:
+    """Pretrain the model from a random init on ``pretrain_store`` and use the result as ``weights``.
+
+    Used by the demo, which has no downloadable checkpoint: a short full training (configuration ``All``)
+    saved as ``<out>/pretrained/model.safetensors``.
+    """
+
+    enabled: bool = False
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    warmup_steps: int = 30
+    seed: int = 0
+
+
+@dataclass
+class StudySpec:
+    """Everything that defines a study. Fields are grouped as in the preset files."""
+
+    name: str = "study"
+    out: str = "results/study"
+
+    # model: a timm name (+ kwargs), its local weights file; ``weights: null`` only with pretraining
+    model: str = "vit_base_patch16_224.augreg_in21k"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    weights: str | None = None
+    img_size: int = 224
+
+    # data: prepared stores (see raystudy.data.store); relative paths are under data_root
+    data_root: str | None = None  # None: "data", or "<out>/data" with builtin_data
+    builtin_data: bool = False  # prepare raystudy's procedural default data into data_root first
+    pretrain_store: str | None = None
+    datasets: dict[str, str] = field(default_factory=dict)  # name -> store path
+
+    # the grid
+    configurations: list[str] = field(default_factory=lambda: list(CONFIGURATIONS))
+    optimizers: dict[str, list[float]] = field(default_factory=lambda: {"sgd": [1e-3, 3e-3, 1e-2, 3e-2]})
+    seeds: list[int] = field(default_factory=lambda: [0, 42, 3407])
+
+    # the finetuning protocol (raystudy.core.finetune.FinetuneConfig)
+    steps: int = 10000
+    batch_size: int = 512
+    eval_period: int = 500
+    warmup_steps: int = 2000
+    augment: bool = True
+    shuffle: bool = True
+    checkpoint_period: int = 1000
+    amp_bf16: bool = False
+    train_final_norm: bool = False
+
+    # resources: each trial is one Ray Train run of `workers_per_trial` workers
+    workers_per_trial: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+    trial_driver_cpus: float = 0.01  # the Tune trial itself only waits on its Ray Train run
+    max_concurrent_trials: int = 0  # 0: as many as the cluster's resources allow
+    trial_retries: int = 1  # Tune re-runs a trial whose driver failed (FailureConfig.max_failures)
+    worker_retries: int = 1  # Ray Train restarts dead workers from the last checkpoint
+
+    # search: the full grid, or Optuna (TPE) over lr with `samples` runs per (dataset, config, optimizer, seed)
+    search: str = "grid"
+    samples: int = 4
+
+    plasticity: PlasticitySpec = field(default_factory=PlasticitySpec)
+    pretrain: PretrainSpec = field(default_factory=PretrainSpec)
+    analysis: bool = True
+
+    # ------------------------------------------------------------------------------------------------
+    # loading and overriding
+    # ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = "spec") -> StudySpec:
+        """Build a spec from a (possibly partial) mapping; unknown keys raise :class:`SpecError`."""
+        if not isinstance(data, dict):
+            raise SpecError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
+        data = copy.deepcopy(data)
+        kwargs: dict[str, Any] = {}
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in data.items():
+            if key not in known:
+                raise SpecError(f"{where}: unknown field {key!r} (known: {sorted(known)})")
+            if key == "plasticity":
+                kwargs[key] = _sub(PlasticitySpec, value, f"{where}: plasticity")
+            elif key == "pretrain":
+                kwargs[key] = _sub(PretrainSpec, value, f"{where}: pretrain")
+            else:
+                kwargs[key] = value
+        spec = cls(**kwargs)
+        spec.normalize()
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_overrides(self, overrides: list[str] | dict[str, Any]) -> StudySpec:
+        """A copy with ``key=value`` overrides applied (dotted keys reach into ``plasticity``/``pretrain``).
+
+        Values are parsed as YAML (``steps=200``, ``seeds=[0,1]``, ``weights=null``,
+        ``optimizers={sgd: [0.01]}``); ``datasets`` also accepts a list of names, which selects those
+        datasets among the spec's (unknown names raise).
+        """
+        data = self.to_dict()
+        items = overrides.items() if isinstance(overrides, dict) else (_split_override(o) for o in overrides)
+        for key, value in items:
+            if isinstance(value, str) and not isinstance(overrides, dict):
+                value = _parse_value(value)
+            parts = key.split(".")
+            target = data
+            for p in parts[:-1]:
+                if p not in target or not isinstance(target[p], dict):
+                    raise SpecError(f"--set {key}: {p!r} is not a section of the spec (sections: plasticity, pretrain)")
+                target = target[p]
+            leaf = parts[-1]
+            if leaf not in target:
+                raise SpecError(f"--set {key}: unknown field {leaf!r} (known: {sorted(target)})")
+            if parts == ["datasets"] and isinstance(value, list | tuple | str):
+                value = _select_datasets(data["datasets"], value)
+            elif parts == ["configurations"] and isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            target[leaf] = value
+        return StudySpec.from_dict(data, where="overrides")
+
+    def normalize(self) -> None:
+        """Coerce YAML-ish values to their types (``1e-3`` strings, single values where lists belong)."""
+        if isinstance(self.seeds, int):
+            self.seeds = [self.seeds]
+        if isinstance(self.configurations, str):
+            self.configurations = [self.configurations]
+        if isinstance(self.datasets, list):
+            # a plain list of names: stores named like the datasets under data_root
+            self.datasets = {str(n): str(n) for n in self.datasets}
+        if isinstance(self.optimizers, list | tuple):
+            raise SpecError("optimizers: expected a mapping optimizer -> list of learning rates, e.g. {sgd: [0.01]}")
+        self.optimizers = {
+            str(k): [_to_float(v, f"optimizers.{k}") for v in (lrs if isinstance(lrs, list | tuple) else [lrs])]
+            for k, lrs in (self.optimizers or {}).items()
+        }
+        self.seeds = [_to_int(s, "seeds") for s in self.seeds]
+        for name in ("steps", "batch_size", "eval_period", "warmup_steps", "checkpoint_period", "img_size",
+                     "workers_per_trial", "max_concurrent_trials", "trial_retries", "worker_retries", "samples"):
+            setattr(self, name, _to_int(getattr(self, name), name))
+        for name in ("gpus_per_worker", "cpus_per_worker", "trial_driver_cpus"):
+            setattr(self, name, _to_float(getattr(self, name), name))
+        self.pretrain.lr = _to_float(self.pretrain.lr, "pretrain.lr")
+        self.datasets = {str(k): str(v) for k, v in (self.datasets or {}).items()}
+        self.model_kwargs = dict(self.model_kwargs or {})
+
+    # ------------------------------------------------------------------------------------------------
+    # resolved paths
+    # ------------------------------------------------------------------------------------------------
+
+    def resolved_data_root(self) -> str:
+        if self.data_root is not None:
+            return str(self.data_root)
+        return str(Path(self.out) / "data") if self.builtin_data else "data"
+
+    def store_path(self, path: str) -> str:
+        """A store path as used: absolute / URI kept, relative resolved under ``data_root``."""
+        if "://" in path or Path(path).is_absolute():
+            return path
+        return str(Path(self.resolved_data_root()) / path)
+
+    def dataset_stores(self) -> dict[str, str]:
+        return {name: self.store_path(p) for name, p in self.datasets.items()}
+
+    def pretrain_store_path(self) -> str | None:
+        return None if self.pretrain_store is None else self.store_path(self.pretrain_store)
+
+    # ------------------------------------------------------------------------------------------------
+    # validation
+    # ------------------------------------------------------------------------------------------------
+
+    def validate(self, *, check_files: bool = True) -> None:
+        """Reject a bad spec before anything is launched; every message starts with the field's name.
+
+        ``check_files=False`` skips the existence of stores and the weights file (used before the demo's
+        own data preparation and pretraining create them).
+        """
+        if not self.name or not _NAME_RE.match(self.name):
+            raise SpecError(f"name: {self.name!r} must be a non-empty word (letters, digits, '_', '-', '.')")
+        if not self.out:
+            raise SpecError("out: the study directory must be set")
+        if not isinstance(self.model, str) or not self.model:
+            raise SpecError("model: a timm model name is required")
+        if not isinstance(self.model_kwargs, dict):
+            raise SpecError("model_kwargs: expected a mapping")
+        _positive(self.img_size, "img_size")
+
+        if not isinstance(self.configurations, list) or not self.configurations:
+            raise SpecError(f"configurations: at least one of {list(CONFIGURATIONS)} is required")
+        for c in self.configurations:
+            if c not in CONFIGURATIONS:
+                raise SpecError(f"configurations: unknown configuration {c!r}; expected some of {list(CONFIGURATIONS)}")
+        _unique(self.configurations, "configurations")
+        if not self.optimizers:
+            raise SpecError(f"optimizers: at least one of {list(OPTIMIZERS)} with its learning rates is required")
+        for opt, lrs in self.optimizers.items():
+            if opt not in OPTIMIZERS:
+                raise SpecError(f"optimizers: unknown optimizer {opt!r}; expected some of {list(OPTIMIZERS)}")
+            if not lrs:
+                raise SpecError(f"optimizers.{opt}: the learning-rate list is empty")
+            for lr in lrs:
+                if not (math.isfinite(lr) and lr > 0):
+                    raise SpecError(f"optimizers.{opt}: learning rate {lr!r} must be a positive number")
+            _unique(lrs, f"optimizers.{opt}")
+        if not self.seeds:
+            raise SpecError("seeds: at least one seed is required")
+        _unique(self.seeds, "seeds")
+
+        if not self.datasets and not self.builtin_data:
+            raise SpecError("datasets: at least one downstream dataset (name: store path) is required")
+        for name in self.datasets:
+            if not _NAME_RE.match(name):
+                raise SpecError(
+                    f"datasets: dataset name {name!r} may only hold letters, digits, '_', '.', '+', '-' "
+                    "(it becomes part of trial ids such as cifar10-MHA-sgd-lr0.01-s0)"
+                )
+
+        for name in ("steps", "batch_size", "eval_period", "workers_per_trial", "checkpoint_period"):
+            _positive(getattr(self, name), name)
+        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
+            raise SpecError(f"warmup_steps: {self.warmup_steps} must lie in [0, steps={self.steps})")
+        if self.gpus_per_worker < 0 or self.cpus_per_worker < 0 or self.trial_driver_cpus <= 0:
+            raise SpecError(
+                "gpus_per_worker / cpus_per_worker must be >= 0 and trial_driver_cpus > 0 "
+                f"(got {self.gpus_per_worker}, {self.cpus_per_worker}, {self.trial_driver_cpus})"
+            )
+        if self.max_concurrent_trials < 0:
+            raise SpecError(f"max_concurrent_trials: {self.max_concurrent_trials} must be >= 0 (0 = no limit)")
+        if self.trial_retries < 0 or self.worker_retries < 0:
+            raise SpecError("trial_retries / worker_retries must be >= 0")
+        if self.search not in SEARCHES:
+            raise SpecError(f"search: unknown search {self.search!r}; expected one of {list(SEARCHES)}")
+        _positive(self.samples, "samples")
+
+        p = self.plasticity
+        if p.enabled:
+            if p.mode not in PLASTICITY_MODES:
+                raise SpecError(f"plasticity.mode: unknown mode {p.mode!r}; expected one of {list(PLASTICITY_MODES)}")
+            for name in ("pairs", "batch_size", "workers"):
+                _positive(getattr(p, name), f"plasticity.{name}")
+            if self.pretrain_store is None and not self.builtin_data:
+                raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
+        t = self.pretrain
+        if t.enabled:
+            if t.optimizer not in OPTIMIZERS:
+                raise SpecError(
+                    f"pretrain.optimizer: unknown optimizer {t.optimizer!r}; expected one of {list(OPTIMIZERS)}"
+                )
+            for name in ("steps", "batch_size"):
+                _positive(getattr(t, name), f"pretrain.{name}")
+            if not (math.isfinite(t.lr) and t.lr > 0):
+                raise SpecError(f"pretrain.lr: learning rate {t.lr!r} must be a positive number")
+            if self.pretrain_store is None and not self.builtin_data:
+                raise SpecError("pretrain_store: pretraining needs a pretraining store")
+        elif self.weights is None:
+            raise SpecError(
+                "weights: a local weights file is required (or enable pretrain to train one); "
+                "a random-init model is not a pretrained model"
+            )
+
+        if check_files:
+            self.check_files()
+
+    def check_files(self) -> None:
+        """Every store and the weights file exist (local paths; URIs are checked through pyarrow)."""
+        from raystudy.data.store import StoreError, read_meta
+
+        for name, path in self.dataset_stores().items():
+            try:
+                read_meta(path)
+            except StoreError as e:
+                raise SpecError(f"datasets.{name}: store not usable: {e}") from None
+        if self.pretrain_store is not None and (self.plasticity.enabled or self.pretrain.enabled):
+            try:
+                read_meta(self.pretrain_store_path())
+            except StoreError as e:
+                raise SpecError(f"pretrain_store: store not usable: {e}") from None
+        if self.weights is not None and not self.pretrain.enabled and not Path(self.weights).is_file():
+            raise SpecError(f"weights: file not found: {self.weights}")
+
+    # ------------------------------------------------------------------------------------------------
+    # the grid
+    # ------------------------------------------------------------------------------------------------
+
+    def grid(self) -> list[dict[str, Any]]:
+        """Every grid point, in launch order: dataset, configuration, optimizer, lr, seed, trial_id."""
+        points = []
+        for dataset in self.datasets:
+            for config in self.configurations:
+                for opt, lrs in self.optimizers.items():
+                    for lr in lrs:
+                        for seed in self.seeds:
+                            points.append(grid_point(dataset, config, opt, lr, seed))
+        return points
+
+    def groups(self) -> list[dict[str, Any]]:
+        """The (dataset, configuration, optimizer, seed) cells an lr search runs within."""
+        return [
+            {"dataset": d, "configuration": c, "optimizer": o, "seed": s}
+            for d in self.datasets for c in self.configurations for o in self.optimizers for s in self.seeds
+        ]
+
+    def lr_range(self, optimizer: str) -> tuple[float, float]:
+        lrs = self.optimizers[optimizer]
+        lo, hi = min(lrs), max(lrs)
+        if lo == hi:  # a single grid value: search one decade around it
+            lo, hi = lo / math.sqrt(10), hi * math.sqrt(10)
+        return lo, hi
+
+    def total_trials(self) -> int:
+        return len(self.groups()) * self.samples if self.search == "optuna" else len(self.grid())
+
+    #: fields whose change alters what a finished trial means; a study directory keeps its values
+    TRIAL_FIELDS: ClassVar[tuple[str, ...]] = (
+        "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
+        "augment", "shuffle", "amp_bf16", "train_final_norm", "search",
+    )
+
+    def conflicts(self, stored: StudySpec) -> list[str]:
+        """Fields in which this spec disagrees with the one a study directory was created with."""
+        out = []
+        for name in self.TRIAL_FIELDS:
+            a, b = getattr(self, name), getattr(stored, name)
+            if a != b:
+                out.append(f"{name}: stored {b!r}, given {a!r}")
+        for name, path in self.datasets.items():
+            if name in stored.datasets and stored.store_path(stored.datasets[name]) != self.store_path(path):
+                out.append(f"datasets.{name}: stored {stored.datasets[name]!r}, given {path!r}")
+        return out
+
+
+def format_lr(lr: float) -> str:
+    """Learning rate as it appears in trial ids: shortest round-tripping repr (``0.003``, ``1e-05``)."""
+    return repr(float(lr))
+
+
+def trial_id(dataset: str, configuration: str, optimizer: str, lr: float, seed: int) -> str:
+    """The stable id of a grid point, e.g. ``cifar10-MHA-sgd-lr0.01-s0``."""
+    return f"{dataset}-{configuration}-{optimizer}-lr{format_lr(lr)}-s{int(seed)}"
+
+
+def grid_point(dataset: str, configuration: str, optimizer: str, lr: float, seed: int) -> dict[str, Any]:
+    return {
+        "trial_id": trial_id(dataset, configuration, optimizer, lr, seed),
+        "dataset": dataset, "configuration": configuration, "optimizer": optimizer,
+        "lr": float(lr), "seed": int(seed),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# presets
+# ----------------------------------------------------------------------------------------------------
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_preset(name_or_path: str) -> StudySpec:
+    """A preset by name (``paper``, ``paper-vtab1k``, ``demo``) or a path to any spec YAML file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise SpecError(f"preset: unknown preset {name_or_path!r}; available: {preset_names()}")
+    if not path.is_file():
+        raise SpecError(f"preset: file not found: {path}")
+    return load_spec_file(path)
+
+
+def load_spec_file(path: str | Path) -> StudySpec:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: invalid YAML ({e})") from None
+    return StudySpec.from_dict(data, where=str(path))
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _sub(cls, value, where):
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}: expected a mapping, got {value!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise SpecError(f"{where}: unknown field(s) {unknown} (known: {sorted(known)})")
+    return cls(**value)
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise SpecError(f"--set {text!r}: expected key=value")
+    key, value = text.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _select_datasets(available: dict[str, str], names) -> dict[str, str]:
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    out = {}
+    for n in names:
+        if n not in available:
+            raise SpecError(f"datasets: unknown dataset {n!r}; this spec knows {sorted(available)}")
+        out[n] = available[n]
+    return out
+
+
+def _to_float(v, field_name: str) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise SpecError(f"{field_name}: {v!r} is not a number") from None
+
+
+def _to_int(v, field_name: str) -> int:
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise SpecError(f"{field_name}: {v!r} is not an integer")
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise SpecError(f"{field_name}: {v!r} is not an integer") from None
+
+
+def _positive(v, field_name: str) -> None:
+    if not isinstance(v, int | float) or v <= 0:
+        raise SpecError(f"{field_name}: {v!r} must be positive")
+
+
+def _unique(values, field_name: str) -> None:
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise SpecError(f"{field_name}: duplicate value {v!r}")
+        seen.add(v)

@@ -1,0 +1,214 @@
+"""The study spec (presets, overrides, validation, grid) and the result tables (upsert, atomic rewrites,
+reconciling trial directories). No Ray, fast."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from raystudy.core.components import CONFIGURATIONS
+from raystudy.io import read_result
+from raystudy.study.results import ResultTables, failed_row, trial_dir, trial_row
+from raystudy.study.spec import SpecError, StudySpec, load_preset, preset_names, trial_id
+
+PAPER_DATASETS = {
+    "cifar10", "cifar100", "cifar10c-contrast", "cifar10c-gaussian_noise", "cifar10c-motion_blur",
+    "cifar10c-snow", "cifar10c-speckle_noise", "clipart", "sketch", "flowers102", "pets",
+}
+
+
+def test_presets_exist():
+    assert {"paper", "paper-vtab1k", "demo"} <= set(preset_names())
+
+
+@pytest.mark.parametrize("name,steps", [("paper", 10000), ("paper-vtab1k", 2500)])
+def test_paper_presets_follow_the_protocol(name, steps):
+    spec = load_preset(name)
+    spec.validate(check_files=False)
+    assert set(spec.datasets) == PAPER_DATASETS
+    assert spec.configurations == ["LN1", "MHA", "LN2", "FC1", "FC2", "All", "Head"]
+    assert spec.optimizers["sgd"] == [1e-3, 3e-3, 1e-2, 3e-2]
+    # AdamW at 1e-2 times the SGD grid (Appendix E.2.5)
+    assert spec.optimizers["adamw"] == pytest.approx([1e-2 * lr for lr in spec.optimizers["sgd"]], rel=1e-12)
+    assert spec.seeds == [0, 42, 3407]
+    assert spec.steps == steps and spec.batch_size == 512
+    assert spec.plasticity.enabled and spec.plasticity.pairs == 12800
+    assert spec.weights and spec.weights.endswith(".safetensors") and "in21k" in spec.model
+    grid = spec.grid()
+    assert len(grid) == 11 * 7 * 8 * 3 == spec.total_trials() == 1848
+    assert len({p["trial_id"] for p in grid}) == len(grid)
+
+
+def test_demo_preset_is_self_contained():
+    spec = load_preset("demo")
+    spec.validate(check_files=False)
+    assert spec.builtin_data and spec.pretrain.enabled and spec.plasticity.enabled and spec.analysis
+    assert spec.weights is None  # produced by the demo's own pretraining
+    assert 4 <= len(spec.grid()) <= 40
+
+
+def test_trial_id_is_stable_and_readable():
+    assert trial_id("cifar10", "MHA", "sgd", 0.01, 0) == "cifar10-MHA-sgd-lr0.01-s0"
+    assert trial_id("sketch", "LN1", "adamw", 3e-5, 3407) == "sketch-LN1-adamw-lr3e-05-s3407"
+    assert trial_id("a", "All", "sgd", 1e-2, 42) == trial_id("a", "All", "sgd", 0.01, 42)
+
+
+def _base(**kw) -> StudySpec:
+    data = dict(name="t", out="/tmp/x", model="vit_tiny_patch16_224", weights="w.safetensors",
+                datasets={"a": "a", "b": "b"}, pretrain_store="p", configurations=["MHA", "LN1"],
+                optimizers={"sgd": [0.01, 0.1]}, seeds=[0], steps=10, warmup_steps=2, eval_period=5)
+    data.update(kw)
+    return StudySpec.from_dict(data)
+
+
+def test_overrides_from_the_command_line():
+    spec = _base().with_overrides([
+        "steps=20", "seeds=[1,2]", "plasticity.pairs=64", "optimizers={adamw: [1e-4]}", "datasets=b",
+        "configurations=MHA,FC2", "max_concurrent_trials=3",
+    ])
+    assert spec.steps == 20 and spec.seeds == [1, 2] and spec.plasticity.pairs == 64
+    assert spec.optimizers == {"adamw": [1e-4]} and spec.datasets == {"b": "b"}
+    assert spec.configurations == ["MHA", "FC2"] and spec.max_concurrent_trials == 3
+    assert [p["trial_id"] for p in spec.grid()] == [
+        "b-MHA-adamw-lr0.0001-s1", "b-MHA-adamw-lr0.0001-s2", "b-FC2-adamw-lr0.0001-s1", "b-FC2-adamw-lr0.0001-s2",
+    ]
+    # the YAML round trip keeps everything
+    again = StudySpec.from_dict(__import__("yaml").safe_load(spec.to_yaml()))
+    assert again == spec
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["configurations=[MHA, QKV]"], "configurations"),
+    (["optimizers={lion: [0.01]}"], "optimizers"),
+    (["optimizers={sgd: [0.01, -0.1]}"], "optimizers.sgd"),
+    (["optimizers={sgd: [0]}"], "optimizers.sgd"),
+    (["optimizers={sgd: [.nan]}"], "optimizers.sgd"),
+    (["datasets=[a, imagenet]"], "datasets"),
+    (["steps=0"], "steps"),
+    (["warmup_steps=10"], "warmup_steps"),
+    (["search=random"], "search"),
+    (["plasticity.mode=fancy"], "plasticity.mode"),
+    (["weights=null"], "weights"),
+    (["seeds=[0, 0]"], "seeds"),
+    (["stpes=3"], "stpes"),
+    (["plasticity.paris=3"], "paris"),
+])
+def test_bad_spec_is_rejected_naming_the_field(overrides, field):
+    with pytest.raises(SpecError, match=field):
+        _base().with_overrides(overrides).validate(check_files=False)
+
+
+def test_missing_store_and_weights_are_rejected(tmp_path, make_store_factory):
+    spec = _base(data_root=str(tmp_path), weights=str(tmp_path / "w.safetensors"))
+    with pytest.raises(SpecError, match=r"datasets\.a: store not usable"):
+        spec.validate()
+    for name in ("a", "b", "p"):
+        make_store_factory(tmp_path / name)
+    with pytest.raises(SpecError, match="weights: file not found"):
+        spec.validate()
+    (tmp_path / "w.safetensors").write_bytes(b"x")
+    spec.validate()
+    with pytest.raises(SpecError, match="pretrain_store: store not usable"):
+        spec.with_overrides(["pretrain_store=nowhere"]).validate()
+
+
+@pytest.fixture
+def make_store_factory():
+    from conftest import make_store
+
+    return lambda path: make_store(path, n_per_split=(4, 2, 2))
+
+
+def test_conflicting_respec_of_a_study_is_named():
+    stored = _base()
+    assert _base(seeds=[0, 1]).conflicts(stored) == []  # growing the grid is fine
+    (msg,) = _base(steps=11).conflicts(stored)
+    assert msg.startswith("steps: stored 10, given 11")
+
+
+def test_optuna_search_counts_samples_per_cell():
+    spec = _base(search="optuna", samples=3, optimizers={"sgd": [0.001, 0.1], "adamw": [1e-5]})
+    spec.validate(check_files=False)
+    assert spec.total_trials() == 2 * 2 * 2 * 1 * 3
+    assert spec.lr_range("sgd") == (0.001, 0.1)
+    lo, hi = spec.lr_range("adamw")
+    assert lo == pytest.approx(1e-5 / math.sqrt(10)) and hi == pytest.approx(1e-5 * math.sqrt(10))
+
+
+# --------------------------------------------------------------------------------------------------
+# result tables
+# --------------------------------------------------------------------------------------------------
+
+
+def _summary(status="ok", acc=0.5, **kw):
+    s = {"component": "MHA", "optimizer": "sgd", "lr": 0.01, "seed": 0, "steps": 10, "batch_size": 8,
+         "trainable_params": 123, "status": status, "best_val_acc": acc, "best_val_step": 5, "test_acc": acc,
+         "final_val_loss": 1.0, "wall_seconds": 2.0, "grad_memory_bytes": 492, "optimizer_memory_bytes": 492}
+    s.update(kw)
+    return s
+
+
+def _point(ds="a", cfg="MHA", lr=0.01, seed=0):
+    return {"trial_id": trial_id(ds, cfg, "sgd", lr, seed), "dataset": ds, "configuration": cfg,
+            "optimizer": "sgd", "lr": lr, "seed": seed}
+
+
+def _curves(n=3):
+    return pd.DataFrame({"step": range(1, n + 1), "lr": [0.01] * n, "train_loss": [2.0, 1.5, 1.0][:n],
+                         "grad_norm": [1.0] * n, "val_loss": [math.nan, math.nan, 1.1][:n],
+                         "val_acc": [math.nan, math.nan, 0.4][:n]})
+
+
+def test_tables_upsert_without_duplicates_and_rewrite_atomically(tmp_path):
+    t = ResultTables(str(tmp_path))
+    p1, p2 = _point(lr=0.01), _point(lr=0.1)
+    t.add(failed_row(p1, "m", 10, 8, "boom"))
+    t.add(trial_row(p2, "m", _summary(lr=0.1)), _curves())
+    assert t.counts() == {"ok": 1, "diverged": 0, "failed": 1}
+    t.add(trial_row(p1, "m", _summary()), _curves(2))  # the failed trial succeeds on resume: replaced
+    trials = read_result(tmp_path, "trials")
+    curves = read_result(tmp_path, "curves")
+    assert sorted(trials.trial_id) == sorted([p1["trial_id"], p2["trial_id"]])
+    assert set(trials.status) == {"ok"} and trials.component.tolist() == ["MHA", "MHA"]
+    assert trials.lr.tolist() == [0.01, 0.1]  # sorted by the grid's axes
+    assert trials.grad_memory_bytes.tolist() == [492, 492]  # extra columns kept
+    assert curves.groupby("trial_id").size().to_dict() == {p1["trial_id"]: 2, p2["trial_id"]: 3}
+    assert not [p for p in Path(tmp_path).iterdir() if p.name.startswith(".")]  # no temporary files left
+    # a fresh reader sees the same state
+    again = ResultTables(str(tmp_path))
+    assert again.done_ids() == {p1["trial_id"], p2["trial_id"]}
+    pd.testing.assert_frame_equal(again.trials_frame(), t.trials_frame())
+
+
+def test_reconcile_picks_up_trials_the_tables_missed(tmp_path):
+    """A driver killed after a trial wrote summary.json but before the table rewrite loses nothing."""
+    study = str(tmp_path)
+    pts = [_point(lr=0.01), _point(lr=0.1), _point(lr=1.0)]
+    t = ResultTables(study)
+    t.add(trial_row(pts[0], "m", _summary()), _curves())
+    for p, status in ((pts[1], "diverged"), (pts[2], None)):
+        d = Path(trial_dir(study, p["trial_id"]))
+        d.mkdir(parents=True)
+        if status:  # pts[2] is an unfinished run: a directory without summary
+            (d / "summary.json").write_text(json.dumps(_summary(status=status, acc=0.1)))
+            _curves().to_parquet(d / "curves.parquet")
+    (Path(trial_dir(study, pts[2]["trial_id"])) / "summary.json").write_text('{"status": "o')  # torn write
+    picked = ResultTables(study).reconcile(pts, "m")
+    assert picked == [pts[1]["trial_id"]]
+    trials = read_result(study, "trials")
+    assert dict(zip(trials.trial_id, trials.status)) == {pts[0]["trial_id"]: "ok", pts[1]["trial_id"]: "diverged"}
+    assert len(read_result(study, "curves")) == 6
+
+
+def test_trial_row_rejects_unknown_status():
+    with pytest.raises(ValueError, match="status"):
+        trial_row(_point(), "m", _summary(status="weird"))
+
+
+def test_configurations_are_the_registry():
+    spec = StudySpec.from_dict({"weights": "w", "datasets": {"a": "a"}, "pretrain_store": "p"})
+    assert tuple(spec.configurations) == CONFIGURATIONS
