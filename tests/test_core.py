@@ -42,7 +42,20 @@ def dinov2_style():
     return tiny_vit(init_values=0.5, reg_tokens=2, class_token=True, no_embed_class=True, depth=2)
 
 
-MODELS = {"vit": tiny_vit, "deit-distilled": deit_distilled, "dinov2-style": dinov2_style}
+def beit(shared: bool = False):
+    from timm.models.beit import Beit
+
+    model = Beit(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4, num_classes=10, init_values=0.3,
+                 use_rel_pos_bias=not shared, use_shared_rel_pos_bias=shared)
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():  # non-zero position biases, so the shared bias really matters
+        if "relative_position_bias_table" in name:
+            p.data = torch.randn(p.shape, generator=g)
+    return model
+
+
+MODELS = {"vit": tiny_vit, "deit-distilled": deit_distilled, "dinov2-style": dinov2_style, "beit": beit,
+          "beit-shared-bias": lambda: beit(shared=True)}
 
 
 def images(n, seed, size=32):
@@ -95,6 +108,22 @@ def test_layerscale_belongs_to_no_component_by_default():
     assert with_ls - default == {"blocks.0.ls1.gamma", "blocks.1.ls1.gamma"}
     fc2 = {n for n, _ in trainable_parameters(model, "FC2", include_layerscale=True)}
     assert {"blocks.0.ls2.gamma", "blocks.1.ls2.gamma"} <= fc2
+
+
+def test_beit_family_selections():
+    model = beit()
+    assert get_adapter(model).family == "timm-beit"
+    mha = {n for n, _ in trainable_parameters(model, "MHA")}
+    assert "blocks.1.attn.relative_position_bias_table" in mha and "blocks.0.attn.q_bias" in mha
+    assert not any("gamma" in n for n in mha)
+    with_ls = {n for n, _ in trainable_parameters(model, "MHA", include_layerscale=True)}
+    assert with_ls - mha == {"blocks.0.gamma_1", "blocks.1.gamma_1"}
+    assert {n for n, _ in trainable_parameters(model, "FC2", include_layerscale=True)} - {
+        n for n, _ in trainable_parameters(model, "FC2")} == {"blocks.0.gamma_2", "blocks.1.gamma_2"}
+    with pytest.warns(UserWarning, match="relative_position_bias_table"):
+        table = upper_bounds(model, radius=1.0, seq_len=17, sigma=1.0)
+    assert table[table.component == "MHA"]["bound"].isna().all()
+    assert table[table.component == "FC1"]["bound"].notna().all()
 
 
 def test_distilled_model_has_two_heads():

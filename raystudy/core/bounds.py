@@ -18,7 +18,8 @@ Multi-head self-attention (MHA, Castin et al. 2024)
     ``O^h in R^{d x k}`` its slice of the output projection, ``k = d / H`` the head dimension, ``n`` the
     sequence length, and ``r`` the token radius: the sequences lie in the ball where
     ``sqrt(mean_i ||x_i||^2) <= r``. Assumes the attention biases are zero (they are ignored) and no
-    query/key or output normalisation and no gating (the bound is NaN for such models).
+    query/key or output normalisation, no gating and no relative position bias (the bound
+    is NaN for such models, e.g. BEiT).
 
 The bounds table has columns ``layer, component, bound`` plus ``bound_hidden``, ``radius``, ``seq_len``
 and ``sigma`` (the values they were computed with).
@@ -66,6 +67,8 @@ def attention_heads(attn: nn.Module) -> list[dict[str, torch.Tensor]]:
 def attention_bound(attn: nn.Module, *, radius: float, seq_len: int) -> float:
     """``sum_h ||O^h||_2 ||V^h||_2 sqrt(3n + (12n + 3) r^4 ||A^h||_2^2)``, ``A^h = Q^hT K^h / sqrt(k)``."""
     extras = [a for a in ("q_norm", "k_norm", "norm") if not isinstance(getattr(attn, a, nn.Identity()), nn.Identity)]
+    if getattr(attn, "relative_position_bias_table", None) is not None:
+        extras.append("relative_position_bias_table")
     if extras or getattr(attn, "gate", None) is not None:
         warnings.warn(f"attention bound assumes plain multi-head attention (found {extras or 'a gate'}); "
                       "reporting NaN", stacklevel=2)

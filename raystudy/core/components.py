@@ -13,10 +13,10 @@ selection returned here; callers add :func:`head_parameters` themselves.
 Each supported architecture family has exactly one :class:`Adapter` that maps these names to modules and
 parameters. Unsupported models fail with :class:`UnsupportedModelError`, which lists the families.
 
-LayerScale (DINOv2-style ``ls1`` / ``ls2``) is *not* part of any component by default: the paper's
-components are the LayerNorms, the attention module and the two linear layers. Pass
-``include_layerscale=True`` to :func:`trainable_parameters` to attach ``ls1`` to MHA and ``ls2`` to FC2
-(the component whose output each one scales). Plasticity always measures the component without it.
+LayerScale (DINOv2-style ``ls1`` / ``ls2``, BEiT's ``gamma_1`` / ``gamma_2``) is *not* part of any
+component by default: the paper's components are the LayerNorms, the attention module and the two linear
+layers. Pass ``include_layerscale=True`` to :func:`trainable_parameters` to attach the first to MHA and
+the second to FC2 (the component whose output each one scales). Plasticity always measures the component without it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ class BlockComponents:
 
     ``LN1``/``LN2`` map ``(B, n, d) -> (B, n, d)``; ``MHA`` maps ``(B, n, d) -> (B, n, d)``;
     ``FC1`` is a linear ``d -> h`` and ``FC2`` a linear ``h -> d`` (``h = 4d`` in a standard ViT).
-    ``ls1``/``ls2`` are the block's LayerScale modules (``nn.Identity`` when absent).
     """
 
     LN1: nn.Module
@@ -50,8 +49,7 @@ class BlockComponents:
     FC2: nn.Linear
     prefix: str  # parameter-name prefix of the block, e.g. "blocks.3."
     names: dict[str, str]  # component -> module path relative to the block, e.g. {"MHA": "attn", ...}
-    ls1: nn.Module
-    ls2: nn.Module
+    layerscale: dict[str, str]  # component -> name (relative to the block) of the LayerScale scaling its output
     module: nn.Module  # the whole block: (B, n, d) -> (B, n, d)
 
     def __getitem__(self, component: str) -> nn.Module:
@@ -80,6 +78,16 @@ class Adapter:
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Embedding stage: ``(N, 3, H, W)`` images -> ``(N, n, d)`` tokens fed to the first block."""
         raise NotImplementedError
+
+    def attention_kwargs(self) -> dict:
+        """Model-level keyword arguments every MHA call needs (e.g. a shared relative position bias)."""
+        return {}
+
+    def run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        """All blocks in order, exactly as the model's forward runs them: ``(N, n, d) -> (N, n, d)``."""
+        for b in self.blocks():
+            tokens = b.module(tokens)
+        return tokens
 
     def head_modules(self) -> dict[str, nn.Module]:
         """Classifier module(s) by parameter-name prefix (e.g. ``{"head.": model.head}``)."""
@@ -110,6 +118,24 @@ def get_adapter(model: nn.Module) -> Adapter:
     )
 
 
+_PRE_NORM_NAMES = {"LN1": "norm1", "MHA": "attn", "LN2": "norm2", "FC1": "mlp.fc1", "FC2": "mlp.fc2"}
+
+
+def _pre_norm_block(model: nn.Module, i: int, blk: nn.Module, block_types: tuple[str, ...]) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``blk`` is a pre-norm block with an ``fc1``/``fc2`` MLP."""
+    missing = [a for a in ("norm1", "attn", "norm2", "mlp") if not hasattr(blk, a)]
+    mlp = getattr(blk, "mlp", None)
+    if not missing and not (isinstance(getattr(mlp, "fc1", None), nn.Linear)
+                            and isinstance(getattr(mlp, "fc2", None), nn.Linear)):
+        missing.append("mlp.fc1/mlp.fc2 as nn.Linear")
+    if missing or type(blk).__name__ not in block_types:
+        raise UnsupportedModelError(
+            f"block {i} of {type(model).__name__} is a {type(blk).__name__} (missing: {missing or 'none'}); "
+            f"this family's adapter needs pre-norm blocks of type {block_types}. "
+            "Supported families: " + "; ".join(supported_families())
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # timm VisionTransformer family: ViT, DeiT (incl. distilled), DeiT-III, DINOv2-style (LayerScale, registers)
 # --------------------------------------------------------------------------------------------------
@@ -135,23 +161,14 @@ class TimmViTAdapter(Adapter):
         super().__init__(model)
         self._blocks = []
         for i, blk in enumerate(model.blocks):
-            missing = [a for a in ("norm1", "attn", "norm2", "mlp") if not hasattr(blk, a)]
-            mlp = getattr(blk, "mlp", None)
-            if not missing and not (isinstance(getattr(mlp, "fc1", None), nn.Linear)
-                                    and isinstance(getattr(mlp, "fc2", None), nn.Linear)):
-                missing.append("mlp.fc1/mlp.fc2 as nn.Linear")
-            if missing or type(blk).__name__ not in ("Block",):
-                raise UnsupportedModelError(
-                    f"block {i} of {type(model).__name__} is a {type(blk).__name__} "
-                    f"(missing: {missing or 'none'}); the timm-vit adapter needs pre-norm timm `Block`s. "
-                    "Supported families: " + "; ".join(supported_families())
-                )
+            _pre_norm_block(model, i, blk, ("Block",))
             self._blocks.append(
                 BlockComponents(
                     LN1=blk.norm1, MHA=blk.attn, LN2=blk.norm2, FC1=blk.mlp.fc1, FC2=blk.mlp.fc2,
                     prefix=f"blocks.{i}.",
-                    names={"LN1": "norm1", "MHA": "attn", "LN2": "norm2", "FC1": "mlp.fc1", "FC2": "mlp.fc2"},
-                    ls1=getattr(blk, "ls1", nn.Identity()), ls2=getattr(blk, "ls2", nn.Identity()),
+                    names=_PRE_NORM_NAMES,
+                    layerscale={c: ls for c, ls in (("MHA", "ls1"), ("FC2", "ls2"))
+                                if not isinstance(getattr(blk, ls, nn.Identity()), nn.Identity)},
                     module=blk,
                 )
             )
@@ -176,6 +193,65 @@ class TimmViTAdapter(Adapter):
 
 
 # --------------------------------------------------------------------------------------------------
+# timm BEiT family: BEiT / BEiT-v2 (relative position bias, LayerScale as bare parameters gamma_1/gamma_2)
+# --------------------------------------------------------------------------------------------------
+
+
+@register_adapter
+class TimmBeitAdapter(Adapter):
+    family = "timm-beit"
+    description = "timm Beit: beit_*, beitv2_* (relative position bias inside MHA, LayerScale gamma_1/gamma_2)"
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        try:
+            from timm.models.beit import Beit
+        except ImportError:  # pragma: no cover
+            return False
+        return isinstance(model, Beit)
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self._blocks = []
+        for i, blk in enumerate(model.blocks):
+            _pre_norm_block(model, i, blk, ("Block",))
+            self._blocks.append(
+                BlockComponents(
+                    LN1=blk.norm1, MHA=blk.attn, LN2=blk.norm2, FC1=blk.mlp.fc1, FC2=blk.mlp.fc2,
+                    prefix=f"blocks.{i}.", names=_PRE_NORM_NAMES,
+                    layerscale={c: g for c, g in (("MHA", "gamma_1"), ("FC2", "gamma_2"))
+                                if getattr(blk, g, None) is not None},
+                    module=blk,
+                )
+            )
+
+    def blocks(self) -> list[BlockComponents]:
+        return self._blocks
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        # Exactly what Beit.forward_features applies before its blocks.
+        m = self.model
+        x = m.patch_embed(images)
+        x = torch.cat((m.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        if m.pos_embed is not None:
+            x = x + m.pos_embed
+        return m.pos_drop(x)
+
+    def attention_kwargs(self) -> dict:
+        rel = self.model.rel_pos_bias
+        return {"shared_rel_pos_bias": rel() if rel is not None else None}
+
+    def run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        kwargs = self.attention_kwargs()
+        for b in self._blocks:
+            tokens = b.module(tokens, **kwargs)
+        return tokens
+
+    def head_modules(self) -> dict[str, nn.Module]:
+        return {"head.": self.model.head}
+
+
+# --------------------------------------------------------------------------------------------------
 # Parameter selections
 # --------------------------------------------------------------------------------------------------
 
@@ -184,10 +260,9 @@ def _component_prefixes(adapter: Adapter, component: str, include_layerscale: bo
     prefixes = []
     for b in adapter.blocks():
         prefixes.append(b.prefix + b.names[component] + ".")
-        if include_layerscale and component == "MHA" and not isinstance(b.ls1, nn.Identity):
-            prefixes.append(b.prefix + "ls1.")
-        if include_layerscale and component == "FC2" and not isinstance(b.ls2, nn.Identity):
-            prefixes.append(b.prefix + "ls2.")
+        if include_layerscale and component in b.layerscale:
+            ls = b.prefix + b.layerscale[component]
+            prefixes += [ls + ".", ls]  # a LayerScale module, or a bare parameter (BEiT's gamma_1)
     return prefixes
 
 
@@ -215,8 +290,10 @@ def trainable_parameters(
         return []
     if config == "All":
         return [(n, p) for n, p in model.named_parameters() if not n.startswith(head)]
-    prefixes = tuple(_component_prefixes(adapter, config, include_layerscale))
-    return [(n, p) for n, p in model.named_parameters() if n.startswith(prefixes)]
+    prefixes = _component_prefixes(adapter, config, include_layerscale)
+    exact = {p for p in prefixes if not p.endswith(".")}
+    dotted = tuple(p for p in prefixes if p.endswith("."))
+    return [(n, p) for n, p in model.named_parameters() if n in exact or n.startswith(dotted)]
 
 
 def count_parameters(params: list[tuple[str, nn.Parameter]]) -> int:

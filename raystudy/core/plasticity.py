@@ -138,23 +138,24 @@ def pair_rates_tensor(
     with _eval_mode(model), _autocast(x.device, amp_dtype):
         z = adapter.embed(torch.cat([x, y]))  # (2N, n_tokens, d)
         if mode == "embedding":
+            attn_kw = adapter.attention_kwargs()
             dz = z[:n].float() - z[n:].float()  # (N, n_tokens, d)
             den = _pair_norm(dz)
             _check_denominator(den, "embeddings")
             d = dz.shape[-1]
             for layer, b in enumerate(blocks):
                 rates[:, layer, 0] = _half_diff_norm(b.LN1(z), n) / den
-                rates[:, layer, 1] = _half_diff_norm(b.MHA(z), n) / den
+                rates[:, layer, 1] = _half_diff_norm(b.MHA(z, **attn_kw), n) / den
                 rates[:, layer, 2] = _half_diff_norm(b.LN2(z), n) / den
                 rates[:, layer, 3] = _pair_norm(F.linear(dz, b.FC1.weight)) / den
                 # zero-lifted input [dz, 0, ..., 0]: only the first d input columns of W2 act on it
                 rates[:, layer, 4] = _pair_norm(F.linear(dz, b.FC2.weight[:, :d])) / den
         else:
-            _hidden_rates(blocks, z, n, rates)
+            _hidden_rates(adapter, z, n, rates)
     return rates
 
 
-def _hidden_rates(blocks, z: torch.Tensor, n: int, rates: torch.Tensor) -> None:
+def _hidden_rates(adapter, z: torch.Tensor, n: int, rates: torch.Tensor) -> None:
     """Run the blocks on the stacked ``(2N, n, d)`` batch; forward hooks reduce each component on the fly."""
     handles = []
 
@@ -168,11 +169,10 @@ def _hidden_rates(blocks, z: torch.Tensor, n: int, rates: torch.Tensor) -> None:
         return fn
 
     try:
-        for layer, b in enumerate(blocks):
+        for layer, b in enumerate(adapter.blocks()):
             for c, name in enumerate(COMPONENTS):
                 handles.append(b[name].register_forward_hook(hook(layer, c)))
-        for b in blocks:
-            z = b.module(z)
+        adapter.run_blocks(z)
     finally:
         for h in handles:
             h.remove()

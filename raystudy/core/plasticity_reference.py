@@ -24,13 +24,14 @@ def _host(t: torch.Tensor) -> np.ndarray:
 def _component_io_embedding(model: nn.Module, images: torch.Tensor) -> list[dict[str, tuple]]:
     adapter = get_adapter(model)
     z = adapter.embed(images)
+    attn_kw = adapter.attention_kwargs()
     out = []
     for b in adapter.blocks():
         h = b.FC2.in_features
         lifted = torch.cat([z, z.new_zeros(*z.shape[:-1], h - z.shape[-1])], dim=-1)
         out.append({
             "LN1": (_host(z), _host(b.LN1(z))),
-            "MHA": (_host(z), _host(b.MHA(z))),
+            "MHA": (_host(z), _host(b.MHA(z, **attn_kw))),
             "LN2": (_host(z), _host(b.LN2(z))),
             "FC1": (_host(z), _host(b.FC1(z))),
             "FC2": (_host(z), _host(b.FC2(lifted))),
@@ -50,9 +51,7 @@ def _component_io_hidden(model: nn.Module, images: torch.Tensor) -> list[dict[st
                 out[layer][name] = (_host(args[0]), _host(output))
             handles.append(b[name].register_forward_hook(fn))
     try:
-        z = adapter.embed(images)
-        for b in blocks:
-            z = b.module(z)
+        adapter.run_blocks(adapter.embed(images))
     finally:
         for h in handles:
             h.remove()
