@@ -22,7 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from raystudy.core.components import COMPONENTS, CONFIGURATIONS
+from raystudy.core.components import CONFIGURATIONS
 
 #: One colour per configuration, shared by every figure (Okabe-Ito, colour-blind safe).
 COMPONENT_COLORS: dict[str, str] = {
@@ -122,10 +122,13 @@ def save_figure(fig: Figure, path_stem: str | Path) -> list[Path]:
     return paths
 
 
-def _legend(fig: Figure, axes: list, n_entries: int) -> None:
-    handles, labels = axes[0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="outside right center", frameon=False, title="component")
+def _legend(fig: Figure, axes: list, title: str = "component") -> None:
+    """One legend for the figure, right of the panels, from the first panel that has entries."""
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="outside right center", frameon=False, title=title)
+            return
 
 
 def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
@@ -159,7 +162,7 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
         ax.grid(alpha=0.3)
         if name:
             ax.set_title(name)
-    _legend(fig, axes, len(COMPONENTS))
+    _legend(fig, axes)
     _title(fig, title or "Plasticity across depth", constant)
     return save_figure(fig, path_stem)
 
@@ -228,4 +231,171 @@ def plot_rate_distribution(rates: pd.DataFrame, path_stem: str | Path, *, title:
         if name:
             ax.set_title(name)
     _title(fig, title or "Per-pair rates (all layers)", constant)
+    return save_figure(fig, path_stem)
+
+
+def plot_plasticity_layers(plasticity: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+    """Distribution over layers of each component's plasticity (used when ``rates.parquet`` is absent).
+
+    One violin per component of the per-layer plasticity values of ``plasticity.parquet``; log10 axis
+    when they span more than :data:`LOG_RATIO`.
+    """
+    _require(plasticity, ["component", "plasticity"], "plasticity")
+    panels, constant = _facets(plasticity)
+    fig, axes = _grid(len(panels), width=5.6)
+    log = _needs_log(plasticity["plasticity"].to_numpy())
+    for ax, (name, rows) in zip(axes, panels):
+        comps = _ordered(rows["component"].unique())
+        groups = [(c, rows.loc[rows["component"] == c, "plasticity"].to_numpy()) for c in comps]
+        _violins(ax, groups, log=log, ylabel="plasticity per layer")
+        ax.axhline(0.0 if log else 1.0, color="black", lw=0.8, ls=":", zorder=0)
+        ax.set_xlabel("component")
+        if name:
+            ax.set_title(name)
+    _title(fig, title or "Plasticity distribution over layers", constant)
+    return save_figure(fig, path_stem)
+
+
+def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem: str | Path, *,
+                title: str = "") -> list[Path]:
+    """Theoretical upper bounds (dashed) next to the measured plasticity (solid) across depth, log scale.
+
+    ``bounds`` follows ``bounds.parquet`` (``model, layer, component, bound``); ``plasticity`` (optional)
+    follows ``plasticity.parquet`` and is averaged over datasets, in ``embedding`` mode when present (the
+    mode the bounds are stated for). One panel per model; non-finite or non-positive bounds are skipped.
+    """
+    _require(bounds, ["model", "layer", "component", "bound"], "bounds")
+    if plasticity is not None:
+        _require(plasticity, ["model", "layer", "component", "plasticity"], "plasticity")
+        if "mode" in plasticity.columns and (plasticity["mode"] == "embedding").any():
+            plasticity = plasticity[plasticity["mode"] == "embedding"]
+    models = sorted(bounds["model"].astype(str).unique())
+    fig, axes = _grid(len(models), width=6.0, height=4.2)
+    for ax, model in zip(axes, models):
+        b = bounds[bounds["model"].astype(str) == model]
+        p = None
+        if plasticity is not None:
+            p = plasticity[plasticity["model"].astype(str) == model]
+            if p.empty and plasticity["model"].nunique() == 1 and len(models) == 1:
+                p = plasticity  # one model each side under different names
+        for comp in _ordered(b["component"].unique()):
+            bb = b[b["component"] == comp].groupby("layer")["bound"].mean().sort_index()
+            bb = bb[np.isfinite(bb) & (bb > 0)]
+            if len(bb):
+                ax.plot(bb.index, bb.to_numpy(), color=_color(comp), ls="--", lw=1.6, marker=COMPONENT_MARKERS[comp],
+                        ms=3, mfc="none", label=f"{comp} bound")
+            if p is not None and len(p):
+                pp = p[p["component"] == comp].groupby("layer")["plasticity"].mean().sort_index()
+                if len(pp):
+                    ax.plot(pp.index, pp.to_numpy(), color=_color(comp), lw=1.8, marker=COMPONENT_MARKERS[comp],
+                            ms=4, label=f"{comp} measured")
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("layer")
+        ax.set_ylabel("plasticity / upper bound (log scale)")
+        ax.grid(alpha=0.3, which="both")
+        if len(models) > 1:
+            ax.set_title(model)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside right center", frameon=False, title="solid: measured\ndashed: bound")
+    _title(fig, title or "Upper bounds and measured plasticity", models[0] if len(models) == 1 else "")
+    return save_figure(fig, path_stem)
+
+
+def plot_accuracy_distribution(trials_ok: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+    """Test accuracy over learning rates x seeds per configuration, one panel per dataset (and optimizer).
+
+    A violin (when it has spread) with quartiles and median per configuration, and every trial as a dot.
+    """
+    _require(trials_ok, ["dataset", "component", "test_acc"], "trials")
+    panels, constant = _facets(trials_ok, ("model", "optimizer", "dataset"))
+    fig, axes = _grid(len(panels), width=5.0, height=3.6)
+    rng = np.random.default_rng(0)
+    for ax, (name, rows) in zip(axes, panels):
+        comps = _ordered(rows["component"].unique())
+        groups = [(c, 100 * rows.loc[rows["component"] == c, "test_acc"].to_numpy(float)) for c in comps]
+        _violins(ax, groups, log=False, ylabel="test accuracy (%)")
+        for pos, (comp, v) in enumerate(groups, start=1):
+            ax.scatter(pos + rng.uniform(-0.15, 0.15, v.size), v, s=9, color=_color(comp), edgecolor="black",
+                       linewidth=0.3, alpha=0.8, zorder=4)
+        ax.set_xlabel("configuration")
+        if name:
+            ax.set_title(name)
+    _title(fig, title or "Test accuracy over learning rates × seeds", constant)
+    return save_figure(fig, path_stem)
+
+
+def best_runs(trials_ok: pd.DataFrame) -> pd.DataFrame:
+    """The ok trial with the highest test accuracy per model, dataset, optimizer and configuration
+    (ties: the first ``trial_id``)."""
+    t = trials_ok.sort_values(["test_acc", "trial_id"], ascending=[False, True], kind="stable")
+    return t.drop_duplicates(["model", "dataset", "optimizer", "component"]).reset_index(drop=True)
+
+
+def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+    """Gradient norm (left) and validation loss (right) against the step for the given runs.
+
+    ``runs``: one trial per configuration (e.g. :func:`best_runs` for one dataset and optimizer) with
+    ``trial_id, component, lr``; ``curves`` follows ``curves.parquet``. Rows without a value (validation
+    loss between evaluations) are skipped; log axis when a quantity spans more than :data:`LOG_RATIO`.
+    """
+    _require(curves, ["trial_id", "step", "grad_norm", "val_loss"], "curves")
+    _require(runs, ["trial_id", "component"], "runs")
+    fig, axes = _grid(2, width=5.4, height=3.8, max_cols=2)
+    mine = curves[curves["trial_id"].isin(set(runs["trial_id"]))]
+    for ax, col, label in zip(axes, ("grad_norm", "val_loss"), ("gradient norm", "validation loss")):
+        drawn = False
+        for comp in _ordered(runs["component"].unique()):
+            r = runs[runs["component"] == comp].iloc[0]
+            c = mine[mine["trial_id"] == r["trial_id"]].dropna(subset=[col]).sort_values("step")
+            if c.empty:
+                continue
+            lr = f", lr {float(r['lr']):.0e}" if "lr" in r and pd.notna(r["lr"]) else ""
+            ax.plot(c["step"], c[col], color=_color(comp), lw=1.5, marker="o" if len(c) < 30 else None, ms=3,
+                    label=f"{comp}{lr}")
+            drawn = True
+        if drawn and _needs_log(mine[col].to_numpy()):
+            ax.set_yscale("log")
+        if not drawn:
+            ax.text(0.5, 0.5, f"no {label} recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    _legend(fig, axes, "best run")
+    if title:
+        fig.suptitle(title, fontsize=13)
+    return save_figure(fig, path_stem)
+
+
+def plot_relative_gain(relative_gain: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+    """Grouped bars of the relative gain over linear probing, per dataset (and overall), per configuration.
+
+    ``relative_gain`` as written by the analysis (``dataset, component, relative_gain`` fractions; rows with
+    ``dataset == "overall"`` last); one panel per optimizer (and model).
+    """
+    _require(relative_gain, ["dataset", "component", "relative_gain"], "relative_gain")
+    panels, constant = _facets(relative_gain, ("model", "optimizer"))
+    n_ds = relative_gain["dataset"].nunique()
+    fig, axes = _grid(len(panels), width=max(5.5, 0.75 * n_ds + 2.5), height=3.8, max_cols=1 if n_ds > 5 else 2)
+    for ax, (name, rows) in zip(axes, panels):
+        datasets = list(dict.fromkeys(sorted(rows["dataset"].astype(str), key=lambda d: (d == "overall", d))))
+        comps = _ordered(rows["component"].unique())
+        width = 0.8 / max(len(comps), 1)
+        for k, comp in enumerate(comps):
+            r = rows[rows["component"] == comp].set_index("dataset")["relative_gain"]
+            y = [100 * float(r.get(d, np.nan)) for d in datasets]
+            ax.bar(np.arange(len(datasets)) + (k - (len(comps) - 1) / 2) * width, y, width, color=_color(comp),
+                   label=comp, edgecolor="white", linewidth=0.5)
+        ax.axhline(0, color="black", lw=0.8)
+        if "overall" in datasets and len(datasets) > 1:
+            ax.axvline(len(datasets) - 1.5, color="grey", lw=0.8, ls=":")
+        ax.set_xticks(np.arange(len(datasets)), datasets, rotation=30 if len(datasets) > 4 else 0, ha="right"
+                      if len(datasets) > 4 else "center")
+        ax.set_ylabel("gain over linear probing (%)")
+        ax.grid(axis="y", alpha=0.3)
+        if name:
+            ax.set_title(name)
+    _legend(fig, axes, "configuration")
+    _title(fig, title or "Relative gain over linear probing (Head)", constant)
     return save_figure(fig, path_stem)

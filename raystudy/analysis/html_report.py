@@ -1,0 +1,188 @@
+"""A self-contained HTML report of a study: summary, notes, every table and every figure.
+
+Figures are embedded as base64 PNG ``data:`` URIs and tables inline, with inline CSS and no external
+resource, so the single file opens offline in any browser and can be mailed around. A tiny inline script
+records on ``<body>`` whether every image decoded (``data-images-ok``) and how many tables and images the
+page holds (``data-tables``, ``data-images``), which the headless-browser test reads back.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from raystudy import __version__
+from raystudy.analysis.figures import COMPONENT_COLORS
+from raystudy.analysis.pipeline import AnalysisResult, run_analysis, write_text_atomic
+from raystudy.analysis.render import fmt_num, pct
+from raystudy.core.components import COMPONENTS
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1d2733;
+       background: #f6f7f9; line-height: 1.45; }
+header { background: #1d2733; color: #fff; padding: 1.2rem 2rem; }
+header h1 { margin: 0 0 .3rem 0; font-size: 1.6rem; }
+header p { margin: 0; opacity: .85; font-size: .9rem; }
+main { max-width: 1200px; margin: 0 auto; padding: 1rem 2rem 3rem; }
+nav ul { columns: 3; list-style: none; padding: 0; font-size: .9rem; }
+nav a { color: #0b5cad; text-decoration: none; }
+section.block { background: #fff; border-radius: 8px; padding: 1rem 1.4rem; margin: 1.2rem 0;
+                box-shadow: 0 1px 3px rgba(0,0,0,.08); }
+h2 { border-bottom: 2px solid #e3e6ea; padding-bottom: .3rem; }
+h3 { margin-bottom: .2rem; }
+h4 { margin: .8rem 0 .3rem; color: #44505c; }
+p.caption { margin-top: 0; color: #44505c; font-size: .92rem; }
+table { border-collapse: collapse; margin: .4rem 0 .8rem; font-size: .88rem; font-variant-numeric: tabular-nums; }
+th, td { padding: .28rem .6rem; border-bottom: 1px solid #e3e6ea; text-align: right; white-space: nowrap; }
+thead th { background: #eef1f4; text-align: center; }
+tbody th { text-align: left; font-weight: 600; }
+tbody tr:hover { background: #f3f7fc; }
+td strong, th strong { color: #0b4f9c; }
+.table-scroll { overflow-x: auto; }
+ul.footnotes { font-size: .82rem; color: #5a6570; padding-left: 1.2rem; }
+ul.notes li { margin: .2rem 0; }
+.notes { background: #fff8e6; border-left: 4px solid #e0a400; padding: .6rem 1rem; border-radius: 4px; }
+figure { margin: 1rem 0 1.6rem; }
+figure img { max-width: 100%; height: auto; border: 1px solid #e3e6ea; border-radius: 4px; background: #fff; }
+figcaption { font-size: .88rem; color: #44505c; margin-top: .3rem; }
+dl.summary { display: grid; grid-template-columns: max-content 1fr; gap: .25rem 1rem; margin: 0; }
+dl.summary dt { font-weight: 600; }
+dl.summary dd { margin: 0; }
+.swatch { display: inline-block; width: .8rem; height: .8rem; border-radius: 2px; margin: 0 .25rem -0.1rem .6rem; }
+"""
+
+SCRIPT = """
+(function () {
+  function check() {
+    var imgs = Array.prototype.slice.call(document.images);
+    var bad = imgs.filter(function (i) { return !(i.complete && i.naturalWidth > 0); });
+    document.body.setAttribute("data-images", String(imgs.length));
+    document.body.setAttribute("data-images-ok", bad.length === 0 ? "true" : "false");
+    document.body.setAttribute("data-tables", String(document.querySelectorAll("table").length));
+  }
+  if (document.readyState === "complete") { check(); } else { window.addEventListener("load", check); }
+})();
+"""
+
+
+def _e(text) -> str:
+    return html.escape(str(text))
+
+
+def _join(values) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _headlines(res: AnalysisResult) -> list[str]:
+    """One line per optimizer ranking the configurations by overall accuracy, one for plasticity."""
+    lines = []
+    overall = res.tables.get("overall")
+    if overall is not None:
+        for keys, g in overall.groupby([c for c in ("model", "optimizer") if c in overall.columns], sort=True):
+            keys = keys if isinstance(keys, tuple) else (keys,)
+            g = g.sort_values("mean", ascending=False)
+            ranking = " > ".join(f"{r.component} {pct(r.mean)}" for r in g.itertuples())
+            lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
+    p = res.inputs.plasticity
+    if p is not None:
+        mode = "embedding" if (p["mode"] == "embedding").any() else p["mode"].iloc[0]
+        m = p[p["mode"] == mode].groupby("component")["plasticity"].mean().sort_values(ascending=False)
+        ranking = " > ".join(f"{c} {fmt_num(v, 2)}" for c, v in m.items())
+        lines.append(f"Plasticity ({mode} mode, mean over layers and datasets): {ranking}")
+    return lines
+
+
+def _summary(res: AnalysisResult) -> str:
+    inp = res.inputs
+    items = [("study directory", _e(res.study_dir))]
+    if inp.trials is not None:
+        t = inp.trials
+        n_ok = 0 if inp.trials_ok is None else len(inp.trials_ok)
+        items += [("models", _e(_join(sorted(t["model"].astype(str).unique())))),
+                  ("datasets", _e(_join(sorted(t["dataset"].astype(str).unique())))),
+                  ("configurations", _e(_join([c for c in (*COMPONENTS, "All", "Head") if c in set(t["component"])]))),
+                  ("optimizers", _e(_join(sorted(t["optimizer"].astype(str).unique())))),
+                  ("learning rates", _e(_join(f"{v:g}" for v in sorted(pd.to_numeric(t["lr"]).dropna().unique())))),
+                  ("seeds", _e(_join(sorted(t["seed"].dropna().unique())))),
+                  ("trials", _e(f"{len(t)} in total, {n_ok} ok, {len(t) - n_ok} excluded"))]
+    if inp.plasticity is not None:
+        p = inp.plasticity
+        items += [("plasticity", _e(f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
+                                    f"modes {_join(sorted(p['mode'].unique()))}, {p['layer'].nunique()} layers"))]
+    o = res.options
+    items.append(("tests", _e(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, "
+                              f"paired by {o['pair_by'].replace('_', ' and ')}")))
+    colours = "".join(f'<span class="swatch" style="background:{c}"></span>{_e(n)}'
+                      for n, c in COMPONENT_COLORS.items())
+    items.append(("colours", colours))
+    body = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
+    heads = _headlines(res)
+    head_html = ("<h3>Headlines</h3><ul>" + "".join(f"<li>{_e(h)}</li>" for h in heads) + "</ul>") if heads else ""
+    return f'<section class="block" id="summary"><h2>Summary</h2><dl class="summary">{body}</dl>{head_html}</section>'
+
+
+def _figure(info) -> str:
+    png = next(p for p in info.paths if p.suffix == ".png")
+    data = base64.b64encode(png.read_bytes()).decode("ascii")
+    return (f'<figure id="figure-{_e(info.name)}"><h3>{_e(info.title)}</h3>'
+            f'<img src="data:image/png;base64,{data}" alt="{_e(info.title)}" data-figure="{_e(info.name)}">'
+            f"<figcaption>{_e(info.caption)} (PNG and SVG in figures/{_e(info.name)}.*)</figcaption></figure>")
+
+
+def build_html(res: AnalysisResult) -> str:
+    """The report of an analysis as one HTML string (no external resource)."""
+    toc = ['<li><a href="#summary">Summary</a></li>']
+    if res.notes or res.footnote:
+        toc.append('<li><a href="#notes">Notes</a></li>')
+    toc += [f'<li><a href="#table-{_e(n)}">{_e(r.title)}</a></li>' for n, r in res.rendered.items()]
+    toc += [f'<li><a href="#figure-{_e(f.name)}">{_e(f.title)}</a></li>' for f in res.figures]
+    notes = ""
+    if res.notes or res.footnote:
+        items = "".join(f"<li>{_e(n)}</li>" for n in res.notes + ([res.footnote] if res.footnote else []))
+        notes = f'<section class="block" id="notes"><h2>Notes</h2><ul class="notes">{items}</ul></section>'
+    tables = "".join(f'<div class="table-scroll">{r.html()}</div>' for r in res.rendered.values())
+    tables = f'<section class="block" id="tables"><h2>Tables</h2>{tables}</section>' if tables else ""
+    figs = "".join(_figure(f) for f in res.figures)
+    figs = f'<section class="block" id="figures"><h2>Figures</h2>{figs}</section>' if figs else ""
+    stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    name = Path(str(res.study_dir).rstrip("/")).name or str(res.study_dir)
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>raystudy report: {_e(name)}</title>
+<style>{CSS}</style>
+</head>
+<body data-images-ok="pending">
+<header><h1>raystudy report: {_e(name)}</h1>
+<p>Component-wise finetuning and plasticity study · generated {_e(stamp)} by raystudy {_e(__version__)}</p></header>
+<main>
+<nav><ul>{''.join(toc)}</ul></nav>
+{_summary(res)}
+{notes}
+{tables}
+{figs}
+</main>
+<script>{SCRIPT}</script>
+</body>
+</html>
+"""
+
+
+def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> Path:
+    path = Path(path) if path is not None else res.out_dir / "report.html"
+    return write_text_atomic(path, build_html(res))
+
+
+def report(study_dir: str | os.PathLike, *, reference: str = "MHA", alternative: str = "greater",
+           pair_by: str = "dataset", out_dir: str | os.PathLike | None = None) -> Path:
+    """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`) and write the
+    self-contained ``<out_dir>/report.html`` (default ``<study_dir>/analysis/report.html``); returns its path."""
+    res = run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by, out_dir=out_dir)
+    return write_report(res)

@@ -1,0 +1,178 @@
+"""Read and validate the Parquet tables of a study directory (never Ray).
+
+:func:`load_study` reads ``trials``, ``curves``, ``plasticity``, ``bounds`` and ``rates`` through
+:func:`raystudy.io.read_result` (which already names the file and the missing columns) and checks the
+values the analysis relies on. Every problem raises :class:`raystudy.io.TableError` naming the file, the
+column and, where it helps, the offending rows. Absent optional tables are ``None`` and reported in
+``notes``; an absent ``trials`` *and* ``plasticity`` is an error (nothing to analyse).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from raystudy.core.components import COMPONENTS, CONFIGURATIONS
+from raystudy.io import TableError, read_result, table_path
+
+OK = "ok"
+
+
+@dataclass
+class StudyInputs:
+    """The tables of one study directory; ``trials_ok`` holds the trials with ``status == "ok"``."""
+
+    study_dir: str
+    trials: pd.DataFrame | None = None
+    trials_ok: pd.DataFrame | None = None
+    excluded: pd.DataFrame | None = None
+    curves: pd.DataFrame | None = None
+    plasticity: pd.DataFrame | None = None
+    bounds: pd.DataFrame | None = None
+    rates: pd.DataFrame | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def path(self, table: str) -> str:
+        return table_path(self.study_dir, table)
+
+
+def _fail(path: str, column: str, message: str) -> TableError:
+    return TableError(f"{path}: column {column!r}: {message}")
+
+
+def _rows(df: pd.DataFrame, mask: pd.Series, id_column: str | None = None, limit: int = 5) -> str:
+    idx = df.index[mask.to_numpy()]
+    shown = [str(df.at[i, id_column]) if id_column else str(i) for i in idx[:limit]]
+    more = f" and {len(idx) - limit} more" if len(idx) > limit else ""
+    label = id_column if id_column else "row"
+    return f"{label} {', '.join(shown)}{more}"
+
+
+def _numeric(df: pd.DataFrame, column: str, path: str) -> pd.Series:
+    """``df[column]`` as float; a non-numeric value raises naming the file, column and rows."""
+    converted = pd.to_numeric(df[column], errors="coerce")
+    bad = converted.isna() & df[column].notna()
+    if bad.any():
+        raise _fail(path, column, f"non-numeric value(s) at {_rows(df, bad)}")
+    return converted.astype(float)
+
+
+def _not_empty(df: pd.DataFrame, path: str) -> None:
+    if df.empty:
+        raise TableError(f"{path}: the table is empty (no rows)")
+
+
+def _known(df: pd.DataFrame, column: str, allowed: tuple[str, ...], path: str) -> None:
+    unknown = sorted(set(df[column].dropna().astype(str)) - set(allowed))
+    if unknown or df[column].isna().any():
+        what = f"unknown value(s) {unknown}" if unknown else "missing value(s)"
+        raise _fail(path, column, f"{what}; expected one of {list(allowed)}")
+
+
+def _no_nulls(df: pd.DataFrame, columns: list[str], path: str, id_column: str | None = None) -> None:
+    for c in columns:
+        bad = df[c].isna()
+        if bad.any():
+            raise _fail(path, c, f"missing value(s) at {_rows(df, bad, id_column)}")
+
+
+def validate_trials(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Check ``trials`` and split it into (ok trials, excluded trials).
+
+    Every row needs a known ``component``; ``status`` other than ``ok`` (missing included) excludes a
+    trial from the accuracy statistics. Ok trials need ``dataset, optimizer, lr, seed`` and a ``test_acc``
+    in [0, 1] (a fraction, not a percentage), and no two ok trials may share model, dataset, optimizer,
+    component, lr and seed (it would count a run twice).
+    """
+    _not_empty(trials, path)
+    df = trials.reset_index(drop=True).copy()
+    _known(df, "component", CONFIGURATIONS, path)
+    for c in ("lr", "test_acc", "wall_seconds", "trainable_params"):
+        df[c] = _numeric(df, c, path)
+    status = df["status"].astype("string").fillna("missing")
+    df["status"] = status.astype(object)
+    ok = df[status == OK].copy()
+    excluded = df[status != OK].copy()
+    _no_nulls(ok, ["model", "dataset", "optimizer", "lr", "seed", "test_acc"], path, "trial_id")
+    bad = (ok["test_acc"] < 0) | (ok["test_acc"] > 1)
+    if bad.any():
+        raise _fail(path, "test_acc", f"accuracies must be fractions in [0, 1]; out of range at "
+                                      f"{_rows(ok, bad, 'trial_id')}")
+    bad = ok["lr"] <= 0
+    if bad.any():
+        raise _fail(path, "lr", f"non-positive learning rate at {_rows(ok, bad, 'trial_id')}")
+    key = ["model", "dataset", "optimizer", "component", "lr", "seed"]
+    dup = ok.duplicated(key, keep=False)
+    if dup.any():
+        raise _fail(path, "seed", f"ok trials repeat the same {key} at {_rows(ok, dup, 'trial_id')}")
+    return ok.reset_index(drop=True), excluded.reset_index(drop=True)
+
+
+def validate_plasticity(df: pd.DataFrame, path: str) -> pd.DataFrame:
+    _not_empty(df, path)
+    df = df.reset_index(drop=True).copy()
+    _known(df, "component", COMPONENTS, path)
+    for c in ("layer", "plasticity", "ci95"):
+        df[c] = _numeric(df, c, path)
+    _no_nulls(df, ["model", "dataset", "mode", "layer", "plasticity"], path)
+    df["layer"] = df["layer"].astype(int)
+    return df
+
+
+def validate_bounds(df: pd.DataFrame, path: str) -> pd.DataFrame:
+    _not_empty(df, path)
+    df = df.reset_index(drop=True).copy()
+    _known(df, "component", COMPONENTS, path)
+    for c in ("layer", "bound"):
+        df[c] = _numeric(df, c, path)
+    _no_nulls(df, ["model", "layer"], path)
+    df["layer"] = df["layer"].astype(int)
+    return df
+
+
+def validate_curves(df: pd.DataFrame, path: str) -> pd.DataFrame:
+    _not_empty(df, path)
+    df = df.reset_index(drop=True).copy()
+    for c in ("step", "grad_norm", "val_loss", "train_loss"):
+        df[c] = _numeric(df, c, path)
+    _no_nulls(df, ["trial_id", "step"], path)
+    return df
+
+
+def validate_rates(df: pd.DataFrame, path: str) -> pd.DataFrame:
+    _not_empty(df, path)
+    df = df.reset_index(drop=True).copy()
+    _known(df, "component", COMPONENTS, path)
+    df["rate"] = _numeric(df, "rate", path)
+    return df
+
+
+def load_study(study_dir: str | os.PathLike) -> StudyInputs:
+    """Read and validate every table of ``study_dir``; absent optional tables become notes."""
+    study_dir = str(study_dir)
+    inputs = StudyInputs(study_dir=study_dir)
+    trials = read_result(study_dir, "trials", required=False)
+    if trials is not None:
+        inputs.trials = trials
+        inputs.trials_ok, inputs.excluded = validate_trials(trials, inputs.path("trials"))
+    else:
+        inputs.notes.append("No trials.parquet: the finetuning tables and figures are omitted.")
+    plasticity = read_result(study_dir, "plasticity", required=False)
+    if plasticity is not None:
+        inputs.plasticity = validate_plasticity(plasticity, inputs.path("plasticity"))
+    else:
+        inputs.notes.append("No plasticity.parquet: the plasticity figures and the ranking agreement are omitted.")
+    if trials is None and plasticity is None:
+        raise TableError(f"{study_dir}: neither trials.parquet nor plasticity.parquet found; "
+                         "is this a study directory?")
+    for name, check in (("curves", validate_curves), ("bounds", validate_bounds), ("rates", validate_rates)):
+        df = read_result(study_dir, name, required=False)
+        if df is not None:
+            setattr(inputs, name, check(df, inputs.path(name)))
+    if inputs.trials is not None and inputs.curves is None:
+        inputs.notes.append("No curves.parquet: the gradient-norm and validation-loss figures are omitted.")
+    if inputs.bounds is None:
+        inputs.notes.append("No bounds.parquet: the bounds figure is omitted.")
+    return inputs

@@ -1,0 +1,323 @@
+"""Human-readable renderings of the tables: Markdown files and HTML fragments for the report.
+
+The CSV files keep fractions and full precision; here accuracies are shown in percent with one decimal,
+the best of the five components in bold (per dataset and optimizer, as in the paper), and every table
+carries its caption and footnotes. :class:`Rendered` holds one table as cell strings so the Markdown and
+the HTML show exactly the same content. (Hand-written: pandas' ``to_markdown`` needs ``tabulate``, which
+this project does not install, and ``Styler`` would add jinja2 for little gain.)
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from raystudy.analysis.tables import OVERALL, best_component
+from raystudy.core.components import CONFIGURATIONS
+
+
+@dataclass
+class Block:
+    """One grid of cells; ``bold`` holds (row, column) indices of highlighted cells."""
+
+    heading: str
+    columns: list[str]
+    rows: list[list[str]]
+    bold: set[tuple[int, int]] = field(default_factory=set)
+
+
+@dataclass
+class Rendered:
+    name: str
+    title: str
+    caption: str
+    blocks: list[Block]
+    footnotes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        out = [f"# {self.title}", "", self.caption, ""]
+        for b in self.blocks:
+            if b.heading:
+                out += [f"## {b.heading}", ""]
+            out.append("| " + " | ".join(_md(c) for c in b.columns) + " |")
+            out.append("|" + "|".join(":---" if j == 0 else "---:" for j in range(len(b.columns))) + "|")
+            for i, row in enumerate(b.rows):
+                cells = [f"**{_md(c)}**" if (i, j) in b.bold and c else _md(c) for j, c in enumerate(row)]
+                out.append("| " + " | ".join(cells) + " |")
+            out.append("")
+        out += [f"- {n}" for n in self.footnotes]
+        return "\n".join(out).rstrip() + "\n"
+
+    def html(self) -> str:
+        e = html.escape
+        parts = [f'<section class="table" id="table-{e(self.name)}">', f"<h3>{e(self.title)}</h3>",
+                 f'<p class="caption">{e(self.caption)}</p>']
+        for b in self.blocks:
+            if b.heading:
+                parts.append(f"<h4>{e(b.heading)}</h4>")
+            head = "".join(f'<th scope="col">{e(c)}</th>' for c in b.columns)
+            body = []
+            for i, row in enumerate(b.rows):
+                cells = []
+                for j, c in enumerate(row):
+                    text = f"<strong>{e(c)}</strong>" if (i, j) in b.bold and c else e(c)
+                    cells.append(f'<th scope="row">{text}</th>' if j == 0 else f"<td>{text}</td>")
+                body.append("<tr>" + "".join(cells) + "</tr>")
+            parts.append(f'<table data-table="{e(self.name)}"><thead><tr>{head}</tr></thead>'
+                         f"<tbody>{''.join(body)}</tbody></table>")
+        if self.footnotes:
+            parts.append('<ul class="footnotes">' + "".join(f"<li>{e(n)}</li>" for n in self.footnotes) + "</ul>")
+        parts.append("</section>")
+        return "\n".join(parts)
+
+
+def _md(text: str) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _finite(x) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x)) and not pd.isna(x)
+
+
+def pct(x, digits: int = 1) -> str:
+    """A fraction as a percentage without the sign: ``0.9081 -> "90.8"``; missing values as ``–``."""
+    return f"{100 * float(x):.{digits}f}" if _finite(x) else "–"
+
+
+def pm(mean, std, digits: int = 1) -> str:
+    """``"90.8 ± 0.2"`` in percent (``"90.8"`` when the std is undefined, e.g. one seed)."""
+    return f"{pct(mean, digits)} ± {pct(std, digits)}" if _finite(std) else pct(mean, digits)
+
+
+def fmt_lr(lr) -> str:
+    """``0.003 -> "3e-3"``, ``0.0015 -> "1.5e-3"``."""
+    if not _finite(lr):
+        return "–"
+    mant, exp = f"{float(lr):.3e}".split("e")
+    mant = mant.rstrip("0").rstrip(".")
+    return f"{mant}e{int(exp)}"
+
+
+def fmt_p(p) -> str:
+    if not _finite(p):
+        return "–"
+    return f"{p:.2e}" if p < 1e-3 else f"{p:.3f}"
+
+
+def fmt_num(x, digits: int = 3) -> str:
+    return f"{x:.{digits}f}" if _finite(x) else "–"
+
+
+def fmt_count(x) -> str:
+    return f"{int(round(float(x))):,}" if _finite(x) else "–"
+
+
+def fmt_bytes(x) -> str:
+    """Binary units: ``"512 B"``, ``"6.0 KiB"``, ``"330.2 MiB"``, ``"1.3 GiB"``."""
+    if not _finite(x):
+        return "–"
+    x = float(x)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:,.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def fmt_seconds(x) -> str:
+    if not _finite(x):
+        return "–"
+    x = float(x)
+    return f"{x:.1f} s" if x < 120 else (f"{x / 60:.1f} min" if x < 7200 else f"{x / 3600:.1f} h")
+
+
+def _configs(names) -> list[str]:
+    names = set(names)
+    return [c for c in CONFIGURATIONS if c in names]
+
+
+def _groups(df: pd.DataFrame, keys: list[str]):
+    """Iterate ``(heading, rows)`` over the ``keys`` present in ``df`` (model first when present)."""
+    keys = (["model"] if "model" in df.columns else []) + [k for k in keys if k in df.columns]
+    if not keys:
+        yield "", df
+        return
+    for vals, rows in df.groupby(keys, sort=True):
+        vals = vals if isinstance(vals, tuple) else (vals,)
+        yield " · ".join(f"{k}: {v}" for k, v in zip(keys, vals)), rows
+
+
+def _wide(df: pd.DataFrame, cell, *, bold: pd.Series | None = None, row_key: str = "dataset",
+          block_keys: tuple[str, ...] = ("optimizer",), row_label: str = "dataset") -> list[Block]:
+    """One block per optimizer (and model): a row per ``row_key`` value, a column per configuration."""
+    blocks = []
+    for heading, g in _groups(df, list(block_keys)):
+        configs = _configs(g["component"])
+        keys = list(dict.fromkeys(g.sort_values(row_key, key=lambda s: s.map(lambda v: (v == OVERALL, str(v))))[
+            row_key]))
+        rows, marks = [], set()
+        for i, k in enumerate(keys):
+            row = [str(k)]
+            for j, c in enumerate(configs, start=1):
+                hit = g[(g[row_key] == k) & (g["component"] == c)]
+                row.append(cell(hit.iloc[0]) if len(hit) else "")
+                if len(hit) and bold is not None and bool(bold.loc[hit.index[0]]):
+                    marks.add((i, j))
+            rows.append(row)
+        blocks.append(Block(heading, [row_label] + configs, rows, marks))
+    return blocks
+
+
+def _best_mask(df: pd.DataFrame, value: str, *, lowest: bool = False) -> pd.Series:
+    """Rows holding the best ``value`` among the five components per (model, dataset, optimizer)."""
+    tmp = df.assign(mean=-df[value] if lowest else df[value])
+    return best_component(tmp)
+
+
+def render_best_lr(t: pd.DataFrame) -> Rendered:
+    blocks = _wide(t, lambda r: f"{pm(r['mean'], r['std'])} (lr {fmt_lr(r['lr'])})", bold=best_component(t))
+    return Rendered("best_lr", "Best learning rate per dataset and configuration",
+                    "Test accuracy (%) at the learning rate with the highest mean over seeds: mean ± std over "
+                    "seeds, the learning rate in parentheses (the paper's full results table).", blocks,
+                    ["Bold: the best of the five components (LN1, MHA, LN2, FC1, FC2) for the dataset."])
+
+
+def render_lr_grid(t: pd.DataFrame) -> Rendered:
+    blocks = _wide(t, lambda r: pm(r["mean"], r["std"]), bold=best_component(t))
+    return Rendered("lr_grid", "Accuracy over the learning-rate grid",
+                    "Test accuracy (%): mean ± std over learning rates of the mean over seeds (the paper's "
+                    "Adam-vs-SGD and low-data tables), one block per optimizer.", blocks,
+                    ["Bold: the best of the five components for the dataset."])
+
+
+def render_overall(t: pd.DataFrame, wilcoxon: pd.DataFrame | None = None, reference: str = "MHA") -> Rendered:
+    blocks = []
+    sig = set()
+    if wilcoxon is not None and len(wilcoxon):
+        w = wilcoxon[wilcoxon["significant"]]
+        sig = {(m, o, c) for m, o, c in zip(w.get("model", pd.Series([None] * len(w), index=w.index)),
+                                              w["optimizer"], w["other"])}
+    for heading, g in _groups(t, []):
+        g = g.copy()
+        g["dataset"] = "all"
+        mask = best_component(g)
+        rows, bold = [], set()
+        for i, (idx, r) in enumerate(g.iterrows()):
+            mark = " †" if (r.get("model"), r["optimizer"], r["component"]) in sig else ""
+            rows.append([r["optimizer"], r["component"], pct(r["mean"]) + mark, pct(r["std"]),
+                         pm(r["lr_grid_mean"], r["lr_grid_std"]), str(int(r["n_datasets"]))])
+            if mask.loc[idx]:
+                bold.add((i, 2))
+        blocks.append(Block(heading, ["optimizer", "configuration", "best-lr accuracy (%)", "std over datasets",
+                                      "lr-grid accuracy (%)", "datasets"], rows, bold))
+    notes = ["Best-lr accuracy: mean over datasets of the best-lr mean accuracy; lr-grid accuracy: mean over "
+             "datasets of the lr-grid mean ± the mean over datasets of the std across learning rates.",
+             "Bold: the best of the five components per optimizer."]
+    if sig:
+        notes.append(f"†: significantly different from {reference} (Wilcoxon signed-rank test, 5%).")
+    return Rendered("overall", "Overall accuracy (mean over datasets)",
+                    "Mean over datasets per configuration (the paper's Table 1).", blocks, notes)
+
+
+def render_relative_gain(t: pd.DataFrame) -> Rendered:
+    def cell(r):
+        return f"{100 * r['relative_gain']:+.1f}%" if _finite(r["relative_gain"]) else "–"
+    blocks = _wide(t, cell, bold=_best_mask(t, "relative_gain"))
+    return Rendered("relative_gain", "Relative gain over linear probing",
+                    "Percentage improvement of the best-lr accuracy over the Head (linear probing) accuracy, "
+                    "(acc − acc_Head) / acc_Head, per dataset; the overall row averages the per-dataset gains.",
+                    blocks, ["Bold: the largest gain among the five components."])
+
+
+def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, reference: str) -> Rendered:
+    blocks = []
+    for heading, g in _groups(t, []):
+        rows = [[r["optimizer"], r["reference"], r["other"], fmt_num(r["statistic"], 1), fmt_p(r["p_value"]),
+                 str(int(r["n_pairs"])), "yes" if r["significant"] else "no"] for _, r in g.iterrows()]
+        bold = {(i, 4) for i, (_, r) in enumerate(g.iterrows()) if r["significant"]}
+        blocks.append(Block(heading, ["optimizer", "reference", "other", "statistic", "p-value", "pairs",
+                                      "significant (5%)"], rows, bold))
+    pairs = "datasets (best-lr mean accuracies)" if pair_by == "dataset" else \
+        "(dataset, seed) pairs at each configuration's best learning rate"
+    alt = {"greater": f"one-sided: {reference} better than the other configuration",
+           "less": f"one-sided: {reference} worse than the other configuration",
+           "two-sided": "two-sided"}[alternative]
+    return Rendered("wilcoxon", f"Wilcoxon signed-rank tests of {reference} against every other configuration",
+                    f"scipy.stats.wilcoxon, {alt}; paired over {pairs}.", blocks,
+                    ["statistic: the sum of the ranks of the positive differences (reference − other); "
+                     "p-value '–' when there are no pairs or every difference is zero.",
+                     "With n pairs the smallest attainable one-sided exact p-value is 2^-n (0.125 for 3 pairs)."])
+
+
+def render_stability(t: pd.DataFrame) -> Rendered:
+    blocks = _wide(t, lambda r: f"{pct(r['std'])} / {pct(r['range'])}", bold=_best_mask(t, "std", lowest=True))
+    return Rendered("stability", "Stability over learning rates × seeds",
+                    "Std / range (max − min) of test accuracy (percentage points) over every learning rate and "
+                    "seed; the overall row averages over datasets.", blocks,
+                    ["Bold: the smallest std among the five components."])
+
+
+def render_ranking(t: pd.DataFrame) -> Rendered:
+    blocks = []
+    for heading, g in _groups(t, []):
+        rows = [[r["dataset"], r["optimizer"], r["mode"], f"{fmt_num(r['spearman'], 2)} (p {fmt_p(r['spearman_p'])})",
+                 f"{fmt_num(r['kendall'], 2)} (p {fmt_p(r['kendall_p'])})", str(int(r["n_components"])),
+                 r["plasticity_ranking"], r["accuracy_ranking"]] for _, r in g.iterrows()]
+        blocks.append(Block(heading, ["dataset", "optimizer", "mode", "Spearman ρ", "Kendall τ", "components",
+                                      "plasticity ranking", "accuracy ranking"], rows))
+    return Rendered("ranking", "Agreement of plasticity and accuracy rankings",
+                    "Rank correlation between the components' plasticity (mean over layers) and their best-lr "
+                    "accuracy, per dataset (scipy.stats.spearmanr and kendalltau).", blocks,
+                    ["p-values are two-sided and exact for small samples (Spearman: all n! pairings; Kendall: "
+                     "scipy's exact distribution). With five components only ρ = 1 or τ = 1 reaches p < 0.05 "
+                     "(2/120 and 2/120 = 0.017); read the rankings, not only the p-values."])
+
+
+def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered:
+    mem = [c for c in ("grad_memory_bytes", "optimizer_memory_bytes") if c in t.columns]
+    labels = {"grad_memory_bytes": "gradient memory", "optimizer_memory_bytes": "optimizer memory"}
+    blocks = []
+    for heading, g in _groups(t, []):
+        rows = []
+        for _, r in g.iterrows():
+            wall = fmt_seconds(r["wall_seconds"])
+            if _finite(r["wall_seconds_std"]):
+                wall += f" ± {fmt_seconds(r['wall_seconds_std'])}"
+            rows.append([r["optimizer"], r["component"], fmt_count(r["trainable_params"]),
+                         *[fmt_bytes(r[c]) for c in mem], wall, fmt_seconds(r["total_wall_seconds"]),
+                         str(int(r["n_trials"]))])
+        blocks.append(Block(heading, ["optimizer", "configuration", "trainable parameters",
+                                      *[labels[c] for c in mem], "wall time per ok trial", "total wall time",
+                                      "trials"], rows))
+    notes = ["Trainable parameters and memory: median over the configuration's trials (they vary only with the "
+             "classifier head, i.e. the number of classes); total wall time includes failed trials."]
+    if not mem:
+        notes.append("trials.parquet has no grad_memory_bytes / optimizer_memory_bytes: memory columns omitted.")
+    if trials is not None:
+        p = pd.to_numeric(trials["trainable_params"], errors="coerce")
+        spread = trials.assign(p=p).groupby("component")["p"].agg(["min", "max"])
+        spread = spread.loc[[c for c in CONFIGURATIONS if c in spread.index]]
+        varied = spread[spread["min"] != spread["max"]]
+        if len(varied):
+            notes.append("Trainable parameters vary across datasets (min–max): " + ", ".join(
+                f"{c} {fmt_count(r['min'])}–{fmt_count(r['max'])}" for c, r in varied.iterrows()) + ".")
+    return Rendered("cost", "Cost per configuration", "Trainable parameters, gradient and optimizer-state memory, "
+                    "and wall time per configuration.", blocks, notes)
+
+
+def render_excluded(excluded: pd.DataFrame) -> Rendered:
+    cols = [c for c in ("trial_id", "dataset", "optimizer", "component", "lr", "seed", "status") if c in excluded]
+    rows = [[fmt_lr(r[c]) if c == "lr" else str(r[c]) for c in cols] for _, r in excluded.iterrows()]
+    return Rendered("excluded", "Trials excluded from the accuracy statistics",
+                    "Every trial whose status is not ok.", [Block("", cols, rows)])
+
+
+def excluded_footnote(n_total: int, excluded: pd.DataFrame) -> str:
+    """``"3 of 90 trials excluded from accuracy statistics (2 diverged, 1 failed)."``"""
+    counts = excluded["status"].value_counts()
+    detail = ", ".join(f"{n} {s}" for s, n in counts.items())
+    return (f"{len(excluded)} of {n_total} trials excluded from the accuracy statistics (status not ok: "
+            f"{detail}); listed in excluded.csv.")
+

@@ -1,0 +1,59 @@
+"""``raystudy analyze DIR`` and ``raystudy report DIR``: tables, figures and the HTML report of a study."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("study_dir", metavar="DIR", help="study directory holding trials.parquet, plasticity.parquet, ...")
+    p.add_argument("--out", default=None, metavar="OUT",
+                   help="output folder (default: DIR/analysis; required when DIR is a URI)")
+    p.add_argument("--reference", default="MHA",
+                   help="configuration the Wilcoxon tests compare against every other one (default: MHA)")
+    p.add_argument("--alternative", default="greater", choices=["greater", "two-sided", "less"],
+                   help="Wilcoxon alternative: 'greater' = the reference is better (default)")
+    p.add_argument("--pair-by", default="dataset", choices=["dataset", "dataset_seed"],
+                   help="Wilcoxon pairs: datasets (best-lr means, default) or (dataset, seed) pairs")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("analyze", help="write the study's tables (CSV + Markdown) and figures (PNG + SVG)",
+                              description="Read the Parquet tables of a study directory (never Ray) and write "
+                                          "best_lr, lr_grid, overall, relative_gain, wilcoxon, stability, ranking "
+                                          "and cost tables plus figures to DIR/analysis/.")
+    _options(p)
+    p.add_argument("--no-figures", action="store_true", help="tables only")
+    p.set_defaults(func=run_analyze)
+    r = subparsers.add_parser("report", help="write a self-contained report.html (tables and figures embedded)",
+                              description="Analyse the study directory like `raystudy analyze` and write "
+                                          "DIR/analysis/report.html, which opens offline; prints its path.")
+    _options(r)
+    r.set_defaults(func=run_report)
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    from raystudy.analysis.pipeline import run_analysis
+
+    res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
+                       pair_by=args.pair_by, out_dir=args.out, figures=not args.no_figures)
+    for note in res.notes:
+        print(f"note: {note}")
+    if res.footnote:
+        print(f"note: {res.footnote}")
+    print(f"{len(res.tables)} tables and {len(res.figures)} figures written to {res.out_dir}")
+    for path in res.files:
+        print(path)
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from raystudy.analysis.html_report import write_report
+    from raystudy.analysis.pipeline import run_analysis
+
+    res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
+                       pair_by=args.pair_by, out_dir=args.out)
+    for note in res.notes:
+        print(f"note: {note}")
+    print(write_report(res))
+    return 0

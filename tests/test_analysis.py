@@ -1,0 +1,612 @@
+"""Analysis tables, tests, figures and degraded paths on synthetic study directories with known values.
+
+Every expected number is recomputed here from the raw synthetic rows with plain Python loops (and scipy
+for the test distributions, plus an exact enumeration of the signed-rank null distribution), never by
+calling the functions under test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from raystudy.io import TableError, write_result, write_table_atomic
+
+COMPONENTS = ("LN1", "MHA", "LN2", "FC1", "FC2")
+CONFIGS = COMPONENTS + ("All", "Head")
+DATASETS = ("cifar10", "cifar100", "clipart", "flowers", "pets", "sketch", "snow")
+LRS = {"sgd": (1e-3, 1e-2, 3e-2), "adamw": (1e-5, 1e-4)}
+SEEDS = (0, 42, 3407)
+# Component effect on accuracy (plastic components better) and on plasticity.
+ACC_SHIFT = {"LN1": -0.04, "MHA": 0.03, "LN2": -0.03, "FC1": 0.025, "FC2": 0.01, "All": 0.035, "Head": -0.08}
+PLASTICITY = {"LN1": 0.4, "MHA": 3.0, "LN2": 0.6, "FC1": 2.0, "FC2": 1.3}
+PARAMS = {"LN1": 1_536, "MHA": 28_224, "LN2": 1_536, "FC1": 56_448, "FC2": 55_344, "All": 143_000, "Head": 0}
+
+
+def make_study(path: Path, *, seed: int = 0, plasticity: bool = True, bounds: bool = True, curves: bool = True,
+               rates: bool = False, memory: bool = True, head: bool = True, failures: bool = True,
+               datasets=DATASETS, models=("vit_tiny",)) -> Path:
+    """Write a synthetic study directory following ARCHITECTURE.md; returns its path.
+
+    Accuracies are random around a per-dataset level plus a component shift; some trials diverge or fail
+    (with a deliberately high ``test_acc`` on failed ones, which must never be counted).
+    """
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    rows, curve_rows = [], []
+    tid = 0
+    for model in models:
+        for di, ds in enumerate(datasets):
+            level = 0.55 + 0.05 * di
+            classes = 10 + 10 * di
+            for opt, lrs in LRS.items():
+                for comp in CONFIGS:
+                    if comp == "Head" and not head:
+                        continue
+                    for li, lr in enumerate(lrs):
+                        for s in SEEDS:
+                            tid += 1
+                            acc = float(np.clip(level + ACC_SHIFT[comp] + 0.01 * li * (comp != "Head")
+                                                + rng.normal(0, 0.02), 0.01, 0.99))
+                            status = "ok"
+                            if failures and tid % 37 == 0:
+                                status, acc = "diverged", float("nan")
+                            elif failures and tid % 53 == 0:
+                                status, acc = "failed", 0.999
+                            row = dict(trial_id=f"t{tid:04d}", dataset=ds, model=model, component=comp,
+                                       optimizer=opt, lr=lr, seed=s, steps=100, batch_size=32,
+                                       trainable_params=PARAMS[comp] + classes * 49, status=status,
+                                       best_val_acc=acc, best_val_step=50, test_acc=acc,
+                                       final_val_loss=float(rng.uniform(0.5, 2)),
+                                       wall_seconds=float(rng.uniform(5, 50)))
+                            if memory:
+                                row["grad_memory_bytes"] = 4 * row["trainable_params"]
+                                row["optimizer_memory_bytes"] = (8 if opt == "adamw" else 4) * row["trainable_params"]
+                            rows.append(row)
+                            if curves and status == "ok":
+                                for step in range(0, 100, 10):
+                                    curve_rows.append(dict(
+                                        trial_id=row["trial_id"], step=step, lr=lr, train_loss=2.0 / (1 + step),
+                                        grad_norm=PLASTICITY.get(comp, 1.0) * (1 + rng.uniform()) / (1 + step / 50),
+                                        val_loss=(2.0 - acc) / (1 + step / 30) if step % 20 == 0 else np.nan,
+                                        val_acc=acc if step % 20 == 0 else np.nan))
+    write_result(pd.DataFrame(rows), path, "trials")
+    if curves:
+        write_result(pd.DataFrame(curve_rows), path, "curves")
+    if plasticity or rates:
+        prow, rrow = [], []
+        for model in models:
+            for ds in datasets:
+                for layer in range(4):
+                    for comp, base in PLASTICITY.items():
+                        vals = rng.lognormal(np.log(base * (1 + 0.1 * layer)), 0.3, size=40)
+                        prow.append(dict(model=model, dataset=ds, mode="embedding", layer=layer, component=comp,
+                                         plasticity=vals.mean(), std=vals.std(ddof=1),
+                                         ci95=1.96 * vals.std(ddof=1) / math.sqrt(vals.size), n_pairs=vals.size))
+                        rrow += [dict(model=model, dataset=ds, mode="embedding", pair=i, layer=layer,
+                                      component=comp, rate=v) for i, v in enumerate(vals)]
+        if plasticity:
+            write_result(pd.DataFrame(prow), path, "plasticity")
+        if rates:
+            write_result(pd.DataFrame(rrow), path, "rates")
+    if bounds:
+        brow = [dict(model=model, layer=layer, component=comp, bound=base * (50 if comp == "MHA" else 3),
+                     radius=19.4, seq_len=17) for model in models for layer in range(4)
+                for comp, base in PLASTICITY.items()]
+        write_result(pd.DataFrame(brow), path, "bounds")
+    return path
+
+
+# ---------------------------------------------------------------- independent expectations (plain loops)
+
+def raw_trials(path: Path) -> list[dict]:
+    return pd.read_parquet(path / "trials.parquet").to_dict("records")
+
+
+def sweeps(trials: list[dict]) -> dict:
+    """(model, dataset, optimizer, component) -> {lr: {seed: acc}} over ok trials only."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for t in trials:
+        if t["status"] == "ok":
+            out[(t["model"], t["dataset"], t["optimizer"], t["component"])][t["lr"]][t["seed"]] = t["test_acc"]
+    return out
+
+
+def sample_std(values) -> float:
+    v = list(values)
+    if len(v) < 2:
+        return float("nan")
+    m = sum(v) / len(v)
+    return math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+
+
+def mean(values) -> float:
+    v = list(values)
+    return sum(v) / len(v)
+
+
+def expected_best(trials) -> dict:
+    """key -> (lr, mean, std, n_seeds) at the lr with the highest seed mean (ties: smaller lr)."""
+    out = {}
+    for key, by_lr in sweeps(trials).items():
+        best = None
+        for lr in sorted(by_lr):
+            m = mean(by_lr[lr].values())
+            if best is None or m > best[1]:
+                best = (lr, m, sample_std(by_lr[lr].values()), len(by_lr[lr]))
+        out[key] = best
+    return out
+
+
+def signed_rank_exact_p(x, y, alternative="greater") -> tuple[float, float]:
+    """T+ and its exact p-value by enumerating all 2^n sign patterns (no zero differences or ties)."""
+    d = np.asarray(x, float) - np.asarray(y, float)
+    ranks = stats.rankdata(np.abs(d))
+    t_plus = float(ranks[d > 0].sum())
+    sums = [sum(r for r, s in zip(ranks, signs) if s) for signs in itertools.product([0, 1], repeat=len(d))]
+    sums = np.asarray(sums)
+    if alternative == "greater":
+        p = float(np.mean(sums >= t_plus - 1e-9))
+    else:
+        total = ranks.sum()
+        p = min(1.0, 2 * min(np.mean(sums >= t_plus - 1e-9), np.mean(sums <= t_plus + 1e-9)))
+        t_plus = min(t_plus, total - t_plus)  # scipy's two-sided statistic
+    return t_plus, p
+
+
+def by_key(df: pd.DataFrame, keys: list[str]) -> dict:
+    return {tuple(r[k] for k in keys): r for r in df.to_dict("records")}
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory) -> tuple[Path, dict]:
+    from raystudy.analysis import analyze
+
+    d = make_study(tmp_path_factory.mktemp("study") / "s1")
+    return d, analyze(d)
+
+
+# ---------------------------------------------------------------- tables vs independent computations
+
+def test_every_table_and_file_written(study):
+    d, tables = study
+    assert list(tables) == ["best_lr", "lr_grid", "overall", "relative_gain", "wilcoxon", "stability", "ranking",
+                            "cost"]
+    for name, df in tables.items():
+        csv = pd.read_csv(d / "analysis" / f"{name}.csv")
+        assert list(csv.columns) == list(df.columns), name
+        assert len(csv) == len(df) > 0, name
+        md = (d / "analysis" / f"{name}.md").read_text()
+        assert md.startswith("# ") and "|" in md, name
+    for fig in ("plasticity_depth", "plasticity_distribution", "bounds", "accuracy_distribution", "relative_gain",
+                "curves_cifar10_sgd", "curves_snow_adamw"):
+        for ext in ("png", "svg"):
+            f = d / "analysis" / "figures" / f"{fig}.{ext}"
+            assert f.stat().st_size > 5_000, f
+    from PIL import Image
+
+    with Image.open(d / "analysis" / "figures" / "plasticity_depth.png") as im:
+        assert im.size[0] > 600 and im.size[1] > 400
+
+
+def test_best_lr_matches_loops(study):
+    d, tables = study
+    t = tables["best_lr"]
+    assert list(t.columns) == ["dataset", "optimizer", "component", "lr", "mean", "std", "n_seeds"]
+    exp = expected_best(raw_trials(d))
+    assert len(t) == len(exp) == len(DATASETS) * len(LRS) * len(CONFIGS)
+    got = by_key(t, ["dataset", "optimizer", "component"])
+    for (_model, ds, opt, comp), (lr, m, s, n) in exp.items():
+        r = got[(ds, opt, comp)]
+        assert r["lr"] == lr and r["n_seeds"] == n
+        assert r["mean"] == pytest.approx(m, abs=1e-12)
+        assert r["std"] == pytest.approx(s, abs=1e-12, nan_ok=True)
+    # Rows in configuration order within each dataset/optimizer; CSV keeps fractions.
+    assert list(t["component"][:7]) == list(CONFIGS)
+    assert t["mean"].between(0, 1).all()
+
+
+def test_failed_trials_never_counted(study):
+    d, tables = study
+    trials = raw_trials(d)
+    bad = [t for t in trials if t["status"] != "ok"]
+    assert {t["status"] for t in bad} == {"diverged", "failed"}
+    # A failed trial carries test_acc 0.999: counting it would push some mean above every ok accuracy.
+    assert tables["stability"]["max"].max() < 0.999
+    assert tables["lr_grid"]["n_trials"].sum() == len(trials) - len(bad)
+    md = (d / "analysis" / "best_lr.md").read_text()
+    n_div = sum(t["status"] == "diverged" for t in bad)
+    n_fail = sum(t["status"] == "failed" for t in bad)
+    assert f"{len(bad)} of {len(trials)} trials excluded" in md
+    assert f"{n_div} diverged" in md and f"{n_fail} failed" in md
+    excluded = pd.read_csv(d / "analysis" / "excluded.csv")
+    assert sorted(excluded["trial_id"]) == sorted(t["trial_id"] for t in bad)
+
+
+def test_lr_grid_matches_loops(study):
+    d, tables = study
+    t = tables["lr_grid"]
+    assert list(t.columns) == ["dataset", "optimizer", "component", "mean", "std", "n_lrs", "n_trials"]
+    got = by_key(t, ["dataset", "optimizer", "component"])
+    for (_model, ds, opt, comp), by_lr in sweeps(raw_trials(d)).items():
+        means = [mean(by_lr[lr].values()) for lr in sorted(by_lr)]
+        r = got[(ds, opt, comp)]
+        assert r["mean"] == pytest.approx(mean(means), abs=1e-12)
+        assert r["std"] == pytest.approx(sample_std(means), abs=1e-12)
+        assert r["n_lrs"] == len(by_lr)
+        assert r["n_trials"] == sum(len(v) for v in by_lr.values())
+
+
+def test_overall_matches_loops(study):
+    d, tables = study
+    t = tables["overall"]
+    assert list(t.columns) == ["optimizer", "component", "mean", "std", "n_datasets", "lr_grid_mean", "lr_grid_std"]
+    best = expected_best(raw_trials(d))
+    sw = sweeps(raw_trials(d))
+    got = by_key(t, ["optimizer", "component"])
+    assert len(got) == len(LRS) * len(CONFIGS)
+    for opt in LRS:
+        for comp in CONFIGS:
+            accs = [best[("vit_tiny", ds, opt, comp)][1] for ds in DATASETS]
+            grid_means, grid_stds = [], []
+            for ds in DATASETS:
+                by_lr = sw[("vit_tiny", ds, opt, comp)]
+                seed_means = [mean(by_lr[lr].values()) for lr in by_lr]
+                grid_means.append(mean(seed_means))
+                grid_stds.append(sample_std(seed_means))
+            r = got[(opt, comp)]
+            assert r["mean"] == pytest.approx(mean(accs), abs=1e-12)
+            assert r["std"] == pytest.approx(sample_std(accs), abs=1e-12)
+            assert r["n_datasets"] == len(DATASETS)
+            assert r["lr_grid_mean"] == pytest.approx(mean(grid_means), abs=1e-12)
+            assert r["lr_grid_std"] == pytest.approx(mean(grid_stds), abs=1e-12)
+
+
+def test_relative_gain_matches_loops(study):
+    d, tables = study
+    t = tables["relative_gain"]
+    best = expected_best(raw_trials(d))
+    got = by_key(t, ["dataset", "optimizer", "component"])
+    assert "Head" not in set(t["component"])
+    for opt in LRS:
+        for comp in CONFIGS[:-1]:
+            gains, accs, heads = [], [], []
+            for ds in DATASETS:
+                acc, head = best[("vit_tiny", ds, opt, comp)][1], best[("vit_tiny", ds, opt, "Head")][1]
+                r = got[(ds, opt, comp)]
+                assert r["accuracy"] == pytest.approx(acc, abs=1e-12)
+                assert r["head_accuracy"] == pytest.approx(head, abs=1e-12)
+                assert r["relative_gain"] == pytest.approx((acc - head) / head, abs=1e-12)
+                gains.append((acc - head) / head)
+                accs.append(acc)
+                heads.append(head)
+            r = got[("overall", opt, comp)]
+            assert r["relative_gain"] == pytest.approx(mean(gains), abs=1e-12)
+            assert r["accuracy"] == pytest.approx(mean(accs), abs=1e-12)
+            assert r["head_accuracy"] == pytest.approx(mean(heads), abs=1e-12)
+    assert list(t["dataset"])[-1] == "overall"
+
+
+def test_wilcoxon_matches_scipy_and_exact_enumeration(study):
+    d, tables = study
+    t = tables["wilcoxon"]
+    assert list(t.columns) == ["optimizer", "reference", "other", "statistic", "p_value", "n_pairs", "significant"]
+    best = expected_best(raw_trials(d))
+    got = by_key(t, ["optimizer", "other"])
+    assert len(got) == len(LRS) * (len(CONFIGS) - 1)
+    for opt in LRS:
+        for other in CONFIGS:
+            if other == "MHA":
+                continue
+            x = [best[("vit_tiny", ds, opt, "MHA")][1] for ds in DATASETS]
+            y = [best[("vit_tiny", ds, opt, other)][1] for ds in DATASETS]
+            ref = stats.wilcoxon(x, y, alternative="greater")
+            t_plus, p_exact = signed_rank_exact_p(x, y)
+            r = got[(opt, other)]
+            assert r["reference"] == "MHA" and r["n_pairs"] == len(DATASETS)
+            assert r["statistic"] == pytest.approx(ref.statistic) == pytest.approx(t_plus)
+            assert r["p_value"] == pytest.approx(ref.pvalue, rel=1e-12) == pytest.approx(p_exact, rel=1e-9)
+            assert r["significant"] == (p_exact < 0.05)
+    # The synthetic effect is large: MHA beats the LayerNorms and Head on all 7 datasets (p = 2^-7).
+    assert got[("sgd", "LN1")]["p_value"] == pytest.approx(2.0 ** -7)
+    assert got[("sgd", "Head")]["significant"]
+
+
+def test_wilcoxon_two_sided_and_dataset_seed_pairs(tmp_path):
+    from raystudy.analysis.inputs import load_study
+    from raystudy.analysis.pipeline import compute_tables
+
+    d = make_study(tmp_path / "s", seed=3, curves=False, bounds=False, plasticity=False,
+                   datasets=DATASETS[:4])
+    inputs = load_study(d)
+    t = compute_tables(inputs, reference="FC1", alternative="two-sided", pair_by="dataset_seed")["wilcoxon"]
+    trials = raw_trials(d)
+    best = expected_best(trials)
+    acc = {(t_["dataset"], t_["optimizer"], t_["component"], t_["lr"], t_["seed"]): t_["test_acc"]
+           for t_ in trials if t_["status"] == "ok"}
+    got = by_key(t, ["optimizer", "other"])
+    for opt in LRS:
+        for other in CONFIGS:
+            if other == "FC1":
+                continue
+            x, y = [], []
+            for ds in DATASETS[:4]:
+                lr_ref, lr_oth = best[("vit_tiny", ds, opt, "FC1")][0], best[("vit_tiny", ds, opt, other)][0]
+                for s in SEEDS:
+                    a, b = acc.get((ds, opt, "FC1", lr_ref, s)), acc.get((ds, opt, other, lr_oth, s))
+                    if a is not None and b is not None:
+                        x.append(a)
+                        y.append(b)
+            ref = stats.wilcoxon(x, y, alternative="two-sided")
+            r = got[(opt, other)]
+            assert r["reference"] == "FC1" and r["n_pairs"] == len(x)
+            assert r["statistic"] == pytest.approx(ref.statistic)
+            assert r["p_value"] == pytest.approx(ref.pvalue, rel=1e-12)
+            if len(x) <= 12:
+                assert r["p_value"] == pytest.approx(signed_rank_exact_p(x, y, "two-sided")[1], rel=1e-9)
+
+
+def test_stability_matches_loops(study):
+    d, tables = study
+    t = tables["stability"]
+    assert list(t.columns) == ["dataset", "optimizer", "component", "mean", "std", "min", "max", "range", "n_trials"]
+    got = by_key(t, ["dataset", "optimizer", "component"])
+    per = defaultdict(list)
+    for (_model, ds, opt, comp), by_lr in sweeps(raw_trials(d)).items():
+        v = [a for seeds in by_lr.values() for a in seeds.values()]
+        r = got[(ds, opt, comp)]
+        assert r["std"] == pytest.approx(sample_std(v), abs=1e-12)
+        assert r["range"] == pytest.approx(max(v) - min(v), abs=1e-12)
+        assert (r["min"], r["max"], r["n_trials"]) == (min(v), max(v), len(v))
+        assert r["mean"] == pytest.approx(mean(v), abs=1e-12)
+        per[(opt, comp)].append((sample_std(v), max(v) - min(v), len(v)))
+    for (opt, comp), vals in per.items():
+        r = got[("overall", opt, comp)]
+        assert r["std"] == pytest.approx(mean(v[0] for v in vals), abs=1e-12)
+        assert r["range"] == pytest.approx(mean(v[1] for v in vals), abs=1e-12)
+        assert r["n_trials"] == sum(v[2] for v in vals)
+
+
+def kendall_tau_by_pairs(a, b) -> float:
+    """Kendall's tau-a by counting concordant and discordant pairs (no ties in the synthetic data)."""
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += np.sign(a[i] - a[j]) * np.sign(b[i] - b[j])
+    return s / (n * (n - 1) / 2)
+
+
+def spearman_by_formula(a, b) -> float:
+    """``1 - 6 sum d^2 / (n (n^2 - 1))`` on the ranks (no ties)."""
+    ra, rb = stats.rankdata(a), stats.rankdata(b)
+    n = len(a)
+    return 1 - 6 * float(((ra - rb) ** 2).sum()) / (n * (n * n - 1))
+
+
+def spearman_exact_p(a, b) -> float:
+    """Two-sided exact p of Spearman's rho: all n! rank pairings, 2 * min(P(rho >= obs), P(rho <= obs))."""
+    obs = spearman_by_formula(a, b)
+    rb = stats.rankdata(b)
+    rhos = np.array([spearman_by_formula(perm, rb) for perm in itertools.permutations(stats.rankdata(a))])
+    return min(1.0, 2 * min(np.mean(rhos >= obs - 1e-12), np.mean(rhos <= obs + 1e-12)))
+
+
+def test_ranking_matches_independent_correlations(study):
+    d, tables = study
+    t = tables["ranking"]
+    assert list(t.columns) == ["dataset", "optimizer", "mode", "spearman", "spearman_p", "kendall", "kendall_p",
+                               "n_components", "plasticity_ranking", "accuracy_ranking"]
+    plast = pd.read_parquet(d / "plasticity.parquet").to_dict("records")
+    pl = defaultdict(list)
+    for r in plast:
+        pl[(r["dataset"], r["component"])].append(r["plasticity"])
+    best = expected_best(raw_trials(d))
+    got = by_key(t, ["dataset", "optimizer"])
+    assert len(got) == len(LRS) * (len(DATASETS) + 1)
+    for opt in LRS:
+        p_all, a_all = defaultdict(list), defaultdict(list)
+        for ds in DATASETS:
+            p = [mean(pl[(ds, c)]) for c in COMPONENTS]
+            a = [best[("vit_tiny", ds, opt, c)][1] for c in COMPONENTS]
+            for c, pv, av in zip(COMPONENTS, p, a):
+                p_all[c].append(pv)
+                a_all[c].append(av)
+            r = got[(ds, opt)]
+            assert r["n_components"] == 5 and r["mode"] == "embedding"
+            assert r["spearman"] == pytest.approx(spearman_by_formula(p, a), abs=1e-12)
+            assert r["spearman_p"] == pytest.approx(spearman_exact_p(p, a), rel=1e-9)
+            assert r["kendall"] == pytest.approx(kendall_tau_by_pairs(p, a), abs=1e-12)
+            assert r["kendall_p"] == pytest.approx(stats.kendalltau(p, a).pvalue, rel=1e-9)
+            order = sorted(COMPONENTS, key=lambda c: -p[COMPONENTS.index(c)])
+            assert r["plasticity_ranking"] == " > ".join(order)
+        p = [mean(p_all[c]) for c in COMPONENTS]
+        a = [mean(a_all[c]) for c in COMPONENTS]
+        r = got[("overall", opt)]
+        assert r["spearman"] == pytest.approx(spearman_by_formula(p, a), abs=1e-12)
+        assert r["kendall"] == pytest.approx(kendall_tau_by_pairs(p, a), abs=1e-12)
+        assert r["plasticity_ranking"] == "MHA > FC1 > FC2 > LN2 > LN1"
+
+
+def test_cost_matches_loops(study):
+    d, tables = study
+    t = tables["cost"]
+    assert list(t.columns) == ["optimizer", "component", "trainable_params", "grad_memory_bytes",
+                               "optimizer_memory_bytes", "wall_seconds", "wall_seconds_std", "total_wall_seconds",
+                               "n_trials"]
+    trials = raw_trials(d)
+    got = by_key(t, ["optimizer", "component"])
+    for opt in LRS:
+        for comp in CONFIGS:
+            mine = [x for x in trials if x["optimizer"] == opt and x["component"] == comp]
+            ok = [x["wall_seconds"] for x in mine if x["status"] == "ok"]
+            r = got[(opt, comp)]
+            assert r["trainable_params"] == float(np.median([x["trainable_params"] for x in mine]))
+            assert r["optimizer_memory_bytes"] == float(np.median([x["optimizer_memory_bytes"] for x in mine]))
+            assert r["wall_seconds"] == pytest.approx(mean(ok), abs=1e-9)
+            assert r["wall_seconds_std"] == pytest.approx(sample_std(ok), abs=1e-9)
+            assert r["total_wall_seconds"] == pytest.approx(sum(x["wall_seconds"] for x in mine), abs=1e-9)
+            assert r["n_trials"] == len(mine)
+
+
+def test_markdown_shows_percent_and_marks_best(study):
+    d, tables = study
+    t = tables["best_lr"]
+    r = t[(t["dataset"] == "cifar10") & (t["optimizer"] == "sgd") & (t["component"] == "MHA")].iloc[0]
+    cell = f"{100 * r['mean']:.1f} ± {100 * r['std']:.1f}"
+    md = (d / "analysis" / "best_lr.md").read_text()
+    assert cell in md
+    five = t[(t["dataset"] == "cifar10") & (t["optimizer"] == "sgd") & t["component"].isin(COMPONENTS)]
+    top = five.loc[five["mean"].idxmax()]
+    top_cell = f"**{100 * top['mean']:.1f} ± {100 * top['std']:.1f}"
+    sgd_block = md.split("## optimizer: sgd")[1]
+    line = next(line for line in sgd_block.splitlines() if line.startswith("| cifar10 |"))
+    assert line.count("**") == 2 and top_cell in line
+    w = (d / "analysis" / "wilcoxon.md").read_text()
+    assert "one-sided" in w and "paired over datasets" in w
+
+
+# ---------------------------------------------------------------- degraded paths and errors
+
+def test_without_plasticity_parts_are_omitted_with_a_note(tmp_path):
+    from raystudy.analysis import analyze
+
+    d = make_study(tmp_path / "s", plasticity=False, bounds=False, curves=False, head=False, memory=False,
+                   failures=False, datasets=DATASETS[:3])
+    (d / "analysis").mkdir()
+    (d / "analysis" / "ranking.csv").write_text("stale\n")  # from an earlier run with plasticity
+    tables = analyze(d)
+    assert "ranking" not in tables and "relative_gain" not in tables
+    assert not (d / "analysis" / "ranking.csv").exists()
+    notes = (d / "analysis" / "notes.md").read_text()
+    assert "No plasticity.parquet" in notes and "No Head" in notes and "No curves.parquet" in notes
+    assert "excluded" not in (d / "analysis" / "best_lr.md").read_text()
+    assert "grad_memory_bytes" not in tables["cost"].columns
+    figs = sorted(p.name for p in (d / "analysis" / "figures").iterdir())
+    assert figs == ["accuracy_distribution.png", "accuracy_distribution.svg"]
+
+
+def test_plasticity_only_study(tmp_path):
+    from raystudy.analysis import analyze
+
+    d = make_study(tmp_path / "s", rates=True)
+    (d / "trials.parquet").unlink()
+    (d / "curves.parquet").unlink()
+    assert analyze(d) == {}
+    figs = {p.stem for p in (d / "analysis" / "figures").iterdir()}
+    assert figs == {"plasticity_depth", "plasticity_distribution", "bounds"}
+    assert "No trials.parquet" in (d / "analysis" / "notes.md").read_text()
+
+
+def _write_trials(d: Path, df: pd.DataFrame) -> None:
+    write_table_atomic(df, d / "trials.parquet")
+
+
+@pytest.mark.parametrize("mutate, column", [
+    (lambda df: df.drop(columns=["test_acc"]), "test_acc"),
+    (lambda df: df.assign(test_acc=df["test_acc"] * 100), "test_acc"),
+    (lambda df: df.assign(component=df["component"].replace({"MHA": "attn"})), "component"),
+    (lambda df: df.assign(lr=df["lr"].astype(str).replace({"0.01": "ten"})), "lr"),
+    (lambda df: pd.concat([df, df.iloc[[0]]]), "seed"),
+])
+def test_malformed_trials_name_file_and_column(tmp_path, mutate, column):
+    from raystudy.analysis import analyze
+
+    d = make_study(tmp_path / "s", plasticity=False, bounds=False, curves=False, failures=False,
+                   datasets=DATASETS[:2])
+    _write_trials(d, mutate(pd.read_parquet(d / "trials.parquet")))
+    with pytest.raises(TableError) as e:
+        analyze(d, figures=False)
+    msg = str(e.value)
+    assert str(d / "trials.parquet") in msg and column in msg
+
+
+def test_empty_and_malformed_other_tables(tmp_path):
+    from raystudy.analysis import analyze
+
+    d = make_study(tmp_path / "s", curves=False, failures=False, datasets=DATASETS[:2])
+    good = pd.read_parquet(d / "plasticity.parquet")
+    write_table_atomic(good.iloc[0:0], d / "plasticity.parquet")
+    with pytest.raises(TableError, match=r"plasticity\.parquet: the table is empty"):
+        analyze(d, figures=False)
+    write_table_atomic(good.drop(columns=["ci95"]), d / "plasticity.parquet")
+    with pytest.raises(TableError, match=r"plasticity\.parquet: missing column\(s\) \['ci95'\]"):
+        analyze(d, figures=False)
+    (d / "plasticity.parquet").write_bytes(b"not parquet")
+    with pytest.raises(TableError, match=r"plasticity\.parquet: not a readable Parquet file"):
+        analyze(d, figures=False)
+    (d / "plasticity.parquet").unlink()
+    write_table_atomic(pd.read_parquet(d / "bounds.parquet").assign(bound="big"), d / "bounds.parquet")
+    with pytest.raises(TableError, match=r"bounds\.parquet: column 'bound': non-numeric"):
+        analyze(d, figures=False)
+    with pytest.raises(TableError, match="neither trials.parquet nor plasticity.parquet"):
+        analyze(tmp_path / "nothing-here", figures=False)
+
+
+def test_bad_options_name_the_parameter(tmp_path):
+    from raystudy.analysis import analyze
+
+    d = make_study(tmp_path / "s", plasticity=False, bounds=False, curves=False, datasets=DATASETS[:2])
+    with pytest.raises(ValueError, match="reference: unknown configuration 'ATTN'"):
+        analyze(d, reference="ATTN")
+    with pytest.raises(ValueError, match="pair_by"):
+        analyze(d, pair_by="seed")
+    with pytest.raises(ValueError, match="alternative"):
+        analyze(d, alternative="bigger")
+
+
+def test_several_models_get_a_model_column(tmp_path):
+    from raystudy.analysis import analyze
+
+    d = make_study(tmp_path / "s", models=("vit_a", "vit_b"), curves=False, bounds=False, datasets=DATASETS[:3])
+    tables = analyze(d, figures=False)
+    for name, df in tables.items():
+        assert df.columns[0] == "model", name
+        assert set(df["model"]) == {"vit_a", "vit_b"}, name
+    best = tables["best_lr"]
+    exp = expected_best(raw_trials(d))
+    for r in best.to_dict("records"):
+        assert r["mean"] == pytest.approx(exp[(r["model"], r["dataset"], r["optimizer"], r["component"])][1])
+
+
+def test_cli_analyze_and_report(tmp_path, capsys):
+    from raystudy.cli import main
+
+    d = make_study(tmp_path / "s", curves=False, datasets=DATASETS[:3])
+    assert main(["analyze", str(d), "--no-figures", "--alternative", "two-sided"]) == 0
+    out = capsys.readouterr().out
+    assert str(d / "analysis" / "wilcoxon.csv") in out
+    assert "two-sided" in (d / "analysis" / "wilcoxon.md").read_text()
+    assert main(["report", str(d)]) == 0
+    path = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert path == d / "analysis" / "report.html" and path.stat().st_size > 50_000
+    _write_trials(d, pd.read_parquet(d / "trials.parquet").drop(columns=["status"]))
+    assert main(["analyze", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "trials.parquet" in err and "status" in err and "Traceback" not in err
+
+
+def test_plot_functions_for_the_plasticity_cli(tmp_path):
+    from raystudy.analysis.figures import COMPONENT_COLORS, plot_plasticity_depth, plot_rate_distribution
+
+    assert set(COMPONENT_COLORS) == set(CONFIGS) and len(set(COMPONENT_COLORS.values())) == 7
+    d = make_study(tmp_path / "s", rates=True, curves=False, bounds=False, datasets=DATASETS[:1])
+    p = pd.read_parquet(d / "plasticity.parquet")
+    paths = plot_plasticity_depth(p, tmp_path / "fig" / "depth", title="t")
+    assert [x.suffix for x in paths] == [".png", ".svg"] and all(x.stat().st_size > 5_000 for x in paths)
+    svg = paths[1].read_text()
+    for comp in COMPONENTS:  # one legend entry per component, in its colour
+        assert f">{comp}<" in svg or comp in svg
+        assert COMPONENT_COLORS[comp].lower() in svg.lower()
+    r = pd.read_parquet(d / "rates.parquet")
+    assert [x.suffix for x in plot_rate_distribution(r, tmp_path / "rates")] == [".png", ".svg"]
+    with pytest.raises(ValueError, match=r"rates: missing column\(s\) \['rate'\]"):
+        plot_rate_distribution(r.drop(columns=["rate"]), tmp_path / "x")
