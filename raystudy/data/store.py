@@ -9,6 +9,8 @@ Layout::
 
 Every consumer (plasticity, finetuning, evaluation) reads through this module, with or without Ray.
 The checksum is a SHA-256 over the shards' rows (index, split, label and the image bytes), in shard order.
+``dataset.json`` also lists every shard with its row count and the SHA-256 of its file bytes, so
+:func:`verify_store` can name the shard that changed; ``label_counts`` gives rows per class for each split.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 SPLITS = ("train", "val", "test")
@@ -35,7 +36,23 @@ class StoreError(ValueError):
 
 
 def shard_paths(store: str | os.PathLike) -> list[Path]:
+    """The store's Parquet shards in order (``part-00000.parquet``, ...)."""
     return sorted(Path(store).glob("part-*.parquet"))
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_shard(path: Path, **kwargs) -> pa.Table:
+    try:
+        return pq.read_table(path, schema=SCHEMA, **kwargs)
+    except (OSError, pa.ArrowException) as e:
+        raise StoreError(f"{path}: unreadable Parquet shard ({e}); prepare the store again") from e
 
 
 def _checksum_update(h, table: pa.Table) -> None:
@@ -48,7 +65,7 @@ def _checksum_update(h, table: pa.Table) -> None:
 def compute_checksum(store: str | os.PathLike) -> str:
     h = hashlib.sha256()
     for p in shard_paths(store):
-        _checksum_update(h, pq.read_table(p, schema=SCHEMA))
+        _checksum_update(h, _read_shard(p))
     return h.hexdigest()
 
 
@@ -61,21 +78,42 @@ def write_store(
     classes: list[str],
     rows_per_shard: int = 2048,
     extra: dict | None = None,
+    allow_empty: bool = True,
 ) -> dict:
     """Write ``rows`` (dicts with ``image`` bytes, ``label``, ``split``, ``index``) as a store.
 
-    Labels must lie in ``[0, len(classes))``, splits in :data:`SPLITS`, and ``index`` must be unique.
-    Shards are written to a temporary directory and moved into place at the end, so a failed prepare
-    leaves no half-written store. Returns the metadata written to ``dataset.json``.
+    Labels must lie in ``[0, len(classes))``, splits in :data:`SPLITS`, and ``index`` must be unique;
+    with ``allow_empty=False`` every split must hold at least one row. Shards are written to a temporary
+    directory and moved into place at the end, so a failed prepare leaves no half-written store (and an
+    existing store at ``out`` untouched). Returns the metadata written to ``dataset.json``.
     """
+    import shutil
+
     out = Path(out)
+    if rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be >= 1 (got {rows_per_shard})")
+    if not classes:
+        raise StoreError(f"{name}: no classes")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    try:
+        meta = _write_shards(rows, tmp, name=name, source=source, classes=classes, rows_per_shard=rows_per_shard,
+                             extra=extra, allow_empty=allow_empty)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return meta
+
+
+def _write_shards(rows, tmp: Path, *, name, source, classes, rows_per_shard, extra, allow_empty) -> dict:
     counts = dict.fromkeys(SPLITS, 0)
+    label_counts = {sp: [0] * len(classes) for sp in SPLITS}
+    shards: list[dict] = []
     seen: set[int] = set()
     buf: list[dict] = []
     shard = 0
@@ -84,7 +122,9 @@ def write_store(
         nonlocal shard, buf
         if buf:
             table = pa.Table.from_pylist(buf, schema=SCHEMA)
-            pq.write_table(table, tmp / f"part-{shard:05d}.parquet")
+            path = tmp / f"part-{shard:05d}.parquet"
+            pq.write_table(table, path)
+            shards.append({"file": path.name, "rows": table.num_rows, "sha256": _file_sha256(path)})
             shard += 1
             buf = []
 
@@ -98,10 +138,16 @@ def write_store(
             raise StoreError(f"{name}: duplicate index {index}")
         seen.add(index)
         counts[split] += 1
+        label_counts[split][label] += 1
         buf.append({"image": bytes(row["image"]), "label": label, "split": split, "index": index})
         if len(buf) >= rows_per_shard:
             flush()
     flush()
+    empty = [sp for sp in SPLITS if counts[sp] == 0]
+    if not shards:
+        raise StoreError(f"{name}: no rows to write")
+    if empty and not allow_empty:
+        raise StoreError(f"{name}: split(s) {empty} would be empty (counts {counts})")
     meta = {
         "name": name,
         "source": source,
@@ -109,15 +155,12 @@ def write_store(
         "num_classes": len(classes),
         "counts": counts,
         "num_rows": sum(counts.values()),
+        "label_counts": label_counts,
         "checksum": compute_checksum(tmp),
+        "shards": shards,
         **(extra or {}),
     }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
     return meta
 
 
@@ -139,8 +182,23 @@ def read_meta(store: str | os.PathLike) -> dict:
 
 
 def verify_store(store: str | os.PathLike) -> dict:
-    """Recompute the checksum; raise :class:`StoreError` if it no longer matches ``dataset.json``."""
+    """Recompute the checksum; raise :class:`StoreError` if it no longer matches ``dataset.json``.
+
+    Shards are first checked one by one against their listed file hashes, so the error names the shard
+    that was added, removed or changed; then the content checksum over all rows is recomputed.
+    """
     meta = read_meta(store)
+    if "shards" in meta:
+        listed = {s["file"]: s for s in meta["shards"]}
+        present = {p.name: p for p in shard_paths(store)}
+        for f in sorted(set(listed) - set(present)):
+            raise StoreError(f"{Path(store) / f}: shard listed in dataset.json is missing; prepare the store again")
+        for f in sorted(set(present) - set(listed)):
+            raise StoreError(f"{present[f]}: shard not listed in dataset.json; prepare the store again")
+        for f, p in present.items():
+            if _file_sha256(p) != listed[f]["sha256"]:
+                raise StoreError(f"{p}: checksum mismatch (file differs from dataset.json); the store was "
+                                 "modified or corrupted; prepare it again")
     actual = compute_checksum(store)
     if actual != meta["checksum"]:
         raise StoreError(
@@ -157,22 +215,35 @@ def read_split(store: str | os.PathLike, split: str, columns: list[str] | None =
     meta = read_meta(store)
     if meta["counts"].get(split, 0) == 0:
         raise StoreError(f"{store}: split {split!r} is empty")
-    tables = [
-        pq.read_table(p, columns=columns, filters=[("split", "=", split)], schema=SCHEMA)
-        for p in shard_paths(store)
-    ]
+    tables = [_read_shard(p, columns=columns, filters=[("split", "=", split)]) for p in shard_paths(store)]
     return pa.concat_tables(tables)
 
 
-def iter_split(store: str | os.PathLike, split: str, *, batch_size: int = 256) -> Iterator[dict]:
-    """Plain iterator over one split in record batches of dicts of lists (no Ray)."""
+def iter_split(
+    store: str | os.PathLike,
+    split: str,
+    *,
+    batch_size: int = 256,
+    columns: list[str] | None = None,
+    shards: list[int] | None = None,
+) -> Iterator[dict]:
+    """Plain iterator over one split in batches of dicts of lists (no Ray), one shard at a time.
+
+    ``shards`` restricts the walk to those shard numbers (positions in :func:`shard_paths`).
+    """
     if split not in SPLITS:
         raise StoreError(f"unknown split {split!r}; expected one of {SPLITS}")
-    read_meta(store)
-    for p in shard_paths(store):
-        pf = pq.ParquetFile(p)
-        for rb in pf.iter_batches(batch_size=batch_size):
-            t = pa.Table.from_batches([rb])
-            t = t.filter(pc.equal(t.column("split"), split))
-            if t.num_rows:
-                yield t.to_pydict()
+    meta = read_meta(store)
+    if meta["counts"].get(split, 0) == 0:
+        raise StoreError(f"{store}: split {split!r} is empty")
+    paths = shard_paths(store)
+    if shards is not None:
+        bad = [s for s in shards if not 0 <= s < len(paths)]
+        if bad:
+            raise StoreError(f"{store}: no shard(s) {bad}; the store has {len(paths)}")
+        paths = [paths[s] for s in shards]
+    for p in paths:
+        t = _read_shard(p, columns=columns, filters=[("split", "=", split)])
+        for rb in t.to_batches(max_chunksize=batch_size):
+            if rb.num_rows:
+                yield rb.to_pydict()

@@ -1,0 +1,123 @@
+"""Deterministic split assignment: a stable function of (dataset name, index), no global RNG.
+
+Rules (applied by :func:`assign_splits`):
+
+1. Official splits are kept (``train``, ``test`` and, where a source ships one, ``val``).
+2. Rows without an official split (CIFAR-10-C, generic image trees) form one pool, of which
+   ``round(0.2 * n)`` rows go to ``test`` and the rest to ``train``.
+3. ``round(0.2 * n_train)`` of the training rows go to ``val`` (for sources without an official ``val``).
+
+Which rows are taken in 2 and 3 is decided by :func:`stratified_take`: every row gets the key
+``blake2b("{name}:{purpose}:{index}")`` (64 bit); within each class, rows are ranked by key and given the
+position ``q = (rank + 0.5) / n_class``; all rows are ordered by ``(q, key)`` and the first ``k`` are taken.
+So each class contributes in proportion to its size (within one row), the counts are exact, and the
+outcome depends only on the dataset name, the indices and their labels: the same on every machine and run.
+Splits are disjoint by construction (each row gets exactly one).
+
+The low-data variant (:func:`low_data_split`, VTAB-1k style) selects ``n_train + n_val`` (800 + 200) rows
+from the training pool (``train`` and ``val`` above), class-balanced where possible: rows are ordered by
+``(rank within class, key)`` -- round-robin over classes -- and the first 1,000 are kept; of those,
+200 are taken for ``val`` by :func:`stratified_take`. The test split is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Sequence
+
+TEST_FRACTION = 0.2
+VAL_FRACTION = 0.2
+VTAB_TRAIN, VTAB_VAL = 800, 200
+
+RULE = (
+    "official splits kept; no official test: round(0.2 n) to test by stratified_take(name, 'test'); "
+    "no official val: round(0.2 n_train) of train to val by stratified_take(name, 'val'); "
+    "key = blake2b('{name}:{purpose}:{index}')"
+)
+
+
+def split_key(name: str, purpose: str, index: int) -> int:
+    """The stable 64-bit ordering key of one row."""
+    return int.from_bytes(hashlib.blake2b(f"{name}:{purpose}:{int(index)}".encode(), digest_size=8).digest(), "big")
+
+
+def _ranked_by_class(indices: Sequence[int], labels: Sequence[int], name: str, purpose: str):
+    """``(index, rank within its class, class size, key)`` for every row."""
+    by_class: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for i, y in zip(indices, labels):
+        by_class[int(y)].append((split_key(name, purpose, i), int(i)))
+    out = []
+    for members in by_class.values():
+        members.sort()
+        for rank, (key, i) in enumerate(members):
+            out.append((i, rank, len(members), key))
+    return out
+
+
+def stratified_take(indices: Sequence[int], labels: Sequence[int], k: int, *, name: str, purpose: str) -> set[int]:
+    """The ``k`` indices chosen proportionally per class (see the module docstring)."""
+    if not 0 <= k <= len(indices):
+        raise ValueError(f"cannot take {k} of {len(indices)} rows")
+    rows = _ranked_by_class(indices, labels, name, purpose)
+    rows.sort(key=lambda r: ((r[1] + 0.5) / r[2], r[3]))
+    return {r[0] for r in rows[:k]}
+
+
+def assign_splits(
+    indices: Sequence[int],
+    labels: Sequence[int],
+    official: Sequence[str | None],
+    *,
+    name: str,
+    test_fraction: float = TEST_FRACTION,
+    val_fraction: float = VAL_FRACTION,
+) -> dict[int, str]:
+    """``{index: split}`` for all rows; ``official[i]`` is ``"train"``, ``"val"``, ``"test"`` or ``None``."""
+    if not (len(indices) == len(labels) == len(official)):
+        raise ValueError("indices, labels and official splits must have the same length")
+    out: dict[int, str] = {}
+    pool = [(i, y) for i, y, s in zip(indices, labels, official) if s is None]
+    if pool:
+        pi, py = zip(*pool)
+        test = stratified_take(pi, py, round(test_fraction * len(pool)), name=name, purpose="test")
+        for i in pi:
+            out[int(i)] = "test" if i in test else "train"
+    for i, s in zip(indices, official):
+        if s is not None:
+            if s not in ("train", "val", "test"):
+                raise ValueError(f"row {i}: unknown official split {s!r}")
+            out[int(i)] = s
+    if not any(s == "val" for s in official):
+        train = [(i, y) for i, y in zip(indices, labels) if out[int(i)] == "train"]
+        if train:
+            ti, ty = zip(*train)
+            for i in stratified_take(ti, ty, round(val_fraction * len(train)), name=name, purpose="val"):
+                out[i] = "val"
+    return out
+
+
+def low_data_split(
+    splits: dict[int, str],
+    labels: dict[int, int],
+    *,
+    name: str,
+    n_train: int = VTAB_TRAIN,
+    n_val: int = VTAB_VAL,
+) -> dict[int, str]:
+    """VTAB-1k style subset of an :func:`assign_splits` result: ``n_train`` train, ``n_val`` val, all test.
+
+    Rows not selected are absent from the returned mapping. Raises ``ValueError`` when the training pool
+    holds fewer than ``n_train + n_val`` rows.
+    """
+    pool = [i for i, s in splits.items() if s in ("train", "val")]
+    need = n_train + n_val
+    if len(pool) < need:
+        raise ValueError(f"{name}: the low-data variant needs {need} training images, the source has {len(pool)}")
+    rows = _ranked_by_class(pool, [labels[i] for i in pool], name, "lowdata")
+    rows.sort(key=lambda r: (r[1], r[3]))  # round-robin over classes, in key order
+    chosen = [r[0] for r in rows[:need]]
+    val = stratified_take(chosen, [labels[i] for i in chosen], n_val, name=name, purpose="lowdata-val")
+    out = {i: ("val" if i in val else "train") for i in chosen}
+    out.update({i: s for i, s in splits.items() if s == "test"})
+    return out

@@ -1,0 +1,186 @@
+"""Streaming a prepared split: through Ray Data (:func:`open_split`) or a plain loop (:func:`iter_batches_local`).
+
+Both apply :func:`raystudy.data.transforms.transform_batch` to the same rows and give identical tensors:
+evaluation transforms are deterministic, and the training augmentation of the row with index ``i`` is seeded
+by ``sample_seed(seed, epoch, i)``, independent of batch composition, worker or process. Batches are dicts
+with ``image`` float32 ``(B, 3, size, size)`` (ImageNet-normalised), ``label`` int64 ``(B,)`` and ``index``
+int64 ``(B,)`` (the row's stable id, to match rows across streams: Ray Data does not guarantee order).
+
+Ray is imported lazily, only by :func:`open_split`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from .store import SPLITS, StoreError, iter_split, read_meta, read_split, shard_paths, verify_store
+from .transforms import sample_seed, transform_batch
+
+COLUMNS = ["image", "label", "index"]
+
+
+def _check_split(store, split: str, verify: bool) -> dict:
+    if split not in SPLITS:
+        raise StoreError(f"unknown split {split!r}; expected one of {SPLITS}")
+    meta = verify_store(store) if verify else read_meta(store)
+    if meta["counts"].get(split, 0) == 0:
+        raise StoreError(f"{store}: split {split!r} is empty")
+    return meta
+
+
+def transform_rows(batch: dict, *, train: bool, size: int, seed: int, epoch: int) -> dict[str, np.ndarray]:
+    """Ray Data ``map_batches`` function: encoded rows -> ``{"image", "label", "index"}`` numpy arrays."""
+    indices = np.asarray(batch["index"], dtype=np.int64)
+    images = transform_batch(list(batch["image"]), train=train, size=size, seed=seed, epoch=epoch,
+                             indices=indices.tolist())
+    return {"image": images.numpy(), "label": np.asarray(batch["label"], dtype=np.int64), "index": indices}
+
+
+def open_split(
+    store: str | os.PathLike,
+    split: str,
+    *,
+    train: bool,
+    size: int = 224,
+    seed: int = 0,
+    epoch: int = 0,
+    batch_size: int = 32,
+    num_cpus: float = 0.5,
+    concurrency: int | None = None,
+    shuffle: bool = False,
+    verify: bool = False,
+):
+    """One split of a prepared store as a ``ray.data.Dataset`` of transformed batches.
+
+    Reads the shards with ``ray.data.read_parquet`` (split filter and column selection pushed down to the
+    scan), optionally shuffles the encoded rows (``random_shuffle`` seeded by ``(seed, epoch)``), then
+    decodes and transforms them in ``map_batches`` tasks of ``batch_size`` rows, each reserving
+    ``num_cpus`` (fractional, so readers and transforms share a small machine without stalling).
+    ``train`` selects the augmenting transforms, seeded per image by ``(seed, epoch, index)``; call once
+    per epoch with its ``epoch``. ``verify`` recomputes the store checksum first.
+    Rows come out as ``image`` float32 ``(3, size, size)``, ``label`` int64 and ``index`` int64; e.g.
+    ``ds.iter_torch_batches(batch_size=B)`` yields ``image`` ``(B, 3, size, size)``.
+    """
+    import ray.data
+    from ray.data.expressions import col, lit
+
+    _check_split(store, split, verify)
+    ds = ray.data.read_parquet([str(p) for p in shard_paths(store)], columns=[*COLUMNS, "split"])
+    ds = ds.filter(expr=col("split") == lit(split)).select_columns(COLUMNS)
+    if shuffle:
+        ds = ds.random_shuffle(seed=sample_seed(seed, epoch, -1) % (2**31))
+    return ds.map_batches(
+        transform_rows,
+        fn_kwargs={"train": train, "size": size, "seed": seed, "epoch": epoch},
+        batch_size=batch_size,
+        batch_format="numpy",
+        num_cpus=num_cpus,
+        concurrency=concurrency,
+    )
+
+
+def iter_batches_local(
+    store: str | os.PathLike,
+    split: str,
+    *,
+    train: bool,
+    size: int = 224,
+    batch_size: int = 32,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = False,
+    shards: list[int] | None = None,
+    limit: int | None = None,
+    verify: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The same batches as :func:`open_split`, without Ray, as torch tensors (in store order).
+
+    ``shards`` restricts reading to those shard numbers (e.g. ``[0]`` for one shard on a laptop); ``limit``
+    stops after that many rows. ``shuffle`` permutes the rows deterministically by ``(seed, epoch)``
+    (this reads the whole split's encoded bytes into memory first).
+    """
+    _check_split(store, split, verify)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+
+    def rows() -> Iterator[tuple]:
+        if shuffle:
+            t = read_split(store, split, columns=COLUMNS)
+            if shards is not None:
+                raise ValueError("shuffle and shards cannot be combined")
+            order = np.random.default_rng(sample_seed(seed, epoch, -1)).permutation(t.num_rows)
+            img, lab, idx = (t.column(c).to_pylist() for c in COLUMNS)
+            for j in order:
+                yield img[j], lab[j], idx[j]
+        else:
+            for b in iter_split(store, split, batch_size=batch_size, columns=COLUMNS, shards=shards):
+                yield from zip(b["image"], b["label"], b["index"])
+
+    def emit(buf):
+        img, lab, idx = zip(*buf)
+        x = transform_batch(list(img), train=train, size=size, seed=seed, epoch=epoch, indices=list(idx))
+        return {"image": x, "label": torch.tensor(lab, dtype=torch.int64),
+                "index": torch.tensor(idx, dtype=torch.int64)}
+
+    buf: list[tuple] = []
+    n = 0
+    for row in rows():
+        if limit is not None and n >= limit:
+            break
+        buf.append(row)
+        n += 1
+        if len(buf) == batch_size:
+            yield emit(buf)
+            buf = []
+    if buf:
+        yield emit(buf)
+
+
+def load_tensors(
+    store: str | os.PathLike,
+    split: str,
+    *,
+    train: bool = False,
+    size: int = 224,
+    seed: int = 0,
+    epoch: int = 0,
+    limit: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole split (or its first ``limit`` rows) as ``(images (N, 3, size, size), labels (N,), indices (N,))``.
+
+    Memory is ``N * 3 * size**2 * 4`` bytes: meant for small stores and small images.
+    """
+    batches = list(iter_batches_local(store, split, train=train, size=size, batch_size=256, seed=seed,
+                                      epoch=epoch, limit=limit))
+    return tuple(torch.cat([b[k] for b in batches]) for k in COLUMNS)
+
+
+class StoreDataset(torch.utils.data.Dataset):
+    """A map-style torch ``Dataset`` over one split (for a ``DataLoader``), with the same per-row transforms.
+
+    Holds the split's encoded bytes in memory; item ``j`` is ``(image (3, size, size), label, index)``.
+    Call :meth:`set_epoch` to change the augmentation of the next epoch.
+    """
+
+    def __init__(self, store, split: str, *, train: bool, size: int = 224, seed: int = 0, epoch: int = 0):
+        _check_split(store, split, False)
+        t = read_split(store, split, columns=COLUMNS)
+        self.images = t.column("image").to_pylist()
+        self.labels = t.column("label").to_pylist()
+        self.indices = t.column("index").to_pylist()
+        self.train, self.size, self.seed, self.epoch = train, size, seed, epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, j: int):
+        x = transform_batch([self.images[j]], train=self.train, size=self.size, seed=self.seed, epoch=self.epoch,
+                            indices=[self.indices[j]])[0]
+        return x, self.labels[j], self.indices[j]
