@@ -822,6 +822,7 @@ class Finetuner:
         excluded = 0.0  # eval + checkpoint + callback time, not part of the training throughput
         window_t, window_steps = time.perf_counter(), 0
         step_ends: list[float] = []  # training clock at the end of each step of this attempt
+        seconds_before = self.train_seconds
         batches = self._train_batches() if self.step < cfg.steps and self.status == "ok" else iter(())
         for micro in batches:
             res = train_step(self.net, self.optimizer, self.scheduler, micro, share=cfg.share,
@@ -833,6 +834,7 @@ class Finetuner:
             window_steps += 1
             now = time.perf_counter()
             step_ends.append(now - t_start - excluded)
+            self.train_seconds = seconds_before + step_ends[-1]
             if not self.memory and res.finite:
                 self._measure_memory()
             if not res.finite:
@@ -861,7 +863,6 @@ class Finetuner:
             excluded += t1 - t0
             window_t, window_steps = t1, 0
         bar.close()
-        self.train_seconds += step_ends[-1] if step_ends else 0.0
         self.images_per_s = steady_throughput(step_ends, cfg.batch_size)
         self.test_acc = self._test_best()
         summary = self.summary()

@@ -1,0 +1,96 @@
+"""``raystudy finetune``: one component-wise finetuning run on Ray Train, printing its summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "finetune", help="finetune one configuration (LN1, MHA, LN2, FC1, FC2, All, Head) on Ray Train",
+        description="One run of the paper's protocol: freeze everything but the configuration's component (in "
+                    "every block) and a new head, train with SGD (momentum 0.9) or AdamW, cosine schedule with "
+                    "linear warmup, clipping at norm 1, global batch 512 over K DDP workers; evaluate on val "
+                    "every --eval-period steps and report the test accuracy of the best-validation state. "
+                    "Writes summary.json, curves.parquet, tb/, best_trainable.safetensors and Ray checkpoints "
+                    "into --out; re-running with the same --out resumes from its latest checkpoint.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--store", required=True, help="prepared store directory (raystudy data prepare)")
+    p.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
+    p.add_argument("--weights", default=None, metavar="FILE", help="local weights (.safetensors or .pth)")
+    p.add_argument("--pretrained", action="store_true", help="download timm's pretrained weights (internet)")
+    p.add_argument("--model-kwargs", default="{}", metavar="JSON",
+                   help='extra timm.create_model arguments, e.g. \'{"depth": 3, "embed_dim": 48}\'')
+    p.add_argument("--config", dest="component", default="MHA", help="LN1, MHA, LN2, FC1, FC2, All or Head")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--lr", type=float, default=1e-2, help="learning rate as used (AdamW: the caller scales)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=10_000)
+    p.add_argument("--batch-size", type=int, default=512, help="global batch over all workers")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="per-worker micro-batch (gradient accumulation); default: the whole share")
+    p.add_argument("--eval-period", type=int, default=500)
+    p.add_argument("--log-period", type=int, default=10)
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 20%% of --steps (paper: 2000/10000)")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--workers", type=int, default=1, help="Ray Train workers (DDP)")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--num-classes", type=int, default=None, help="default: the store's")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; off for fidelity)")
+    p.add_argument("--train-final-norm", action="store_true", help="also train the norm after the last block")
+    p.add_argument("--no-augment", action="store_true", help="eval transform on train images (no random crop/flip)")
+    p.add_argument("--no-shuffle", action="store_true", help="train rows in store order every epoch")
+    p.add_argument("--checkpoint-period", type=int, default=None, help="default: --eval-period; 0: off")
+    p.add_argument("--max-failures", type=int, default=0, help="worker failures to recover from")
+    p.add_argument("--loader-workers", type=int, default=0, help="DataLoader processes per worker")
+    p.add_argument("--save-final", action="store_true", help="also write the final full model")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`~raystudy.core.finetune.FinetuneConfig` of the parsed arguments (validated)."""
+    from raystudy.core.finetune import FinetuneConfig
+
+    try:
+        model_kwargs = json.loads(args.model_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-kwargs is not valid JSON: {e}") from e
+    if not isinstance(model_kwargs, dict):
+        raise ValueError("--model-kwargs must be a JSON object")
+    cfg = FinetuneConfig(
+        model=args.model, weights=args.weights, pretrained=args.pretrained, model_kwargs=model_kwargs,
+        store=args.store, component=args.component, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+        steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+        eval_period=args.eval_period, log_period=args.log_period, warmup_steps=args.warmup_steps,
+        img_size=args.img_size, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+        cpus_per_worker=args.cpus_per_worker, num_classes=args.num_classes, amp_bf16=args.bf16,
+        train_final_norm=args.train_final_norm, augment=not args.no_augment, shuffle=not args.no_shuffle,
+        checkpoint_period=args.checkpoint_period, max_failures=args.max_failures,
+        loader_workers=args.loader_workers, save_final=args.save_final, out_dir=args.out,
+    )
+    return cfg.validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    from raystudy.data.store import read_meta
+
+    read_meta(cfg.store)  # a clear error before Ray starts
+    import ray
+
+    from raystudy.distributed.train import format_summary, run_finetune
+
+    if not ray.is_initialized():
+        ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    summary = run_finetune(cfg)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_summary(summary))
+        print(f"outputs in {cfg.out_dir}: summary.json, curves.parquet, tb/")
+    return 0 if summary["status"] != "failed" else 1
