@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "finetune", help="finetune one configuration (LN1, MHA, LN2, FC1, FC2, All, Head) on Ray Train",
