@@ -231,6 +231,8 @@ def test_bad_inputs_have_clear_errors():
     y_dup[1] = x[1]
     with pytest.raises(PlasticityInputError, match=r"pair\(s\) \[1\] have identical embeddings"):
         pair_rates(model, x, y_dup)
+    with pytest.raises(PlasticityInputError, match=r"pair\(s\) \[1\] have identical inputs to LN1 of block 0"):
+        pair_rates(model, x, y_dup, mode="hidden")
     y_nan = y.clone()
     y_nan[2, 0, 0, 0] = float("nan")
     with pytest.raises(PlasticityInputError, match=r"y has non-finite values.*\[2\]"):

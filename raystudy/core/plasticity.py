@@ -156,15 +156,17 @@ def pair_rates_tensor(
 
 
 def _hidden_rates(adapter, z: torch.Tensor, n: int, rates: torch.Tensor) -> None:
-    """Run the blocks on the stacked ``(2N, n, d)`` batch; forward hooks reduce each component on the fly."""
+    """Run the blocks on the stacked ``(2N, n, d)`` batch; forward hooks reduce each component on the fly.
+
+    Denominators are kept on the device and checked once at the end (no host sync per component).
+    """
+    dens = torch.empty_like(rates)
     handles = []
 
     def hook(layer: int, c: int):
         def fn(module, args, output):
-            inp = args[0]
-            den = _half_diff_norm(inp, n)
-            _check_denominator(den, f"inputs to {COMPONENTS[c]} of block {layer}")
-            rates[:, layer, c] = _half_diff_norm(output, n) / den
+            dens[:, layer, c] = _half_diff_norm(args[0], n)
+            rates[:, layer, c] = _half_diff_norm(output, n)
 
         return fn
 
@@ -176,6 +178,11 @@ def _hidden_rates(adapter, z: torch.Tensor, n: int, rates: torch.Tensor) -> None
     finally:
         for h in handles:
             h.remove()
+    zero = dens == 0
+    if zero.any():
+        _, layer, c = (int(v) for v in zero.nonzero()[0])
+        _check_denominator(dens[:, layer, c], f"inputs to {COMPONENTS[c]} of block {layer}")
+    rates /= dens
 
 
 def rates_frame(rates: torch.Tensor | np.ndarray, *, pair_offset: int = 0) -> pd.DataFrame:
