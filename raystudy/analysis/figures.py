@@ -104,6 +104,12 @@ def _title(fig: Figure, title: str, constant: str) -> None:
         fig.suptitle(text, fontsize=13)
 
 
+def _fmt_lr(lr: float) -> str:
+    """``0.003 -> "3e-3"`` (the notation of the tables)."""
+    mant, exp = f"{float(lr):.3e}".split("e")
+    return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
+
+
 def _needs_log(values: np.ndarray) -> bool:
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v) & (v > 0)]
@@ -351,7 +357,7 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path,
             c = mine[mine["trial_id"] == r["trial_id"]].dropna(subset=[col]).sort_values("step")
             if c.empty:
                 continue
-            lr = f", lr {float(r['lr']):.0e}" if "lr" in r and pd.notna(r["lr"]) else ""
+            lr = f", lr {_fmt_lr(r['lr'])}" if "lr" in r and pd.notna(r["lr"]) else ""
             ax.plot(c["step"], c[col], color=_color(comp), lw=1.5, marker="o" if len(c) < 30 else None, ms=3,
                     label=f"{comp}{lr}")
             drawn = True

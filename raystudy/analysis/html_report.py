@@ -43,6 +43,7 @@ thead th { background: #eef1f4; text-align: center; }
 tbody th { text-align: left; font-weight: 600; }
 tbody tr:hover { background: #f3f7fc; }
 td strong, th strong { color: #0b4f9c; }
+small.detail { color: #7a8591; font-size: .78rem; }
 .table-scroll { overflow-x: auto; }
 ul.footnotes { font-size: .82rem; color: #5a6570; padding-left: 1.2rem; }
 ul.notes li { margin: .2rem 0; }

@@ -15,17 +15,22 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from raystudy.analysis.figures import _fmt_lr
 from raystudy.analysis.tables import OVERALL, best_component
 from raystudy.core.components import CONFIGURATIONS
 
 
 @dataclass
 class Block:
-    """One grid of cells; ``bold`` holds (row, column) indices of highlighted cells."""
+    """One grid of cells; ``bold`` holds (row, column) indices of highlighted cells.
+
+    A cell is a string or a ``(text, detail)`` pair: Markdown shows ``text (detail)``, HTML puts the detail
+    on a second, smaller line.
+    """
 
     heading: str
     columns: list[str]
-    rows: list[list[str]]
+    rows: list[list[str | tuple[str, str]]]
     bold: set[tuple[int, int]] = field(default_factory=set)
 
 
@@ -45,7 +50,11 @@ class Rendered:
             out.append("| " + " | ".join(_md(c) for c in b.columns) + " |")
             out.append("|" + "|".join(":---" if j == 0 else "---:" for j in range(len(b.columns))) + "|")
             for i, row in enumerate(b.rows):
-                cells = [f"**{_md(c)}**" if (i, j) in b.bold and c else _md(c) for j, c in enumerate(row)]
+                cells = []
+                for j, c in enumerate(row):
+                    text, detail = c if isinstance(c, tuple) else (c, "")
+                    text = f"**{_md(text)}**" if (i, j) in b.bold and text else _md(text)
+                    cells.append(f"{text} ({_md(detail)})" if detail else text)
                 out.append("| " + " | ".join(cells) + " |")
             out.append("")
         out += [f"- {n}" for n in self.footnotes]
@@ -63,7 +72,11 @@ class Rendered:
             for i, row in enumerate(b.rows):
                 cells = []
                 for j, c in enumerate(row):
+                    c, detail = c if isinstance(c, tuple) else (c, "")
                     text = f"<strong>{e(c)}</strong>" if (i, j) in b.bold and c else e(c)
+                    if detail:
+                        text += f'<br><small class="detail">{e(detail)}</small>'
+
                     cells.append(f'<th scope="row">{text}</th>' if j == 0 else f"<td>{text}</td>")
                 body.append("<tr>" + "".join(cells) + "</tr>")
             parts.append(f'<table data-table="{e(self.name)}"><thead><tr>{head}</tr></thead>'
@@ -94,11 +107,7 @@ def pm(mean, std, digits: int = 1) -> str:
 
 def fmt_lr(lr) -> str:
     """``0.003 -> "3e-3"``, ``0.0015 -> "1.5e-3"``."""
-    if not _finite(lr):
-        return "–"
-    mant, exp = f"{float(lr):.3e}".split("e")
-    mant = mant.rstrip("0").rstrip(".")
-    return f"{mant}e{int(exp)}"
+    return _fmt_lr(lr) if _finite(lr) else "–"
 
 
 def fmt_p(p) -> str:
@@ -177,7 +186,7 @@ def _best_mask(df: pd.DataFrame, value: str, *, lowest: bool = False) -> pd.Seri
 
 
 def render_best_lr(t: pd.DataFrame) -> Rendered:
-    blocks = _wide(t, lambda r: f"{pm(r['mean'], r['std'])} (lr {fmt_lr(r['lr'])})", bold=best_component(t))
+    blocks = _wide(t, lambda r: (pm(r["mean"], r["std"]), f"lr {fmt_lr(r['lr'])}"), bold=best_component(t))
     return Rendered("best_lr", "Best learning rate per dataset and configuration",
                     "Test accuracy (%) at the learning rate with the highest mean over seeds: mean ± std over "
                     "seeds, the learning rate in parentheses (the paper's full results table).", blocks,
