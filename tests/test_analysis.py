@@ -69,6 +69,11 @@ def make_study(path: Path, *, seed: int = 0, plasticity: bool = True, bounds: bo
                             if memory:
                                 row["grad_memory_bytes"] = 4 * row["trainable_params"]
                                 row["optimizer_memory_bytes"] = (8 if opt == "adamw" else 4) * row["trainable_params"]
+                                row["images_per_s"] = float(rng.uniform(100, 200)) if status == "ok" else np.nan
+                            if status == "failed":  # as the study engine records a trial that never ran
+                                row.update(trainable_params=-1, wall_seconds=np.nan)
+                                if memory:
+                                    row.update(grad_memory_bytes=np.nan, optimizer_memory_bytes=np.nan)
                             rows.append(row)
                             if curves and status == "ok":
                                 for step in range(0, 100, 10):
@@ -434,20 +439,29 @@ def test_cost_matches_loops(study):
     t = tables["cost"]
     assert list(t.columns) == ["optimizer", "component", "trainable_params", "grad_memory_bytes",
                                "optimizer_memory_bytes", "wall_seconds", "wall_seconds_std", "total_wall_seconds",
-                               "n_trials"]
+                               "n_trials", "images_per_s"]
     trials = raw_trials(d)
+    assert any(x["trainable_params"] == -1 for x in trials)  # failed rows record -1: never a parameter count
     got = by_key(t, ["optimizer", "component"])
     for opt in LRS:
         for comp in CONFIGS:
             mine = [x for x in trials if x["optimizer"] == opt and x["component"] == comp]
-            ok = [x["wall_seconds"] for x in mine if x["status"] == "ok"]
+            ok = [x for x in mine if x["status"] == "ok"]
             r = got[(opt, comp)]
-            assert r["trainable_params"] == float(np.median([x["trainable_params"] for x in mine]))
-            assert r["optimizer_memory_bytes"] == float(np.median([x["optimizer_memory_bytes"] for x in mine]))
-            assert r["wall_seconds"] == pytest.approx(mean(ok), abs=1e-9)
-            assert r["wall_seconds_std"] == pytest.approx(sample_std(ok), abs=1e-9)
-            assert r["total_wall_seconds"] == pytest.approx(sum(x["wall_seconds"] for x in mine), abs=1e-9)
+            assert r["trainable_params"] == float(np.median([x["trainable_params"] for x in mine
+                                                             if x["trainable_params"] > 0]))
+            assert r["optimizer_memory_bytes"] == float(np.median([x["optimizer_memory_bytes"] for x in mine
+                                                                   if x["optimizer_memory_bytes"] > 0]))
+            assert r["grad_memory_bytes"] == float(np.median([x["grad_memory_bytes"] for x in mine
+                                                              if x["grad_memory_bytes"] > 0]))
+            assert r["wall_seconds"] == pytest.approx(mean(x["wall_seconds"] for x in ok), abs=1e-9)
+            assert r["wall_seconds_std"] == pytest.approx(sample_std(x["wall_seconds"] for x in ok), abs=1e-9)
+            assert r["total_wall_seconds"] == pytest.approx(
+                sum(x["wall_seconds"] for x in mine if not math.isnan(x["wall_seconds"])), abs=1e-9)
+            assert r["images_per_s"] == pytest.approx(mean(x["images_per_s"] for x in ok), abs=1e-9)
             assert r["n_trials"] == len(mine)
+    md = (d / "analysis" / "cost.md").read_text()
+    assert "-1" not in md and "KiB" in md
 
 
 def test_markdown_shows_percent_and_marks_best(study):
@@ -482,7 +496,7 @@ def test_without_plasticity_parts_are_omitted_with_a_note(tmp_path):
     notes = (d / "analysis" / "notes.md").read_text()
     assert "No plasticity.parquet" in notes and "No Head" in notes and "No curves.parquet" in notes
     assert "excluded" not in (d / "analysis" / "best_lr.md").read_text()
-    assert "grad_memory_bytes" not in tables["cost"].columns
+    assert "grad_memory_bytes" not in tables["cost"].columns and "images_per_s" not in tables["cost"].columns
     figs = sorted(p.name for p in (d / "analysis" / "figures").iterdir())
     assert figs == ["accuracy_distribution.png", "accuracy_distribution.svg"]
 
@@ -497,6 +511,20 @@ def test_plasticity_only_study(tmp_path):
     figs = {p.stem for p in (d / "analysis" / "figures").iterdir()}
     assert figs == {"plasticity_depth", "plasticity_distribution", "bounds"}
     assert "No trials.parquet" in (d / "analysis" / "notes.md").read_text()
+
+
+def test_uri_study_dir_and_empty_curves(tmp_path):
+    from raystudy.analysis import report
+    from raystudy.io import SCHEMAS
+
+    d = make_study(tmp_path / "s", curves=False, plasticity=False, bounds=False, datasets=DATASETS[:2])
+    write_table_atomic(pd.DataFrame(columns=SCHEMAS["curves"]), d / "curves.parquet")  # no trial evaluated
+    local = report(d.as_uri())  # file:///...: staged locally, then uploaded next to the tables
+    assert local.name == "report.html" and local.parent != d / "analysis"
+    uploaded = d / "analysis" / "report.html"
+    assert uploaded.read_text() == local.read_text()
+    assert (d / "analysis" / "best_lr.csv").exists() and (d / "analysis" / "figures" / "relative_gain.png").exists()
+    assert "curves.parquet has no rows" in (d / "analysis" / "notes.md").read_text()
 
 
 def _write_trials(d: Path, df: pd.DataFrame) -> None:

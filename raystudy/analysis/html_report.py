@@ -18,7 +18,7 @@ import pandas as pd
 
 from raystudy import __version__
 from raystudy.analysis.figures import COMPONENT_COLORS
-from raystudy.analysis.pipeline import AnalysisResult, run_analysis, write_text_atomic
+from raystudy.analysis.pipeline import AnalysisResult, publish, run_analysis, write_text_atomic
 from raystudy.analysis.render import fmt_num, pct
 from raystudy.core.components import COMPONENTS
 
@@ -177,13 +177,19 @@ def build_html(res: AnalysisResult) -> str:
 
 
 def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> Path:
+    """Write ``report.html`` into the analysis folder (uploaded too when the folder mirrors a URI)."""
     path = Path(path) if path is not None else res.out_dir / "report.html"
-    return write_text_atomic(path, build_html(res))
+    write_text_atomic(path, build_html(res))
+    if res.upload_to and path.parent == res.out_dir:
+        publish(res.out_dir, res.upload_to)
+    return path
 
 
 def report(study_dir: str | os.PathLike, *, reference: str = "MHA", alternative: str = "greater",
            pair_by: str = "dataset", out_dir: str | os.PathLike | None = None) -> Path:
-    """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`) and write the
-    self-contained ``<out_dir>/report.html`` (default ``<study_dir>/analysis/report.html``); returns its path."""
+    """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
+    redundant) and write the self-contained ``<out_dir>/report.html`` (default
+    ``<study_dir>/analysis/report.html``); returns its path (for a URI study directory: the local staged
+    copy, uploaded to ``<study_dir>/analysis/report.html``)."""
     res = run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by, out_dir=out_dir)
     return write_report(res)

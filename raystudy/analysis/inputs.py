@@ -169,9 +169,14 @@ def load_study(study_dir: str | os.PathLike) -> StudyInputs:
                          "is this a study directory?")
     for name, check in (("curves", validate_curves), ("bounds", validate_bounds), ("rates", validate_rates)):
         df = read_result(study_dir, name, required=False)
+        if name == "curves" and df is not None and df.empty:
+            # A study whose trials all failed (or none evaluated yet) legitimately has no curve rows.
+            inputs.notes.append("curves.parquet has no rows: the gradient-norm and validation-loss figures are "
+                                "omitted.")
+            continue
         if df is not None:
             setattr(inputs, name, check(df, inputs.path(name)))
-    if inputs.trials is not None and inputs.curves is None:
+    if inputs.trials is not None and inputs.curves is None and not any("curves.parquet" in n for n in inputs.notes):
         inputs.notes.append("No curves.parquet: the gradient-norm and validation-loss figures are omitted.")
     if inputs.bounds is None:
         inputs.notes.append("No bounds.parquet: the bounds figure is omitted.")

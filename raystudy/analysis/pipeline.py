@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.fs as pafs
 from tqdm.auto import tqdm
 
 from raystudy.analysis import figures as F
@@ -56,6 +58,7 @@ class AnalysisResult:
     notes: list[str] = field(default_factory=list)
     footnote: str = ""
     options: dict = field(default_factory=dict)
+    upload_to: str | None = None  # the URI the local ``out_dir`` is mirrored to, if any
 
     @property
     def files(self) -> list[Path]:
@@ -79,13 +82,26 @@ def write_text_atomic(path: Path, text: str) -> Path:
     return path
 
 
-def default_out_dir(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None) -> Path:
-    if out_dir is not None:
-        return Path(out_dir)
-    if "://" in str(study_dir):
-        raise ValueError(f"out_dir: the study directory {study_dir} is a URI; pass a local folder for the "
-                         "analysis outputs (raystudy analyze --out DIR)")
-    return Path(study_dir) / "analysis"
+def output_target(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None) -> tuple[Path, str | None]:
+    """Where outputs are written: ``(local folder, URI to upload it to or None)``.
+
+    Default ``<study_dir>/analysis``. Matplotlib writes local files, so for a URI (``s3://...``, ``gs://...``,
+    ``file://...``) everything is staged in a local temporary folder and uploaded with pyarrow afterwards.
+    """
+    target = str(out_dir) if out_dir is not None else f"{str(study_dir).rstrip('/')}/analysis"
+    if "://" in target:
+        return Path(tempfile.mkdtemp(prefix="raystudy-analysis-")), target
+    return Path(target), None
+
+
+def publish(local: Path, uri: str | None) -> None:
+    """Replace the contents of ``uri`` by those of the local folder ``local`` (no-op without a URI)."""
+    if uri is None:
+        return
+    fs, path = pafs.FileSystem.from_uri(uri)
+    fs.create_dir(path, recursive=True)
+    fs.delete_dir_contents(path, missing_dir_ok=True)
+    pafs.copy_files(str(local.absolute()), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
 def _slug(*parts) -> str:
@@ -216,11 +232,15 @@ def _clean(out_dir: Path, fig_dir: Path) -> None:
 def run_analysis(study_dir: str | os.PathLike, *, reference: str = "MHA", alternative: str = "greater",
                  pair_by: str = "dataset", out_dir: str | os.PathLike | None = None,
                  figures: bool = True) -> AnalysisResult:
-    """Read ``study_dir``, write every table and figure to ``out_dir``; returns all of it."""
+    """Read ``study_dir``, write every table and figure to ``out_dir``; returns all of it.
+
+    ``out_dir`` defaults to ``<study_dir>/analysis``; a URI there (or a URI study directory) is written
+    through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``).
+    """
     check_options(reference, alternative, pair_by)
-    out = default_out_dir(study_dir, out_dir)
     inputs = load_study(study_dir)
-    res = AnalysisResult(str(study_dir), out, inputs, notes=list(inputs.notes),
+    out, uri = output_target(study_dir, out_dir)
+    res = AnalysisResult(str(study_dir), out, inputs, notes=list(inputs.notes), upload_to=uri,
                          options=dict(reference=reference, alternative=alternative, pair_by=pair_by))
     res.tables = compute_tables(inputs, reference=reference, alternative=alternative, pair_by=pair_by,
                                 notes=res.notes)
@@ -241,6 +261,7 @@ def run_analysis(study_dir: str | os.PathLike, *, reference: str = "MHA", altern
         res.figures = draw_figures(inputs, res.tables, fig_dir, res.notes)
     lines = ["# Analysis notes", ""] + [f"- {n}" for n in res.notes + ([res.footnote] if res.footnote else [])]
     write_text_atomic(out / "notes.md", "\n".join(lines) + "\n")
+    publish(out, uri)
     for n in res.notes:
         log.info("%s", n)
     return res

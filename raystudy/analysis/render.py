@@ -287,6 +287,7 @@ def render_ranking(t: pd.DataFrame) -> Rendered:
 def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered:
     mem = [c for c in ("grad_memory_bytes", "optimizer_memory_bytes") if c in t.columns]
     labels = {"grad_memory_bytes": "gradient memory", "optimizer_memory_bytes": "optimizer memory"}
+    speed = "images_per_s" in t.columns
     blocks = []
     for heading, g in _groups(t, []):
         rows = []
@@ -296,16 +297,17 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
                 wall += f" ± {fmt_seconds(r['wall_seconds_std'])}"
             rows.append([r["optimizer"], r["component"], fmt_count(r["trainable_params"]),
                          *[fmt_bytes(r[c]) for c in mem], wall, fmt_seconds(r["total_wall_seconds"]),
-                         str(int(r["n_trials"]))])
+                         str(int(r["n_trials"])), *([fmt_num(r["images_per_s"], 1)] if speed else [])])
         blocks.append(Block(heading, ["optimizer", "configuration", "trainable parameters",
                                       *[labels[c] for c in mem], "wall time per ok trial", "total wall time",
-                                      "trials"], rows))
+                                      "trials", *(["images/s"] if speed else [])], rows))
     notes = ["Trainable parameters and memory: median over the configuration's trials (they vary only with the "
              "classifier head, i.e. the number of classes); total wall time includes failed trials."]
     if not mem:
         notes.append("trials.parquet has no grad_memory_bytes / optimizer_memory_bytes: memory columns omitted.")
     if trials is not None:
         p = pd.to_numeric(trials["trainable_params"], errors="coerce")
+        p = p.where(p > 0)
         spread = trials.assign(p=p).groupby("component")["p"].agg(["min", "max"])
         spread = spread.loc[[c for c in CONFIGURATIONS if c in spread.index]]
         varied = spread[spread["min"] != spread["max"]]

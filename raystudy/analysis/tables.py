@@ -166,26 +166,33 @@ MEMORY_COLUMNS = ("grad_memory_bytes", "optimizer_memory_bytes")
 def cost_table(trials: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.DataFrame:
     """Cost per configuration and optimizer.
 
-    ``trainable_params`` and the memory columns are medians over the configuration's trials (they vary
-    only with the classifier head, i.e. the number of classes of a dataset); ``wall_seconds`` and
+    ``trainable_params`` and the memory columns are medians over the configuration's trials that recorded
+    them (values <= 0, e.g. the ``-1`` of a trial that failed before building its model, count as missing;
+    they vary only with the classifier head, i.e. the number of classes of a dataset); ``wall_seconds`` and
     ``wall_seconds_std`` are the mean and std per ok trial; ``total_wall_seconds`` sums every trial with a
     recorded time, failed ones included (the compute actually spent); ``n_trials`` counts all trials.
     ``grad_memory_bytes`` / ``optimizer_memory_bytes`` appear only when ``trials.parquet`` has them
-    (with at least one value).
+    (with at least one value), and ``images_per_s`` (mean training throughput per ok trial) likewise.
     """
     key = ["model", "optimizer", "component"]
     df = trials.copy()
     mem = [c for c in MEMORY_COLUMNS if c in df.columns and pd.to_numeric(df[c], errors="coerce").notna().any()]
-    for c in mem:
-        df[c] = pd.to_numeric(df[c], errors="coerce")
-    df["trainable_params"] = pd.to_numeric(df["trainable_params"], errors="coerce")
+    for c in ["trainable_params", *mem]:
+        v = pd.to_numeric(df[c], errors="coerce")
+        df[c] = v.where(v > 0)
     df["wall_seconds"] = pd.to_numeric(df["wall_seconds"], errors="coerce")
     g = df.groupby(key, sort=False)
     out = g[["trainable_params"] + mem].median()
     out = out.join(g["wall_seconds"].sum(min_count=1).rename("total_wall_seconds"))
     out = out.join(g["trial_id"].count().rename("n_trials"))
     ok = trials_ok.groupby(key, sort=False)["wall_seconds"].agg(wall_seconds="mean", wall_seconds_std="std")
-    out = out.join(ok).reset_index()
+    out = out.join(ok)
+    extra = []
+    if "images_per_s" in trials_ok.columns and pd.to_numeric(trials_ok["images_per_s"], errors="coerce").notna().any():
+        rate = trials_ok.assign(images_per_s=pd.to_numeric(trials_ok["images_per_s"], errors="coerce"))
+        out = out.join(rate.groupby(key, sort=False)["images_per_s"].mean())
+        extra = ["images_per_s"]
+    out = out.reset_index()
     cols = ["optimizer", "component", "trainable_params", *mem,
-            "wall_seconds", "wall_seconds_std", "total_wall_seconds", "n_trials"]
+            "wall_seconds", "wall_seconds_std", "total_wall_seconds", "n_trials", *extra]
     return finish(out, cols, int(df["model"].nunique()))

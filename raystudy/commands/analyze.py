@@ -8,7 +8,7 @@ import argparse
 def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("study_dir", metavar="DIR", help="study directory holding trials.parquet, plasticity.parquet, ...")
     p.add_argument("--out", default=None, metavar="OUT",
-                   help="output folder (default: DIR/analysis; required when DIR is a URI)")
+                   help="output folder or URI (default: DIR/analysis)")
     p.add_argument("--reference", default="MHA",
                    help="configuration the Wilcoxon tests compare against every other one (default: MHA)")
     p.add_argument("--alternative", default="greater", choices=["greater", "two-sided", "less"],
@@ -41,7 +41,8 @@ def run_analyze(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if res.footnote:
         print(f"note: {res.footnote}")
-    print(f"{len(res.tables)} tables and {len(res.figures)} figures written to {res.out_dir}")
+    where = f"{res.upload_to} (staged in {res.out_dir})" if res.upload_to else str(res.out_dir)
+    print(f"{len(res.tables)} tables and {len(res.figures)} figures written to {where}")
     for path in res.files:
         print(path)
     return 0
@@ -55,5 +56,8 @@ def run_report(args: argparse.Namespace) -> int:
                        pair_by=args.pair_by, out_dir=args.out)
     for note in res.notes:
         print(f"note: {note}")
-    print(write_report(res))
+    path = write_report(res)
+    if res.upload_to:
+        print(f"note: uploaded to {res.upload_to}/report.html")
+    print(path)
     return 0
