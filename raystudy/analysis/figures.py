@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from raystudy.core.components import CONFIGURATIONS
@@ -289,12 +290,12 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
             bb = bb[np.isfinite(bb) & (bb > 0)]
             if len(bb):
                 ax.plot(bb.index, bb.to_numpy(), color=_color(comp), ls="--", lw=1.6, marker=COMPONENT_MARKERS[comp],
-                        ms=3, mfc="none", label=f"{comp} bound")
+                        ms=3, mfc="none")
             if p is not None and len(p):
                 pp = p[p["component"] == comp].groupby("layer")["plasticity"].mean().sort_index()
                 if len(pp):
                     ax.plot(pp.index, pp.to_numpy(), color=_color(comp), lw=1.8, marker=COMPONENT_MARKERS[comp],
-                            ms=4, label=f"{comp} measured")
+                            ms=4)
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
@@ -302,9 +303,11 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
         ax.grid(alpha=0.3, which="both")
         if len(models) > 1:
             ax.set_title(model)
-    handles, labels = axes[0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="outside right center", frameon=False, title="solid: measured\ndashed: bound")
+    comps = _ordered(bounds["component"].unique())
+    handles = [Line2D([], [], color=_color(c), marker=COMPONENT_MARKERS[c], lw=1.8, ms=4, label=c) for c in comps]
+    handles += [Line2D([], [], color="black", lw=1.8, label="measured"),
+                Line2D([], [], color="black", lw=1.6, ls="--", label="upper bound")]
+    fig.legend(handles=handles, loc="outside right center", frameon=False, title="component")
     _title(fig, title or "Upper bounds and measured plasticity", models[0] if len(models) == 1 else "")
     return save_figure(fig, path_stem)
 

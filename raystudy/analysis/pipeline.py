@@ -263,7 +263,7 @@ def run_analysis(study_dir: str | os.PathLike, *, reference: str = "MHA", altern
     write_text_atomic(out / "notes.md", "\n".join(lines) + "\n")
     publish(out, uri)
     for n in res.notes:
-        log.info("%s", n)
+        log.debug("%s", n)
     return res
 
 
