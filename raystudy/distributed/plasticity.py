@@ -1,0 +1,721 @@
+"""Distributed plasticity: Ray streams image pairs through an actor pool and reduces rates to tables.
+
+One job measures one model against a pretraining store and any number of downstream stores::
+
+    pairs      seeded shuffle of each side's rows, pair by position (pair id = position)
+    gather     Ray tasks, one per source shard: copy the chosen encoded images into a pair-bucketed
+               staging layout (each shard read once, sequentially)
+    load       Ray Data map tasks: read one bucket of pairs (only its bytes), decode + eval transform
+    rates      Ray Data actor pool of K workers, each holding the model once on its device (CPU or GPU),
+               calling the core :func:`~raystudy.core.plasticity.pair_rates_tensor` on every batch
+    reduce     the driver streams the rates into ``rates.parquet`` (temporary file, renamed at the end)
+               and into float64 running moments; ``plasticity.parquet`` comes from those moments
+
+Pairing (deterministic from ``seed``)
+-------------------------------------
+The rows of each side's split are numbered in store order (shard by shard, row by row, as
+:func:`raystudy.data.store.read_split` returns them). With ``rng = numpy.random.default_rng(seed)``::
+
+    pre  = rng.permutation(n_pre)[:N]      # pretraining side first ...
+    down = rng.permutation(n_down)[:N]     # ... then the downstream side, from the same generator
+
+and pair ``i`` is ``(pre[i], down[i])``. Since the pretraining side is drawn first, every downstream
+dataset of a job is paired against the same ``N`` pretraining images. When a split has fewer than ``N``
+rows, further permutations are appended (``concat(rng.permutation(n), rng.permutation(n), ...)[:N]``),
+so every row is used ``floor(N/n)`` or ``ceil(N/n)`` times; a warning says so.
+
+Why a staging step
+------------------
+The shuffled rows of a side are spread over all shards, and a Parquet shard can only be read a row group
+at a time (a store writes one row group per 2,048-row shard). Reading by row group for each batch would
+re-read a whole store per batch (about 6 GB per batch for ImageNet-1k val). The gather tasks read every
+needed shard once and write the selected images, sorted by pair id, into one staging file per shard with
+one row group per bucket of ``batch_size`` pairs; a load task then reads exactly one bucket's bytes.
+Staging lives under ``out_dir`` (or ``stage_dir``) and is deleted at the end; on a multi-node cluster it
+must be on storage every node sees, like the stores themselves.
+
+Reduction
+---------
+Per ``(layer, component)``: ``n``, mean and ``M2 = sum (rate - mean)^2`` in float64, merged batch by
+batch with Chan et al.'s update. ``plasticity = mean``, ``std = sqrt(M2 / (n - 1))`` (pandas' ddof=1;
+0 for one pair), ``ci95 = 1.96 std / sqrt(n)``: the same table :func:`raystudy.core.plasticity.summarize`
+gives on the same rates.
+
+Bounds
+------
+On the first downstream dataset's pass the actors also embed the pretraining images of each batch and
+return their token radius ``sqrt(mean_i ||x_i||^2)`` and minimum per-token LayerNorm sigma; the driver
+folds them into a :class:`raystudy.core.bounds.TokenStats` and a Ray task computes
+:func:`raystudy.core.bounds.upper_bounds` with them (``bounds.parquet``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+MODES = ("embedding", "hidden")
+RATES_SCHEMA = pa.schema([
+    ("model", pa.string()), ("dataset", pa.string()), ("mode", pa.string()), ("pair", pa.int64()),
+    ("layer", pa.int64()), ("component", pa.string()), ("rate", pa.float64()),
+])
+PAIRS_SCHEMA = pa.schema([
+    ("dataset", pa.string()), ("pair", pa.int64()), ("pretrain_index", pa.int64()), ("downstream_index", pa.int64()),
+])
+#: Logical CPUs of one gather or load task (fractional: on small machines the actors need the rest).
+TASK_CPUS = 0.5
+#: Rates rows buffered on the driver before they are written as one Parquet row group.
+_ROWS_PER_WRITE = 1 << 16
+_CRASH_MARKER = ".plasticity-crash-injected"
+
+
+@dataclass
+class PlasticityJob:
+    """One plasticity measurement: a model against a pretraining store and downstream stores.
+
+    Field names follow the ``raystudy plasticity`` flags (``--out`` is ``out_dir``).
+
+    Attributes:
+        model: timm model name (e.g. ``vit_base_patch16_224.augreg_in21k``).
+        weights: local weights file (``.safetensors`` or PyTorch state dict); ``None`` keeps the random
+            init, seeded from ``seed`` so that every worker holds the same model.
+        model_kwargs: extra ``timm.create_model`` arguments (e.g. a tiny ViT's sizes).
+        pretrain: prepared store of the pretraining side (``x``).
+        pretrain_split: its split; ``"test"`` falls back to ``"val"`` when the store has no test rows.
+        downstream: prepared stores of the downstream side (``y``); each one's ``test`` split is used.
+        pairs: number of pairs ``N`` per downstream dataset.
+        batch_size: pairs per actor call (and per staging bucket).
+        mode: ``"embedding"`` (the paper's definition) or ``"hidden"``.
+        workers: actors ``K`` in the pool, each holding the model once.
+        gpus_per_worker: GPUs per actor (0: the model runs on the CPU); fractions share a GPU.
+        cpus_per_worker: logical CPUs per actor. Fractional by default: Ray Data needs free CPUs for the
+            tasks that feed the pool, and a pool that takes every CPU starves them (shared/NOTES.md).
+        seed: pairing seed (and the random init when ``weights`` is ``None``).
+        img_size: evaluation transform size; ``None`` takes the model's input size.
+        amp_bf16: run the forward passes under bfloat16 autocast (norms stay float32).
+        out_dir: where the tables, figures and (temporarily) the staging files go.
+        figures: write the per-dataset figures.
+        torch_threads: intra-op threads of a CPU actor; ``None``: the node's cores divided by ``workers``.
+        stage_dir: staging directory (default: a fresh directory under ``out_dir``).
+        crash_at_batch: test hook: the first actor to reach its ``crash_at_batch``-th batch kills its own
+            process (``os._exit``), once per ``out_dir`` (a marker file there records that it happened).
+    """
+
+    model: str
+    pretrain: str
+    downstream: list[str]
+    out_dir: str
+    weights: str | None = None
+    model_kwargs: dict = field(default_factory=dict)
+    pretrain_split: str = "test"
+    pairs: int = 12800
+    batch_size: int = 64
+    mode: str = "embedding"
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 0.5
+    seed: int = 0
+    img_size: int | None = None
+    amp_bf16: bool = False
+    figures: bool = True
+    torch_threads: int | None = None
+    stage_dir: str | None = None
+    crash_at_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.downstream, str | os.PathLike):
+            self.downstream = [self.downstream]
+        self.downstream = [str(s) for s in self.downstream]
+        self.pretrain, self.out_dir = str(self.pretrain), str(self.out_dir)
+        self.model_kwargs = dict(self.model_kwargs or {})
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad parameter."""
+        checks = [
+            (bool(self.model), "model: empty model name"),
+            (len(self.downstream) > 0, "downstream: give at least one downstream store"),
+            (self.pairs >= 1, f"pairs must be >= 1, got {self.pairs}"),
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
+            (self.workers >= 1, f"workers must be >= 1, got {self.workers}"),
+            (self.gpus_per_worker >= 0, f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}"),
+            (self.cpus_per_worker > 0, f"cpus_per_worker must be > 0, got {self.cpus_per_worker}"),
+            (self.pretrain_split in ("train", "val", "test"),
+             f"pretrain_split must be train, val or test, got {self.pretrain_split!r}"),
+            (self.img_size is None or self.img_size > 0, f"img_size must be positive, got {self.img_size}"),
+            (self.torch_threads is None or self.torch_threads >= 1,
+             f"torch_threads must be >= 1, got {self.torch_threads}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"plasticity job: {msg}")
+        if self.weights is not None and not Path(self.weights).is_file():
+            raise FileNotFoundError(f"weights file not found: {self.weights}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rows and pairs
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """Where the rows of one split live: row ``i`` of the split (store order) is row ``row[i]`` of shard
+    ``shards[shard[i]]`` and has the store's stable ``index[i]``."""
+
+    store: str
+    name: str
+    split: str
+    shards: tuple[str, ...]
+    shard: np.ndarray  # (n,) int64
+    row: np.ndarray  # (n,) int64, row number inside the shard file
+    index: np.ndarray  # (n,) int64
+
+    def __len__(self) -> int:
+        return int(self.shard.shape[0])
+
+
+def locate_split(store: str | os.PathLike, split: str) -> SplitRows:
+    """Read the ``split`` and ``index`` columns of every shard once and locate the split's rows.
+
+    Raises :class:`raystudy.data.store.StoreError` naming the store when it is not prepared or the
+    split is empty.
+    """
+    from raystudy.data.store import SCHEMA, StoreError, read_meta, shard_paths
+
+    meta = read_meta(store)
+    paths = shard_paths(store)
+    shard, row, index = [], [], []
+    for i, p in enumerate(paths):
+        t = pq.read_table(p, columns=["split", "index"], schema=SCHEMA)
+        rows = np.flatnonzero(pc.equal(t.column("split"), split).to_numpy(zero_copy_only=False))
+        shard.append(np.full(rows.shape[0], i, dtype=np.int64))
+        row.append(rows.astype(np.int64))
+        index.append(t.column("index").to_numpy()[rows].astype(np.int64))
+    out = SplitRows(str(store), str(meta["name"]), split, tuple(str(p) for p in paths),
+                    np.concatenate(shard), np.concatenate(row), np.concatenate(index))
+    if len(out) == 0:
+        raise StoreError(f"{store}: split {split!r} is empty")
+    return out
+
+
+def resolve_pretrain_split(store: str | os.PathLike, split: str = "test") -> str:
+    """``split`` if the store has rows there; ``"test"`` falls back to ``"val"`` when it has none."""
+    from raystudy.data.store import StoreError, read_meta
+
+    counts = read_meta(store).get("counts", {})
+    if counts.get(split, 0) > 0:
+        return split
+    if split == "test" and counts.get("val", 0) > 0:
+        log.info("%s has no test rows; using its val split as the pretraining side", store)
+        return "val"
+    raise StoreError(f"{store}: split {split!r} is empty" + (" and so is 'val'" if split == "test" else ""))
+
+
+def _draw(rng: np.random.Generator, n: int, count: int) -> np.ndarray:
+    """``count`` positions from a seeded shuffle of ``range(n)``, appending fresh shuffles when n < count."""
+    parts, have = [], 0
+    while have < count:
+        parts.append(rng.permutation(n))
+        have += n
+    return np.concatenate(parts)[:count].astype(np.int64)
+
+
+def pair_positions(n_pre: int, n_down: int, pairs: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row positions ``(pre, down)`` of pair ``0..pairs-1`` (see the module docstring for the recipe)."""
+    if n_pre < 1 or n_down < 1:
+        raise ValueError(f"both sides need rows, got {n_pre} pretraining and {n_down} downstream rows")
+    rng = np.random.default_rng(seed)
+    pre = _draw(rng, n_pre, pairs)
+    down = _draw(rng, n_down, pairs)
+    return pre, down
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ray-side work (module-level functions so that Ray ships them by reference)
+
+
+def _gather_shard(shard_path: str, rows: np.ndarray, pairs: np.ndarray, bucket_size: int, out_path: str) -> dict:
+    """Copy the encoded images of ``rows`` (row numbers in ``shard_path``) to ``out_path``, keyed by pair.
+
+    ``pairs[i]`` uses row ``rows[i]`` (a row may serve several pairs). The output holds columns
+    ``pair, image`` sorted by pair, one row group per bucket ``pair // bucket_size``. Returns
+    ``{bucket: row_group}``. Reads only the row groups that hold a needed row, one at a time.
+    """
+    pf = pq.ParquetFile(shard_path)
+    starts = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)])
+    needed = np.unique(rows)
+    images: dict[int, bytes] = {}
+    for g in np.unique(np.searchsorted(starts, needed, side="right") - 1):
+        col = pf.read_row_group(int(g), columns=["image"]).column("image")
+        in_group = needed[(needed >= starts[g]) & (needed < starts[g + 1])]
+        for r in in_group:
+            images[int(r)] = col[int(r - starts[g])].as_py()
+        del col
+    order = np.argsort(pairs, kind="stable")
+    rows, pairs = rows[order], pairs[order]
+    buckets = pairs // bucket_size
+    layout: dict[int, int] = {}
+    schema = pa.schema([("pair", pa.int64()), ("image", pa.binary())])
+    with pq.ParquetWriter(out_path, schema, compression="none") as w:
+        for g, b in enumerate(np.unique(buckets)):
+            sel = buckets == b
+            w.write_table(pa.table({"pair": pa.array(pairs[sel], pa.int64()),
+                                    "image": pa.array([images[int(r)] for r in rows[sel]], pa.binary())},
+                                   schema=schema), row_group_size=int(sel.sum()))
+            layout[int(b)] = g
+    return layout
+
+
+def _load_buckets(batch: dict, *, img_size: int) -> dict:
+    """Ray Data map step: read the staged bytes of each bucket in ``batch`` and decode + transform them.
+
+    Input columns ``dataset, start, stop`` and ``pre_pieces, down_pieces`` (JSON lists of the
+    ``[file, row_group]`` pieces that hold the bucket's pairs on each side). Output columns
+    ``dataset (n,)``, ``pair (n,)`` and ``x, y (n, 3, S, S)`` float32 (eval transform of the pretraining and
+    downstream image of each pair), in pair order.
+    """
+    import torch
+
+    from raystudy.data.transforms import transform_batch
+
+    torch.set_num_threads(1)
+    out = {"dataset": [], "pair": [], "x": [], "y": []}
+    for i, (d, start, stop) in enumerate(zip(batch["dataset"], batch["start"], batch["stop"])):
+        for side, col in (("x", "pre_pieces"), ("y", "down_pieces")):
+            parts = [pq.ParquetFile(path).read_row_group(g) for path, g in json.loads(batch[col][i])]
+            t = pa.concat_tables(parts).sort_by("pair") if parts else None
+            got = t.column("pair").to_numpy() if t is not None else np.zeros(0, np.int64)
+            if not np.array_equal(got, np.arange(start, stop)):
+                raise RuntimeError(f"staging is incomplete: {col} of dataset {d} hold pairs {got[:5].tolist()}... "
+                                   f"instead of {start}..{stop - 1}")
+            out[side].append(transform_batch(t.column("image").to_pylist(), train=False, size=img_size).numpy())
+        out["pair"].append(np.arange(start, stop, dtype=np.int64))
+        out["dataset"].append(np.full(stop - start, d, dtype=np.int64))
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def _build_model(spec: dict):
+    """The job's model, identical in every process: weights from the file, else a random init seeded."""
+    import torch
+
+    from raystudy.core.models import build_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec["seed"])
+        return build_model(spec["model"], weights=spec["weights"], **spec["model_kwargs"])
+
+
+class RateActor:
+    """Holds the model once on its device; maps batches of pairs to per-pair rates.
+
+    Input columns ``dataset, pair (n,)``, ``x, y (n, 3, S, S)``; output ``dataset, pair (n,)``,
+    ``rates (n, L, 5)`` float32 and, for the pairs of dataset ``spec["stats_dataset"]``, the token
+    statistics of the embedded pretraining image: ``radius (n,)`` = ``sqrt(mean_i ||x_i||^2)``,
+    ``sigma (n,)`` = minimum over tokens of ``sqrt(var(x_i) + eps)``, ``tokens (n,)`` = sequence length
+    (NaN, NaN, 0 for the other pairs).
+    """
+
+    def __init__(self, spec: dict):
+        import torch
+
+        self.spec = spec
+        if spec["gpus"] > 0 and torch.cuda.is_available():
+            self.device = torch.device("cuda")
+        else:
+            if spec["gpus"] > 0:
+                raise RuntimeError("gpus_per_worker > 0 but this worker sees no CUDA device")
+            self.device = torch.device("cpu")
+            threads = spec["threads"] or max(1, len(os.sched_getaffinity(0)) // spec["workers"])
+            torch.set_num_threads(threads)
+        self.model = _build_model(spec).to(self.device).eval()
+        self.amp = torch.bfloat16 if spec["amp_bf16"] else None
+        self.calls = 0
+
+    def _maybe_crash(self) -> None:
+        self.calls += 1
+        at = self.spec["crash_at_batch"]
+        if at is None or self.calls != at:
+            return
+        try:
+            fd = os.open(self.spec["crash_marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, f"actor pid {os.getpid()} exited at its batch {at}\n".encode())
+        os.close(fd)
+        os._exit(1)
+
+    def __call__(self, batch: dict) -> dict:
+        import torch
+
+        from raystudy.core.bounds import token_radius, token_sigma
+        from raystudy.core.components import get_adapter
+        from raystudy.core.plasticity import pair_rates_tensor
+
+        self._maybe_crash()
+        x = torch.from_numpy(np.ascontiguousarray(batch["x"])).to(self.device, non_blocking=True)
+        y = torch.from_numpy(np.ascontiguousarray(batch["y"])).to(self.device, non_blocking=True)
+        rates = pair_rates_tensor(self.model, x, y, mode=self.spec["mode"], amp_dtype=self.amp)
+        n = x.shape[0]
+        radius = np.full(n, np.nan, dtype=np.float32)
+        sigma = np.full(n, np.nan, dtype=np.float32)
+        tokens = np.zeros(n, dtype=np.int64)
+        want = np.asarray(batch["dataset"]) == self.spec["stats_dataset"]
+        if want.any():
+            amp = torch.autocast(self.device.type, dtype=self.amp) if self.amp else contextlib.nullcontext()
+            with torch.inference_mode(), amp:
+                z = get_adapter(self.model).embed(x[torch.from_numpy(want).to(self.device)])  # (m, tokens, d)
+            radius[want] = token_radius(z).cpu().numpy()
+            sigma[want] = token_sigma(z).amin(dim=1).cpu().numpy()
+            tokens[want] = z.shape[1]
+        return {"dataset": np.asarray(batch["dataset"], dtype=np.int64),
+                "pair": np.asarray(batch["pair"], dtype=np.int64), "rates": rates.cpu().numpy(),
+                "radius": radius, "sigma": sigma, "tokens": tokens}
+
+
+class BoundsWorker:
+    """Builds the job's model on the CPU when the run starts (its imports and weights load overlap the
+    pipeline) and computes :func:`raystudy.core.bounds.upper_bounds` once the token statistics are known."""
+
+    def __init__(self, spec: dict):
+        self.model = _build_model(spec)
+
+    def bounds(self, radius: float, seq_len: int, sigma: float) -> pd.DataFrame:
+        from raystudy.core.bounds import upper_bounds
+
+        return upper_bounds(self.model, radius=radius, seq_len=seq_len, sigma=sigma)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Driver-side streaming reduction and writing
+
+
+class StreamingMoments:
+    """Per ``(layer, component)`` count, mean and ``M2`` in float64, merged batch by batch (Chan et al.).
+
+    ``update(rates)`` takes an ``(n, L, 5)`` array. :meth:`frame` gives the columns of
+    :func:`raystudy.core.plasticity.summarize`: ``plasticity = mean``, ``std = sqrt(M2 / (n - 1))``
+    (0 when ``n = 1``), ``ci95 = 1.96 std / sqrt(n)``, ``n_pairs = n``.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean: np.ndarray | None = None
+        self.m2: np.ndarray | None = None
+
+    def update(self, rates: np.ndarray) -> None:
+        r = np.asarray(rates, dtype=np.float64)
+        nb = r.shape[0]
+        if nb == 0:
+            return
+        mb = r.mean(axis=0)
+        m2b = ((r - mb) ** 2).sum(axis=0)
+        if self.n == 0:
+            self.n, self.mean, self.m2 = nb, mb, m2b
+            return
+        total = self.n + nb
+        delta = mb - self.mean
+        self.mean = self.mean + delta * (nb / total)
+        self.m2 = self.m2 + m2b + delta**2 * (self.n * nb / total)
+        self.n = total
+
+    def frame(self) -> pd.DataFrame:
+        from raystudy.core.components import COMPONENTS
+
+        if self.n == 0:
+            raise ValueError("no rates were reduced")
+        n_layers, n_comp = self.mean.shape
+        std = np.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else np.zeros_like(self.m2)
+        return pd.DataFrame({
+            "layer": np.repeat(np.arange(n_layers, dtype=np.int64), n_comp),
+            "component": np.tile(np.array(COMPONENTS, dtype=object), n_layers),
+            "plasticity": self.mean.reshape(-1),
+            "std": std.reshape(-1),
+            "ci95": 1.96 * std.reshape(-1) / math.sqrt(self.n),
+            "n_pairs": np.full(n_layers * n_comp, self.n, dtype=np.int64),
+        })
+
+
+class _RatesWriter:
+    """Appends rate rows to a temporary Parquet file beside ``path``; :meth:`commit` renames it into place."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        self.writer = pq.ParquetWriter(self.tmp, RATES_SCHEMA)
+        self.buffer: list[pa.Table] = []
+        self.buffered = 0
+        self.rows = 0
+
+    def add(self, model: str, dataset: str, mode: str, pairs: np.ndarray, rates: np.ndarray) -> None:
+        from raystudy.core.plasticity import rates_frame
+
+        n, n_layers, n_comp = rates.shape
+        df = rates_frame(rates)
+        df["pair"] = np.repeat(pairs.astype(np.int64), n_layers * n_comp)  # pair-major layout of rates_frame
+        df.insert(0, "mode", mode)
+        df.insert(0, "dataset", dataset)
+        df.insert(0, "model", model)
+        self.buffer.append(pa.Table.from_pandas(df, schema=RATES_SCHEMA, preserve_index=False))
+        self.buffered += len(df)
+        if self.buffered >= _ROWS_PER_WRITE:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.writer.write_table(pa.concat_tables(self.buffer))
+            self.rows += self.buffered
+            self.buffer, self.buffered = [], 0
+
+    def commit(self) -> None:
+        self.flush()
+        self.writer.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self.writer.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+def resolve_img_size(job: PlasticityJob) -> int:
+    """``job.img_size``, else ``model_kwargs["img_size"]``, else the model's own input size (224 if unknown)."""
+    if job.img_size:
+        return int(job.img_size)
+    if job.model_kwargs.get("img_size"):
+        size = job.model_kwargs["img_size"]
+        return int(size if isinstance(size, int) else size[-1])
+    import timm
+    import torch
+
+    if not timm.is_model(job.model):
+        raise ValueError(f"unknown timm model {job.model!r} (see timm.list_models())")
+    with torch.device("meta"):
+        model = timm.create_model(job.model, pretrained=False, **job.model_kwargs)
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is None:
+        size = getattr(model, "pretrained_cfg", {}).get("input_size", (3, 224, 224))[1:]
+    return int(size[-1] if isinstance(size, tuple | list) else size)
+
+
+def write_figures(plasticity: pd.DataFrame, rates_path: Path, out_dir: Path, *, model: str) -> list[str]:
+    """Per dataset: the plasticity-by-depth figure and the rate distribution (``out_dir/figures``).
+
+    Reads one dataset's rates at a time from ``rates_path``. Returns the path stems written.
+    """
+    try:
+        from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution
+    except ImportError as e:  # the analysis layer is optional for the measurement itself
+        log.warning("figures skipped: raystudy.analysis.figures is not available (%s)", e)
+        return []
+    fig_dir = out_dir / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    stems = []
+    for dataset, table in plasticity.groupby("dataset", sort=False):
+        mode = str(table["mode"].iloc[0])
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{model}_{dataset}_{mode}")
+        title = f"{model} | ImageNet pretraining vs {dataset} ({mode})"
+        rates = pq.read_table(rates_path, filters=[("dataset", "=", dataset)]).to_pandas()
+        stem = str(fig_dir / f"plasticity_depth_{safe}")
+        plot_plasticity_depth(table.reset_index(drop=True), stem, title=title)
+        stems.append(stem)
+        stem = str(fig_dir / f"rate_distribution_{safe}")
+        plot_rate_distribution(rates, stem, title=title)
+        stems.append(stem)
+    return stems
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The job
+
+
+def _stage_side(gather, rows: SplitRows, positions: np.ndarray, bucket_size: int, stage: Path, tag: str):
+    """Submit one gather task per shard that holds a chosen row; returns ``[(file, ObjectRef)]``."""
+    stage.mkdir(parents=True, exist_ok=True)
+    shard_of = rows.shard[positions]
+    out = []
+    for s in np.unique(shard_of):
+        sel = np.flatnonzero(shard_of == s)  # pair ids whose row lives in shard s
+        path = str(stage / f"{tag}-{int(s):05d}.parquet")
+        ref = gather.remote(rows.shards[int(s)], rows.row[positions[sel]], sel.astype(np.int64), bucket_size, path)
+        out.append((path, ref))
+    return out
+
+
+def _collect_layout(ray, staged: list) -> dict[int, list[tuple[str, int]]]:
+    """``{bucket: [(file, row_group), ...]}`` once the gather tasks of one side are done."""
+    layout: dict[int, list[tuple[str, int]]] = {}
+    for (path, _), bucket_to_group in zip(staged, ray.get([r for _, r in staged])):
+        for b, g in bucket_to_group.items():
+            layout.setdefault(int(b), []).append((path, int(g)))
+    return layout
+
+
+def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
+    """Run the job on the current Ray cluster (a local one is started when none is connected).
+
+    Writes to ``job.out_dir``: ``rates.parquet``, ``plasticity.parquet``, ``bounds.parquet`` (schemas in
+    ARCHITECTURE.md; ``model``, ``dataset`` = the store's ``dataset.json`` name, ``mode`` filled),
+    ``pairs.parquet`` (``dataset, pair, pretrain_index, downstream_index``: which images formed each
+    pair) and ``figures/`` per dataset. Returns a summary: paths, wall time, pairs/s, token statistics and,
+    per dataset, ``n_pairs`` and how often the rows of each side were reused.
+    """
+    import ray
+    from tqdm.auto import tqdm
+
+    from raystudy.core.bounds import TokenStats
+    from raystudy.io import write_result, write_table_atomic
+
+    job.validate()
+    t0 = time.perf_counter()
+    out_dir = Path(job.out_dir)
+    pre_split = resolve_pretrain_split(job.pretrain, job.pretrain_split)
+    pre_rows = locate_split(job.pretrain, pre_split)
+    down_rows = [locate_split(s, "test") for s in job.downstream]
+    names = [d.name for d in down_rows]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"downstream stores share the dataset name(s) {dupes} (dataset.json 'name'); "
+                         "their rows would be indistinguishable in rates.parquet")
+    img_size = resolve_img_size(job)
+    plans = [pair_positions(len(pre_rows), len(d), job.pairs, job.seed) for d in down_rows]
+    pre_pos = plans[0][0]  # drawn first from the seed: the same pretraining images for every dataset
+    for name, rows in [(pre_rows.store, pre_rows)] + [(d.store, d) for d in down_rows]:
+        if len(rows) < job.pairs:
+            log.warning("%s (%s split) has %d rows for %d pairs: each image is used up to %d times",
+                        name, rows.split, len(rows), job.pairs, math.ceil(job.pairs / len(rows)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), configure_logging=False, log_to_driver=False)
+    # a plain Ray task: Ray Core reruns it (3 times by default) when its worker process dies
+    gather = ray.remote(num_cpus=TASK_CPUS)(_gather_shard)
+
+    model_kwargs = dict(job.model_kwargs)
+    if job.img_size and "img_size" not in model_kwargs:
+        model_kwargs["img_size"] = job.img_size  # the model must accept the transformed images
+    spec = {"model": job.model, "weights": job.weights, "model_kwargs": model_kwargs, "seed": job.seed,
+            "mode": job.mode, "amp_bf16": job.amp_bf16, "gpus": job.gpus_per_worker, "workers": job.workers,
+            "threads": job.torch_threads, "crash_at_batch": job.crash_at_batch,
+            "crash_marker": str(out_dir / _CRASH_MARKER), "stats_dataset": 0}
+    stage = Path(job.stage_dir) if job.stage_dir else out_dir / f".plasticity-stage-{uuid.uuid4().hex[:12]}"
+    n_buckets = math.ceil(job.pairs / job.batch_size)
+    rates_path = out_dir / "rates.parquet"
+    writer = _RatesWriter(rates_path)
+    stats = TokenStats()
+    moments = [StreamingMoments() for _ in down_rows]
+    bounds_ref = None
+    # idle until the end except for a few spectral norms, so it reserves next to no CPU
+    bounds_worker = ray.remote(num_cpus=0.01, max_restarts=1, max_task_retries=1)(BoundsWorker).remote(spec)
+    try:
+        staged = [_stage_side(gather, pre_rows, pre_pos, job.batch_size, stage / "pre", "pre")]
+        staged += [_stage_side(gather, rows, plan[1], job.batch_size, stage / f"d{d}", "down")
+                   for d, (rows, plan) in enumerate(zip(down_rows, plans))]
+        layouts = [_collect_layout(ray, s) for s in staged]
+        log.info("staged %d pairs x %d datasets in %.1f s", job.pairs, len(down_rows), time.perf_counter() - t0)
+        items = [{"dataset": d, "start": b * job.batch_size, "stop": min(job.pairs, (b + 1) * job.batch_size),
+                  "pre_pieces": json.dumps(layouts[0].get(b, [])), "down_pieces": json.dumps(layouts[1 + d].get(b, []))}
+                 for d in range(len(down_rows)) for b in range(n_buckets)]
+        ds = ray.data.from_items(items, override_num_blocks=len(items))
+        ds.context.execution_options.preserve_order = True  # rates.parquet in (dataset, pair) order, every run
+        ds.context.enable_progress_bars = False  # the tqdm bar below counts pairs
+        # Fault tolerance is Ray Data's default in 2.60: tasks retry and pool actors restart (and rerun the
+        # lost batch) when their process dies; per-operator retry arguments are deprecated there.
+        ds = ds.map_batches(_load_buckets, batch_size=1, fn_kwargs={"img_size": img_size},
+                            num_cpus=TASK_CPUS)
+        ds = ds.map_batches(RateActor, batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers),
+                            num_cpus=job.cpus_per_worker, num_gpus=job.gpus_per_worker or None,
+                            fn_constructor_kwargs={"spec": spec})
+        assert ds.context.execution_options.preserve_order
+        bar = tqdm(total=job.pairs * len(down_rows), unit="pair", desc=f"plasticity {job.model}",
+                   disable=not progress, smoothing=0.1)
+        for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            rates = np.asarray(out["rates"], dtype=np.float32)
+            finite = np.isfinite(rates).reshape(len(rates), -1).all(axis=1)
+            for d in np.unique(out["dataset"]):
+                sel = out["dataset"] == d
+                name = down_rows[d].name
+                if not finite[sel].all():
+                    raise FloatingPointError(f"{name}: non-finite rates for pair(s) "
+                                             f"{out['pair'][sel & ~finite][:10].tolist()}")
+                writer.add(job.model, name, job.mode, out["pair"][sel], rates[sel])
+                moments[d].update(rates[sel])
+                if d == spec["stats_dataset"]:
+                    s = TokenStats()
+                    s.count, s.seq_len = int(sel.sum()), int(out["tokens"][sel][0])
+                    s.radius_sum = float(np.asarray(out["radius"][sel], np.float64).sum())
+                    s.radius_max, s.sigma_min = float(out["radius"][sel].max()), float(out["sigma"][sel].min())
+                    stats.merge(s)
+                if moments[d].n == job.pairs:
+                    shutil.rmtree(stage / f"d{d}", ignore_errors=True)  # this dataset is done
+                    if d == spec["stats_dataset"]:
+                        bounds_ref = bounds_worker.bounds.remote(stats.radius, stats.seq_len, stats.sigma)
+            bar.update(len(rates))
+        bar.close()
+        log.info("rates of %d pairs done at %.1f s", job.pairs * len(down_rows), time.perf_counter() - t0)
+        for d, m in enumerate(moments):
+            if m.n != job.pairs:
+                raise RuntimeError(f"{down_rows[d].name}: the pipeline returned {m.n} pairs, expected {job.pairs}")
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        ray.kill(bounds_worker)
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+    tables = []
+    for rows, m in zip(down_rows, moments):
+        table = m.frame()
+        table.insert(0, "mode", job.mode)
+        table.insert(0, "dataset", rows.name)
+        table.insert(0, "model", job.model)
+        tables.append(table)
+    plasticity = pd.concat(tables, ignore_index=True)
+    pairs = pa.concat_tables([pa.table({
+        "dataset": pa.array([rows.name] * job.pairs, pa.string()),
+        "pair": pa.array(np.arange(job.pairs), pa.int64()),
+        "pretrain_index": pa.array(pre_rows.index[pre_pos], pa.int64()),
+        "downstream_index": pa.array(rows.index[plan[1]], pa.int64()),
+    }, schema=PAIRS_SCHEMA) for rows, plan in zip(down_rows, plans)])
+    paths = {"rates": str(rates_path), "plasticity": write_result(plasticity, out_dir, "plasticity"),
+             "pairs": write_table_atomic(pairs, out_dir / "pairs.parquet")}
+    try:
+        bounds = ray.get(bounds_ref)
+    finally:
+        ray.kill(bounds_worker)
+    log.info("bounds done at %.1f s", time.perf_counter() - t0)
+    bounds.insert(0, "model", job.model)
+    bounds["radius_max"] = stats.radius_max
+    bounds["n_sequences"] = stats.count
+    bounds["pretrain_dataset"] = pre_rows.name
+    paths["bounds"] = write_result(bounds, out_dir, "bounds")
+    wall = time.perf_counter() - t0
+    done = job.pairs * len(down_rows)
+    figures = write_figures(plasticity, rates_path, out_dir, model=job.model) if job.figures else []
+    return {
+        **paths, "out_dir": str(out_dir), "figures": figures, "wall_s": wall,
+        "pairs_per_s": done / wall if wall > 0 else math.nan, "n_pairs": done,
+        "pretrain": {"store": pre_rows.store, "name": pre_rows.name, "split": pre_split, "rows": len(pre_rows),
+                     "reuse": math.ceil(job.pairs / len(pre_rows))},
+        "datasets": {rows.name: {"store": rows.store, "n_pairs": m.n, "downstream_rows": len(rows),
+                                 "downstream_reuse": math.ceil(job.pairs / len(rows))}
+                     for rows, m in zip(down_rows, moments)},
+        "token_stats": stats.as_dict(), "img_size": img_size, "job": asdict(job),
+    }
