@@ -322,8 +322,9 @@ class StudySpec:
         if check_files:
             self.check_files()
 
-    def check_files(self) -> None:
-        """Every store and the weights file exist (local paths; URIs are checked through pyarrow)."""
+    def check_files(self, *, weights: bool | None = None) -> None:
+        """Every store and the weights file exist. ``weights=None`` checks the weights file unless
+        pretraining will produce it."""
         from raystudy.data.store import StoreError, read_meta
 
         for name, path in self.dataset_stores().items():
@@ -336,7 +337,9 @@ class StudySpec:
                 read_meta(self.pretrain_store_path())
             except StoreError as e:
                 raise SpecError(f"pretrain_store: store not usable: {e}") from None
-        if self.weights is not None and not self.pretrain.enabled and not Path(self.weights).is_file():
+        if weights is None:
+            weights = not self.pretrain.enabled
+        if weights and self.weights is not None and not _file_exists(self.weights):
             raise SpecError(f"weights: file not found: {self.weights}")
 
     # ------------------------------------------------------------------------------------------------
@@ -454,6 +457,15 @@ def _sub(cls, value, where):
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {unknown} (known: {sorted(known)})")
     return cls(**value)
+
+
+def _file_exists(path: str) -> bool:
+    if "://" in path:
+        import pyarrow.fs as pafs
+
+        fs, p = pafs.FileSystem.from_uri(path)
+        return fs.get_file_info(p).type == pafs.FileType.File
+    return Path(path).is_file()
 
 
 def _split_override(text: str) -> tuple[str, str]:

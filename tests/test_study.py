@@ -1,0 +1,275 @@
+"""The study engine end to end on the built-in data: Ray Tune over Ray Train trials, tables, resume, divergence.
+
+Two studies in all (Ray Train start-up dominates, ~20-30 s per trial on 2 cores):
+
+* a 2 configurations x 2 lrs x 1 seed grid, with plasticity and the analysis, run in-process;
+* a 1 configuration x 3 lrs grid (one lr diverges) whose driver runs as a subprocess, is killed after the
+  first trial row appears, and is resumed through the CLI; then re-run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from raystudy.io import read_result
+from raystudy.study.results import trial_dir
+from raystudy.study.spec import StudySpec, trial_id
+from raystudy.study.tune import load_study_spec, restore_tuner, run_study, tune_experiments
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"patch_size": 8, "embed_dim": 48, "depth": 3, "num_heads": 4}
+MODEL = "vit_tiny_patch16_224"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory):
+    """The built-in default stores (small) and a weights file of the tiny ViT standing for a pretrained one."""
+    import timm
+    from safetensors.torch import save_file
+
+    from raystudy.data.synthetic import prepare_default
+
+    root = tmp_path_factory.mktemp("builtin")
+    stores = prepare_default(root / "data", n_train=80, n_test=40, n_train_downstream=60, n_test_downstream=30)
+    model = timm.create_model(MODEL, img_size=32, num_classes=10, **TINY)
+    weights = root / "tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    return {"data_root": str(root / "data"), "stores": stores, "weights": str(weights)}
+
+
+def base_spec(builtin, out, **kw) -> dict:
+    spec = dict(
+        name="t", out=str(out), model=MODEL, model_kwargs=TINY, img_size=32, weights=builtin["weights"],
+        data_root=builtin["data_root"], pretrain_store="pretrain", steps=6, batch_size=16, eval_period=3,
+        warmup_steps=1, checkpoint_period=3, workers_per_trial=1, cpus_per_worker=0.5, max_concurrent_trials=2,
+        trial_retries=0, worker_retries=0, seeds=[0], plasticity={"enabled": False}, analysis=False,
+    )
+    spec.update(kw)
+    return spec
+
+
+# --------------------------------------------------------------------------------------------------
+# 2 configurations x 2 lrs x 1 seed
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grid_study(ray_session, builtin, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grid") / "study"
+    # "color" is the study's name for the store "shift-color": plasticity rows must use the study's name
+    spec = StudySpec.from_dict(base_spec(
+        builtin, out, name="grid", datasets={"color": "shift-color"}, configurations=["MHA", "LN1"],
+        optimizers={"sgd": [0.03, 0.3]}, plasticity={"enabled": True, "pairs": 32, "batch_size": 16,
+                                                     "workers": 1, "cpus_per_worker": 0.5},
+        analysis=True,
+    ))
+    lines: list[str] = []
+    t0 = time.time()
+    outcome = run_study(spec, echo=lines.append)
+    return {"out": str(out), "spec": spec, "outcome": outcome, "lines": lines, "seconds": time.time() - t0}
+
+
+GRID_IDS = sorted(trial_id("color", c, "sgd", lr, 0) for c in ("MHA", "LN1") for lr in (0.03, 0.3))
+
+
+def test_grid_study_has_four_ok_trials(grid_study):
+    trials = read_result(grid_study["out"], "trials")
+    assert sorted(trials.trial_id) == GRID_IDS
+    assert (trials.status == "ok").all()
+    assert set(trials.dataset) == {"color"} and set(trials.component) == {"MHA", "LN1"}
+    assert set(trials.model) == {MODEL} and (trials.steps == 6).all() and (trials.batch_size == 16).all()
+    assert trials.test_acc.between(0, 1).all() and trials.best_val_acc.between(0, 1).all()
+    # MHA trains more parameters than LN1 (both plus the same head)
+    by = trials.groupby("component").trainable_params.first()
+    assert by["MHA"] > by["LN1"] > 0
+    assert grid_study["outcome"].counts == {"ok": 4, "diverged": 0, "failed": 0}
+    assert grid_study["outcome"].launched == 4
+
+
+def test_grid_study_curves_match_each_trial(grid_study):
+    out = grid_study["out"]
+    trials = read_result(out, "trials").set_index("trial_id")
+    curves = read_result(out, "curves")
+    assert sorted(curves.trial_id.unique()) == GRID_IDS
+    for tid, c in curves.groupby("trial_id"):
+        own = pd.read_parquet(Path(trial_dir(out, tid)) / "curves.parquet")
+        pd.testing.assert_frame_equal(c.drop(columns="trial_id").reset_index(drop=True),
+                                      own[c.columns.drop("trial_id")].reset_index(drop=True))
+        assert c.step.max() == 6
+        evals = c.dropna(subset=["val_acc"])
+        assert sorted(evals.step) == [3, 6]
+        # the recorded best is the best evaluation of the curve (ties: the first)
+        best = evals.loc[evals.val_acc.idxmax()]
+        assert trials.at[tid, "best_val_acc"] == pytest.approx(best.val_acc)
+        assert trials.at[tid, "best_val_step"] == best.step
+        assert trials.at[tid, "final_val_loss"] == pytest.approx(evals.iloc[-1].val_loss)
+        summary = json.loads((Path(trial_dir(out, tid)) / "summary.json").read_text())
+        assert summary["test_acc"] == pytest.approx(trials.at[tid, "test_acc"])
+        # one TensorBoard run per trial under <study>/tb/<trial_id>
+        assert list((Path(out) / "tb" / tid).glob("events.out.tfevents.*"))
+
+
+def test_grid_study_tune_experiment_restores(grid_study):
+    (exp,) = tune_experiments(grid_study["out"])
+    results = restore_tuner(exp).get_results()
+    assert len(results) == 4 and not results.errors
+    assert sorted(r.metrics["study_trial_id"] for r in results) == GRID_IDS
+    assert sorted(r.config["point"]["trial_id"] for r in results) == GRID_IDS
+    trials = read_result(grid_study["out"], "trials").set_index("trial_id")
+    for r in results:
+        assert r.metrics["test_acc"] == pytest.approx(trials.at[r.metrics["study_trial_id"], "test_acc"])
+    best = results.get_best_result(metric="best_val_acc", mode="max")
+    assert best.metrics["best_val_acc"] == pytest.approx(trials.best_val_acc.max())
+
+
+def test_grid_study_plasticity_analysis_and_progress(grid_study):
+    out = grid_study["out"]
+    plast = read_result(out, "plasticity")
+    assert set(plast.dataset) == {"color"} and set(plast.component) == {"LN1", "MHA", "LN2", "FC1", "FC2"}
+    assert len(plast) == 3 * 5 and (plast.n_pairs == 32).all()
+    assert len(read_result(out, "bounds")) == 3 * 5
+    assert len(read_result(out, "rates")) == 32 * 3 * 5
+    assert Path(grid_study["outcome"].report).is_file()
+    assert (Path(out) / "spec.yaml").is_file()
+    stored = yaml.safe_load((Path(out) / "spec.yaml").read_text())
+    assert stored["configurations"] == ["MHA", "LN1"] and os.path.isabs(stored["weights"])
+    lines = grid_study["lines"]
+    assert any("4/4 done, 0 running, 0 failed, 0 pending" in ln for ln in lines)
+    assert any("ETA" in ln and "running" in ln for ln in lines)
+    assert any(str(out) in ln for ln in lines) and any("report" in ln for ln in lines)
+
+
+def test_grid_study_rerun_runs_nothing(grid_study, capsys):
+    before = tune_experiments(grid_study["out"])
+    lines: list[str] = []
+    outcome = run_study(StudySpec.from_dict(grid_study["spec"].to_dict()), echo=lines.append)
+    assert outcome.launched == 0 and outcome.counts["ok"] == 4
+    assert any("nothing to run" in ln for ln in lines)
+    assert any("already measured" in ln for ln in lines)
+    assert tune_experiments(grid_study["out"]) == before  # no new Tune experiment
+    assert len(read_result(grid_study["out"], "trials")) == 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Killed driver, resume, rerun; a diverging trial
+# --------------------------------------------------------------------------------------------------
+
+LRS = (0.03, 0.3, 1e30)  # 1e30 diverges at its first steps
+KILL_IDS = sorted(trial_id("noise", "MHA", "sgd", lr, 0) for lr in LRS)
+
+
+def _wait_for_rows(out: Path, proc: subprocess.Popen, timeout: float) -> int:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            return -1
+        if (out / "trials.parquet").is_file():
+            n = len(read_result(out, "trials"))
+            if n:
+                return n
+        time.sleep(0.5)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def killed_study(ray_session, builtin, tmp_path_factory):
+    root = tmp_path_factory.mktemp("kill")
+    out = root / "study"
+    spec_file = root / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(base_spec(
+        builtin, out, name="kill", datasets={"noise": "shift-noise"}, configurations=["MHA"],
+        optimizers={"sgd": list(LRS)}, max_concurrent_trials=1,
+    )))
+    address = ray_session.get_runtime_context().gcs_address
+    log = open(root / "driver.log", "w")
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "experiments" / "full_study.py"), "--preset", str(spec_file),
+         "--address", address], cwd=str(root), stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        rows_at_kill = _wait_for_rows(out, proc, timeout=400)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        log.close()
+    driver_log = (root / "driver.log").read_text()
+    assert rows_at_kill > 0, f"the driver ended or stalled before its first trial row:\n{driver_log[-3000:]}"
+    killed_rows = read_result(out, "trials")
+    return {"out": out, "rows_at_kill": rows_at_kill, "killed_rows": killed_rows, "driver_log": driver_log}
+
+
+@pytest.fixture(scope="module")
+def resumed_study(killed_study):
+    from raystudy.cli import main
+
+    out = str(killed_study["out"])
+    experiments_before = tune_experiments(out)
+    # the CLI's --resume: the stored spec, with a resource change allowed
+    t0 = time.time()
+    rc = main(["study", "--resume", out, "--set", "max_concurrent_trials=2"])
+    seconds = time.time() - t0
+    trials = read_result(out, "trials")
+    curves = read_result(out, "curves")
+    experiments_after = tune_experiments(out)
+    lines: list[str] = []
+    rerun = run_study(load_study_spec(out), echo=lines.append)
+    return {"rc": rc, "trials": trials, "curves": curves, "rerun": rerun, "rerun_lines": lines, "seconds": seconds,
+            "experiments": (experiments_before, experiments_after, tune_experiments(out))}
+
+
+def test_killed_driver_left_a_partial_study(killed_study):
+    rows = killed_study["killed_rows"]
+    assert 1 <= len(rows) < len(LRS), "the kill must happen mid-way"
+    assert set(rows.trial_id) <= set(KILL_IDS) and rows.trial_id.is_unique
+    assert "launching 3 trial(s)" in killed_study["driver_log"]
+
+
+def test_resume_completes_exactly_the_grid(killed_study, resumed_study):
+    trials = resumed_study["trials"]
+    assert sorted(trials.trial_id) == KILL_IDS and trials.trial_id.is_unique  # none missing, no duplicate
+    before = set(killed_study["killed_rows"].trial_id)
+    # rows finished before the kill are kept as they were (not re-run)
+    kept = trials[trials.trial_id.isin(before)].set_index("trial_id").sort_index()
+    old = killed_study["killed_rows"].set_index("trial_id").sort_index()
+    pd.testing.assert_series_equal(kept.wall_seconds, old.wall_seconds)
+    assert sorted(resumed_study["curves"].trial_id.unique()) == KILL_IDS
+    # the resume launched only the missing trials: one new Tune experiment with exactly those
+    exp_before, exp_after, _ = resumed_study["experiments"]
+    (new_exp,) = sorted(set(exp_after) - set(exp_before))
+    launched = sorted(r.config["point"]["trial_id"] for r in restore_tuner(new_exp).get_results())
+    assert launched == sorted(set(KILL_IDS) - before)
+
+
+def test_rerun_of_finished_study_launches_nothing(resumed_study):
+    rerun = resumed_study["rerun"]
+    assert rerun.launched == 0 and rerun.total == 3
+    assert any("nothing to run" in ln for ln in resumed_study["rerun_lines"])
+    _, after_resume, after_rerun = resumed_study["experiments"]
+    assert after_rerun == after_resume
+
+
+def test_diverged_trial_recorded_and_study_completes(killed_study, resumed_study):
+    trials = resumed_study["trials"].set_index("trial_id")
+    diverged = trial_id("noise", "MHA", "sgd", 1e30, 0)
+    assert trials.at[diverged, "status"] == "diverged"
+    assert 1 <= trials.at[diverged, "diverged_step"] <= 6
+    assert (trials.drop(index=diverged).status == "ok").all()
+    assert resumed_study["rc"] == 0  # the study completed: nothing failed
+    c = resumed_study["curves"]
+    last = c[c.trial_id == diverged].sort_values("step").iloc[-1]
+    assert not (math.isfinite(last.train_loss) and math.isfinite(last.grad_norm))
+    assert resumed_study["rerun"].counts == {"ok": 2, "diverged": 1, "failed": 0}
