@@ -578,7 +578,7 @@ def fingerprint(obj) -> str:
         if isinstance(o, torch.Tensor):
             t = o.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(o, np.ndarray):
             h.update(f"A{o.dtype}{o.shape}".encode())
             h.update(np.ascontiguousarray(o).tobytes())
@@ -817,10 +817,12 @@ class Finetuner:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"finetune {cfg.component}", unit="step",
-                   disable=(self.rank != 0) if progress is None else not progress, leave=False)
+                   disable=(True if self.rank != 0 else None) if progress is None else not progress, leave=False)
+        # The training clock runs during steps and metric reports (part of a run's cost) and stops during
+        # evaluations and checkpoints, which do not scale with the number of steps.
         t_start = time.perf_counter()
-        excluded = 0.0  # eval + checkpoint + callback time, not part of the training throughput
-        window_t, window_steps = time.perf_counter(), 0
+        excluded = 0.0
+        window_clock, window_steps = 0.0, 0
         step_ends: list[float] = []  # training clock at the end of each step of this attempt
         seconds_before = self.train_seconds
         batches = self._train_batches() if self.step < cfg.steps and self.status == "ok" else iter(())
@@ -832,9 +834,9 @@ class Finetuner:
             s = self.step
             bar.update(1)
             window_steps += 1
-            now = time.perf_counter()
-            step_ends.append(now - t_start - excluded)
-            self.train_seconds = seconds_before + step_ends[-1]
+            now = time.perf_counter() - t_start - excluded
+            step_ends.append(now)
+            self.train_seconds = seconds_before + now
             if not self.memory and res.finite:
                 self._measure_memory()
             if not res.finite:
@@ -846,22 +848,24 @@ class Finetuner:
             ckpt_step = res.finite and cfg.ckpt_period > 0 and s % cfg.ckpt_period == 0 and s < cfg.steps
             if not (log_step or eval_step or ckpt_step):
                 continue
-            t0 = time.perf_counter()
-            elapsed = now - window_t
+            elapsed = now - window_clock
             row = {"step": s, "lr": res.lr, "train_loss": res.loss, "grad_norm": res.grad_norm,
                    "component_grad_norm": res.component_grad_norm,
                    "images_per_s": window_steps * cfg.batch_size / elapsed if elapsed > 0 else float("nan"),
                    "val_loss": None, "val_acc": None}
+            window_clock, window_steps = now, 0
             if eval_step:
+                t0 = time.perf_counter()
                 self._eval_and_track(row)
+                excluded += time.perf_counter() - t0
             self.curves.append(row)
             if callback is not None:
+                t0 = time.perf_counter()
                 callback(Event(step=s, metrics=dict(row), checkpoint=ckpt_step))
+                if ckpt_step:
+                    excluded += time.perf_counter() - t0
             if not res.finite:
                 break
-            t1 = time.perf_counter()
-            excluded += t1 - t0
-            window_t, window_steps = t1, 0
         bar.close()
         self.images_per_s = steady_throughput(step_ends, cfg.batch_size)
         self.test_acc = self._test_best()
@@ -942,7 +946,7 @@ _RESUME_KEYS = ("model", "component", "optimizer", "lr", "seed", "steps", "batch
 
 def steady_throughput(step_ends: list[float], batch_size: int, skip: int | None = None) -> float:
     """Images/s over the steady state: from the end of step ``skip`` to the end of the last step, on the
-    training clock (evaluation, checkpoint and callback time excluded). ``skip`` defaults to
+    training clock (evaluation and checkpoint time excluded; metric reports included). ``skip`` defaults to
     ``min(10, n // 5)`` steps of warm-up (allocator, thread pools, first data)."""
     n = len(step_ends)
     if n < 2:
