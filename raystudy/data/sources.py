@@ -221,6 +221,9 @@ def _find_root(root: str | os.PathLike, marker: str, subdirs: tuple[str, ...]) -
     for cand in (root, *(root / s for s in subdirs)):
         if (cand / marker).exists():
             return cand
+    for cand in (root / s for s in subdirs):  # the usual folder without its marker: report files there
+        if cand.is_dir():
+            return cand
     return root
 
 
@@ -585,12 +588,17 @@ def prepare(
     """Read ``source`` under ``root`` and write the prepared store at ``out``; returns its metadata.
 
     The store is named ``name`` or the source's default (``cifar10``, ``cifar10c-<corruption>-<severity>``,
-    ``domainnet-<domain>``, ..., with ``-vtab1k`` appended for the low-data variant).
+    ``domainnet-<domain>``, the folder name for ``imagefolder``, ..., with ``-vtab1k`` appended for the
+    low-data variant). Splits are keyed by the source's name (:mod:`raystudy.data.splits`); for
+    ``imagefolder`` by ``name`` when given, else the folder name.
     """
     listing = list_source(source, root, corruption=corruption, severity=severity, domain=domain)
     default_name = listing.name + (f"-{low_data}" if low_data else "")
+    # The split key is the benchmark's own name (``--name`` only relabels it), except for a generic image
+    # tree, whose identity is its name: the folder's, or ``--name`` when given.
+    split_name = listing.split_name or (name if source == "imagefolder" and name else listing.name)
     return prepare_candidates(
         listing.candidates, out, name=name or default_name, source=source, classes=listing.classes,
-        split_name=listing.split_name or listing.name, low_data=low_data, on_bad_image=on_bad_image,
+        split_name=split_name, low_data=low_data, on_bad_image=on_bad_image,
         rows_per_shard=rows_per_shard, workers=workers, extra=listing.extra, progress=progress,
     )

@@ -8,7 +8,8 @@ Layout::
       part-00001.parquet            split ("train" | "val" | "test"), index (int64, stable id in the source)
 
 Every consumer (plasticity, finetuning, evaluation) reads through this module, with or without Ray.
-The checksum is a SHA-256 over the shards' rows (index, split, label and the image bytes), in shard order.
+The checksum is a SHA-256 over the rows (index, split, label and the SHA-256 of the image bytes), in
+shard order; it does not depend on how rows are cut into shards.
 ``dataset.json`` also lists every shard with its row count and the SHA-256 of its file bytes, so
 :func:`verify_store` can name the shard that changed; ``label_counts`` gives rows per class for each split.
 """
@@ -56,9 +57,10 @@ def _read_shard(path: Path, **kwargs) -> pa.Table:
 
 
 def _checksum_update(h, table: pa.Table) -> None:
-    for col in ("index", "split", "label"):
-        h.update(str(table.column(col).to_pylist()).encode())
-    for img in table.column("image").to_pylist():
+    # Row by row, so the checksum does not depend on how the rows are cut into shards.
+    cols = [table.column(c).to_pylist() for c in ("index", "split", "label", "image")]
+    for index, split, label, img in zip(*cols):
+        h.update(f"{index}|{split}|{label}|".encode())
         h.update(hashlib.sha256(img).digest())
 
 

@@ -59,7 +59,8 @@ def open_split(
     Reads the shards with ``ray.data.read_parquet`` (split filter and column selection pushed down to the
     scan), optionally shuffles the encoded rows (``random_shuffle`` seeded by ``(seed, epoch)``), then
     decodes and transforms them in ``map_batches`` tasks of ``batch_size`` rows, each reserving
-    ``num_cpus`` (fractional, so readers and transforms share a small machine without stalling).
+    ``num_cpus`` (fractional, so readers and transforms share a small machine without stalling), at most
+    ``concurrency`` at a time (default: as many as the CPUs allow).
     ``train`` selects the augmenting transforms, seeded per image by ``(seed, epoch, index)``; call once
     per epoch with its ``epoch``. ``verify`` recomputes the store checksum first.
     Rows come out as ``image`` float32 ``(3, size, size)``, ``label`` int64 and ``index`` int64; e.g.
@@ -79,7 +80,7 @@ def open_split(
         batch_size=batch_size,
         batch_format="numpy",
         num_cpus=num_cpus,
-        concurrency=concurrency,
+        compute=ray.data.TaskPoolStrategy(size=concurrency),
     )
 
 

@@ -1,0 +1,105 @@
+"""``raystudy data prepare SOURCE --root DIR --out DIR`` and ``raystudy data info DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+SOURCES = ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets", "imagenet", "imagefolder",
+           "synthetic")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("data", help="prepare datasets as Parquet stores and inspect them")
+    sub = p.add_subparsers(dest="data_command", metavar="ACTION")
+
+    pp = sub.add_parser(
+        "prepare",
+        help="convert a downloaded benchmark (or the built-in synthetic set) into a prepared store",
+        description="Read SOURCE from --root exactly as it is distributed and write a prepared store "
+                    "(Parquet shards + dataset.json) at --out. For 'synthetic', --out is a folder that "
+                    "receives one store per variant (pretrain, shift-color, shift-noise by default).",
+    )
+    pp.add_argument("source", choices=SOURCES, help="source format")
+    pp.add_argument("--root", help="folder holding the downloaded files (not needed for synthetic)")
+    pp.add_argument("--out", required=True, help="the store folder to write (replaced if it exists)")
+    pp.add_argument("--name", help="dataset name in dataset.json (default: derived from the source)")
+    pp.add_argument("--corruption", help="cifar10c: corruption, e.g. contrast, gaussian_noise, motion_blur")
+    pp.add_argument("--severity", type=int, default=5, help="cifar10c: severity 1-5 (default 5)")
+    pp.add_argument("--domain", help="domainnet: domain, e.g. clipart, sketch")
+    pp.add_argument("--low-data", choices=("vtab1k",), help="VTAB-1k variant: 800 train / 200 val, full test")
+    pp.add_argument("--on-bad-image", choices=("error", "skip"), default="error",
+                    help="unreadable images: stop with an error (default) or skip and record them")
+    pp.add_argument("--rows-per-shard", type=int, default=2048, help="rows per Parquet shard (default 2048)")
+    pp.add_argument("--workers", type=int, help="image decoding threads (default: CPU count, at most 8)")
+    syn = pp.add_argument_group("synthetic")
+    syn.add_argument("--variant", action="append", help="variant(s) to prepare (repeatable; default: "
+                     "pretrain, shift-color, shift-noise; also shift-texture)")
+    syn.add_argument("--n-train", type=int, default=4000, help="training-pool images of pretrain (default 4000)")
+    syn.add_argument("--n-test", type=int, default=1000, help="test images of pretrain (default 1000)")
+    syn.add_argument("--n-train-downstream", type=int, help="training-pool images per shift (default n-train/4)")
+    syn.add_argument("--n-test-downstream", type=int, help="test images per shift (default n-test/2)")
+    syn.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    syn.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    pp.set_defaults(func=cmd_prepare)
+
+    pi = sub.add_parser("info", help="print the summary of a prepared store")
+    pi.add_argument("store", help="store folder")
+    pi.add_argument("--verify", action="store_true", help="recompute the checksum and fail on a mismatch")
+    pi.add_argument("--json", action="store_true", help="print dataset.json as JSON")
+    pi.set_defaults(func=cmd_info)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    if args.source == "synthetic":
+        from raystudy.data.synthetic import DEFAULT_NAMES, prepare_default
+
+        paths = prepare_default(
+            args.out, n_train=args.n_train, n_test=args.n_test, n_train_downstream=args.n_train_downstream,
+            n_test_downstream=args.n_test_downstream, size=args.size, seed=args.seed,
+            names=tuple(args.variant or DEFAULT_NAMES), overwrite=True, progress=True,
+        )
+        for path in paths.values():
+            _print_summary(path)
+        return 0
+    from raystudy.data.sources import prepare
+
+    meta = prepare(
+        args.source, args.root, args.out, name=args.name, corruption=args.corruption, severity=args.severity,
+        domain=args.domain, low_data=args.low_data, on_bad_image=args.on_bad_image,
+        rows_per_shard=args.rows_per_shard, workers=args.workers, progress=True,
+    )
+    _print_summary(args.out, meta)
+    return 0
+
+
+def _print_summary(path, meta: dict | None = None) -> None:
+    from raystudy.data.store import read_meta
+
+    meta = meta or read_meta(path)
+    counts = meta["counts"]
+    skipped = meta.get("skipped") or {}
+    print(f"{meta['name']}  ({meta.get('source', '?')})  {path}")
+    print(f"  classes: {meta['num_classes']}  ({', '.join(meta.get('classes', [])[:5])}"
+          f"{', ...' if meta['num_classes'] > 5 else ''})")
+    print(f"  rows: {meta.get('num_rows', sum(counts.values()))}  train {counts.get('train', 0)}  "
+          f"val {counts.get('val', 0)}  test {counts.get('test', 0)}  shards {len(meta.get('shards', []))}")
+    if meta.get("low_data"):
+        print(f"  low-data: {meta['low_data']['variant']}")
+    print(f"  skipped images: {skipped.get('count', 0)}"
+          + (f"  (indices {[s['index'] for s in skipped.get('items', [])][:10]})" if skipped.get("count") else ""))
+    print(f"  checksum: {meta['checksum']}")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from raystudy.data.store import read_meta, verify_store
+
+    meta = verify_store(args.store) if args.verify else read_meta(args.store)
+    if args.json:
+        print(json.dumps(meta, indent=2))
+    else:
+        _print_summary(args.store, meta)
+        if args.verify:
+            print("  checksum verified")
+    return 0
