@@ -10,13 +10,14 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_store
 
 from raystudy.core.components import CONFIGURATIONS
 from raystudy.core.finetune import (
     CURVE_COLUMNS,
     Event,
-    Finetuner,
     FinetuneConfig,
+    Finetuner,
     SplitData,
     _MicroBatches,
     analytic_memory,
@@ -30,7 +31,6 @@ from raystudy.core.finetune import (
     warmup_cosine,
 )
 from raystudy.io import SCHEMAS
-from tests.conftest import make_store
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
 D, H, L, C = 48, 192, 3, 10

@@ -10,14 +10,30 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import make_store
 from safetensors.torch import load_file
 
 from raystudy.core.finetune import FinetuneConfig, build_finetune_model, fingerprint, select_and_freeze, train_local
-from tests.conftest import make_store
 
 pytestmark = pytest.mark.slow
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_controller_polls():
+    """``ray.train.report`` blocks until the controller has taken the previous report, and the controller
+    polls every 2 s: with a report per 0.1 s step that throttles these tests. Ray Train propagates this
+    variable from the driver to the controller of every run started while it is set (these tests only)."""
+    import os
+
+    old = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
+    yield
+    if old is None:
+        del os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]
+    else:
+        os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = old
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +159,8 @@ def test_resume_with_shuffling_restores_optimizer_schedule_and_rng(store, tmp_pa
 
     kw = dict(component="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=4, checkpoint_period=4,
               shuffle=True, augment=True, seed=1)
-    cfg = cfg_for(store, tmp_path / "shuffled", workers=2, fail_after_step=4, max_failures=1, **kw)
+    cfg = cfg_for(store, tmp_path / "shuffled", workers=2, fail_after_step=4, max_failures=1,
+                  cleanup_checkpoints=False, **kw)
     summary = run_finetune(cfg)
     assert summary["status"] == "ok" and summary["num_restores"] == 1 and summary["restored_from_step"] == 4
     restores = json.loads((Path(cfg.out_dir) / "restores.json").read_text())
@@ -179,6 +196,7 @@ def test_divergence_through_the_cli(ray_session, store, tmp_path, capsys):
                "--steps", "5", "--batch-size", "8", "--eval-period", "2", "--log-period", "1", "--workers", "1",
                "--out", str(out)])
     assert rc == 0
+    assert not (out / "ray" / "train").exists()  # a finished run's checkpoints are cleaned up
     printed = capsys.readouterr().out
     assert "diverged" in printed
     summary = json.loads((out / "summary.json").read_text())

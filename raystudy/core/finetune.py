@@ -78,7 +78,10 @@ class FinetuneConfig:
     them must equal ``img_size``. ``weights`` is a local file (see :func:`raystudy.core.models.load_weights`),
     ``pretrained=True`` downloads timm's weights instead (needs internet); with neither the backbone is
     random (tests). ``num_classes`` None takes the store's. ``warmup_steps`` None is 20% of ``steps``;
-    ``checkpoint_period`` None equals ``eval_period``; ``0`` disables periodic checkpoints.
+    ``checkpoint_period`` None equals ``eval_period``; ``0`` disables periodic checkpoints. Ray Train keeps
+    the ``keep_checkpoints`` latest checkpoints while a run lives and, with ``cleanup_checkpoints``, the run
+    directory is deleted once the run has ended ``ok`` or ``diverged`` (a ViT-B MHA checkpoint is ~340 MB:
+    a thousand-run study cannot keep them); ``failed`` runs keep theirs so a re-run resumes.
     """
 
     model: str = "vit_base_patch16_224"
@@ -118,6 +121,7 @@ class FinetuneConfig:
     eval_cache_mb: int = 512  # decoded val/test tensors are cached per worker up to this size
     loader_workers: int = 0  # torch DataLoader processes decoding train batches ahead (0: in the loop)
     keep_checkpoints: int = 2
+    cleanup_checkpoints: bool = True  # delete the Ray run directory (checkpoints) after an ok/diverged run
     save_final: bool = False  # also write the final full model to out_dir/final_model.safetensors
     fail_after_step: int | None = None  # testing hook: the first attempt raises after this step's checkpoint
 

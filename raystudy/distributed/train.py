@@ -8,7 +8,8 @@ and writes the run's outputs into ``cfg.out_dir``:
   component_grad_norm, images_per_s, val_loss, val_acc (val columns null between evaluations);
 * ``tb/``: TensorBoard events (written by worker 0); ``best_trainable.safetensors``: the trainable
   parameters and head of the best-validation step; ``config.json``, ``restores.json``;
-* ``ray/train/``: Ray Train's run directory with the checkpoints (unless a ``run_config`` says otherwise).
+* ``ray/train/``: Ray Train's run directory with the checkpoints (unless a ``run_config`` says otherwise),
+  deleted when the run ends ``ok`` or ``diverged`` (``cleanup_checkpoints``), kept when it ``failed``.
 
 Each worker builds the same model (seeded), freezes it by configuration, wraps it in DDP through
 ``ray.train.torch.prepare_model`` (gloo on CPU, NCCL on GPU) and reads its own contiguous slice of every
@@ -16,8 +17,8 @@ global batch from the prepared store (see the core module for why this order is 
 reported with ``ray.train.report`` at every log step and evaluation; every ``checkpoint_period`` steps the
 workers report a checkpoint (worker 0: trainable parameters, optimizer, schedule, step, data position,
 best-validation state, curves; every worker: its RNG states), from which ``FailureConfig(max_failures)``
-restarts resume exactly. Re-running with the same ``out_dir`` (or the same ``RunConfig`` name and storage)
-resumes from the latest checkpoint of the previous attempt, so a run is never lost.
+restarts resume exactly. Re-running a run that failed (or whose driver died) with the same ``out_dir`` (or
+the same ``RunConfig`` name and storage) resumes from the latest checkpoint of the previous attempt.
 
 A non-finite loss ends the run with status ``diverged`` (recorded, not raised); a run whose workers fail
 more often than ``max_failures`` is recorded with status ``failed`` and the error message.
@@ -104,8 +105,6 @@ def train_loop_per_worker(config: dict) -> dict | None:
                 ft.save(d)
                 if ev.final and rank == 0:
                     write_outputs(d, ev.metrics, ft.curves, config=cfg.to_dict(), restores=ft.restores)
-                    if ft.best_state is not None:
-                        save_safetensors(ft.best_state, Path(d) / "best_trainable.safetensors")
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         else:
             ray.train.report(metrics)
@@ -206,7 +205,7 @@ def run_finetune(cfg: FinetuneConfig, *, run_config=None, callbacks: list | None
     cfg.validate()
     t0 = time.perf_counter()
     trainer = make_trainer(cfg, run_config, callbacks)
-    payload, error = None, None
+    payload, error, result = None, None, None
     try:
         result = trainer.fit()
         payload = result.return_value
@@ -223,7 +222,17 @@ def run_finetune(cfg: FinetuneConfig, *, run_config=None, callbacks: list | None
     summary["wall_seconds"] = wall
     summary["workers"] = cfg.workers
     write_outputs(cfg.out_dir, summary, curves, config=cfg.to_dict(), restores=restores)
+    if cfg.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):
+        _delete_run_dir(result)
     return summary
+
+
+def _delete_run_dir(result) -> None:
+    """Remove the finished run's Ray Train directory (its checkpoints) from local or remote storage."""
+    try:
+        result.filesystem.delete_dir(result.path)
+    except (FileNotFoundError, OSError) as e:
+        log.warning("could not delete the checkpoints of %s: %s", result.path, e)
 
 
 def format_summary(summary: dict) -> str:
