@@ -52,6 +52,7 @@ def open_split(
     num_cpus: float = 0.5,
     concurrency: int | None = None,
     shuffle: bool = False,
+    rows_per_block: int | None = None,
     verify: bool = False,
 ):
     """One split of a prepared store as a ``ray.data.Dataset`` of transformed batches.
@@ -60,7 +61,9 @@ def open_split(
     scan), optionally shuffles the encoded rows (``random_shuffle`` seeded by ``(seed, epoch)``), then
     decodes and transforms them in ``map_batches`` tasks of ``batch_size`` rows, each reserving
     ``num_cpus`` (fractional, so readers and transforms share a small machine without stalling), at most
-    ``concurrency`` at a time (default: as many as the CPUs allow).
+    ``concurrency`` at a time (default: as many as the CPUs allow). A store in fewer shards than CPUs is
+    cut into one block per CPU (``rows_per_block`` overrides; ``0`` keeps one block per shard), since
+    Ray Data maps each block in one task.
     ``train`` selects the augmenting transforms, seeded per image by ``(seed, epoch, index)``; call once
     per epoch with its ``epoch``. ``verify`` recomputes the store checksum first.
     Rows come out as ``image`` float32 ``(3, size, size)``, ``label`` int64 and ``index`` int64; e.g.
@@ -69,11 +72,21 @@ def open_split(
     import ray.data
     from ray.data.expressions import col, lit
 
-    _check_split(store, split, verify)
-    ds = ray.data.read_parquet([str(p) for p in shard_paths(store)], columns=[*COLUMNS, "split"])
+    meta = _check_split(store, split, verify)
+    shards = shard_paths(store)
+    ds = ray.data.read_parquet([str(p) for p in shards], columns=[*COLUMNS, "split"])
     ds = ds.filter(expr=col("split") == lit(split)).select_columns(COLUMNS)
     if shuffle:
         ds = ds.random_shuffle(seed=sample_seed(seed, epoch, -1) % (2**31))
+    if rows_per_block is None:
+        # Ray reads one block per shard and runs one map task per block: a split in fewer shards than
+        # CPUs would be transformed by one task. Cut it into one block per CPU (a streaming repartition;
+        # more, smaller blocks cost more task launches, which dominate on a busy small machine).
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1))) if ray.is_initialized() else os.cpu_count() or 1
+        if len(shards) < cpus:
+            rows_per_block = max(batch_size, -(-meta["counts"][split] // cpus))
+    if rows_per_block:
+        ds = ds.repartition(target_num_rows_per_block=rows_per_block)
     return ds.map_batches(
         transform_rows,
         fn_kwargs={"train": train, "size": size, "seed": seed, "epoch": epoch},
