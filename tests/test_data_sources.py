@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from raystudy.data.sources import prepare
 from raystudy.data.store import SPLITS, read_meta, read_split, shard_paths, verify_store
@@ -413,3 +414,44 @@ def test_read_split_table_types(tmp_path):
     prepare("cifar100", tmp_path / "src", tmp_path / "s")
     t = read_split(tmp_path / "s", "test")
     assert t.schema.field("image").type == pa.binary() and t.num_rows == 5
+
+
+def test_pool_official_splits(tmp_path):
+    write_flowers102(tmp_path / "fl")
+    meta = prepare("flowers102", tmp_path / "fl", tmp_path / "a", pool=("val",))
+    assert meta["counts"] == {"train": 11, "val": 3, "test": 16}  # 8 + 6 pooled, round(0.2 * 14) to val
+    assert meta["splits"]["pooled"] == ["val"]
+    write_domainnet(tmp_path / "dn")
+    meta = prepare("domainnet", tmp_path / "dn", tmp_path / "b", domain="clipart", pool=("test",))
+    assert meta["counts"] == {"train": 18, "val": 4, "test": 6}  # 28 pooled: round(5.6) test, round(4.4) val
+    rows = _rows(tmp_path / "b")
+    assert any(s != "test" for i, (s, _, _) in rows.items() if i >= 20)  # official test rows may train now
+
+
+def test_download_goes_through_torchvision(tmp_path, monkeypatch):
+    import torchvision.datasets as tvd
+
+    calls = []
+
+    class FakeCIFAR10:  # writes the files torchvision would download
+        def __init__(self, root, train, download):
+            calls.append((root, train, download))
+            if not (Path(root) / "cifar-10-batches-py").exists():
+                write_cifar10(Path(root))
+
+    monkeypatch.setattr(tvd, "CIFAR10", FakeCIFAR10)
+    meta = prepare("cifar10", tmp_path / "dl", tmp_path / "s", download=True)
+    assert calls == [(str(tmp_path / "dl"), True, True), (str(tmp_path / "dl"), False, True)]
+    assert meta["num_rows"] == 75
+
+    class Offline:
+        def __init__(self, *a, **k):
+            raise OSError("<urlopen error [Errno -3] Temporary failure in name resolution>")
+
+    monkeypatch.setattr(tvd, "OxfordIIITPet", Offline)
+    from raystudy.data.store import StoreError
+
+    with pytest.raises(StoreError, match=r"pets: download into .* failed .*copy the files into --root"):
+        prepare("pets", tmp_path / "p", tmp_path / "s2", download=True)
+    with pytest.raises(ValueError, match="--download supports"):
+        prepare("domainnet", tmp_path / "p", tmp_path / "s2", domain="clipart", download=True)

@@ -28,6 +28,11 @@ def register(subparsers) -> None:
     pp.add_argument("--severity", type=int, default=5, help="cifar10c: severity 1-5 (default 5)")
     pp.add_argument("--domain", help="domainnet: domain, e.g. clipart, sketch")
     pp.add_argument("--low-data", choices=("vtab1k",), help="VTAB-1k variant: 800 train / 200 val, full test")
+    pp.add_argument("--pool", action="append", choices=("val", "test"), default=[],
+                    help="ignore an official split: 'val' folds it into train (val = 20%% of train), 'test' pools "
+                         "train and test and draws 80/20 (the paper's DomainNet protocol); repeatable")
+    pp.add_argument("--download", action="store_true",
+                    help="first download cifar10/cifar100/flowers102/pets into --root with torchvision")
     pp.add_argument("--on-bad-image", choices=("error", "skip"), default="error",
                     help="unreadable images: stop with an error (default) or skip and record them")
     pp.add_argument("--rows-per-shard", type=int, default=2048, help="rows per Parquet shard (default 2048)")
@@ -67,8 +72,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     meta = prepare(
         args.source, args.root, args.out, name=args.name, corruption=args.corruption, severity=args.severity,
-        domain=args.domain, low_data=args.low_data, on_bad_image=args.on_bad_image,
-        rows_per_shard=args.rows_per_shard, workers=args.workers, progress=True,
+        domain=args.domain, low_data=args.low_data, pool=tuple(args.pool), on_bad_image=args.on_bad_image,
+        rows_per_shard=args.rows_per_shard, workers=args.workers, download=args.download, progress=True,
     )
     _print_summary(args.out, meta)
     return 0

@@ -47,6 +47,9 @@ SOURCES = ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets",
            "synthetic")
 BAD_IMAGE_POLICIES = ("error", "skip")
 LOW_DATA = ("vtab1k",)
+POOLABLE = ("val", "test")
+#: Sources torchvision can download into the layout the readers expect (``--download``).
+TORCHVISION = {"cifar10": "CIFAR10", "cifar100": "CIFAR100", "flowers102": "Flowers102", "pets": "OxfordIIITPet"}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10C_CORRUPTIONS = (
@@ -127,6 +130,7 @@ def prepare_candidates(
     classes: list[str],
     split_name: str | None = None,
     low_data: str | None = None,
+    pool: tuple[str, ...] = (),
     on_bad_image: str = "error",
     rows_per_shard: int = 2048,
     workers: int | None = None,
@@ -135,8 +139,11 @@ def prepare_candidates(
 ) -> dict:
     """Assign splits, load and validate every image, write the store at ``out``; returns its metadata.
 
-    ``split_name`` is the dataset name hashed for the split assignment (default ``name``). ``low_data``
-    ``"vtab1k"`` keeps 800 train / 200 val rows (class-balanced) and the whole test split. Unreadable
+    ``split_name`` is the dataset name hashed for the split assignment (default ``name``). ``pool`` lists
+    official splits to ignore: ``"val"`` folds an official validation split into train (then 20% of train
+    is drawn as val); ``"test"`` pools the official train and test rows and draws an 80/20 split (the
+    paper's protocol for DomainNet). ``low_data="vtab1k"`` keeps 800 train / 200 val rows
+    (class-balanced) and the whole test split. Unreadable
     images raise :class:`StoreError` naming the file, or with ``on_bad_image="skip"`` are left out and
     listed under ``skipped`` in ``dataset.json``.
     """
@@ -146,6 +153,9 @@ def prepare_candidates(
         raise ValueError(f"on_bad_image must be one of {BAD_IMAGE_POLICIES}, got {on_bad_image!r}")
     if low_data is not None and low_data not in LOW_DATA:
         raise ValueError(f"low_data must be one of {LOW_DATA} or None, got {low_data!r}")
+    bad_pool = [p for p in pool if p not in POOLABLE]
+    if bad_pool:
+        raise ValueError(f"pool: unknown split(s) {bad_pool}; expected some of {POOLABLE}")
     if not candidates:
         raise StoreError(f"{name}: the source lists no images")
     k = len(classes)
@@ -163,7 +173,12 @@ def prepare_candidates(
         keys[key] = c.ref
     split_name = split_name or name
     key_of = [c.index if c.key_id is None else c.key_id for c in candidates]
-    by_key = assign_splits(key_of, [c.label for c in candidates], [c.split for c in candidates], name=split_name)
+    official = [c.split for c in candidates]
+    if "val" in pool:
+        official = ["train" if o == "val" else o for o in official]
+    if "test" in pool:
+        official = [None if o in ("train", "test") else o for o in official]
+    by_key = assign_splits(key_of, [c.label for c in candidates], official, name=split_name)
     if low_data == "vtab1k":
         try:
             by_key = low_data_split(by_key, dict(zip(key_of, (c.label for c in candidates))), name=split_name)
@@ -175,7 +190,7 @@ def prepare_candidates(
     # Filled in while the rows stream; write_store builds dataset.json after the last row, so the final
     # counts land in it (and nothing is dropped silently).
     info = {
-        "splits": {"rule": RULE, "key_name": split_name},
+        "splits": {"rule": RULE, "key_name": split_name, "pooled": sorted(pool)},
         "low_data": ({"variant": low_data, "n_train": VTAB_TRAIN, "n_val": VTAB_VAL} if low_data else None),
         "skipped": {"count": 0, "items": skipped},
         "reencoded": 0,
@@ -190,11 +205,11 @@ def prepare_candidates(
 
     def rows():
         n_workers = workers or min(8, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=n_workers) as pool, \
+        with ThreadPoolExecutor(max_workers=n_workers) as executor, \
                 tqdm(total=len(chosen), desc=f"prepare {name}", unit="img", disable=not progress) as bar:
             for start in range(0, len(chosen), 256):
                 chunk = chosen[start:start + 256]
-                for (c, split), (res, err) in zip(chunk, pool.map(load, [c for c, _ in chunk])):
+                for (c, split), (res, err) in zip(chunk, executor.map(load, [c for c, _ in chunk])):
                     bar.update()
                     if err is not None:
                         if on_bad_image == "error":
@@ -207,9 +222,8 @@ def prepare_candidates(
                     info["reencoded"] += int(re_enc)
                     yield {"image": data, "label": c.label, "split": split, "index": c.index}
 
-    meta = write_store(rows(), out, name=name, source=source, classes=classes, rows_per_shard=rows_per_shard,
+    return write_store(rows(), out, name=name, source=source, classes=classes, rows_per_shard=rows_per_shard,
                        extra=info, allow_empty=False)
-    return meta
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -532,12 +546,13 @@ def read_imagefolder(root, *, source: str = "imagefolder") -> Listing:
     official = "train" in split_dirs and "test" in split_dirs
     trees = {s: _class_tree(d) for s, d in split_dirs.items()} if official else {None: _class_tree(root)}
     classes = sorted({c for t in trees.values() for c in t})
+    label_of = {c: k for k, c in enumerate(classes)}
     files = sorted(((s, c, p) for s, t in trees.items() for c, ps in t.items() for p in ps),
                    key=lambda r: r[2].relative_to(root).as_posix())
     val_numbers = [re.fullmatch(r"ILSVRC2012_val_(\d+)", p.stem) for _, _, p in files]
     by_number = source == "imagenet" and all(val_numbers) and len({m.group(1) for m in val_numbers}) == len(files)
     cands = [
-        Candidate(index=int(m.group(1)) - 1 if by_number else pos, label=classes.index(c), split=s,
+        Candidate(index=int(m.group(1)) - 1 if by_number else pos, label=label_of[c], split=s,
                   load=_file_loader(p), ref=str(p))
         for pos, ((s, c, p), m) in enumerate(zip(files, val_numbers))
     ]
@@ -570,6 +585,24 @@ def list_source(source: str, root, *, corruption: str | None = None, severity: i
     return read_imagefolder(root, source=source)
 
 
+def download_source(source: str, root) -> None:
+    """Download ``source`` with torchvision into ``root`` (the layout the readers read)."""
+    if source not in TORCHVISION:
+        raise ValueError(f"--download supports {sorted(TORCHVISION)}; fetch {source!r} by hand into --root")
+    import torchvision.datasets as tvd
+
+    cls = getattr(tvd, TORCHVISION[source])
+    Path(root).mkdir(parents=True, exist_ok=True)
+    calls = {"cifar10": [{"train": True}, {"train": False}], "cifar100": [{"train": True}, {"train": False}],
+             "flowers102": [{"split": "train"}], "pets": [{"split": "trainval"}, {"split": "test"}]}[source]
+    for kw in calls:
+        try:
+            cls(str(root), download=True, **kw)
+        except (OSError, RuntimeError) as e:  # URLError is an OSError
+            raise StoreError(f"{source}: download into {root} failed ({type(e).__name__}: {e}); without internet, "
+                             "copy the files into --root and run without --download") from e
+
+
 def prepare(
     source: str,
     root,
@@ -580,18 +613,25 @@ def prepare(
     severity: int = 5,
     domain: str | None = None,
     low_data: str | None = None,
+    pool: tuple[str, ...] = (),
     on_bad_image: str = "error",
     rows_per_shard: int = 2048,
     workers: int | None = None,
+    download: bool = False,
     progress: bool = False,
 ) -> dict:
     """Read ``source`` under ``root`` and write the prepared store at ``out``; returns its metadata.
+
+    ``download`` first fetches CIFAR-10/100, Flowers102 or Pets with torchvision into ``root`` (needs
+    internet; the readers themselves never do). ``pool``: see :func:`prepare_candidates`.
 
     The store is named ``name`` or the source's default (``cifar10``, ``cifar10c-<corruption>-<severity>``,
     ``domainnet-<domain>``, the folder name for ``imagefolder``, ..., with ``-vtab1k`` appended for the
     low-data variant). Splits are keyed by the source's name (:mod:`raystudy.data.splits`); for
     ``imagefolder`` by ``name`` when given, else the folder name.
     """
+    if download:
+        download_source(source, root)
     listing = list_source(source, root, corruption=corruption, severity=severity, domain=domain)
     default_name = listing.name + (f"-{low_data}" if low_data else "")
     # The split key is the benchmark's own name (``--name`` only relabels it), except for a generic image
@@ -599,6 +639,6 @@ def prepare(
     split_name = listing.split_name or (name if source == "imagefolder" and name else listing.name)
     return prepare_candidates(
         listing.candidates, out, name=name or default_name, source=source, classes=listing.classes,
-        split_name=split_name, low_data=low_data, on_bad_image=on_bad_image,
+        split_name=split_name, low_data=low_data, pool=tuple(pool), on_bad_image=on_bad_image,
         rows_per_shard=rows_per_shard, workers=workers, extra=listing.extra, progress=progress,
     )
