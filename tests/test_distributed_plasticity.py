@@ -9,6 +9,7 @@ each split with ``read_split``, draws the pairs with the documented numpy recipe
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -96,9 +97,10 @@ def _run(setup, workers, batch_size, mode="embedding", **extra):
     key = (workers, batch_size, mode, tuple(sorted(extra.items())))
     if key not in _RUNS:
         out = setup["root"] / f"out-{workers}-{batch_size}-{mode}-{len(_RUNS)}"
+        extra.setdefault("figures", False)
         job = PlasticityJob(model=TIMM_NAME, weights=setup["weights"], model_kwargs=TINY, pretrain=setup["pre"],
                             downstream=setup["down"], pairs=PAIRS, batch_size=batch_size, mode=mode,
-                            workers=workers, seed=SEED, out_dir=str(out), figures=False, **extra)
+                            workers=workers, seed=SEED, out_dir=str(out), **extra)
         summary = run_plasticity(job, progress=False)
         _RUNS[key] = (summary, {t: pd.read_parquet(out / f"{t}.parquet") for t in
                                 ("rates", "plasticity", "bounds", "pairs")})
@@ -184,7 +186,8 @@ def test_bad_jobs_fail_before_any_work(setup, tmp_path):
 @pytest.mark.parametrize("workers,batch_size,mode", [(1, 8, "embedding"), (2, 5, "embedding"),
                                                      (2, 8, "embedding"), (1, 5, "hidden")])
 def test_pipeline_equals_core_on_the_same_pairs(ray_session, setup, workers, batch_size, mode):
-    summary, got = _run(setup, workers, batch_size, mode)
+    figures = mode == "hidden"  # one run draws the figures
+    summary, got = _run(setup, workers, batch_size, mode, **({"figures": True} if figures else {}))
     ref_rates, ref_plast, pre_images = _reference(setup, mode)
 
     # plasticity.parquet: the streamed reduction equals summarize() of the core rates
@@ -227,6 +230,12 @@ def test_pipeline_equals_core_on_the_same_pairs(ray_session, setup, workers, bat
     assert summary["pretrain"]["split"] == "val" and summary["pairs_per_s"] > 0
     assert not list(setup["root"].glob(f"out-{workers}-{batch_size}-{mode}-*/.*stage*"))  # staging removed
     assert not list(setup["root"].glob(f"out-{workers}-{batch_size}-{mode}-*/.*.tmp"))
+    if figures:  # per dataset: plasticity across depth and the rate distribution
+        files = [Path(f) for f in summary["figures"]]
+        assert files and all(f.is_file() and f.stat().st_size > 0 for f in files)
+        for name in ("alpha", "beta"):
+            assert {f.stem for f in files} >= {f"plasticity_depth_{TIMM_NAME}_{name}_hidden",
+                                               f"rate_distribution_{TIMM_NAME}_{name}_hidden"}
 
 
 def test_actor_crash_mid_run_gives_identical_numbers(ray_session, setup):
@@ -238,3 +247,12 @@ def test_actor_crash_mid_run_gives_identical_numbers(ray_session, setup):
     for table in ("rates", "plasticity", "bounds", "pairs"):
         pd.testing.assert_frame_equal(crashed[table], clean[table], check_exact=True, obj=table)
     assert summary["n_pairs"] == 2 * PAIRS
+
+
+def test_actors_that_leave_no_cpu_for_loading_are_refused(ray_session, setup, tmp_path):
+    # 2 CPUs in the test cluster: 4 actors x 0.5 CPU would starve the load tasks and hang forever
+    job = PlasticityJob(model=TIMM_NAME, weights=setup["weights"], model_kwargs=TINY, pretrain=setup["pre"],
+                        downstream=setup["down"][:1], pairs=8, workers=4, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"4 x 0.5 CPUs plus 0.25 for a load task exceed the cluster's 2 CPUs"):
+        run_plasticity(job, progress=False)
+    assert not list(tmp_path.glob(".plasticity-stage-*")) and not (tmp_path / "rates.parquet").exists()

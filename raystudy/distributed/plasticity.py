@@ -78,11 +78,17 @@ RATES_SCHEMA = pa.schema([
 PAIRS_SCHEMA = pa.schema([
     ("dataset", pa.string()), ("pair", pa.int64()), ("pretrain_index", pa.int64()), ("downstream_index", pa.int64()),
 ])
-#: Logical CPUs of one gather or load task (fractional: on small machines the actors need the rest).
-TASK_CPUS = 0.5
+#: Logical CPUs of one gather task (reads and writes bytes; several may share a core).
+GATHER_CPUS = 0.25
+#: Logical CPUs reserved by one load task (decode + transform). Kept small so that a load task always fits
+#: beside the actors; how many run at once is set by ``PlasticityJob.loaders``.
+LOAD_CPUS = 0.25
 #: Rates rows buffered on the driver before they are written as one Parquet row group.
 _ROWS_PER_WRITE = 1 << 16
 _CRASH_MARKER = ".plasticity-crash-injected"
+#: Object-store budget of the pipeline, in batches of decoded pairs per actor (plus one for the loaders).
+INFLIGHT_BATCHES = 4
+_MIN_BUDGET = 64 * 2**20
 
 
 @dataclass
@@ -111,6 +117,8 @@ class PlasticityJob:
         amp_bf16: run the forward passes under bfloat16 autocast (norms stay float32).
         out_dir: where the tables, figures and (temporarily) the staging files go.
         figures: write the per-dataset figures.
+        loaders: load tasks (read + decode + transform) running at once; ``None``: one per CPU left beside
+            the actors in the cluster (at least one). Each is a process with torch loaded (about 1 GB here).
         torch_threads: intra-op threads of a CPU actor; ``None``: the node's cores divided by ``workers``.
         stage_dir: staging directory (default: a fresh directory under ``out_dir``).
         crash_at_batch: test hook: the first actor to reach its ``crash_at_batch``-th batch kills its own
@@ -134,6 +142,7 @@ class PlasticityJob:
     img_size: int | None = None
     amp_bf16: bool = False
     figures: bool = True
+    loaders: int | None = None
     torch_threads: int | None = None
     stage_dir: str | None = None
     crash_at_batch: int | None = None
@@ -159,6 +168,7 @@ class PlasticityJob:
             (self.pretrain_split in ("train", "val", "test"),
              f"pretrain_split must be train, val or test, got {self.pretrain_split!r}"),
             (self.img_size is None or self.img_size > 0, f"img_size must be positive, got {self.img_size}"),
+            (self.loaders is None or self.loaders >= 1, f"loaders must be >= 1, got {self.loaders}"),
             (self.torch_threads is None or self.torch_threads >= 1,
              f"torch_threads must be >= 1, got {self.torch_threads}"),
         ]
@@ -514,35 +524,54 @@ def resolve_img_size(job: PlasticityJob) -> int:
     return int(size[-1] if isinstance(size, tuple | list) else size)
 
 
-def write_figures(plasticity: pd.DataFrame, rates_path: Path, out_dir: Path, *, model: str) -> list[str]:
-    """Per dataset: the plasticity-by-depth figure and the rate distribution (``out_dir/figures``).
+def write_figures(plasticity: pd.DataFrame, rates_path: Path, out_dir: Path, *, model: str,
+                  pretrain: str = "pretraining") -> list[str]:
+    """Per dataset: plasticity across depth and the distribution of the per-pair rates, in ``out_dir/figures``.
 
-    Reads one dataset's rates at a time from ``rates_path``. Returns the path stems written.
+    Reads one dataset's rates at a time from ``rates_path``. Returns the files written.
     """
-    try:
-        from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution
-    except ImportError as e:  # the analysis layer is optional for the measurement itself
-        log.warning("figures skipped: raystudy.analysis.figures is not available (%s)", e)
-        return []
+    from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution
+
     fig_dir = out_dir / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
-    stems = []
+    files: list[str] = []
     for dataset, table in plasticity.groupby("dataset", sort=False):
         mode = str(table["mode"].iloc[0])
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{model}_{dataset}_{mode}")
-        title = f"{model} | ImageNet pretraining vs {dataset} ({mode})"
+        title = f"{model}: {pretrain} vs {dataset} ({mode})"
+        files += map(str, plot_plasticity_depth(table.reset_index(drop=True), fig_dir / f"plasticity_depth_{safe}",
+                                                title=title))
         rates = pq.read_table(rates_path, filters=[("dataset", "=", dataset)]).to_pandas()
-        stem = str(fig_dir / f"plasticity_depth_{safe}")
-        plot_plasticity_depth(table.reset_index(drop=True), stem, title=title)
-        stems.append(stem)
-        stem = str(fig_dir / f"rate_distribution_{safe}")
-        plot_rate_distribution(rates, stem, title=title)
-        stems.append(stem)
-    return stems
+        files += map(str, plot_rate_distribution(rates, fig_dir / f"rate_distribution_{safe}", title=title))
+        del rates
+    return files
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The job
+
+
+def _check_resources(ray, job: PlasticityJob) -> int:
+    """Fail early when CPU actors would leave no room for a load task (the pipeline would wait forever);
+    returns the number of concurrent load tasks.
+
+    GPU jobs only get a warning: on an autoscaling cluster the GPU nodes (and their CPUs) arrive later.
+    """
+    total = ray.cluster_resources()
+    cpus, gpus = float(total.get("CPU", 0)), float(total.get("GPU", 0))
+    actor_cpus = job.workers * job.cpus_per_worker
+    short = []
+    if actor_cpus + LOAD_CPUS > cpus + 1e-9:
+        short.append(f"workers x cpus_per_worker = {job.workers} x {job.cpus_per_worker} CPUs plus {LOAD_CPUS} for "
+                     f"a load task exceed the cluster's {cpus:g} CPUs")
+    if job.workers * job.gpus_per_worker > gpus + 1e-9:
+        short.append(f"workers x gpus_per_worker = {job.workers} x {job.gpus_per_worker} GPUs exceed the "
+                     f"cluster's {gpus:g} GPUs")
+    if short and job.gpus_per_worker == 0:
+        raise ValueError("; ".join(short) + ": lower workers or cpus_per_worker")
+    if short:
+        log.warning("%s: the pool waits until the cluster grows (autoscaler) and hangs otherwise", "; ".join(short))
+    return job.loaders or max(1, int(cpus - actor_cpus))
 
 
 def _stage_side(gather, rows: SplitRows, positions: np.ndarray, bucket_size: int, stage: Path, tag: str):
@@ -605,7 +634,8 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), configure_logging=False, log_to_driver=False)
     # a plain Ray task: Ray Core reruns it (3 times by default) when its worker process dies
-    gather = ray.remote(num_cpus=TASK_CPUS)(_gather_shard)
+    gather = ray.remote(num_cpus=GATHER_CPUS)(_gather_shard)
+    loaders = _check_resources(ray, job)
 
     model_kwargs = dict(job.model_kwargs)
     if job.img_size and "img_size" not in model_kwargs:
@@ -621,8 +651,8 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
     stats = TokenStats()
     moments = [StreamingMoments() for _ in down_rows]
     bounds_ref = None
-    # idle until the end except for a few spectral norms, so it reserves next to no CPU
-    bounds_worker = ray.remote(num_cpus=0.01, max_restarts=1, max_task_retries=1)(BoundsWorker).remote(spec)
+    # idle until the end except for a few spectral norms: it reserves no CPU, so it never blocks the pipeline
+    bounds_worker = ray.remote(num_cpus=0, max_restarts=1, max_task_retries=1)(BoundsWorker).remote(spec)
     try:
         staged = [_stage_side(gather, pre_rows, pre_pos, job.batch_size, stage / "pre", "pre")]
         staged += [_stage_side(gather, rows, plan[1], job.batch_size, stage / f"d{d}", "down")
@@ -635,10 +665,20 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         ds.context.execution_options.preserve_order = True  # rates.parquet in (dataset, pair) order, every run
         ds.context.enable_progress_bars = False  # the tqdm bar below counts pairs
+        # Without a cap Ray Data lets the loaders run ahead of the actors until a fraction of the whole object
+        # store is full; a budget of a few batches per actor keeps memory independent of the pair count.
+        batch_bytes = job.batch_size * 2 * 3 * img_size**2 * 4
+        budget = max(_MIN_BUDGET, INFLIGHT_BATCHES * (job.workers + 1) * batch_bytes)
+        ds.context.execution_options.resource_limits = ray.data.ExecutionResources.for_limits(
+            object_store_memory=budget)
         # Fault tolerance is Ray Data's default in 2.60: tasks retry and pool actors restart (and rerun the
         # lost batch) when their process dies; per-operator retry arguments are deprecated there.
-        ds = ds.map_batches(_load_buckets, batch_size=1, fn_kwargs={"img_size": img_size},
-                            num_cpus=TASK_CPUS)
+        # Ray Data fuses a task step into the next actor step when their resource requests are equal; the
+        # actor would then decode serially with its forward passes. Distinct requests keep decoding in
+        # tasks that run beside the actors.
+        load_cpus = LOAD_CPUS if job.cpus_per_worker != LOAD_CPUS else LOAD_CPUS / 2
+        ds = ds.map_batches(_load_buckets, batch_size=1, fn_kwargs={"img_size": img_size}, num_cpus=load_cpus,
+                            compute=ray.data.TaskPoolStrategy(size=loaders))
         ds = ds.map_batches(RateActor, batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers),
                             num_cpus=job.cpus_per_worker, num_gpus=job.gpus_per_worker or None,
                             fn_constructor_kwargs={"spec": spec})
@@ -708,7 +748,9 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
     paths["bounds"] = write_result(bounds, out_dir, "bounds")
     wall = time.perf_counter() - t0
     done = job.pairs * len(down_rows)
-    figures = write_figures(plasticity, rates_path, out_dir, model=job.model) if job.figures else []
+    figures = []
+    if job.figures:
+        figures = write_figures(plasticity, rates_path, out_dir, model=job.model, pretrain=pre_rows.name)
     return {
         **paths, "out_dir": str(out_dir), "figures": figures, "wall_s": wall,
         "pairs_per_s": done / wall if wall > 0 else math.nan, "n_pairs": done,
@@ -719,3 +761,46 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
                      for rows, m in zip(down_rows, moments)},
         "token_stats": stats.as_dict(), "img_size": img_size, "job": asdict(job),
     }
+
+
+def combine_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike) -> dict[str, str]:
+    """Combine the tables of several runs (e.g. one per model) into ``out_dir``.
+
+    ``plasticity`` and ``bounds`` are concatenated; ``rates`` is copied row group by row group into one file
+    (never all in memory); ``pairs`` comes from the first run (the pairs depend on the stores and the seed
+    only, and every run must agree: runs whose pairs differ raise ``ValueError``). All writes are atomic.
+    Returns the paths written.
+    """
+    from raystudy.io import check_columns, write_result, write_table_atomic
+
+    run_dirs = [Path(d) for d in run_dirs]
+    if not run_dirs:
+        raise ValueError("combine_runs: no run directories")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for table in ("plasticity", "bounds"):
+        frames = [pd.read_parquet(d / f"{table}.parquet") for d in run_dirs]
+        for d, f in zip(run_dirs, frames):
+            check_columns(f, table, where=str(d / f"{table}.parquet"))
+        paths[table] = write_result(pd.concat(frames, ignore_index=True), out_dir, table)
+    pairs = pq.read_table(run_dirs[0] / "pairs.parquet")
+    for d in run_dirs[1:]:
+        if not pq.read_table(d / "pairs.parquet").equals(pairs):
+            raise ValueError(f"{d / 'pairs.parquet'} differs from {run_dirs[0] / 'pairs.parquet'}: the runs used "
+                             "other stores or seeds and cannot be combined")
+    paths["pairs"] = write_table_atomic(pairs, out_dir / "pairs.parquet")
+    writer = _RatesWriter(out_dir / "rates.parquet")
+    try:
+        for d in run_dirs:
+            pf = pq.ParquetFile(d / "rates.parquet")
+            if not pf.schema_arrow.equals(RATES_SCHEMA):
+                raise ValueError(f"{d / 'rates.parquet'}: schema {pf.schema_arrow} is not the rates schema")
+            for g in range(pf.metadata.num_row_groups):
+                writer.writer.write_table(pf.read_row_group(g))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    paths["rates"] = str(out_dir / "rates.parquet")
+    return paths

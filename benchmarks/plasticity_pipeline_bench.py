@@ -1,0 +1,154 @@
+"""Ray plasticity pipeline vs the core in a plain loop, on the same pairs, in one run.
+
+    python benchmarks/plasticity_pipeline_bench.py [--pairs 2000] [--batch-size 64] [--workers 1]
+
+Both sides start from the same two prepared stores (random PNGs) and the same pairs
+(:func:`raystudy.distributed.plasticity.pair_positions`), and both pay for decoding + the evaluation
+transform of every image:
+
+- core: ``read_split`` of each side's image bytes, then per batch ``transform_batch`` (decode + eval
+  transform) and ``pair_rates_tensor`` + ``rates_frame``, ``summarize`` at the end; model build included;
+  torch's default thread count, one process.
+- pipeline: ``run_plasticity`` end to end (staging, load tasks, actor pool start-up with model build,
+  rates, streamed Parquet, moments, bounds), figures off; ``ray.init`` is timed separately and excluded
+  (a cluster is normally already up).
+
+``overhead = pipeline seconds / core seconds - 1`` (negative: the pipeline is faster, since it decodes on
+other cores while the actor computes). The tables of both sides are compared as a sanity check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+#: A small ViT: 64 px images, 8 px patches (65 tokens), width 192, 6 blocks, 3 heads.
+BENCH_VIT = dict(img_size=64, patch_size=8, embed_dim=192, depth=6, num_heads=3, num_classes=10)
+TIMM_NAME = "vit_tiny_patch16_224"
+
+
+def _png(rng: np.random.Generator, h: int, w: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def make_stores(root: Path, n: int, *, hw: tuple[int, int] = (56, 72), seed: int = 0) -> tuple[str, str]:
+    """Two stores (``bench-pre``, ``bench-down``) with ``n`` test images each, in 1,024-row shards."""
+    from raystudy.data.store import write_store
+
+    paths = []
+    for k, name in enumerate(("bench-pre", "bench-down")):
+        rng = np.random.default_rng(seed + k)
+        rows = ({"image": _png(rng, *hw), "label": i % 10, "split": "test", "index": i} for i in range(n))
+        path = root / name
+        write_store(rows, path, name=name, source="benchmark", classes=[str(c) for c in range(10)],
+                    rows_per_shard=1024)
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+def core_loop(pre: str, down: str, weights: str, *, pairs: int, batch_size: int, seed: int, img_size: int):
+    """The core on the pipeline's pairs in one process; returns (summary table, seconds)."""
+    import pandas as pd
+
+    from raystudy.core.models import build_model
+    from raystudy.core.plasticity import pair_rates_tensor, rates_frame, summarize
+    from raystudy.data.store import read_split
+    from raystudy.data.transforms import transform_batch
+    from raystudy.distributed.plasticity import pair_positions
+
+    t0 = time.perf_counter()
+    model = build_model(TIMM_NAME, weights=weights, **BENCH_VIT).eval()
+    x_img = read_split(pre, "test", columns=["image"]).column("image")
+    y_img = read_split(down, "test", columns=["image"]).column("image")
+    a, b = pair_positions(len(x_img), len(y_img), pairs, seed)
+    frames = []
+    for i in range(0, pairs, batch_size):
+        x = transform_batch([x_img[int(j)].as_py() for j in a[i:i + batch_size]], train=False, size=img_size)
+        y = transform_batch([y_img[int(j)].as_py() for j in b[i:i + batch_size]], train=False, size=img_size)
+        frames.append(rates_frame(pair_rates_tensor(model, x, y), pair_offset=i))
+    table = summarize(pd.concat(frames, ignore_index=True))
+    return table, time.perf_counter() - t0
+
+
+def bench_pipeline(*, pairs: int = 2000, batch_size: int = 64, workers: int = 1, seed: int = 0,
+                   root: str | None = None, verbose: bool = True) -> dict:
+    """Measure the core loop and the Ray pipeline on the same pairs; print and return the figures."""
+    import ray
+    import torch
+
+    from raystudy.core.models import build_model
+    from raystudy.distributed.plasticity import PlasticityJob, run_plasticity
+
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        tmp = Path(tmp)
+        t = time.perf_counter()
+        pre, down = make_stores(tmp, pairs)
+        torch.manual_seed(seed)
+        weights = tmp / "bench_vit.pt"
+        torch.save(build_model(TIMM_NAME, **BENCH_VIT).state_dict(), weights)
+        if verbose:
+            print(f"stores: 2 x {pairs} PNGs (56x72) in {time.perf_counter() - t:.1f} s; model {TIMM_NAME} "
+                  f"with {BENCH_VIT}")
+
+        core_table, core_s = core_loop(pre, down, str(weights), pairs=pairs, batch_size=batch_size, seed=seed,
+                                       img_size=BENCH_VIT["img_size"])
+        t = time.perf_counter()
+        started_here = not ray.is_initialized()
+        if started_here:
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        init_s = time.perf_counter() - t
+        job = PlasticityJob(model=TIMM_NAME, weights=str(weights), model_kwargs=BENCH_VIT, pretrain=pre,
+                            downstream=[down], pairs=pairs, batch_size=batch_size, workers=workers, seed=seed,
+                            out_dir=str(tmp / "out"), figures=False)
+        t = time.perf_counter()
+        summary = run_plasticity(job, progress=False)
+        pipe_s = time.perf_counter() - t
+        import pandas as pd
+
+        pipe_table = pd.read_parquet(summary["plasticity"])
+        rel = float(np.max(np.abs(pipe_table["plasticity"].to_numpy() - core_table["plasticity"].to_numpy())
+                           / np.abs(core_table["plasticity"].to_numpy())))
+        if started_here:
+            ray.shutdown()
+    result = {
+        "pairs": pairs, "batch_size": batch_size, "workers": workers, "cpus": len(os.sched_getaffinity(0)),
+        "core_s": core_s, "core_pairs_per_s": pairs / core_s,
+        "pipeline_s": pipe_s, "pipeline_pairs_per_s": pairs / pipe_s,
+        "overhead": pipe_s / core_s - 1.0, "ray_init_s": init_s, "max_rel_diff": rel,
+    }
+    if verbose:
+        print(f"core loop (decode + transform + pair_rates_tensor, 1 process, {torch.get_num_threads()} threads): "
+              f"{result['core_pairs_per_s']:8.1f} pairs/s  ({core_s:.1f} s)")
+        print(f"Ray pipeline ({workers} actor(s), end to end, ray.init {init_s:.1f} s excluded):"
+              f"{' ' * 12}{result['pipeline_pairs_per_s']:8.1f} pairs/s  ({pipe_s:.1f} s)")
+        print(f"pipeline overhead: {100 * result['overhead']:+.1f}%  (max relative difference of the "
+              f"plasticity tables: {rel:.1e})")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    bench_pipeline(pairs=args.pairs, batch_size=args.batch_size, workers=args.workers, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
