@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -74,7 +75,10 @@ def open_split(
 
     meta = _check_split(store, split, verify)
     shards = shard_paths(store)
-    ds = ray.data.read_parquet([str(p) for p in shards], columns=[*COLUMNS, "split"])
+    # One directory path, not the list of shards: Ray 2.60 resolves several paths in parallel threads,
+    # and each thread imports fsspec's HTTP filesystem, which fails without aiohttp; two threads racing
+    # on that import raised "cannot import name 'HTTPFileSystem'" here (seen with a 2-shard store).
+    ds = ray.data.read_parquet(str(Path(store).absolute()), columns=[*COLUMNS, "split"], file_extensions=["parquet"])
     ds = ds.filter(expr=col("split") == lit(split)).select_columns(COLUMNS)
     if shuffle:
         ds = ds.random_shuffle(seed=sample_seed(seed, epoch, -1) % (2**31))
