@@ -1,6 +1,7 @@
 """Datasets: sources -> prepared Parquet store -> transforms (no Ray needed to read one batch).
 
-Public entry points (Ray is imported only by :func:`open_split`):
+Public entry points (resolved lazily, so ``import raystudy.data.store`` stays light; Ray is imported only
+by :func:`open_split`):
 
 - :func:`prepare` (a benchmark source -> store), :func:`prepare_default` (the built-in procedural stores)
 - :func:`open_split` (a split as a ``ray.data.Dataset`` of transformed batches),
@@ -8,12 +9,21 @@ Public entry points (Ray is imported only by :func:`open_split`):
 - :mod:`.store` (format, checksum), :mod:`.transforms` (the paper's preprocessing), :mod:`.splits` (rules)
 """
 
-from .sources import SOURCES, prepare
-from .store import SPLITS, StoreError, read_meta, read_split, shard_paths, verify_store
-from .stream import StoreDataset, iter_batches_local, load_tensors, open_split
-from .synthetic import DEFAULT_NAMES, prepare_default
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_NAMES", "SOURCES", "SPLITS", "StoreDataset", "StoreError", "iter_batches_local", "load_tensors",
-    "open_split", "prepare", "prepare_default", "read_meta", "read_split", "shard_paths", "verify_store",
-]
+import importlib
+
+_EXPORTS = {
+    "SOURCES": "sources", "prepare": "sources",
+    "SPLITS": "store", "StoreError": "store", "read_meta": "store", "read_split": "store",
+    "shard_paths": "store", "verify_store": "store",
+    "StoreDataset": "stream", "iter_batches_local": "stream", "load_tensors": "stream", "open_split": "stream",
+    "DEFAULT_NAMES": "synthetic", "prepare_default": "synthetic",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
