@@ -74,7 +74,7 @@ def grid_study(ray_session, builtin, tmp_path_factory):
         builtin, out, name="grid", datasets={"color": "shift-color"}, configurations=["MHA", "LN1"],
         optimizers={"sgd": [0.03, 0.3]}, plasticity={"enabled": True, "pairs": 32, "batch_size": 16,
                                                      "workers": 1, "cpus_per_worker": 0.5},
-        analysis=True,
+        analysis=True, trial_retries=1, inject_failures={RETRIED: 3},
     ))
     lines: list[str] = []
     t0 = time.time()
@@ -83,6 +83,7 @@ def grid_study(ray_session, builtin, tmp_path_factory):
 
 
 GRID_IDS = sorted(trial_id("color", c, "sgd", lr, 0) for c in ("MHA", "LN1") for lr in (0.03, 0.3))
+RETRIED = trial_id("color", "LN1", "sgd", 0.3, 0)  # its first attempt fails after the step-3 checkpoint
 
 
 def test_grid_study_has_four_ok_trials(grid_study):
@@ -97,6 +98,15 @@ def test_grid_study_has_four_ok_trials(grid_study):
     assert by["MHA"] > by["LN1"] > 0
     assert grid_study["outcome"].counts == {"ok": 4, "diverged": 0, "failed": 0}
     assert grid_study["outcome"].launched == 4
+
+
+def test_failed_trial_is_retried_from_its_checkpoint(grid_study):
+    """A trial whose Ray Train run fails is retried by Tune (trial_retries) and resumes at its checkpoint."""
+    trials = read_result(grid_study["out"], "trials").set_index("trial_id")
+    assert trials.at[RETRIED, "status"] == "ok"
+    assert trials.at[RETRIED, "num_restores"] == 1 and trials.at[RETRIED, "restored_from_step"] == 3
+    assert (trials.drop(index=RETRIED).num_restores == 0).all()
+    assert any(f"retrying {RETRIED}" in ln for ln in grid_study["lines"])
 
 
 def test_grid_study_curves_match_each_trial(grid_study):
@@ -155,7 +165,9 @@ def test_grid_study_plasticity_analysis_and_progress(grid_study):
 def test_grid_study_rerun_runs_nothing(grid_study, capsys):
     before = tune_experiments(grid_study["out"])
     lines: list[str] = []
-    outcome = run_study(StudySpec.from_dict(grid_study["spec"].to_dict()), echo=lines.append)
+    again = StudySpec.from_dict(grid_study["spec"].to_dict())
+    again.analysis = False  # (tested above; saves its ~10 s here)
+    outcome = run_study(again, echo=lines.append)
     assert outcome.launched == 0 and outcome.counts["ok"] == 4
     assert any("nothing to run" in ln for ln in lines)
     assert any("already measured" in ln for ln in lines)

@@ -212,3 +212,81 @@ def test_trial_row_rejects_unknown_status():
 def test_configurations_are_the_registry():
     spec = StudySpec.from_dict({"weights": "w", "datasets": {"a": "a"}, "pretrain_store": "p"})
     assert tuple(spec.configurations) == CONFIGURATIONS
+
+
+# --------------------------------------------------------------------------------------------------
+# command line, progress, URIs (no Ray)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cli_dry_run_prints_the_grid(capsys, tmp_path):
+    from raystudy.cli import main
+
+    rc = main(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "grid: 1848 trials, 0 done, 1848 to run" in out and "cifar10-LN1-sgd-lr0.001-s0" in out
+    rc = main(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--datasets", "sketch,pets",
+               "--configurations", "MHA,LN1", "--seeds", "0", "--set", "optimizers={sgd: [0.01]}", "--dry-run"])
+    assert rc == 0 and "grid: 4 trials, 0 done, 4 to run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--set", "configurations=[MHA, QKV]"], "configurations"),
+    (["--datasets", "imagenet21k"], "datasets"),
+    (["--set", "optimizers={sgd: [-0.1]}"], "optimizers.sgd"),
+    (["--set", "optimizers={lamb: [0.1]}"], "optimizers"),
+])
+def test_cli_rejects_bad_specs_before_launching(capsys, tmp_path, argv, field):
+    from raystudy.cli import main
+
+    out = tmp_path / "s"
+    rc = main(["study", "--preset", "paper", "--out", str(out), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: {field}:" in err
+    assert not out.exists()  # nothing was written, nothing launched
+
+
+def test_missing_weights_and_stores_stop_the_study_before_ray(tmp_path, capsys):
+    """The paper preset without its stores/weights fails on the first missing file; no Ray, no spec.yaml."""
+    import sys
+
+    from raystudy.cli import main
+
+    out = tmp_path / "s"
+    rc = main(["study", "--preset", "paper", "--out", str(out), "--data-root", str(tmp_path / "nodata")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "datasets.cifar10: store not usable" in err and not (out / "spec.yaml").exists()
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_progress_line_and_eta():
+    from raystudy.study.tune import Progress
+
+    lines = []
+    p = Progress(total=10, done_before=4, echo=lines.append, prefix="x")
+    p.t0 -= 100.0  # 100 s into this launch
+    p.running.update({"a", "b"})
+    p.counts.update(ok=1, diverged=1, failed=1)
+    p.show("e")
+    # 4 + 2 done, 2 running, 1 failed, 1 pending; 3 trials ended in 100 s, 3 to go (2 running + 1) -> 100 s
+    assert lines[0].startswith("[x] 6/10 done, 2 running, 1 failed, 1 pending")
+    assert "ETA 1m40s" in lines[0] and lines[0].endswith("| e")
+    p.counts.update(ok=0, diverged=0, failed=0)
+    assert "ETA ?" in p.line()  # nothing ended yet: no estimate
+
+
+def test_tables_on_a_uri(tmp_path):
+    """The study directory may be any pyarrow URI; file:// goes through the same filesystem code as s3://."""
+    from raystudy.study.results import exists, read_text, write_text_atomic
+    from raystudy.study.tune import local_dir_for
+
+    uri = f"file://{tmp_path}/study"
+    t = ResultTables(uri)
+    t.add(trial_row(_point(), "m", _summary()), _curves())
+    assert len(read_result(uri, "trials")) == 1 and exists(f"{uri}/trials.parquet")
+    write_text_atomic("name: x\n", f"{uri}/spec.yaml")
+    assert read_text(f"{uri}/spec.yaml") == "name: x\n"
+    with local_dir_for(f"{uri}/trials/t1") as d:  # a run writes locally, uploaded at the end
+        assert not d.startswith("file:")
+        (Path(d) / "summary.json").write_text("{}")
+    assert (tmp_path / "study" / "trials" / "t1" / "summary.json").read_text() == "{}"

@@ -50,6 +50,7 @@ class PlasticitySpec:
     workers: int = 1
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
+    torch_threads: int | None = None  # intra-op threads per CPU actor (None: the node's cores / workers)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class PretrainSpec:
     optimizer: str = "adamw"
     warmup_steps: int = 30
     seed: int = 0
+    augment: bool = True  # the demo turns it off: decoding + augmentation dominate a tiny model's step on CPU
 
 
 @dataclass
@@ -120,6 +122,10 @@ class StudySpec:
     plasticity: PlasticitySpec = field(default_factory=PlasticitySpec)
     pretrain: PretrainSpec = field(default_factory=PretrainSpec)
     analysis: bool = True
+
+    # testing hook: trial_id -> step after whose checkpoint the trial's first attempt fails (exercises the
+    # trial retries end to end; see FinetuneConfig.fail_after_step)
+    inject_failures: dict[str, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------------------------------------
     # loading and overriding

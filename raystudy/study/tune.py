@@ -103,8 +103,8 @@ def stored_spec(study_dir: str) -> StudySpec | None:
     return StudySpec.from_dict(yaml.safe_load(text) or {}, where=path)
 
 
-def open_study(spec: StudySpec) -> StudySpec:
-    """Check ``spec`` against the directory's stored spec (if any), then (re)write ``spec.yaml``.
+def check_stored(spec: StudySpec) -> None:
+    """Refuse ``spec`` if its directory already holds a study whose trials mean something else.
 
     Growing the grid (datasets, configurations, lrs, seeds) is allowed; changing what a trial means
     (model, weights, steps, ...) is an error naming the fields.
@@ -117,8 +117,10 @@ def open_study(spec: StudySpec) -> StudySpec:
                 f"out: {spec.out} already holds a study created with another spec ({'; '.join(conflicts)}); "
                 "choose another --out, or continue that study with --resume"
             )
+
+
+def write_spec(spec: StudySpec) -> None:
     write_text_atomic(spec.to_yaml(), join(spec.out, SPEC_FILE))
-    return spec
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -209,7 +211,12 @@ def _tune_callback_class():
             tid = point["trial_id"]
             self.progress.running.discard(tid)
             err = f"failed after {self.spec.trial_retries} retries; see {trial.error_file or trial.path}"
-            self.tables.add(failed_row(point, self.spec.model, self.spec.steps, self.spec.batch_size, err))
+            try:  # the run's own failed summary (with its error) when it got that far
+                row = self.tables.ingest(point, self.spec.model)
+            except Exception:
+                row = None
+            if row is None or row["status"] != "failed":
+                self.tables.add(failed_row(point, self.spec.model, self.spec.steps, self.spec.batch_size, err))
             self.progress.counts["failed"] += 1
             self.progress.show(f"{tid}: FAILED ({err})")
 
@@ -233,6 +240,7 @@ def finetune_config(spec: StudySpec, point: dict, out_dir: str):
         checkpoint_period=spec.checkpoint_period, amp_bf16=spec.amp_bf16, train_final_norm=spec.train_final_norm,
         workers=spec.workers_per_trial, gpus_per_worker=spec.gpus_per_worker, cpus_per_worker=spec.cpus_per_worker,
         max_failures=spec.worker_retries, out_dir=out_dir,
+        fail_after_step=spec.inject_failures.get(point["trial_id"]),
     )
 
 
@@ -249,7 +257,7 @@ def local_dir_for(target: str):
         yield tmp
         fs, p = filesystem(target)
         fs.create_dir(p, recursive=True)
-        pafs.copy_files(tmp, target, destination_filesystem=fs)
+        pafs.copy_files(tmp, p, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -264,6 +272,10 @@ def _link_tensorboard(study_dir: str, tid: str, run_dir: str) -> None:
             os.symlink(os.path.relpath(os.path.join(run_dir, "tb"), tb_root), link, target_is_directory=True)
         except OSError:  # file systems without symlinks: copied after the run instead
             pass
+
+
+class TrialFailed(RuntimeError):
+    """A trial's Ray Train run ended with status ``failed`` (its workers failed beyond ``worker_retries``)."""
 
 
 def run_trial(config: dict, spec_dict: dict) -> None:
@@ -287,13 +299,16 @@ def run_trial(config: dict, spec_dict: dict) -> None:
             failure_config=ray.train.FailureConfig(max_failures=spec.worker_retries),
         )
         summary = run_finetune(cfg, run_config=run_config, callbacks=[TuneReportCallback()])
+        if summary.get("status") == "failed":
+            # Raising hands the trial to Tune's FailureConfig: a retry resumes from the run's checkpoints.
+            raise TrialFailed(f"{tid}: {summary.get('error', 'Ray Train run failed')}")
         tb_copy = join(spec.out, "tb", tid)
         if is_uri(spec.out) or not os.path.lexists(tb_copy):
             src = os.path.join(run_dir, "tb")
             if os.path.isdir(src):
                 fs, p = filesystem(tb_copy)
                 fs.create_dir(p, recursive=True)
-                pafs.copy_files(src, p, destination_filesystem=fs)
+                pafs.copy_files(src, p, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     final = {k: v for k, v in summary.items() if isinstance(v, int | float | str | bool)}
     # ("trial_id" is Tune's own key in every result: the study's id goes under another name)
     final.update({"study_trial_id": tid, "dataset": point["dataset"], "configuration": point["configuration"]})
@@ -414,14 +429,14 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     name = _next_launch_name(spec)
     if points is not None:
         param_space = {"point": tune.grid_search(points)}
-        tune_config = tune.TuneConfig(num_samples=1)
+        tune_config = tune.TuneConfig(num_samples=1, reuse_actors=True)
         n = len(points)
     else:
         budget, history = optuna_plan(spec, tables)
         n = sum(budget.values())
         searcher = _grouped_searcher_class()(spec, budget, history)
         param_space = {}
-        tune_config = tune.TuneConfig(search_alg=searcher, num_samples=n)
+        tune_config = tune.TuneConfig(search_alg=searcher, num_samples=n, reuse_actors=True)
     tune_config.max_concurrent_trials = spec.max_concurrent_trials or None
     tune_config.trial_name_creator = lambda t: t.config["point"]["trial_id"]
     tune_config.trial_dirname_creator = lambda t: t.config["point"]["trial_id"]
@@ -502,7 +517,8 @@ def measure_plasticity(spec: StudySpec, echo=_echo) -> list[str]:
             model=spec.model, weights=spec.weights, model_kwargs=dict(spec.model_kwargs),
             pretrain=spec.pretrain_store, downstream=[spec.datasets[d] for d in todo], pairs=p.pairs,
             batch_size=p.batch_size, mode=p.mode, workers=p.workers, gpus_per_worker=p.gpus_per_worker,
-            cpus_per_worker=p.cpus_per_worker, seed=0, img_size=spec.img_size, amp_bf16=spec.amp_bf16,
+            cpus_per_worker=p.cpus_per_worker, torch_threads=p.torch_threads, seed=0, img_size=spec.img_size,
+            amp_bf16=spec.amp_bf16,
             out_dir=out_dir,
         )
         run_plasticity(job)
@@ -548,6 +564,8 @@ def _init_ray(address: str | None, verbose: bool) -> bool:
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if ray.is_initialized():
         return False
+    if not verbose:  # Ray Data's per-dataset INFO lines would drown the study's progress lines
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
     kwargs: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose}
     if address:
         ray.init(address=address, **kwargs)
@@ -575,7 +593,7 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
     t_start = time.time()
     spec.validate(check_files=False)
     spec = resolve_paths(spec)
-    spec = open_study(spec)
+    check_stored(spec)
     echo(f"[{spec.name}] study directory {spec.out}")
 
     if spec.builtin_data:
@@ -589,6 +607,7 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
         else:
             pretrain_weights(spec, spec.weights, echo=echo)
     spec.check_files(weights=True)
+    write_spec(spec)  # only a valid spec marks the directory as a study
 
     started = _init_ray(address, verbose)
     try:
