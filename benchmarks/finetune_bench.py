@@ -1,15 +1,18 @@
 """Finetuning throughput (Ray Train vs a plain loop) and gradient + optimizer memory (the paper's Table 6).
 
-Part 1, throughput: for every configuration, the same tiny ViT, store, batch and steps are trained twice,
-side by side: by the plain single-process loop (:func:`raystudy.core.finetune.train_local`, no Ray) and
-through Ray Train with one worker (:func:`raystudy.distributed.train.run_finetune`). Both execute the same
-``Finetuner`` code with the same number of torch threads, TensorBoard logging and data decoding; the Ray
-worker additionally reports its metrics to Ray Train every ``--log-period`` steps. Images/s is the steady
-state measured inside the training loop: from the end of step ``min(10, steps // 5)`` to the end of the
-last step on the training clock (evaluation and checkpoints excluded, metric reports included), so Ray's start-up
-(cluster, controller, worker processes, imports, process group) lies outside the window by construction.
-The plain loop runs before and after each Ray run and its mean is the reference (load drift cancels).
-Overhead = ``1 - ray / plain`` (target: <= 15%).
+Part 1, throughput: for every configuration, the same tiny ViT, store, batch and steps are trained by the
+plain single-process loop (:func:`raystudy.core.finetune.train_local`, no Ray) and through Ray Train with
+one worker (:func:`raystudy.distributed.train.run_finetune`), side by side: by default both run at the
+same time with one torch thread each (this 2-core machine is shared, and running the two concurrently is
+what makes their wall-clock figures comparable: any other load slows both alike); ``--sequential`` runs
+plain, Ray, plain instead and averages the two plain runs. Both execute the same ``Finetuner`` code with
+TensorBoard logging and the same data decoding; the Ray worker additionally reports its metrics to Ray
+Train every ``--log-period`` steps. Images/s is the steady state measured inside the training loop: from
+the end of step ``min(10, steps // 5)`` to the end of the last step on the training clock (evaluation and
+checkpoints excluded, metric reports included), so Ray's start-up (cluster, controller, worker processes,
+imports, process group) lies outside the window by construction. Overhead = ``1 - ray / plain`` (target:
+<= 15%). The ``cpu`` columns give CPU milliseconds per image of the training process over the same window
+(``time.process_time``, all its threads): ``cpu +`` is the extra CPU per image the Ray worker spends.
 
 Part 2, memory: ViT-B/16 (``vit_base_patch16_224``, 10 classes, random init: memory does not depend on the
 weights) for every configuration and optimizer: the analytic count (``P`` trainable values x 4 bytes for
@@ -26,6 +29,7 @@ import argparse
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +57,24 @@ def make_bench_store(path: Path, n_train: int, size: int, seed: int = 0) -> str:
     return str(path)
 
 
+def side_by_side(ray_cfg, plain_cfg):
+    """Run the Ray Train run and the plain loop at the same time, one core each: whatever else loads the
+    machine then slows both alike. The plain loop starts when Ray's worker has built its run (its
+    TensorBoard directory appears), so both steady-state windows overlap."""
+    from raystudy.core.finetune import train_local
+    from raystudy.distributed.train import run_finetune
+
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault("ray", run_finetune(ray_cfg)), daemon=True)
+    thread.start()
+    tb = Path(ray_cfg.out_dir) / "tb"
+    while thread.is_alive() and not (tb.is_dir() and any(tb.iterdir())):
+        time.sleep(0.2)
+    plain, ft = train_local(plain_cfg, write=False)
+    thread.join()
+    return plain, ft, out["ray"]
+
+
 def throughput(args) -> list[dict]:
     import ray
     import torch
@@ -64,13 +86,15 @@ def throughput(args) -> list[dict]:
     store = make_bench_store(tmp / "store", args.train_images, args.img_size)
     model_kwargs = dict(img_size=args.img_size, patch_size=args.patch_size, embed_dim=args.embed_dim,
                         depth=args.depth, num_heads=args.heads)
-    ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=args.threads if args.sequential else 2 * args.threads, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
     torch.set_num_threads(args.threads)
+    mode = "sequential: plain, ray, plain" if args.sequential else "side by side (concurrently)"
     print(f"tiny ViT {model_kwargs}, batch {args.batch_size}, {args.steps} steps (steady state after step "
-          f"{min(10, args.steps // 5)}), {args.threads} torch threads, load average {os.getloadavg()[0]:.1f}",
-          flush=True)
+          f"{min(10, args.steps // 5)}), {args.threads} torch thread(s) each, {mode}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'config':<6} {'trainable':>10} {'plain img/s':>12} {'ray img/s':>10} {'overhead':>9} "
-          f"{'ray wall s':>10}", flush=True)
+          f"{'plain cpu':>10} {'ray cpu':>8} {'cpu +':>8} {'ray wall s':>10}", flush=True)
     rows = []
     for config in args.configs:
         def cfg(name, config=config):
@@ -79,23 +103,32 @@ def throughput(args) -> list[dict]:
                                   eval_period=10 ** 9, checkpoint_period=0, log_period=args.log_period,
                                   cpus_per_worker=args.threads, out_dir=str(tmp / f"{config}-{name}"),
                                   warmup_steps=1)
-        # plain, Ray, plain: the mean of the two plain runs brackets the Ray run in time, which cancels a
-        # slow drift of the machine's load (other processes share these cores)
-        before, ft = train_local(cfg("plain1"), write=False)
-        ray_summary = run_finetune(cfg("ray"))
-        after, _ = train_local(cfg("plain2"), write=False)
+        if args.sequential:
+            # plain, Ray, plain: the mean of the two plain runs brackets the Ray run in time
+            before, ft = train_local(cfg("plain1"), write=False)
+            ray_summary = run_finetune(cfg("ray"))
+            after, _ = train_local(cfg("plain2"), write=False)
+        else:
+            before, ft, ray_summary = side_by_side(cfg("ray"), cfg("plain1"))
+            after = before
         plain_ips = (before["images_per_s"] + after["images_per_s"]) / 2
         ray_ips = ray_summary["images_per_s"]
         over = 1 - ray_ips / plain_ips
+        plain_cpu = (before["cpu_ms_per_image"] + after["cpu_ms_per_image"]) / 2
+        ray_cpu = ray_summary["cpu_ms_per_image"]
         rows.append({"config": config, "trainable": ft.selection.num_trainable, "plain": plain_ips,
-                     "ray": ray_ips, "overhead": over, "wall": ray_summary["wall_seconds"]})
+                     "ray": ray_ips, "overhead": over, "plain_cpu": plain_cpu, "ray_cpu": ray_cpu,
+                     "wall": ray_summary["wall_seconds"]})
         print(f"{config:<6} {ft.selection.num_trainable:>10,} {plain_ips:>12.1f} {ray_ips:>10.1f} {over:>8.1%} "
-              f"{ray_summary['wall_seconds']:>10.1f}   (plain before/after: {before['images_per_s']:.1f} / "
-              f"{after['images_per_s']:.1f}; load {os.getloadavg()[0]:.1f})", flush=True)
+              f"{plain_cpu:>10.2f} {ray_cpu:>8.2f} {ray_cpu / plain_cpu - 1:>+8.1%} "
+              f"{ray_summary['wall_seconds']:>10.1f}   (load {os.getloadavg()[0]:.1f})", flush=True)
     tot_plain = sum(r["plain"] for r in rows) / len(rows)
     tot_ray = sum(r["ray"] for r in rows) / len(rows)
-    print(f"{'mean':<6} {'':>10} {tot_plain:>12.1f} {tot_ray:>10.1f} {1 - tot_ray / tot_plain:>8.1%}  "
-          f"(target: overhead <= 15%)", flush=True)
+    cpu_plain = sum(r["plain_cpu"] for r in rows) / len(rows)
+    cpu_ray = sum(r["ray_cpu"] for r in rows) / len(rows)
+    print(f"{'mean':<6} {'':>10} {tot_plain:>12.1f} {tot_ray:>10.1f} {1 - tot_ray / tot_plain:>8.1%} "
+          f"{cpu_plain:>10.2f} {cpu_ray:>8.2f} {cpu_ray / cpu_plain - 1:>+8.1%}   (target: overhead <= 15%)",
+          flush=True)
     ray.shutdown()
     return rows
 
@@ -155,7 +188,10 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--train-images", type=int, default=512)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each loop")
+    p.add_argument("--sequential", action="store_true",
+                   help="plain, Ray, plain one after the other (each may use --threads of an idle machine) "
+                        "instead of side by side")
     p.add_argument("--no-throughput", action="store_true")
     p.add_argument("--no-memory", action="store_true")
     args = p.parse_args(argv)

@@ -665,6 +665,7 @@ class Finetuner:
         self.restores: list[dict] = []
         self.train_seconds = 0.0
         self.images_per_s = float("nan")
+        self.cpu_ms_per_image = float("nan")
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -826,6 +827,8 @@ class Finetuner:
         # evaluations and checkpoints, which do not scale with the number of steps.
         t_start = time.perf_counter()
         excluded = 0.0
+        c_start, c_excluded = time.process_time(), 0.0  # the same clock in CPU seconds of this process
+        cpu_ends: list[float] = []
         window_clock, window_steps = 0.0, 0
         step_ends: list[float] = []  # training clock at the end of each step of this attempt
         seconds_before = self.train_seconds
@@ -840,6 +843,7 @@ class Finetuner:
             window_steps += 1
             now = time.perf_counter() - t_start - excluded
             step_ends.append(now)
+            cpu_ends.append(time.process_time() - c_start - c_excluded)
             self.train_seconds = seconds_before + now
             if not self.memory and res.finite:
                 self._measure_memory()
@@ -859,19 +863,24 @@ class Finetuner:
                    "val_loss": None, "val_acc": None}
             window_clock, window_steps = now, 0
             if eval_step:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 self._eval_and_track(row)
                 excluded += time.perf_counter() - t0
+                c_excluded += time.process_time() - c0
             self.curves.append(row)
             if callback is not None:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 callback(Event(step=s, metrics=dict(row), checkpoint=ckpt_step))
                 if ckpt_step:
                     excluded += time.perf_counter() - t0
+                    c_excluded += time.process_time() - c0
             if not res.finite:
                 break
         bar.close()
         self.images_per_s = steady_throughput(step_ends, cfg.batch_size)
+        # CPU milliseconds per image over the same window: insensitive to other processes sharing the cores
+        ips_cpu = steady_throughput(cpu_ends, cfg.batch_size)
+        self.cpu_ms_per_image = 1000.0 / ips_cpu if ips_cpu > 0 else float("nan")
         self.test_acc = self._test_best()
         summary = self.summary()
         if callback is not None:
@@ -931,6 +940,7 @@ class Finetuner:
             "diverged_step": self.diverged_step if self.diverged_step is not None else -1,
             "final_train_loss": self.curves[-1]["train_loss"] if self.curves else nan,
             "images_per_s": self.images_per_s,
+            "cpu_ms_per_image": self.cpu_ms_per_image,
             "workers": cfg.workers, "warmup_steps": cfg.warmup, "num_classes": self.num_classes,
             "model_name": cfg.model, "img_size": cfg.img_size, "train_final_norm": cfg.train_final_norm,
             "num_restores": len(self.restores),
