@@ -350,3 +350,13 @@ def test_cli_builds_the_config(store, tmp_path):
     bad = build_parser().parse_args(["finetune", "--store", store, "--out", str(tmp_path), "--model-kwargs", "{x"])
     with pytest.raises(ValueError, match="--model-kwargs"):
         config_from_args(bad)
+
+
+def test_dataloader_processes_give_the_same_run(store, tmp_path):
+    """Prefetching micro-batches in DataLoader worker processes changes nothing (augmentation on)."""
+    kw = dict(steps=3, eval_period=10, shuffle=True, augment=True, micro_batch_size=3)
+    _, a = train_local(tiny_cfg(store, tmp_path / "a", **kw), tensorboard=False, write=False)
+    _, b = train_local(tiny_cfg(store, tmp_path / "b", loader_workers=2, **kw), tensorboard=False, write=False)
+    assert [r["train_loss"] for r in a.curves] == [r["train_loss"] for r in b.curves]
+    for (n, p), (_, q) in zip(a.selection.trainable, b.selection.trainable):
+        assert torch.equal(p, q), n
