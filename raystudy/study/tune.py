@@ -609,51 +609,56 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
     spec.check_files(weights=True)
     write_spec(spec)  # only a valid spec marks the directory as a study
 
-    started = _init_ray(address, verbose)
-    try:
-        if spec.plasticity.enabled:
-            measure_plasticity(spec, echo)
-
-        tables = ResultTables(spec.out)
+    # What is left to do, decided from the study directory alone (no Ray needed to say "nothing").
+    plasticity_todo = []
+    if spec.plasticity.enabled:
+        have = read_result(spec.out, "plasticity", required=False)
+        measured = set() if have is None else set(have["dataset"])
+        plasticity_todo = [d for d in spec.datasets if d not in measured]
+        if not plasticity_todo:
+            echo(f"[{spec.name}] plasticity: all {len(spec.datasets)} dataset(s) already measured")
+    tables = ResultTables(spec.out)
+    total = spec.total_trials()
+    missing: list[dict] | None = None
+    if spec.search == "grid":
         grid = spec.grid()
-        picked = tables.reconcile(grid, spec.model) if spec.search == "grid" else []
+        picked = tables.reconcile(grid, spec.model)
         if picked:
             echo(f"[{spec.name}] recovered {len(picked)} finished trial(s) from their directories")
-        total = spec.total_trials()
-        launched = 0
-        if spec.search == "grid":
-            done = tables.done_ids()
-            missing = [p for p in grid if p["trial_id"] not in done]
-            retry = [p["trial_id"] for p in missing if tables.status(p["trial_id"]) == "failed"]
-            done_before = total - len(missing)
-            if retry:
-                more = " ..." if len(retry) > 5 else ""
-                echo(f"[{spec.name}] retrying {len(retry)} failed trial(s): {retry[:5]}{more}")
-            if missing:
-                launch_trials(spec, tables, missing, total=total, done_before=done_before, echo=echo, verbose=verbose)
-                launched = len(missing)
-        else:
-            budget, _ = optuna_plan(spec, tables)
-            left = sum(budget.values())
-            if left:
-                launch_trials(spec, tables, None, total=total, done_before=total - left, echo=echo, verbose=verbose)
-                launched = left
-        if launched == 0:
-            echo(f"[{spec.name}] all {total} trial(s) already done: nothing to run")
-    finally:
-        if started:
-            import ray
+        done = tables.done_ids()
+        missing = [p for p in grid if p["trial_id"] not in done]
+        to_launch = len(missing)
+        retry = [p["trial_id"] for p in missing if tables.status(p["trial_id"]) == "failed"]
+        if retry:
+            more = " ..." if len(retry) > 5 else ""
+            echo(f"[{spec.name}] retrying {len(retry)} failed trial(s): {retry[:5]}{more}")
+    else:
+        to_launch = sum(optuna_plan(spec, tables)[0].values())
+    if to_launch == 0:
+        echo(f"[{spec.name}] all {total} trial(s) already done: nothing to run")
 
-            ray.shutdown()
+    if plasticity_todo or to_launch:
+        started = _init_ray(address, verbose)
+        try:
+            if plasticity_todo:
+                measure_plasticity(spec, echo)
+            if to_launch:
+                launch_trials(spec, tables, missing, total=total, done_before=total - to_launch, echo=echo,
+                              verbose=verbose)
+        finally:
+            if started:
+                import ray
+
+                ray.shutdown()
+    launched = to_launch
 
     counts = tables.counts()
     outcome = StudyOutcome(study_dir=spec.out, total=total, launched=launched, counts=counts)
     if spec.analysis:
-        from raystudy.analysis import analyze, report
+        from raystudy.analysis import report
 
         t0 = time.time()
-        analyze(spec.out)
-        outcome.report = str(report(spec.out))
+        outcome.report = str(report(spec.out))  # runs the analysis (tables, figures) and writes report.html
         outcome.analysis_dir = join(spec.out, "analysis")
         echo(f"[{spec.name}] analysis written in {_fmt_seconds(time.time() - t0)}")
     outcome.wall_seconds = time.time() - t_start
