@@ -247,16 +247,14 @@ def test_cli_rejects_bad_specs_before_launching(capsys, tmp_path, argv, field):
 
 
 def test_missing_weights_and_stores_stop_the_study_before_ray(tmp_path, capsys):
-    """The paper preset without its stores/weights fails on the first missing file; no Ray, no spec.yaml."""
-    import sys
-
+    """The paper preset without its stores/weights fails on the first missing file; nothing is written."""
     from raystudy.cli import main
 
     out = tmp_path / "s"
     rc = main(["study", "--preset", "paper", "--out", str(out), "--data-root", str(tmp_path / "nodata")])
     err = capsys.readouterr().err
-    assert rc == 2 and "datasets.cifar10: store not usable" in err and not (out / "spec.yaml").exists()
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    assert rc == 2 and "datasets.cifar10: store not usable" in err
+    assert not out.exists()  # no spec.yaml, no Tune experiment, no trial directory
 
 
 def test_progress_line_and_eta():
@@ -290,3 +288,26 @@ def test_tables_on_a_uri(tmp_path):
         assert not d.startswith("file:")
         (Path(d) / "summary.json").write_text("{}")
     assert (tmp_path / "study" / "trials" / "t1" / "summary.json").read_text() == "{}"
+
+
+def test_weights_that_do_not_fit_the_model_stop_the_study_before_launch(tmp_path, make_store_factory):
+    """A checkpoint of another architecture is caught in the driver, before Ray or any trial starts."""
+    import timm
+    from safetensors.torch import save_file
+
+    from raystudy.study.tune import run_study
+
+    for name in ("a", "p"):
+        make_store_factory(tmp_path / name)
+    other = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=2,
+                              num_heads=4, num_classes=10)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    spec = StudySpec.from_dict(dict(
+        name="w", out=str(tmp_path / "study"), model="vit_tiny_patch16_224", img_size=32,
+        model_kwargs={"patch_size": 8, "embed_dim": 48, "depth": 3, "num_heads": 4},
+        weights=str(tmp_path / "w.safetensors"), data_root=str(tmp_path), datasets={"a": "a"}, pretrain_store="p",
+        configurations=["MHA"], optimizers={"sgd": [0.1]}, seeds=[0], steps=4, warmup_steps=1, eval_period=2,
+    ))
+    with pytest.raises(SpecError, match=r"weights: .* cannot be loaded into vit_tiny_patch16_224: .*blocks\.2\."):
+        run_study(spec, echo=lambda _: None)
+    assert not (tmp_path / "study").exists()  # no spec.yaml, no Tune experiment, no trial directory

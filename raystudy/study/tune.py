@@ -588,6 +588,23 @@ def prepare_builtin_data(spec: StudySpec, echo=_echo) -> StudySpec:
     return spec
 
 
+def check_weights_load(spec: StudySpec) -> None:
+    """Build the model with its weights once in the driver, as every trial will, so a checkpoint that does
+    not fit the model (wrong architecture, missing keys) stops the study before any launch."""
+    from raystudy.core.models import build_model
+    from raystudy.data.store import read_meta
+
+    if spec.weights is None or is_uri(spec.weights):
+        return
+    num_classes = int(read_meta(next(iter(spec.datasets.values())))["num_classes"])
+    kwargs = dict(spec.model_kwargs)
+    kwargs.pop("img_size", None)
+    try:
+        build_model(spec.model, num_classes=num_classes, weights=spec.weights, img_size=spec.img_size, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise SpecError(f"weights: {spec.weights} cannot be loaded into {spec.model}: {e}") from None
+
+
 def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = False, echo=_echo) -> StudyOutcome:
     """Run (or continue) the study ``spec`` end to end; see the module docstring."""
     t_start = time.time()
@@ -607,6 +624,7 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
         else:
             pretrain_weights(spec, spec.weights, echo=echo)
     spec.check_files(weights=True)
+    check_weights_load(spec)
     write_spec(spec)  # only a valid spec marks the directory as a study
 
     # What is left to do, decided from the study directory alone (no Ray needed to say "nothing").
