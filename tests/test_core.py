@@ -338,6 +338,12 @@ def test_build_model_loads_local_weights(tmp_path):
     other = build_model("vit_tiny_patch16_224", num_classes=3, weights=tmp_path / "w.safetensors", **kw)
     assert torch.equal(other.blocks[1].attn.qkv.weight, src.blocks[1].attn.qkv.weight)
     assert other.head.weight.shape == (3, 48)
+    # a headless checkpoint (timm's in21k originals): backbone loaded, head newly initialised
+    save_file({k: v.contiguous() for k, v in src.state_dict().items() if not k.startswith("head.")},
+              tmp_path / "headless.safetensors")
+    headless = build_model("vit_tiny_patch16_224", num_classes=4, weights=tmp_path / "headless.safetensors", **kw)
+    assert torch.equal(headless.blocks[0].mlp.fc1.weight, src.blocks[0].mlp.fc1.weight)
+    assert headless.head.weight.shape == (4, 48)
 
 
 def test_weights_errors_name_file_and_keys(tmp_path):

@@ -62,7 +62,8 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     Keys go through timm's checkpoint filter for the model's module when it has one (it converts
     original-format checkpoints and resamples position embeddings to the model's resolution). Head
     parameters whose shape differs from the model's (another number of classes) are dropped, so the head
-    stays freshly initialised. Any other missing or unexpected key raises :class:`WeightsError` naming
+    stays freshly initialised, as it does when the file has no head at all (timm's ``*_in21k`` originals).
+    Any other missing or unexpected key raises :class:`WeightsError` naming
     the file and the keys (``strict=False`` logs them instead).
     """
     import importlib
@@ -87,7 +88,10 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     if mismatched:
         raise WeightsError(f"{path}: shape mismatch for " + "; ".join(mismatched))
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not (k in reinit or (reinit and k.startswith(heads)))]
+    # A checkpoint without a classifier (timm's *_in21k originals have num_classes=0) or with another class
+    # count leaves the model's freshly initialised head in place: that is the finetuning protocol.
+    headless = [k for k in result.missing_keys if k.startswith(heads)]
+    missing = [k for k in result.missing_keys if k not in headless]
     problems = []
     if missing:
         problems.append(f"missing keys {missing}")
@@ -98,8 +102,9 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
         if strict:
             raise WeightsError(msg)
         log.warning(msg)
-    if reinit:
-        log.info("%s: head re-initialised (%d tensors of another class count dropped)", path, len(reinit))
+    if reinit or headless:
+        log.info("%s: head newly initialised (%d head tensors of another shape dropped, %d absent)",
+                 path, len(reinit), len(headless))
     return model
 
 
