@@ -121,19 +121,29 @@ def get_adapter(model: nn.Module) -> Adapter:
 _PRE_NORM_NAMES = {"LN1": "norm1", "MHA": "attn", "LN2": "norm2", "FC1": "mlp.fc1", "FC2": "mlp.fc2"}
 
 
-def _pre_norm_block(model: nn.Module, i: int, blk: nn.Module, block_types: tuple[str, ...]) -> None:
-    """Raise :class:`UnsupportedModelError` unless ``blk`` is a pre-norm block with an ``fc1``/``fc2`` MLP."""
+def _pre_norm_block(model: nn.Module, i: int, blk: nn.Module, layerscale: dict[str, str]) -> BlockComponents:
+    """Components of a timm pre-norm ``Block`` (``norm1, attn, norm2, mlp.fc1, mlp.fc2``) at ``blocks.{i}``.
+
+    ``layerscale`` maps MHA / FC2 to the block attribute scaling their output; entries whose attribute is
+    absent, ``None`` or ``nn.Identity`` are dropped. Raises :class:`UnsupportedModelError` for other blocks.
+    """
     missing = [a for a in ("norm1", "attn", "norm2", "mlp") if not hasattr(blk, a)]
     mlp = getattr(blk, "mlp", None)
     if not missing and not (isinstance(getattr(mlp, "fc1", None), nn.Linear)
                             and isinstance(getattr(mlp, "fc2", None), nn.Linear)):
         missing.append("mlp.fc1/mlp.fc2 as nn.Linear")
-    if missing or type(blk).__name__ not in block_types:
+    if missing or type(blk).__name__ != "Block":
         raise UnsupportedModelError(
             f"block {i} of {type(model).__name__} is a {type(blk).__name__} (missing: {missing or 'none'}); "
-            f"this family's adapter needs pre-norm blocks of type {block_types}. "
+            "this family's adapter needs timm's pre-norm `Block`. "
             "Supported families: " + "; ".join(supported_families())
         )
+    present = {c: a for c, a in layerscale.items()
+               if getattr(blk, a, None) is not None and not isinstance(getattr(blk, a), nn.Identity)}
+    return BlockComponents(
+        LN1=blk.norm1, MHA=blk.attn, LN2=blk.norm2, FC1=blk.mlp.fc1, FC2=blk.mlp.fc2,
+        prefix=f"blocks.{i}.", names=_PRE_NORM_NAMES, layerscale=present, module=blk,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,19 +169,8 @@ class TimmViTAdapter(Adapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        self._blocks = []
-        for i, blk in enumerate(model.blocks):
-            _pre_norm_block(model, i, blk, ("Block",))
-            self._blocks.append(
-                BlockComponents(
-                    LN1=blk.norm1, MHA=blk.attn, LN2=blk.norm2, FC1=blk.mlp.fc1, FC2=blk.mlp.fc2,
-                    prefix=f"blocks.{i}.",
-                    names=_PRE_NORM_NAMES,
-                    layerscale={c: ls for c, ls in (("MHA", "ls1"), ("FC2", "ls2"))
-                                if not isinstance(getattr(blk, ls, nn.Identity()), nn.Identity)},
-                    module=blk,
-                )
-            )
+        self._blocks = [_pre_norm_block(model, i, blk, {"MHA": "ls1", "FC2": "ls2"})
+                        for i, blk in enumerate(model.blocks)]
 
     def blocks(self) -> list[BlockComponents]:
         return self._blocks
@@ -212,18 +211,8 @@ class TimmBeitAdapter(Adapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        self._blocks = []
-        for i, blk in enumerate(model.blocks):
-            _pre_norm_block(model, i, blk, ("Block",))
-            self._blocks.append(
-                BlockComponents(
-                    LN1=blk.norm1, MHA=blk.attn, LN2=blk.norm2, FC1=blk.mlp.fc1, FC2=blk.mlp.fc2,
-                    prefix=f"blocks.{i}.", names=_PRE_NORM_NAMES,
-                    layerscale={c: g for c, g in (("MHA", "gamma_1"), ("FC2", "gamma_2"))
-                                if getattr(blk, g, None) is not None},
-                    module=blk,
-                )
-            )
+        self._blocks = [_pre_norm_block(model, i, blk, {"MHA": "gamma_1", "FC2": "gamma_2"})
+                        for i, blk in enumerate(model.blocks)]
 
     def blocks(self) -> list[BlockComponents]:
         return self._blocks
