@@ -1,6 +1,6 @@
 """Ray plasticity pipeline vs the core in a plain loop, on the same pairs, in one run.
 
-    python benchmarks/plasticity_pipeline_bench.py [--pairs 2000] [--batch-size 64] [--workers 1]
+    python benchmarks/plasticity_pipeline_bench.py [--pairs 4000] [--batch-size 64] [--workers 1]
 
 Both sides start from the same two prepared stores (random PNGs) and the same pairs
 (:func:`raystudy.distributed.plasticity.pair_positions`), and both pay for decoding + the evaluation
@@ -8,13 +8,18 @@ transform of every image:
 
 - core: ``read_split`` of each side's image bytes, then per batch ``transform_batch`` (decode + eval
   transform) and ``pair_rates_tensor`` + ``rates_frame``, ``summarize`` at the end; model build included;
-  torch's default thread count, one process.
+  one process.
 - pipeline: ``run_plasticity`` end to end (staging, load tasks, actor pool start-up with model build,
   rates, streamed Parquet, moments, bounds), figures off; ``ray.init`` is timed separately and excluded
   (a cluster is normally already up).
 
+Both compute with the same number of intra-op threads (``--threads``, default 1: the core loop sets it,
+the actor gets ``torch_threads``). On a 2-core machine shared with other jobs, 2-thread BLAS is erratic
+(0.44 s with 1 thread vs 1.2 s with 2 threads per 64 pairs of this model, measured under load), which
+would make the comparison depend on the neighbours rather than on the pipeline.
+
 ``overhead = pipeline seconds / core seconds - 1`` (negative: the pipeline is faster, since it decodes on
-other cores while the actor computes). The tables of both sides are compared as a sanity check.
+another core while the actor computes). The tables of both sides are compared as a sanity check.
 """
 
 from __future__ import annotations
@@ -57,9 +62,11 @@ def make_stores(root: Path, n: int, *, hw: tuple[int, int] = (56, 72), seed: int
     return paths[0], paths[1]
 
 
-def core_loop(pre: str, down: str, weights: str, *, pairs: int, batch_size: int, seed: int, img_size: int):
+def core_loop(pre: str, down: str, weights: str, *, pairs: int, batch_size: int, seed: int, img_size: int,
+              threads: int = 1):
     """The core on the pipeline's pairs in one process; returns (summary table, seconds)."""
     import pandas as pd
+    import torch
 
     from raystudy.core.models import build_model
     from raystudy.core.plasticity import pair_rates_tensor, rates_frame, summarize
@@ -67,6 +74,8 @@ def core_loop(pre: str, down: str, weights: str, *, pairs: int, batch_size: int,
     from raystudy.data.transforms import transform_batch
     from raystudy.distributed.plasticity import pair_positions
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     t0 = time.perf_counter()
     model = build_model(TIMM_NAME, weights=weights, **BENCH_VIT).eval()
     x_img = read_split(pre, "test", columns=["image"]).column("image")
@@ -78,10 +87,12 @@ def core_loop(pre: str, down: str, weights: str, *, pairs: int, batch_size: int,
         y = transform_batch([y_img[int(j)].as_py() for j in b[i:i + batch_size]], train=False, size=img_size)
         frames.append(rates_frame(pair_rates_tensor(model, x, y), pair_offset=i))
     table = summarize(pd.concat(frames, ignore_index=True))
-    return table, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    torch.set_num_threads(before)
+    return table, seconds
 
 
-def bench_pipeline(*, pairs: int = 2000, batch_size: int = 64, workers: int = 1, seed: int = 0,
+def bench_pipeline(*, pairs: int = 4000, batch_size: int = 64, workers: int = 1, threads: int = 1, seed: int = 0,
                    root: str | None = None, verbose: bool = True) -> dict:
     """Measure the core loop and the Ray pipeline on the same pairs; print and return the figures."""
     import ray
@@ -102,7 +113,7 @@ def bench_pipeline(*, pairs: int = 2000, batch_size: int = 64, workers: int = 1,
                   f"with {BENCH_VIT}")
 
         core_table, core_s = core_loop(pre, down, str(weights), pairs=pairs, batch_size=batch_size, seed=seed,
-                                       img_size=BENCH_VIT["img_size"])
+                                       img_size=BENCH_VIT["img_size"], threads=threads)
         t = time.perf_counter()
         started_here = not ray.is_initialized()
         if started_here:
@@ -111,7 +122,7 @@ def bench_pipeline(*, pairs: int = 2000, batch_size: int = 64, workers: int = 1,
         init_s = time.perf_counter() - t
         job = PlasticityJob(model=TIMM_NAME, weights=str(weights), model_kwargs=BENCH_VIT, pretrain=pre,
                             downstream=[down], pairs=pairs, batch_size=batch_size, workers=workers, seed=seed,
-                            out_dir=str(tmp / "out"), figures=False)
+                            torch_threads=threads, out_dir=str(tmp / "out"), figures=False)
         t = time.perf_counter()
         summary = run_plasticity(job, progress=False)
         pipe_s = time.perf_counter() - t
@@ -123,16 +134,22 @@ def bench_pipeline(*, pairs: int = 2000, batch_size: int = 64, workers: int = 1,
         if started_here:
             ray.shutdown()
     result = {
-        "pairs": pairs, "batch_size": batch_size, "workers": workers, "cpus": len(os.sched_getaffinity(0)),
+        "pairs": pairs, "batch_size": batch_size, "workers": workers, "threads": threads,
+        "cpus": len(os.sched_getaffinity(0)),
         "core_s": core_s, "core_pairs_per_s": pairs / core_s,
         "pipeline_s": pipe_s, "pipeline_pairs_per_s": pairs / pipe_s,
         "overhead": pipe_s / core_s - 1.0, "ray_init_s": init_s, "max_rel_diff": rel,
+        "pipeline_first_rates_s": summary["timing"]["first_rates_s"],
+        "pipeline_steady_pairs_per_s": (pairs - summary["timing"]["first_pairs"])
+        / max(1e-9, summary["timing"]["rates_s"] - summary["timing"]["first_rates_s"]),
     }
     if verbose:
-        print(f"core loop (decode + transform + pair_rates_tensor, 1 process, {torch.get_num_threads()} threads): "
+        print(f"core loop (decode + transform + pair_rates_tensor, 1 process, {threads} thread(s)):   "
               f"{result['core_pairs_per_s']:8.1f} pairs/s  ({core_s:.1f} s)")
-        print(f"Ray pipeline ({workers} actor(s), end to end, ray.init {init_s:.1f} s excluded):"
-              f"{' ' * 12}{result['pipeline_pairs_per_s']:8.1f} pairs/s  ({pipe_s:.1f} s)")
+        print(f"Ray pipeline ({workers} actor(s) x {threads} thread(s), end to end, ray.init {init_s:.1f} s excluded):"
+              f"{result['pipeline_pairs_per_s']:8.1f} pairs/s  ({pipe_s:.1f} s)")
+        print(f"  of which start-up (staging, actor start with imports and model build, first batch): "
+              f"{result['pipeline_first_rates_s']:.1f} s; after it {result['pipeline_steady_pairs_per_s']:.1f} pairs/s")
         print(f"pipeline overhead: {100 * result['overhead']:+.1f}%  (max relative difference of the "
               f"plasticity tables: {rel:.1e})")
     return result
@@ -140,13 +157,15 @@ def bench_pipeline(*, pairs: int = 2000, batch_size: int = 64, workers: int = 1,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=2000)
+    p.add_argument("--pairs", type=int, default=4000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads of the core loop and of each actor")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    bench_pipeline(pairs=args.pairs, batch_size=args.batch_size, workers=args.workers, seed=args.seed)
+    bench_pipeline(pairs=args.pairs, batch_size=args.batch_size, workers=args.workers, threads=args.threads,
+                   seed=args.seed)
     return 0
 
 

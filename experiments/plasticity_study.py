@@ -119,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
     pretrain, downstream = resolve_stores(cfg, args.data_root)
     out = Path(cfg["out"])
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), configure_logging=False, log_to_driver=False)
     runs, summaries = [], {}
     for m in models:
         run_dir = out / "runs" / safe_name(m["model"])
@@ -134,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             summaries[m["model"]] = {"skipped": True, "out_dir": str(run_dir)}
         else:
             job_file.unlink(missing_ok=True)
+            if not ray.is_initialized():
+                ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), configure_logging=False,
+                         log_to_driver=False)
             summary = run_plasticity(job, progress=not args.quiet)
             job_file.write_text(spec)
             summaries[m["model"]] = summary

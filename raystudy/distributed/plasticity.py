@@ -1,6 +1,7 @@
 """Distributed plasticity: Ray streams image pairs through an actor pool and reduces rates to tables.
 
-One job measures one model against a pretraining store and any number of downstream stores::
+One job measures one model against a pretraining store and any number of downstream stores, in one
+Ray Data pipeline (the actors start once and serve every dataset)::
 
     pairs      seeded shuffle of each side's rows, pair by position (pair id = position)
     gather     Ray tasks, one per source shard: copy the chosen encoded images into a pair-bucketed
@@ -14,7 +15,8 @@ One job measures one model against a pretraining store and any number of downstr
 Pairing (deterministic from ``seed``)
 -------------------------------------
 The rows of each side's split are numbered in store order (shard by shard, row by row, as
-:func:`raystudy.data.store.read_split` returns them). With ``rng = numpy.random.default_rng(seed)``::
+:func:`raystudy.data.store.read_split` returns them). For every downstream dataset, with a fresh
+``rng = numpy.random.default_rng(seed)``::
 
     pre  = rng.permutation(n_pre)[:N]      # pretraining side first ...
     down = rng.permutation(n_down)[:N]     # ... then the downstream side, from the same generator
@@ -31,8 +33,17 @@ at a time (a store writes one row group per 2,048-row shard). Reading by row gro
 re-read a whole store per batch (about 6 GB per batch for ImageNet-1k val). The gather tasks read every
 needed shard once and write the selected images, sorted by pair id, into one staging file per shard with
 one row group per bucket of ``batch_size`` pairs; a load task then reads exactly one bucket's bytes.
-Staging lives under ``out_dir`` (or ``stage_dir``) and is deleted at the end; on a multi-node cluster it
-must be on storage every node sees, like the stores themselves.
+Staging holds the encoded bytes of ``N`` images per store, lives under ``out_dir`` (or ``stage_dir``) and
+is deleted dataset by dataset as their pairs complete; on a multi-node cluster it must be on storage every
+node sees, like the stores themselves.
+
+Memory
+------
+Nothing holds all images or activations: a gather task holds the chosen images of one shard, a load task
+one bucket, an actor the model and one batch, the driver one batch of rates plus at most
+``_ROWS_PER_WRITE`` buffered rate rows. Ray Data's object store budget for the pipeline is capped at
+``INFLIGHT_BATCHES x (K + 1)`` decoded batches (at least 64 MiB), so the loaders cannot run ahead of the
+actors by more than that, whatever ``N`` is. Load tasks run at most ``loaders`` at a time.
 
 Reduction
 ---------
@@ -43,10 +54,19 @@ gives on the same rates.
 
 Bounds
 ------
-On the first downstream dataset's pass the actors also embed the pretraining images of each batch and
-return their token radius ``sqrt(mean_i ||x_i||^2)`` and minimum per-token LayerNorm sigma; the driver
-folds them into a :class:`raystudy.core.bounds.TokenStats` and a Ray task computes
-:func:`raystudy.core.bounds.upper_bounds` with them (``bounds.parquet``).
+For the pairs of the first downstream dataset the actors also embed the pretraining image and return its
+token radius ``sqrt(mean_i ||x_i||^2)``, minimum per-token LayerNorm sigma and sequence length; the driver
+folds them into a :class:`raystudy.core.bounds.TokenStats`, and a :class:`BoundsThread` on the driver
+(started with the run, holding the model on the CPU) computes :func:`raystudy.core.bounds.upper_bounds`
+with them while the other datasets stream (``bounds.parquet``).
+
+Failures
+--------
+Ray Data 2.60 restarts a pool actor whose process dies and reruns its lost batch on the new process
+(``max_restarts=-1, max_task_retries=-1`` are its defaults for actor pools; per-operator retry arguments
+are deprecated there), and reruns a load task whose process dies; Ray Core reruns a dead gather task. The
+pipeline preserves block order, so a run with a crash writes the same tables, row for row, as one
+without (``tests/test_distributed_plasticity.py`` kills an actor with the ``crash_at_batch`` hook).
 """
 
 from __future__ import annotations
@@ -56,7 +76,9 @@ import json
 import logging
 import math
 import os
+import queue
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -119,8 +141,8 @@ class PlasticityJob:
         figures: write the per-dataset figures.
         loaders: load tasks (read + decode + transform) running at once; ``None``: one per CPU left beside
             the actors in the cluster (at least one). Each is a process with torch loaded (about 1 GB here).
-        torch_threads: intra-op threads of a CPU actor; ``None``: the node's cores divided by ``workers``.
-        stage_dir: staging directory (default: a fresh directory under ``out_dir``).
+        torch_threads: intra-op threads of a CPU actor; ``None``: its CPUs, ``max(1, int(cpus_per_worker))``.
+        stage_dir: where the (fresh, temporary) staging directory is made; default ``out_dir``.
         crash_at_batch: test hook: the first actor to reach its ``crash_at_batch``-th batch kills its own
             process (``os._exit``), once per ``out_dir`` (a marker file there records that it happened).
     """
@@ -351,8 +373,7 @@ class RateActor:
             if spec["gpus"] > 0:
                 raise RuntimeError("gpus_per_worker > 0 but this worker sees no CUDA device")
             self.device = torch.device("cpu")
-            threads = spec["threads"] or max(1, len(os.sched_getaffinity(0)) // spec["workers"])
-            torch.set_num_threads(threads)
+            torch.set_num_threads(spec["threads"] or max(1, int(spec["cpus"])))
         self.model = _build_model(spec).to(self.device).eval()
         self.amp = torch.bfloat16 if spec["amp_bf16"] else None
         self.calls = 0
@@ -398,17 +419,55 @@ class RateActor:
                 "radius": radius, "sigma": sigma, "tokens": tokens}
 
 
-class BoundsWorker:
-    """Builds the job's model on the CPU when the run starts (its imports and weights load overlap the
-    pipeline) and computes :func:`raystudy.core.bounds.upper_bounds` once the token statistics are known."""
+class BoundsThread(threading.Thread):
+    """Driver-side background thread: builds the job's model on the CPU while the pipeline starts, then
+    computes :func:`raystudy.core.bounds.upper_bounds` as soon as :meth:`submit` hands it the token
+    statistics, while the remaining datasets stream. :meth:`result` joins and re-raises its errors.
+
+    The driver rather than a Ray actor: an actor would be one more worker process importing torch and timm
+    (about 1 GB and several CPU-seconds here), started while the pool's actors start; the driver has
+    torch loaded already. The price is one CPU copy of the model on the driver's machine (2.5 GB for
+    ViT-H/14). Seeding the random init forks torch's global RNG state; the driver's main thread draws no
+    torch random numbers while the thread builds.
+    """
 
     def __init__(self, spec: dict):
-        self.model = _build_model(spec)
+        super().__init__(name="plasticity-bounds", daemon=True)
+        self.spec = spec
+        self._stats: queue.Queue = queue.Queue(maxsize=1)
+        self._result: pd.DataFrame | None = None
+        self._error: BaseException | None = None
 
-    def bounds(self, radius: float, seq_len: int, sigma: float) -> pd.DataFrame:
-        from raystudy.core.bounds import upper_bounds
+    def run(self) -> None:
+        try:
+            import torch
 
-        return upper_bounds(self.model, radius=radius, seq_len=seq_len, sigma=sigma)
+            from raystudy.core.bounds import upper_bounds
+
+            # one intra-op thread (thread-local: the main thread keeps its setting): the bounds run beside the
+            # pipeline and need not take cores from it; oversubscribed multi-threaded LAPACK can be 10x slower
+            torch.set_num_threads(1)
+            model = _build_model(self.spec)
+            stats = self._stats.get()
+            if stats is not None:
+                self._result = upper_bounds(model, **stats)
+        except BaseException as e:  # re-raised on the driver's main thread by result()
+            self._error = e
+
+    def submit(self, radius: float, seq_len: int, sigma: float) -> None:
+        self._stats.put({"radius": radius, "seq_len": seq_len, "sigma": sigma})
+
+    def cancel(self) -> None:
+        if self._stats.empty():
+            self._stats.put(None)
+
+    def result(self) -> pd.DataFrame:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            raise RuntimeError("the bounds were never computed (no token statistics were submitted)")
+        return self._result
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -603,7 +662,9 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
     ARCHITECTURE.md; ``model``, ``dataset`` = the store's ``dataset.json`` name, ``mode`` filled),
     ``pairs.parquet`` (``dataset, pair, pretrain_index, downstream_index``: which images formed each
     pair) and ``figures/`` per dataset. Returns a summary: paths, wall time, pairs/s, token statistics and,
-    per dataset, ``n_pairs`` and how often the rows of each side were reused.
+    per dataset, ``n_pairs`` and how often the rows of each side were reused. ``timing`` holds seconds since
+    the start: ``staged_s`` (gather done), ``first_rates_s`` (first batch of rates back: actor start-up),
+    ``rates_s`` (last batch back); ``wall_s`` ends with the tables, before the figures.
     """
     import ray
     from tqdm.auto import tqdm
@@ -641,18 +702,17 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
     if job.img_size and "img_size" not in model_kwargs:
         model_kwargs["img_size"] = job.img_size  # the model must accept the transformed images
     spec = {"model": job.model, "weights": job.weights, "model_kwargs": model_kwargs, "seed": job.seed,
-            "mode": job.mode, "amp_bf16": job.amp_bf16, "gpus": job.gpus_per_worker, "workers": job.workers,
+            "mode": job.mode, "amp_bf16": job.amp_bf16, "gpus": job.gpus_per_worker, "cpus": job.cpus_per_worker,
             "threads": job.torch_threads, "crash_at_batch": job.crash_at_batch,
             "crash_marker": str(out_dir / _CRASH_MARKER), "stats_dataset": 0}
-    stage = Path(job.stage_dir) if job.stage_dir else out_dir / f".plasticity-stage-{uuid.uuid4().hex[:12]}"
+    stage = Path(job.stage_dir or out_dir) / f".plasticity-stage-{uuid.uuid4().hex[:12]}"  # always a fresh dir
     n_buckets = math.ceil(job.pairs / job.batch_size)
     rates_path = out_dir / "rates.parquet"
     writer = _RatesWriter(rates_path)
     stats = TokenStats()
     moments = [StreamingMoments() for _ in down_rows]
-    bounds_ref = None
-    # idle until the end except for a few spectral norms: it reserves no CPU, so it never blocks the pipeline
-    bounds_worker = ray.remote(num_cpus=0, max_restarts=1, max_task_retries=1)(BoundsWorker).remote(spec)
+    bounds_thread = BoundsThread(spec)
+    bounds_thread.start()
     try:
         staged = [_stage_side(gather, pre_rows, pre_pos, job.batch_size, stage / "pre", "pre")]
         staged += [_stage_side(gather, rows, plan[1], job.batch_size, stage / f"d{d}", "down")
@@ -682,11 +742,13 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
         ds = ds.map_batches(RateActor, batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers),
                             num_cpus=job.cpus_per_worker, num_gpus=job.gpus_per_worker or None,
                             fn_constructor_kwargs={"spec": spec})
-        assert ds.context.execution_options.preserve_order
         bar = tqdm(total=job.pairs * len(down_rows), unit="pair", desc=f"plasticity {job.model}",
                    disable=not progress, smoothing=0.1)
+        timing = {"staged_s": time.perf_counter() - t0}
         for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
             rates = np.asarray(out["rates"], dtype=np.float32)
+            if "first_rates_s" not in timing:  # start-up done: actors built, first batch through
+                timing["first_rates_s"], timing["first_pairs"] = time.perf_counter() - t0, len(rates)
             finite = np.isfinite(rates).reshape(len(rates), -1).all(axis=1)
             for d in np.unique(out["dataset"]):
                 sel = out["dataset"] == d
@@ -705,17 +767,19 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
                 if moments[d].n == job.pairs:
                     shutil.rmtree(stage / f"d{d}", ignore_errors=True)  # this dataset is done
                     if d == spec["stats_dataset"]:
-                        bounds_ref = bounds_worker.bounds.remote(stats.radius, stats.seq_len, stats.sigma)
+                        bounds_thread.submit(stats.radius, stats.seq_len, stats.sigma)
             bar.update(len(rates))
         bar.close()
-        log.info("rates of %d pairs done at %.1f s", job.pairs * len(down_rows), time.perf_counter() - t0)
+        timing["rates_s"] = time.perf_counter() - t0
+        log.info("rates of %d pairs done at %.1f s (first batch at %.1f s)", job.pairs * len(down_rows),
+                 timing["rates_s"], timing["first_rates_s"])
         for d, m in enumerate(moments):
             if m.n != job.pairs:
                 raise RuntimeError(f"{down_rows[d].name}: the pipeline returned {m.n} pairs, expected {job.pairs}")
         writer.commit()
     except BaseException:
         writer.abort()
-        ray.kill(bounds_worker)
+        bounds_thread.cancel()
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -736,10 +800,7 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
     }, schema=PAIRS_SCHEMA) for rows, plan in zip(down_rows, plans)])
     paths = {"rates": str(rates_path), "plasticity": write_result(plasticity, out_dir, "plasticity"),
              "pairs": write_table_atomic(pairs, out_dir / "pairs.parquet")}
-    try:
-        bounds = ray.get(bounds_ref)
-    finally:
-        ray.kill(bounds_worker)
+    bounds = bounds_thread.result()
     log.info("bounds done at %.1f s", time.perf_counter() - t0)
     bounds.insert(0, "model", job.model)
     bounds["radius_max"] = stats.radius_max
@@ -752,7 +813,7 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
     if job.figures:
         figures = write_figures(plasticity, rates_path, out_dir, model=job.model, pretrain=pre_rows.name)
     return {
-        **paths, "out_dir": str(out_dir), "figures": figures, "wall_s": wall,
+        **paths, "out_dir": str(out_dir), "figures": figures, "wall_s": wall, "timing": timing,
         "pairs_per_s": done / wall if wall > 0 else math.nan, "n_pairs": done,
         "pretrain": {"store": pre_rows.store, "name": pre_rows.name, "split": pre_split, "rows": len(pre_rows),
                      "reuse": math.ceil(job.pairs / len(pre_rows))},
