@@ -247,7 +247,7 @@ def finetune_config(spec: StudySpec, point: dict, out_dir: str):
 @contextmanager
 def local_dir_for(target: str):
     """A local directory standing for ``target``: ``target`` itself when local, else a temporary directory
-    uploaded to the URI when the block ends."""
+    uploaded to the URI when the block ends (also when it raises: a failed run's summary is kept)."""
     if not is_uri(target):
         os.makedirs(target, exist_ok=True)
         yield target
@@ -255,11 +255,13 @@ def local_dir_for(target: str):
     tmp = tempfile.mkdtemp(prefix="raystudy-")
     try:
         yield tmp
-        fs, p = filesystem(target)
-        fs.create_dir(p, recursive=True)
-        pafs.copy_files(tmp, p, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            fs, p = filesystem(target)
+            fs.create_dir(p, recursive=True)
+            pafs.copy_files(tmp, p, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _link_tensorboard(study_dir: str, tid: str, run_dir: str) -> None:
