@@ -146,34 +146,50 @@ def _pre_norm_block(model: nn.Module, i: int, blk: nn.Module, layerscale: dict[s
     )
 
 
+class _TimmPreNormAdapter(Adapter):
+    """Shared part of the timm adapters: a ``blocks`` list of pre-norm ``Block``s, a model class to match.
+
+    Subclasses set ``model_class`` (``"module:ClassName"``) and ``layerscale_attrs`` (the block attributes
+    scaling the MHA and FC2 outputs), and implement :meth:`embed` and :meth:`head_modules`.
+    """
+
+    model_class: str = ""
+    layerscale_attrs: dict[str, str] = {}
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        import importlib
+
+        module, name = cls.model_class.split(":")
+        try:
+            klass = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # pragma: no cover - timm is a dependency
+            return False
+        return isinstance(model, klass)
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self._blocks = [_pre_norm_block(model, i, blk, self.layerscale_attrs) for i, blk in enumerate(model.blocks)]
+
+    def blocks(self) -> list[BlockComponents]:
+        return self._blocks
+
+
 # --------------------------------------------------------------------------------------------------
 # timm VisionTransformer family: ViT, DeiT (incl. distilled), DeiT-III, DINOv2-style (LayerScale, registers)
 # --------------------------------------------------------------------------------------------------
 
 
 @register_adapter
-class TimmViTAdapter(Adapter):
+class TimmViTAdapter(_TimmPreNormAdapter):
     family = "timm-vit"
     description = (
         "timm VisionTransformer and subclasses with pre-norm blocks: vit_*, deit_* (incl. distilled), "
         "deit3_*, *_dinov2 (LayerScale, register tokens)"
     )
 
-    @classmethod
-    def matches(cls, model: nn.Module) -> bool:
-        try:
-            from timm.models.vision_transformer import VisionTransformer
-        except ImportError:  # pragma: no cover - timm is a dependency
-            return False
-        return isinstance(model, VisionTransformer)
-
-    def __init__(self, model: nn.Module):
-        super().__init__(model)
-        self._blocks = [_pre_norm_block(model, i, blk, {"MHA": "ls1", "FC2": "ls2"})
-                        for i, blk in enumerate(model.blocks)]
-
-    def blocks(self) -> list[BlockComponents]:
-        return self._blocks
+    model_class = "timm.models.vision_transformer:VisionTransformer"
+    layerscale_attrs = {"MHA": "ls1", "FC2": "ls2"}
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         # Exactly what VisionTransformer.forward_features applies before its blocks.
@@ -197,25 +213,12 @@ class TimmViTAdapter(Adapter):
 
 
 @register_adapter
-class TimmBeitAdapter(Adapter):
+class TimmBeitAdapter(_TimmPreNormAdapter):
     family = "timm-beit"
     description = "timm Beit: beit_*, beitv2_* (relative position bias inside MHA, LayerScale gamma_1/gamma_2)"
 
-    @classmethod
-    def matches(cls, model: nn.Module) -> bool:
-        try:
-            from timm.models.beit import Beit
-        except ImportError:  # pragma: no cover
-            return False
-        return isinstance(model, Beit)
-
-    def __init__(self, model: nn.Module):
-        super().__init__(model)
-        self._blocks = [_pre_norm_block(model, i, blk, {"MHA": "gamma_1", "FC2": "gamma_2"})
-                        for i, blk in enumerate(model.blocks)]
-
-    def blocks(self) -> list[BlockComponents]:
-        return self._blocks
+    model_class = "timm.models.beit:Beit"
+    layerscale_attrs = {"MHA": "gamma_1", "FC2": "gamma_2"}
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         # Exactly what Beit.forward_features applies before its blocks.
