@@ -17,7 +17,8 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from raystudy.io import TableError, write_result, write_table_atomic
+from raystudy.io import TableError, write_result
+from raystudy.storage import write_parquet_atomic
 
 COMPONENTS = ("LN1", "MHA", "LN2", "FC1", "FC2")
 CONFIGS = COMPONENTS + ("All", "Head")
@@ -515,10 +516,10 @@ def test_plasticity_only_study(tmp_path):
 
 def test_uri_study_dir_and_empty_curves(tmp_path):
     from raystudy.analysis import report
-    from raystudy.io import SCHEMAS
+    from raystudy.vocab import columns
 
     d = make_study(tmp_path / "s", curves=False, plasticity=False, bounds=False, datasets=DATASETS[:2])
-    write_table_atomic(pd.DataFrame(columns=SCHEMAS["curves"]), d / "curves.parquet")  # no trial evaluated
+    write_parquet_atomic(d / "curves.parquet", pd.DataFrame(columns=columns("curves")))  # no trial evaluated
     local = report(d.as_uri())  # file:///...: staged locally, then uploaded next to the tables
     assert local.name == "report.html" and local.parent != d / "analysis"
     uploaded = d / "analysis" / "report.html"
@@ -528,7 +529,7 @@ def test_uri_study_dir_and_empty_curves(tmp_path):
 
 
 def _write_trials(d: Path, df: pd.DataFrame) -> None:
-    write_table_atomic(df, d / "trials.parquet")
+    write_parquet_atomic(d / "trials.parquet", df)
 
 
 @pytest.mark.parametrize("mutate, column", [
@@ -555,17 +556,17 @@ def test_empty_and_malformed_other_tables(tmp_path):
 
     d = make_study(tmp_path / "s", curves=False, failures=False, datasets=DATASETS[:2])
     good = pd.read_parquet(d / "plasticity.parquet")
-    write_table_atomic(good.iloc[0:0], d / "plasticity.parquet")
+    write_parquet_atomic(d / "plasticity.parquet", good.iloc[0:0])
     with pytest.raises(TableError, match=r"plasticity\.parquet: the table is empty"):
         analyze(d, figures=False)
-    write_table_atomic(good.drop(columns=["ci95"]), d / "plasticity.parquet")
+    write_parquet_atomic(d / "plasticity.parquet", good.drop(columns=["ci95"]))
     with pytest.raises(TableError, match=r"plasticity\.parquet: missing column\(s\) \['ci95'\]"):
         analyze(d, figures=False)
     (d / "plasticity.parquet").write_bytes(b"not parquet")
     with pytest.raises(TableError, match=r"plasticity\.parquet: not a readable Parquet file"):
         analyze(d, figures=False)
     (d / "plasticity.parquet").unlink()
-    write_table_atomic(pd.read_parquet(d / "bounds.parquet").assign(bound="big"), d / "bounds.parquet")
+    write_parquet_atomic(d / "bounds.parquet", pd.read_parquet(d / "bounds.parquet").assign(bound="big"))
     with pytest.raises(TableError, match=r"bounds\.parquet: column 'bound': non-numeric"):
         analyze(d, figures=False)
     with pytest.raises(TableError, match="neither trials.parquet nor plasticity.parquet"):

@@ -30,7 +30,7 @@ from raystudy.core.finetune import (
     train_step,
     warmup_cosine,
 )
-from raystudy.io import SCHEMAS
+from raystudy.vocab import columns
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
 D, H, L, C = 48, 192, 3, 10
@@ -299,7 +299,7 @@ def test_outputs_summary_curves_tensorboard(store, tmp_path):
 
     summary, ft = train_local(tiny_cfg(store, tmp_path, steps=5, eval_period=2, log_period=2))
     saved = json.loads((tmp_path / "summary.json").read_text())
-    needed = set(SCHEMAS["trials"]) - {"trial_id", "dataset", "model"}
+    needed = set(columns("trials")) - {"trial_id", "dataset", "model"}
     assert needed <= set(saved) and {"grad_memory_bytes", "optimizer_memory_bytes"} <= set(saved)
     curves = pd.read_parquet(tmp_path / "curves.parquet")
     assert list(curves.columns) == CURVE_COLUMNS

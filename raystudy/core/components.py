@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-COMPONENTS: tuple[str, ...] = ("LN1", "MHA", "LN2", "FC1", "FC2")
-CONFIGURATIONS: tuple[str, ...] = COMPONENTS + ("All", "Head")
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS  # noqa: F401  (public names, re-exported here)
 
 
 class UnsupportedModelError(TypeError):

@@ -1020,11 +1020,11 @@ def curves_frame(rows: list[dict]):
 def write_outputs(out_dir: str | os.PathLike, summary: dict, curves: list[dict], *, config: dict | None = None,
                   restores: list[dict] | None = None) -> None:
     """``summary.json``, ``curves.parquet`` (atomic), and ``config.json``/``restores.json`` when given."""
-    from raystudy.io import write_table_atomic
+    from raystudy.storage import write_parquet_atomic
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_table_atomic(curves_frame(curves), out / "curves.parquet")
+    write_parquet_atomic(out / "curves.parquet", curves_frame(curves))
     _write_json_atomic(out / "summary.json", summary)
     if config is not None:
         _write_json_atomic(out / "config.json", config)

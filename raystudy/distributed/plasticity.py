@@ -670,7 +670,8 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     from raystudy.core.bounds import TokenStats
-    from raystudy.io import write_result, write_table_atomic
+    from raystudy.io import write_result
+    from raystudy.storage import write_parquet_atomic
 
     job.validate()
     t0 = time.perf_counter()
@@ -799,7 +800,7 @@ def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
         "downstream_index": pa.array(rows.index[plan[1]], pa.int64()),
     }, schema=PAIRS_SCHEMA) for rows, plan in zip(down_rows, plans)])
     paths = {"rates": str(rates_path), "plasticity": write_result(plasticity, out_dir, "plasticity"),
-             "pairs": write_table_atomic(pairs, out_dir / "pairs.parquet")}
+             "pairs": write_parquet_atomic(out_dir / "pairs.parquet", pairs)}
     bounds = bounds_thread.result()
     log.info("bounds done at %.1f s", time.perf_counter() - t0)
     bounds.insert(0, "model", job.model)
@@ -832,7 +833,8 @@ def combine_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike) 
     only, and every run must agree: runs whose pairs differ raise ``ValueError``). All writes are atomic.
     Returns the paths written.
     """
-    from raystudy.io import check_columns, write_result, write_table_atomic
+    from raystudy.io import check_columns, write_result
+    from raystudy.storage import write_parquet_atomic
 
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
@@ -850,7 +852,7 @@ def combine_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike) 
         if not pq.read_table(d / "pairs.parquet").equals(pairs):
             raise ValueError(f"{d / 'pairs.parquet'} differs from {run_dirs[0] / 'pairs.parquet'}: the runs used "
                              "other stores or seeds and cannot be combined")
-    paths["pairs"] = write_table_atomic(pairs, out_dir / "pairs.parquet")
+    paths["pairs"] = write_parquet_atomic(out_dir / "pairs.parquet", pairs)
     writer = _RatesWriter(out_dir / "rates.parquet")
     try:
         for d in run_dirs:

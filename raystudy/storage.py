@@ -1,0 +1,151 @@
+"""Where study files live: local paths and URIs, one file system look-up, one atomic writer.
+
+Every path a study writes may be a local path or any URI pyarrow's file systems understand
+(``s3://bucket/study``, ``gs://...``, ``file:///abs/path``). Everything that writes a file goes through
+:func:`write_bytes_atomic` (or its text / JSON / Parquet forms): the bytes go to a temporary file beside the
+destination, which is then renamed over it, so a reader never sees a half-written file, also when the
+writer dies half-way. On object stores the rename is a copy, still all-or-nothing for the reader.
+
+Matplotlib and Ray Train write local files only: :func:`staged` gives a local folder for a URI target and
+:func:`publish` uploads it afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+
+def is_uri(path: str | os.PathLike) -> bool:
+    """True for ``scheme://...`` paths (object stores, ``file://``), False for plain local paths."""
+    return "://" in str(path)
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """Join path parts of a local path or URI with '/'."""
+    return "/".join([str(base).rstrip("/"), *[str(p).strip("/") for p in parts]])
+
+
+def filesystem(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow file system of ``path`` and the path inside it (local paths made absolute)."""
+    if is_uri(path):
+        return pafs.FileSystem.from_uri(str(path))
+    return pafs.LocalFileSystem(), os.path.abspath(str(path))
+
+
+def exists(path: str | os.PathLike) -> bool:
+    fs, p = filesystem(path)
+    return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+
+def read_bytes(path: str | os.PathLike) -> bytes | None:
+    """The file's bytes, or ``None`` when it does not exist."""
+    fs, p = filesystem(path)
+    try:
+        with fs.open_input_stream(p) as f:
+            return f.read()
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def read_text(path: str | os.PathLike) -> str | None:
+    """The file's text (UTF-8), or ``None`` when it does not exist."""
+    data = read_bytes(path)
+    return None if data is None else data.decode("utf-8")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Any]:
+    """A writable binary stream whose contents replace ``path`` only when the ``with`` block succeeds.
+
+    The stream writes a temporary file beside ``path``, renamed over it on success; on any failure (a full
+    disk, an interrupt) the temporary file is removed, so no partial file is left where a later run looks.
+    This is the one atomic writer of the project: every other ``write_*_atomic`` goes through it.
+    """
+    fs, p = filesystem(path)
+    parent, name = p.rsplit("/", 1)
+    fs.create_dir(parent, recursive=True)
+    tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
+    try:
+        with fs.open_output_stream(tmp) as f:
+            yield f
+        fs.move(tmp, p)
+    except BaseException:
+        try:
+            fs.delete_file(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> str:
+    """Write ``data`` to ``path`` through :func:`atomic_output`; returns ``path``."""
+    with atomic_output(path) as f:
+        f.write(data)
+    return str(path)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> str:
+    """:func:`write_bytes_atomic` for UTF-8 text."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):  # numpy scalars
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> str:
+    """:func:`write_bytes_atomic` for an indented JSON document (numpy scalars allowed, NaN kept)."""
+    return write_text_atomic(path, json.dumps(obj, indent=2, default=_json_default, allow_nan=True))
+
+
+def write_parquet_atomic(path: str | os.PathLike, table) -> str:
+    """:func:`write_bytes_atomic` for a ``pyarrow.Table`` or pandas DataFrame written as Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not isinstance(table, pa.Table):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    with atomic_output(path) as f:
+        pq.write_table(table, f)
+    return str(path)
+
+
+def staged(target: str | os.PathLike, prefix: str = "raystudy-") -> tuple[Path, str | None]:
+    """A local folder to write ``target``'s files into: ``(local folder, URI to publish to or None)``.
+
+    A local ``target`` is used as it is; for a URI the folder is a new temporary one, to be uploaded with
+    :func:`publish` once written.
+    """
+    if is_uri(target):
+        return Path(tempfile.mkdtemp(prefix=prefix)), str(target)
+    return Path(target), None
+
+
+def publish(local: str | os.PathLike, uri: str | None) -> None:
+    """Replace the contents of ``uri`` by those of the local folder ``local`` (no-op without a URI)."""
+    if uri is None:
+        return
+    fs, path = pafs.FileSystem.from_uri(uri)
+    fs.create_dir(path, recursive=True)
+    fs.delete_dir_contents(path, missing_dir_ok=True)
+    pafs.copy_files(str(Path(local).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=fs)
+
+
+def upload_dir(local: str | os.PathLike, uri: str) -> None:
+    """Copy the local folder ``local`` into ``uri`` (kept files there stay; same names are overwritten)."""
+    fs, path = pafs.FileSystem.from_uri(uri)
+    fs.create_dir(path, recursive=True)
+    pafs.copy_files(str(Path(local).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=fs)

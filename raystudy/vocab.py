@@ -1,0 +1,96 @@
+"""The vocabulary of a study and the schema of every table: defined here once, derived everywhere else.
+
+Names (CLI choices, spec validation, Tune config keys and table columns all come from these tuples):
+
+* a **component** is one of the five per-block modules the paper measures, :data:`COMPONENTS`;
+* a **configuration** is what a finetuning trial trains, :data:`CONFIGURATIONS`: one component in every
+  block, ``All`` (every parameter) or ``Head`` (only the classifier);
+* optimizers :data:`OPTIMIZERS`, trial statuses :data:`STATUSES` (of which :data:`FINAL_STATUSES` end a
+  trial for good: ``failed`` is retried on resume), plasticity modes :data:`MODES`, lr searches
+  :data:`SEARCHES`.
+
+Tables (one Parquet file each in a study directory; extra columns are allowed and kept):
+:data:`SCHEMAS` maps a table name to its required columns and their Arrow types. ``trials.parquet`` of
+studies written before the vocabulary was unified calls its ``configuration`` column ``component``;
+:func:`upgrade_columns` renames it on read.
+
+This module imports nothing heavier than pyarrow, so the science core, the data layer and the CLI can all
+use it.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+COMPONENTS: tuple[str, ...] = ("LN1", "MHA", "LN2", "FC1", "FC2")
+BASELINES: tuple[str, ...] = ("All", "Head")
+CONFIGURATIONS: tuple[str, ...] = COMPONENTS + BASELINES
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+STATUSES: tuple[str, ...] = ("ok", "diverged", "failed")
+FINAL_STATUSES: tuple[str, ...] = ("ok", "diverged")
+MODES: tuple[str, ...] = ("embedding", "hidden")
+SEARCHES: tuple[str, ...] = ("grid", "optuna")
+
+_str, _int, _float = pa.string(), pa.int64(), pa.float64()
+
+#: Every table's required columns with their Arrow types, in column order.
+SCHEMAS: dict[str, pa.Schema] = {
+    # per (dataset, layer, component): mean rate over pairs (rates.parquet reduced)
+    "plasticity": pa.schema([
+        ("model", _str), ("dataset", _str), ("mode", _str), ("layer", _int), ("component", _str),
+        ("plasticity", _float), ("std", _float), ("ci95", _float), ("n_pairs", _int),
+    ]),
+    # per pair: ||f(x) - f(y)||_F / ||x - y||_F
+    "rates": pa.schema([
+        ("model", _str), ("dataset", _str), ("mode", _str), ("pair", _int), ("layer", _int),
+        ("component", _str), ("rate", _float),
+    ]),
+    # which pretraining and downstream rows form pair ``pair`` of a dataset
+    "pairs": pa.schema([
+        ("dataset", _str), ("pair", _int), ("pretrain_index", _int), ("downstream_index", _int),
+    ]),
+    # per (layer, component): the theoretical upper bound on plasticity
+    "bounds": pa.schema([
+        ("model", _str), ("layer", _int), ("component", _str), ("bound", _float), ("radius", _float),
+        ("seq_len", _int),
+    ]),
+    # one row per finetuning trial; accuracies are fractions in [0, 1]; null where a failed trial has none
+    "trials": pa.schema([
+        ("trial_id", _str), ("dataset", _str), ("model", _str), ("configuration", _str), ("optimizer", _str),
+        ("lr", _float), ("seed", _int), ("steps", _int), ("batch_size", _int), ("trainable_params", _int),
+        ("status", _str), ("best_val_acc", _float), ("best_val_step", _int), ("test_acc", _float),
+        ("final_val_loss", _float), ("wall_seconds", _float),
+    ]),
+    # one row per logged step of a trial; val columns null between evaluations
+    "curves": pa.schema([
+        ("trial_id", _str), ("step", _int), ("lr", _float), ("train_loss", _float), ("grad_norm", _float),
+        ("val_loss", _float), ("val_acc", _float),
+    ]),
+}
+
+#: The columns of one run's own ``curves.parquet`` (a trial directory: no ``trial_id`` yet, two extras).
+RUN_CURVE_COLUMNS: tuple[str, ...] = (
+    "step", "lr", "train_loss", "grad_norm", "component_grad_norm", "images_per_s", "val_loss", "val_acc",
+)
+
+#: Old column names, per table, and the name they have now.
+RENAMED_COLUMNS: dict[str, dict[str, str]] = {"trials": {"component": "configuration"}}
+
+
+def columns(table: str) -> list[str]:
+    """The required column names of ``table``."""
+    return list(SCHEMAS[table].names)
+
+
+def upgrade_columns(df, table: str):
+    """Rename the old columns of ``table`` (a pandas DataFrame from an older study) to today's names."""
+    renames = {old: new for old, new in RENAMED_COLUMNS.get(table, {}).items()
+               if old in df.columns and new not in df.columns}
+    return df.rename(columns=renames) if renames else df
+
+
+def check_name(value: str, allowed: tuple[str, ...], what: str) -> str:
+    """``value`` if it is one of ``allowed``; else ``ValueError`` naming ``what`` and the choices."""
+    if value not in allowed:
+        raise ValueError(f"{what}: unknown value {value!r}; expected one of {list(allowed)}")
+    return value
