@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import tempfile
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+# Fault injection (raystudy.faults): set before Ray starts so that its workers inherit it; the `faults`
+# fixture writes the file.
+os.environ["RAYSTUDY_FAULTS"] = os.path.join(tempfile.mkdtemp(prefix="raystudy-faults-"), "faults.json")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
@@ -53,3 +58,17 @@ def ray_session():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def faults():
+    """Inject faults for one test: ``faults(fail_after_step={"run": 3})``; cleared when the test ends."""
+    path = os.environ["RAYSTUDY_FAULTS"]
+
+    def inject(**kinds):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(kinds, f)
+
+    yield inject
+    if os.path.exists(path):
+        os.remove(path)
