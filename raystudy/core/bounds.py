@@ -35,7 +35,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from raystudy.core.components import COMPONENTS, get_adapter
+from raystudy.core.components import get_adapter
+from raystudy.vocab import COMPONENTS
 
 
 def spectral_norm(w: torch.Tensor) -> float:

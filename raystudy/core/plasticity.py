@@ -26,7 +26,8 @@ components: ``||W x + b - (W y + b)||_F = ||W (x - y)||_F`` (FC1 and FC2 on ``N`
 ``2N`` inputs), and the zero-lifted FC2 only touches the first ``d`` input columns of its weight.
 Norms are computed in float32, also under the optional bf16 autocast.
 
-:mod:`raystudy.core.plasticity_reference` holds a deliberately literal implementation used by the tests.
+:mod:`raystudy.core.plasticity_reference` holds a deliberately literal implementation used by the tests: it
+builds every input from the model's own modules and shares no code with this module or the adapters.
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raystudy.core.components import COMPONENTS, get_adapter
+from raystudy.core.components import get_adapter
+from raystudy.vocab import COMPONENTS, MODES, columns
 
-MODES = ("embedding", "hidden")
-RATE_COLUMNS = ["pair", "layer", "component", "rate"]
-SUMMARY_COLUMNS = ["layer", "component", "plasticity", "std", "ci95", "n_pairs"]
+#: Columns that label a whole run of rates (added by the callers); :func:`summarize` groups by them too.
+GROUP_KEYS = ("model", "dataset", "mode")
+#: The per-pair frame of :func:`pair_rates` and the table of :func:`summarize`: the ``rates`` and
+#: ``plasticity`` schemas of :mod:`raystudy.vocab` without the run labels.
+RATE_COLUMNS = [c for c in columns("rates") if c not in GROUP_KEYS]
+SUMMARY_COLUMNS = [c for c in columns("plasticity") if c not in GROUP_KEYS]
 
 
 class PlasticityInputError(ValueError):
@@ -216,9 +221,6 @@ def pair_rates(
     return rates_frame(pair_rates_tensor(model, x, y, mode=mode, amp_dtype=amp_dtype), pair_offset=pair_offset)
 
 
-GROUP_KEYS = ("model", "dataset", "mode")
-
-
 def summarize(rates: pd.DataFrame) -> pd.DataFrame:
     """Plasticity table from per-pair rates.
 
@@ -240,4 +242,4 @@ def summarize(rates: pd.DataFrame) -> pd.DataFrame:
     out["n_pairs"] = out["n_pairs"].astype(np.int64)
     order = {c: i for i, c in enumerate(COMPONENTS)}
     out = out.sort_values(keys[:-1] + ["component"], key=lambda s: s.map(order) if s.name == "component" else s)
-    return out[keys + ["plasticity", "std", "ci95", "n_pairs"]].reset_index(drop=True)
+    return out[keys[:-2] + SUMMARY_COLUMNS].reset_index(drop=True)
