@@ -25,19 +25,59 @@ CONFIGS = COMPONENTS + ("All", "Head")
 DATASETS = ("cifar10", "cifar100", "clipart", "flowers", "pets", "sketch", "snow")
 LRS = {"sgd": (1e-3, 1e-2, 3e-2), "adamw": (1e-5, 1e-4)}
 SEEDS = (0, 42, 3407)
-# Component effect on accuracy (plastic components better) and on plasticity.
+# Configuration effect on accuracy (plastic components better) and on plasticity.
 ACC_SHIFT = {"LN1": -0.04, "MHA": 0.03, "LN2": -0.03, "FC1": 0.025, "FC2": 0.01, "All": 0.035, "Head": -0.08}
 PLASTICITY = {"LN1": 0.4, "MHA": 3.0, "LN2": 0.6, "FC1": 2.0, "FC2": 1.3}
 PARAMS = {"LN1": 1_536, "MHA": 28_224, "LN2": 1_536, "FC1": 56_448, "FC2": 55_344, "All": 143_000, "Head": 0}
 
 
+def _trial_row(tid: int, model: str, ds: str, di: int, opt: str, config: str, li: int, lr: float, s: int, rng, *,
+               memory: bool, failures: bool, old: bool) -> dict:
+    """One trials.parquet row as the study engine records it (``old``: as studies did before nulls)."""
+    acc = float(np.clip(0.55 + 0.05 * di + ACC_SHIFT[config] + 0.01 * li * (config != "Head")
+                        + rng.normal(0, 0.02), 0.01, 0.99))
+    status = "ok"
+    if failures and tid % 37 == 0:
+        status, acc = "diverged", float("nan")
+    elif failures and tid % 53 == 0:
+        status, acc = "failed", 0.999
+    row = dict(trial_id=f"t{tid:04d}", dataset=ds, model=model, configuration=config, optimizer=opt, lr=lr,
+               seed=s, steps=100, batch_size=32, trainable_params=PARAMS[config] + (10 + 10 * di) * 49,
+               status=status, best_val_acc=acc, best_val_step=50, test_acc=acc,
+               final_val_loss=float(rng.uniform(0.5, 2)), wall_seconds=float(rng.uniform(5, 50)))
+    if memory:
+        row["grad_memory_bytes"] = 4 * row["trainable_params"]
+        row["optimizer_memory_bytes"] = (8 if opt == "adamw" else 4) * row["trainable_params"]
+        row["images_per_s"] = float(rng.uniform(100, 200)) if status == "ok" else np.nan
+    if status == "failed":  # a trial that never ran: no model built, no time measured
+        missing = -1 if old else None
+        row.update(trainable_params=missing, best_val_step=missing, wall_seconds=np.nan)
+        if memory:
+            row.update(grad_memory_bytes=np.nan, optimizer_memory_bytes=np.nan)
+    if old:  # trials.parquet of a study written before the vocabulary was unified
+        row["component"] = row.pop("configuration")
+    return row
+
+
+def _write_trials_table(path: Path, rows: list[dict], *, old: bool) -> None:
+    df = pd.DataFrame(rows)
+    if old:  # the old column name, so not through io.write_result (it requires today's names)
+        write_parquet_atomic(path / "trials.parquet", df)
+        return
+    for c in ("trainable_params", "best_val_step"):  # int64 with nulls, as the schema says
+        df[c] = df[c].astype("Int64")
+    write_result(df, path, "trials")
+
+
 def make_study(path: Path, *, seed: int = 0, plasticity: bool = True, bounds: bool = True, curves: bool = True,
                rates: bool = False, memory: bool = True, head: bool = True, failures: bool = True,
-               datasets=DATASETS, models=("vit_tiny",)) -> Path:
-    """Write a synthetic study directory following ARCHITECTURE.md; returns its path.
+               datasets=DATASETS, models=("vit_tiny",), old: bool = False) -> Path:
+    """Write a synthetic study directory (tables as in ``raystudy.vocab.SCHEMAS``); returns its path.
 
-    Accuracies are random around a per-dataset level plus a component shift; some trials diverge or fail
-    (with a deliberately high ``test_acc`` on failed ones, which must never be counted).
+    Accuracies are random around a per-dataset level plus a configuration shift; some trials diverge or
+    fail (with a deliberately high ``test_acc`` on failed ones, which must never be counted). ``old``:
+    trials.parquet as older studies wrote it (``component`` column, ``-1`` for a failed trial's counts);
+    every random draw is the same, so an old and a new study of the same ``seed`` hold the same trials.
     """
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True, exist_ok=True)
@@ -45,45 +85,25 @@ def make_study(path: Path, *, seed: int = 0, plasticity: bool = True, bounds: bo
     tid = 0
     for model in models:
         for di, ds in enumerate(datasets):
-            level = 0.55 + 0.05 * di
-            classes = 10 + 10 * di
             for opt, lrs in LRS.items():
-                for comp in CONFIGS:
-                    if comp == "Head" and not head:
+                for config in CONFIGS:
+                    if config == "Head" and not head:
                         continue
                     for li, lr in enumerate(lrs):
                         for s in SEEDS:
                             tid += 1
-                            acc = float(np.clip(level + ACC_SHIFT[comp] + 0.01 * li * (comp != "Head")
-                                                + rng.normal(0, 0.02), 0.01, 0.99))
-                            status = "ok"
-                            if failures and tid % 37 == 0:
-                                status, acc = "diverged", float("nan")
-                            elif failures and tid % 53 == 0:
-                                status, acc = "failed", 0.999
-                            row = dict(trial_id=f"t{tid:04d}", dataset=ds, model=model, component=comp,
-                                       optimizer=opt, lr=lr, seed=s, steps=100, batch_size=32,
-                                       trainable_params=PARAMS[comp] + classes * 49, status=status,
-                                       best_val_acc=acc, best_val_step=50, test_acc=acc,
-                                       final_val_loss=float(rng.uniform(0.5, 2)),
-                                       wall_seconds=float(rng.uniform(5, 50)))
-                            if memory:
-                                row["grad_memory_bytes"] = 4 * row["trainable_params"]
-                                row["optimizer_memory_bytes"] = (8 if opt == "adamw" else 4) * row["trainable_params"]
-                                row["images_per_s"] = float(rng.uniform(100, 200)) if status == "ok" else np.nan
-                            if status == "failed":  # as the study engine records a trial that never ran
-                                row.update(trainable_params=-1, wall_seconds=np.nan)
-                                if memory:
-                                    row.update(grad_memory_bytes=np.nan, optimizer_memory_bytes=np.nan)
+                            row = _trial_row(tid, model, ds, di, opt, config, li, lr, s, rng, memory=memory,
+                                             failures=failures, old=old)
                             rows.append(row)
-                            if curves and status == "ok":
+                            if curves and row["status"] == "ok":
+                                acc = row["test_acc"]
                                 for step in range(0, 100, 10):
                                     curve_rows.append(dict(
                                         trial_id=row["trial_id"], step=step, lr=lr, train_loss=2.0 / (1 + step),
-                                        grad_norm=PLASTICITY.get(comp, 1.0) * (1 + rng.uniform()) / (1 + step / 50),
+                                        grad_norm=PLASTICITY.get(config, 1.0) * (1 + rng.uniform()) / (1 + step / 50),
                                         val_loss=(2.0 - acc) / (1 + step / 30) if step % 20 == 0 else np.nan,
                                         val_acc=acc if step % 20 == 0 else np.nan))
-    write_result(pd.DataFrame(rows), path, "trials")
+    _write_trials_table(path, rows, old=old)
     if curves:
         write_result(pd.DataFrame(curve_rows), path, "curves")
     if plasticity or rates:
@@ -113,15 +133,16 @@ def make_study(path: Path, *, seed: int = 0, plasticity: bool = True, bounds: bo
 # ---------------------------------------------------------------- independent expectations (plain loops)
 
 def raw_trials(path: Path) -> list[dict]:
-    return pd.read_parquet(path / "trials.parquet").to_dict("records")
+    """The trials as written; an old study's ``component`` column read as ``configuration``."""
+    return pd.read_parquet(path / "trials.parquet").rename(columns={"component": "configuration"}).to_dict("records")
 
 
 def sweeps(trials: list[dict]) -> dict:
-    """(model, dataset, optimizer, component) -> {lr: {seed: acc}} over ok trials only."""
+    """(model, dataset, optimizer, configuration) -> {lr: {seed: acc}} over ok trials only."""
     out: dict = defaultdict(lambda: defaultdict(dict))
     for t in trials:
         if t["status"] == "ok":
-            out[(t["model"], t["dataset"], t["optimizer"], t["component"])][t["lr"]][t["seed"]] = t["test_acc"]
+            out[(t["model"], t["dataset"], t["optimizer"], t["configuration"])][t["lr"]][t["seed"]] = t["test_acc"]
     return out
 
 
@@ -200,17 +221,17 @@ def test_every_table_written_as_csv_and_markdown(study):
 def test_best_lr_matches_loops(study):
     d, tables = study
     t = tables["best_lr"]
-    assert list(t.columns) == ["dataset", "optimizer", "component", "lr", "mean", "std", "n_seeds"]
+    assert list(t.columns) == ["dataset", "optimizer", "configuration", "lr", "mean", "std", "n_seeds"]
     exp = expected_best(raw_trials(d))
     assert len(t) == len(exp) == len(DATASETS) * len(LRS) * len(CONFIGS)
-    got = by_key(t, ["dataset", "optimizer", "component"])
+    got = by_key(t, ["dataset", "optimizer", "configuration"])
     for (_model, ds, opt, comp), (lr, m, s, n) in exp.items():
         r = got[(ds, opt, comp)]
         assert r["lr"] == lr and r["n_seeds"] == n
         assert r["mean"] == pytest.approx(m, abs=1e-12)
         assert r["std"] == pytest.approx(s, abs=1e-12, nan_ok=True)
     # Rows in configuration order within each dataset/optimizer; CSV keeps fractions.
-    assert list(t["component"][:7]) == list(CONFIGS)
+    assert list(t["configuration"][:7]) == list(CONFIGS)
     assert t["mean"].between(0, 1).all()
 
 
@@ -234,8 +255,8 @@ def test_failed_trials_never_counted(study):
 def test_lr_grid_matches_loops(study):
     d, tables = study
     t = tables["lr_grid"]
-    assert list(t.columns) == ["dataset", "optimizer", "component", "mean", "std", "n_lrs", "n_trials"]
-    got = by_key(t, ["dataset", "optimizer", "component"])
+    assert list(t.columns) == ["dataset", "optimizer", "configuration", "mean", "std", "n_lrs", "n_trials"]
+    got = by_key(t, ["dataset", "optimizer", "configuration"])
     for (_model, ds, opt, comp), by_lr in sweeps(raw_trials(d)).items():
         means = [mean(by_lr[lr].values()) for lr in sorted(by_lr)]
         r = got[(ds, opt, comp)]
@@ -248,10 +269,10 @@ def test_lr_grid_matches_loops(study):
 def test_overall_matches_loops(study):
     d, tables = study
     t = tables["overall"]
-    assert list(t.columns) == ["optimizer", "component", "mean", "std", "n_datasets", "lr_grid_mean", "lr_grid_std"]
+    assert list(t.columns) == ["optimizer", "configuration", "mean", "std", "n_datasets", "lr_grid_mean", "lr_grid_std"]
     best = expected_best(raw_trials(d))
     sw = sweeps(raw_trials(d))
-    got = by_key(t, ["optimizer", "component"])
+    got = by_key(t, ["optimizer", "configuration"])
     assert len(got) == len(LRS) * len(CONFIGS)
     for opt in LRS:
         for comp in CONFIGS:
@@ -274,8 +295,8 @@ def test_relative_gain_matches_loops(study):
     d, tables = study
     t = tables["relative_gain"]
     best = expected_best(raw_trials(d))
-    got = by_key(t, ["dataset", "optimizer", "component"])
-    assert "Head" not in set(t["component"])
+    got = by_key(t, ["dataset", "optimizer", "configuration"])
+    assert "Head" not in set(t["configuration"])
     for opt in LRS:
         for comp in CONFIGS[:-1]:
             gains, accs, heads = [], [], []
@@ -330,7 +351,7 @@ def test_wilcoxon_two_sided_and_dataset_seed_pairs(tmp_path):
     t = compute_tables(inputs, reference="FC1", alternative="two-sided", pair_by="dataset_seed")["wilcoxon"]
     trials = raw_trials(d)
     best = expected_best(trials)
-    acc = {(t_["dataset"], t_["optimizer"], t_["component"], t_["lr"], t_["seed"]): t_["test_acc"]
+    acc = {(t_["dataset"], t_["optimizer"], t_["configuration"], t_["lr"], t_["seed"]): t_["test_acc"]
            for t_ in trials if t_["status"] == "ok"}
     got = by_key(t, ["optimizer", "other"])
     for opt in LRS:
@@ -357,8 +378,9 @@ def test_wilcoxon_two_sided_and_dataset_seed_pairs(tmp_path):
 def test_stability_matches_loops(study):
     d, tables = study
     t = tables["stability"]
-    assert list(t.columns) == ["dataset", "optimizer", "component", "mean", "std", "min", "max", "range", "n_trials"]
-    got = by_key(t, ["dataset", "optimizer", "component"])
+    assert list(t.columns) == ["dataset", "optimizer", "configuration", "mean", "std", "min", "max", "range",
+                               "n_trials"]
+    got = by_key(t, ["dataset", "optimizer", "configuration"])
     per = defaultdict(list)
     for (_model, ds, opt, comp), by_lr in sweeps(raw_trials(d)).items():
         v = [a for seeds in by_lr.values() for a in seeds.values()]
@@ -438,23 +460,24 @@ def test_ranking_matches_independent_correlations(study):
 def test_cost_matches_loops(study):
     d, tables = study
     t = tables["cost"]
-    assert list(t.columns) == ["optimizer", "component", "trainable_params", "grad_memory_bytes",
+    assert list(t.columns) == ["optimizer", "configuration", "trainable_params", "grad_memory_bytes",
                                "optimizer_memory_bytes", "wall_seconds", "wall_seconds_std", "total_wall_seconds",
                                "n_trials", "images_per_s"]
     trials = raw_trials(d)
-    assert any(x["trainable_params"] == -1 for x in trials)  # failed rows record -1: never a parameter count
-    got = by_key(t, ["optimizer", "component"])
+    failed = [x for x in trials if x["status"] == "failed"]
+    assert failed and all(pd.isna(x["trainable_params"]) for x in failed)  # null: never a parameter count
+
+    def median_recorded(rows, column):
+        return float(np.median([x[column] for x in rows if not pd.isna(x[column])]))
+
+    got = by_key(t, ["optimizer", "configuration"])
     for opt in LRS:
-        for comp in CONFIGS:
-            mine = [x for x in trials if x["optimizer"] == opt and x["component"] == comp]
+        for config in CONFIGS:
+            mine = [x for x in trials if x["optimizer"] == opt and x["configuration"] == config]
             ok = [x for x in mine if x["status"] == "ok"]
-            r = got[(opt, comp)]
-            assert r["trainable_params"] == float(np.median([x["trainable_params"] for x in mine
-                                                             if x["trainable_params"] > 0]))
-            assert r["optimizer_memory_bytes"] == float(np.median([x["optimizer_memory_bytes"] for x in mine
-                                                                   if x["optimizer_memory_bytes"] > 0]))
-            assert r["grad_memory_bytes"] == float(np.median([x["grad_memory_bytes"] for x in mine
-                                                              if x["grad_memory_bytes"] > 0]))
+            r = got[(opt, config)]
+            for column in ("trainable_params", "optimizer_memory_bytes", "grad_memory_bytes"):
+                assert r[column] == median_recorded(mine, column), column
             assert r["wall_seconds"] == pytest.approx(mean(x["wall_seconds"] for x in ok), abs=1e-9)
             assert r["wall_seconds_std"] == pytest.approx(sample_std(x["wall_seconds"] for x in ok), abs=1e-9)
             assert r["total_wall_seconds"] == pytest.approx(
@@ -462,22 +485,23 @@ def test_cost_matches_loops(study):
             assert r["images_per_s"] == pytest.approx(mean(x["images_per_s"] for x in ok), abs=1e-9)
             assert r["n_trials"] == len(mine)
     md = (d / "analysis" / "cost.md").read_text()
-    assert "-1" not in md and "KiB" in md
+    assert "nan" not in md and "KiB" in md
 
 
 def test_markdown_shows_percent_and_marks_best(study):
-    d, tables = study
-    t = tables["best_lr"]
-    r = t[(t["dataset"] == "cifar10") & (t["optimizer"] == "sgd") & (t["component"] == "MHA")].iloc[0]
-    cell = f"{100 * r['mean']:.1f} ± {100 * r['std']:.1f}"
+    d, _ = study
+    best = expected_best(raw_trials(d))
     md = (d / "analysis" / "best_lr.md").read_text()
-    assert cell in md
-    five = t[(t["dataset"] == "cifar10") & (t["optimizer"] == "sgd") & t["component"].isin(COMPONENTS)]
-    top = five.loc[five["mean"].idxmax()]
-    top_cell = f"**{100 * top['mean']:.1f} ± {100 * top['std']:.1f}"
     sgd_block = md.split("## optimizer: sgd")[1]
     line = next(line for line in sgd_block.splitlines() if line.startswith("| cifar10 |"))
-    assert line.count("**") == 2 and top_cell in line
+    cells = {}
+    for config in CONFIGS:  # "mean ± std (lr 1e-2)" in percent, lr as mantissa e exponent
+        lr, m, s, _n = best[("vit_tiny", "cifar10", "sgd", config)]
+        mant, exp = f"{lr:e}".split("e")
+        cells[config] = f"{100 * m:.1f} ± {100 * s:.1f}"
+        assert f"{cells[config]} (lr {float(mant):g}e{int(exp)})" in line.replace("**", ""), config
+    top = max(COMPONENTS, key=lambda c: best[("vit_tiny", "cifar10", "sgd", c)][1])
+    assert line.count("**") == 2 and f"**{cells[top]}**" in line  # bold: the best of the five components
     w = (d / "analysis" / "wilcoxon.md").read_text()
     assert "one-sided" in w and "paired over datasets" in w
 
@@ -535,7 +559,7 @@ def _write_trials(d: Path, df: pd.DataFrame) -> None:
 @pytest.mark.parametrize("mutate, column", [
     (lambda df: df.drop(columns=["test_acc"]), "test_acc"),
     (lambda df: df.assign(test_acc=df["test_acc"] * 100), "test_acc"),
-    (lambda df: df.assign(component=df["component"].replace({"MHA": "attn"})), "component"),
+    (lambda df: df.assign(configuration=df["configuration"].replace({"MHA": "attn"})), "configuration"),
     (lambda df: df.assign(lr=df["lr"].astype(str).replace({"0.01": "ten"})), "lr"),
     (lambda df: pd.concat([df, df.iloc[[0]]]), "seed"),
 ])
@@ -577,12 +601,13 @@ def test_bad_options_name_the_parameter(tmp_path):
     from raystudy.analysis import analyze
 
     d = make_study(tmp_path / "s", plasticity=False, bounds=False, curves=False, datasets=DATASETS[:2])
-    with pytest.raises(ValueError, match="reference: unknown configuration 'ATTN'"):
+    with pytest.raises(ValueError, match=r"reference: unknown value 'ATTN'; expected one of \['LN1', 'MHA'"):
         analyze(d, reference="ATTN")
-    with pytest.raises(ValueError, match="pair_by"):
+    with pytest.raises(ValueError, match=r"pair_by: unknown value 'seed'; expected one of \['dataset', "):
         analyze(d, pair_by="seed")
-    with pytest.raises(ValueError, match="alternative"):
+    with pytest.raises(ValueError, match=r"alternative: unknown value 'bigger'; expected one of \['greater'"):
         analyze(d, alternative="bigger")
+    assert not (d / "analysis").exists()  # rejected before anything is written
 
 
 def test_several_models_get_a_model_column(tmp_path):
@@ -596,7 +621,87 @@ def test_several_models_get_a_model_column(tmp_path):
     best = tables["best_lr"]
     exp = expected_best(raw_trials(d))
     for r in best.to_dict("records"):
-        assert r["mean"] == pytest.approx(exp[(r["model"], r["dataset"], r["optimizer"], r["component"])][1])
+        assert r["mean"] == pytest.approx(exp[(r["model"], r["dataset"], r["optimizer"], r["configuration"])][1])
+
+
+def test_old_study_directory_gives_the_same_tables(tmp_path):
+    """A study written before the vocabulary was unified (``component`` column, ``-1`` for a failed trial's
+    counts) analyses to exactly the tables of the same study written today."""
+    from raystudy.analysis import analyze
+
+    old = make_study(tmp_path / "old", old=True, seed=7, datasets=DATASETS[:3], rates=True)
+    new = make_study(tmp_path / "new", seed=7, datasets=DATASETS[:3], rates=True)
+    raw = pd.read_parquet(old / "trials.parquet")
+    assert "component" in raw.columns and "configuration" not in raw.columns
+    failed = raw["status"] == "failed"
+    assert failed.any() and (raw.loc[failed, "trainable_params"] == -1).all()
+    assert (raw.loc[failed, "best_val_step"] == -1).all()
+    t_old, t_new = analyze(old, figures=False), analyze(new, figures=False)
+    assert list(t_old) == list(t_new) == ["best_lr", "lr_grid", "overall", "relative_gain", "wilcoxon", "stability",
+                                          "ranking", "cost"]
+    for name in t_new:
+        pd.testing.assert_frame_equal(t_old[name], t_new[name], obj=name)
+        assert (old / "analysis" / f"{name}.md").read_text() == (new / "analysis" / f"{name}.md").read_text()
+    assert (old / "analysis" / "notes.md").read_text() == (new / "analysis" / "notes.md").read_text()
+    cost = t_old["cost"]  # the -1 of old failed rows is no parameter count
+    assert (cost["trainable_params"] > 0).all() and "configuration" in cost.columns
+
+
+def paired_accuracies(trials: list[dict], opt: str, config: str, pair_by: str) -> dict:
+    """pair -> accuracy of ``config``: per dataset its best-lr mean over seeds (``dataset``), or per (dataset,
+    seed) that seed's ok accuracy at the configuration's best lr on the dataset (``dataset_seed``)."""
+    best = expected_best(trials)
+    if pair_by == "dataset":
+        return {ds: v[1] for (_m, ds, o, c), v in best.items() if (o, c) == (opt, config)}
+    return {(t["dataset"], t["seed"]): t["test_acc"] for t in trials
+            if t["status"] == "ok" and (t["optimizer"], t["configuration"]) == (opt, config)
+            and t["lr"] == best[(t["model"], t["dataset"], opt, config)][0]}
+
+
+def test_cli_analyze_out_reference_and_pair_by(tmp_path, capsys):
+    """``raystudy analyze --out --reference --pair-by``: files land in --out, the Wilcoxon rows are the
+    reference against every other configuration on the pairs the option names (scipy on pairs built here)."""
+    from raystudy.cli import main
+
+    datasets = DATASETS[:5]
+    d = make_study(tmp_path / "s", seed=5, plasticity=False, bounds=False, curves=False, datasets=datasets)
+    trials = raw_trials(d)
+    written = [f"{n}.{e}" for n in ("best_lr", "lr_grid", "overall", "relative_gain", "wilcoxon", "stability",
+                                     "cost", "excluded") for e in ("csv", "md")] + ["notes.md"]
+    n_pairs = {}
+    for ref, pair_by in (("LN2", "dataset"), ("FC1", "dataset_seed")):
+        out = tmp_path / f"out-{ref}-{pair_by}"
+        assert main(["analyze", str(d), "--out", str(out), "--reference", ref, "--pair-by", pair_by,
+                     "--no-figures"]) == 0
+        assert f"written to {out}" in capsys.readouterr().out
+        assert sorted(p.name for p in out.iterdir()) == sorted(written)
+        w = pd.read_csv(out / "wilcoxon.csv")
+        assert list(w["other"]) == [c for c in CONFIGS if c != ref] * 2  # adamw rows, then sgd rows
+        assert set(w["reference"]) == {ref} and list(w["optimizer"]) == ["adamw"] * 6 + ["sgd"] * 6
+        for r in w.to_dict("records"):
+            a = paired_accuracies(trials, r["optimizer"], ref, pair_by)
+            b = paired_accuracies(trials, r["optimizer"], r["other"], pair_by)
+            shared = sorted(set(a) & set(b))
+            expected = stats.wilcoxon([a[k] for k in shared], [b[k] for k in shared], alternative="greater")
+            assert r["n_pairs"] == len(shared)
+            assert r["statistic"] == pytest.approx(expected.statistic)
+            assert r["p_value"] == pytest.approx(expected.pvalue, rel=1e-12)
+            assert r["significant"] == (expected.pvalue < 0.05)
+            n_pairs[(pair_by, r["optimizer"], r["other"])] = r["n_pairs"]
+        assert f"paired over {'datasets' if pair_by == 'dataset' else '(dataset, seed) pairs'}" in (
+            out / "wilcoxon.md").read_text()
+    assert not (d / "analysis").exists()  # --out replaced the default folder
+    assert {v for (p, *_), v in n_pairs.items() if p == "dataset"} == {len(datasets)}
+    # (dataset, seed) pairs: one per seed where both configurations have an ok run at their best lr.
+    seed_pairs = [v for (p, *_), v in n_pairs.items() if p == "dataset_seed"]
+    assert len(seed_pairs) == 12 and all(len(datasets) < v <= len(datasets) * len(SEEDS) for v in seed_pairs)
+    report_dir = tmp_path / "report"
+    assert main(["report", str(d), "--out", str(report_dir), "--reference", "All", "--pair-by", "dataset"]) == 0
+    assert Path(capsys.readouterr().out.strip().splitlines()[-1]) == report_dir / "report.html"
+    assert "Wilcoxon vs All, alternative greater, paired by dataset" in (report_dir / "report.html").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", str(d), "--reference", "attn"])
+    assert e.value.code == 2 and "invalid choice: 'attn'" in capsys.readouterr().err
 
 
 def test_cli_analyze_and_report_write_every_figure(tmp_path, capsys):
@@ -627,18 +732,25 @@ def test_cli_analyze_and_report_write_every_figure(tmp_path, capsys):
     assert "trials.parquet" in err and "status" in err and "Traceback" not in err
 
 
-def test_plot_functions_for_the_plasticity_cli(tmp_path):
-    from raystudy.analysis.figures import COMPONENT_COLORS, plot_plasticity_depth, plot_rate_distribution
+#: The documented palette (Okabe-Ito): one colour per configuration, written out here, not imported.
+PALETTE = {"LN1": "#0072b2", "MHA": "#d55e00", "LN2": "#56b4e9", "FC1": "#e69f00", "FC2": "#cc79a7",
+           "All": "#009e73", "Head": "#7f7f7f"}
 
-    assert set(COMPONENT_COLORS) == set(CONFIGS) and len(set(COMPONENT_COLORS.values())) == 7
+
+def test_plot_functions_for_the_plasticity_cli(tmp_path):
+    from raystudy.analysis.figures import CONFIGURATION_COLORS, plot_plasticity_depth, plot_rate_distribution
+
+    assert {k: v.lower() for k, v in CONFIGURATION_COLORS.items()} == PALETTE
     d = make_study(tmp_path / "s", rates=True, curves=False, bounds=False, datasets=DATASETS[:1])
     p = pd.read_parquet(d / "plasticity.parquet")
     paths = plot_plasticity_depth(p, tmp_path / "fig" / "depth", title="t")
     assert [x.suffix for x in paths] == [".png", ".svg"] and all(x.stat().st_size > 5_000 for x in paths)
-    svg = paths[1].read_text()
-    for comp in COMPONENTS:  # one legend entry per component, in its colour
-        assert f">{comp}<" in svg or comp in svg
-        assert COMPONENT_COLORS[comp].lower() in svg.lower()
+    svg = paths[1].read_text().lower()
+    for comp in COMPONENTS:  # a legend entry per component (matplotlib names each text in a comment) ...
+        assert f"<!-- {comp.lower()} -->" in svg
+        assert f"stroke: {PALETTE[comp]}" in svg  # ... and its line in its colour
+    for config in ("all", "head"):  # configurations that are not components are not plasticity lines
+        assert f"<!-- {config} -->" not in svg
     r = pd.read_parquet(d / "rates.parquet")
     assert [x.suffix for x in plot_rate_distribution(r, tmp_path / "rates")] == [".png", ".svg"]
     with pytest.raises(ValueError, match=r"rates: missing column\(s\) \['rate'\]"):

@@ -1,11 +1,12 @@
 """Figures of a study (matplotlib, Agg canvas; every figure is written as PNG and SVG).
 
-Every function takes tidy DataFrames following the schemas of ARCHITECTURE.md, writes
-``<path_stem>.png`` and ``<path_stem>.svg`` and returns both paths. Figures are built on
-:class:`matplotlib.figure.Figure` with an Agg canvas, never through ``pyplot``: no global state, no GUI
-backend, safe in worker threads. Each configuration has one colour in every figure
-(:data:`COMPONENT_COLORS`): warm colours for the plastic components (MHA, FC1, FC2), cool ones for the
-LayerNorms, green for ``All`` and grey for ``Head``.
+Every function takes tidy DataFrames following the table schemas of :data:`raystudy.vocab.SCHEMAS`
+(see ``docs/architecture.md``), writes ``<path_stem>.png`` and ``<path_stem>.svg`` and returns both paths.
+Figures are built on :class:`matplotlib.figure.Figure` with an Agg canvas, never through ``pyplot``: no
+global state, no GUI backend, safe in worker threads. Each configuration has one colour in every figure
+(:data:`CONFIGURATION_COLORS`): warm colours for the plastic components (MHA, FC1, FC2), cool ones for
+the LayerNorms, green for ``All`` and grey for ``Head``. A component (plasticity, bounds) is drawn in the
+colour of the configuration that trains it.
 
 When a table holds several models, datasets or modes, each combination gets its own panel.
 """
@@ -23,10 +24,10 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from raystudy.core.components import CONFIGURATIONS
+from raystudy.vocab import CONFIGURATIONS
 
 #: One colour per configuration, shared by every figure (Okabe-Ito, colour-blind safe).
-COMPONENT_COLORS: dict[str, str] = {
+CONFIGURATION_COLORS: dict[str, str] = {
     "LN1": "#0072B2",  # blue
     "MHA": "#D55E00",  # vermillion
     "LN2": "#56B4E9",  # sky blue
@@ -35,10 +36,12 @@ COMPONENT_COLORS: dict[str, str] = {
     "All": "#009E73",  # bluish green
     "Head": "#7F7F7F",  # grey
 }
-assert set(COMPONENT_COLORS) == set(CONFIGURATIONS)
+assert set(CONFIGURATION_COLORS) == set(CONFIGURATIONS)
+#: The name the colours had before the vocabulary was unified (kept for user code).
+COMPONENT_COLORS = CONFIGURATION_COLORS
 
 #: Marker per configuration (helps in grey-scale prints).
-COMPONENT_MARKERS: dict[str, str] = {
+MARKERS: dict[str, str] = {
     "LN1": "v", "MHA": "o", "LN2": "^", "FC1": "s", "FC2": "D", "All": "*", "Head": "X",
 }
 
@@ -69,7 +72,7 @@ def _ordered(names) -> list[str]:
 
 
 def _color(name: str) -> str:
-    return COMPONENT_COLORS.get(name, "#333333")
+    return CONFIGURATION_COLORS.get(name, "#333333")
 
 
 def _facets(df: pd.DataFrame, keys: Sequence[str] = FACET_KEYS) -> tuple[list[tuple[str, pd.DataFrame]], str]:
@@ -156,7 +159,7 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
             r = rows[rows["component"] == comp].groupby("layer", as_index=False)[["plasticity", "ci95"]].mean()
             r = r.sort_values("layer")
             x, y, ci = r["layer"].to_numpy(), r["plasticity"].to_numpy(float), r["ci95"].to_numpy(float)
-            ax.plot(x, y, color=_color(comp), marker=COMPONENT_MARKERS.get(comp, "o"), ms=4, lw=1.8, label=comp)
+            ax.plot(x, y, color=_color(comp), marker=MARKERS.get(comp, "o"), ms=4, lw=1.8, label=comp)
             ci = np.nan_to_num(ci, nan=0.0)
             lo = np.maximum(y - ci, y * 1e-3) if log else y - ci
             ax.fill_between(x, lo, y + ci, color=_color(comp), alpha=0.2, lw=0)
@@ -289,12 +292,12 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
             bb = b[b["component"] == comp].groupby("layer")["bound"].mean().sort_index()
             bb = bb[np.isfinite(bb) & (bb > 0)]
             if len(bb):
-                ax.plot(bb.index, bb.to_numpy(), color=_color(comp), ls="--", lw=1.6, marker=COMPONENT_MARKERS[comp],
+                ax.plot(bb.index, bb.to_numpy(), color=_color(comp), ls="--", lw=1.6, marker=MARKERS[comp],
                         ms=3, mfc="none")
             if p is not None and len(p):
                 pp = p[p["component"] == comp].groupby("layer")["plasticity"].mean().sort_index()
                 if len(pp):
-                    ax.plot(pp.index, pp.to_numpy(), color=_color(comp), lw=1.8, marker=COMPONENT_MARKERS[comp],
+                    ax.plot(pp.index, pp.to_numpy(), color=_color(comp), lw=1.8, marker=MARKERS[comp],
                             ms=4)
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -304,7 +307,7 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
         if len(models) > 1:
             ax.set_title(model)
     comps = _ordered(bounds["component"].unique())
-    handles = [Line2D([], [], color=_color(c), marker=COMPONENT_MARKERS[c], lw=1.8, ms=4, label=c) for c in comps]
+    handles = [Line2D([], [], color=_color(c), marker=MARKERS[c], lw=1.8, ms=4, label=c) for c in comps]
     handles += [Line2D([], [], color="black", lw=1.8, label="measured"),
                 Line2D([], [], color="black", lw=1.6, ls="--", label="upper bound")]
     fig.legend(handles=handles, loc="outside right center", frameon=False, title="component")
@@ -317,16 +320,16 @@ def plot_accuracy_distribution(trials_ok: pd.DataFrame, path_stem: str | Path, *
 
     A violin (when it has spread) with quartiles and median per configuration, and every trial as a dot.
     """
-    _require(trials_ok, ["dataset", "component", "test_acc"], "trials")
+    _require(trials_ok, ["dataset", "configuration", "test_acc"], "trials")
     panels, constant = _facets(trials_ok, ("model", "optimizer", "dataset"))
     fig, axes = _grid(len(panels), width=5.0, height=3.6)
     rng = np.random.default_rng(0)
     for ax, (name, rows) in zip(axes, panels):
-        comps = _ordered(rows["component"].unique())
-        groups = [(c, 100 * rows.loc[rows["component"] == c, "test_acc"].to_numpy(float)) for c in comps]
+        configs = _ordered(rows["configuration"].unique())
+        groups = [(c, 100 * rows.loc[rows["configuration"] == c, "test_acc"].to_numpy(float)) for c in configs]
         _violins(ax, groups, log=False, ylabel="test accuracy (%)")
-        for pos, (comp, v) in enumerate(groups, start=1):
-            ax.scatter(pos + rng.uniform(-0.15, 0.15, v.size), v, s=9, color=_color(comp), edgecolor="black",
+        for pos, (config, v) in enumerate(groups, start=1):
+            ax.scatter(pos + rng.uniform(-0.15, 0.15, v.size), v, s=9, color=_color(config), edgecolor="black",
                        linewidth=0.3, alpha=0.8, zorder=4)
         ax.set_xlabel("configuration")
         if name:
@@ -339,30 +342,30 @@ def best_runs(trials_ok: pd.DataFrame) -> pd.DataFrame:
     """The ok trial with the highest test accuracy per model, dataset, optimizer and configuration
     (ties: the first ``trial_id``)."""
     t = trials_ok.sort_values(["test_acc", "trial_id"], ascending=[False, True], kind="stable")
-    return t.drop_duplicates(["model", "dataset", "optimizer", "component"]).reset_index(drop=True)
+    return t.drop_duplicates(["model", "dataset", "optimizer", "configuration"]).reset_index(drop=True)
 
 
 def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Gradient norm (left) and validation loss (right) against the step for the given runs.
 
     ``runs``: one trial per configuration (e.g. :func:`best_runs` for one dataset and optimizer) with
-    ``trial_id, component, lr``; ``curves`` follows ``curves.parquet``. Rows without a value (validation
+    ``trial_id, configuration, lr``; ``curves`` follows ``curves.parquet``. Rows without a value (validation
     loss between evaluations) are skipped; log axis when a quantity spans more than :data:`LOG_RATIO`.
     """
     _require(curves, ["trial_id", "step", "grad_norm", "val_loss"], "curves")
-    _require(runs, ["trial_id", "component"], "runs")
+    _require(runs, ["trial_id", "configuration"], "runs")
     fig, axes = _grid(2, width=5.4, height=3.8, max_cols=2)
     mine = curves[curves["trial_id"].isin(set(runs["trial_id"]))]
     for ax, col, label in zip(axes, ("grad_norm", "val_loss"), ("gradient norm", "validation loss")):
         drawn = False
-        for comp in _ordered(runs["component"].unique()):
-            r = runs[runs["component"] == comp].iloc[0]
+        for config in _ordered(runs["configuration"].unique()):
+            r = runs[runs["configuration"] == config].iloc[0]
             c = mine[mine["trial_id"] == r["trial_id"]].dropna(subset=[col]).sort_values("step")
             if c.empty:
                 continue
             lr = f", lr {_fmt_lr(r['lr'])}" if "lr" in r and pd.notna(r["lr"]) else ""
-            ax.plot(c["step"], c[col], color=_color(comp), lw=1.5, marker="o" if len(c) < 30 else None, ms=3,
-                    label=f"{comp}{lr}")
+            ax.plot(c["step"], c[col], color=_color(config), lw=1.5, marker="o" if len(c) < 30 else None, ms=3,
+                    label=f"{config}{lr}")
             drawn = True
         if drawn and _needs_log(mine[col].to_numpy()):
             ax.set_yscale("log")
@@ -380,22 +383,22 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path,
 def plot_relative_gain(relative_gain: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Grouped bars of the relative gain over linear probing, per dataset (and overall), per configuration.
 
-    ``relative_gain`` as written by the analysis (``dataset, component, relative_gain`` fractions; rows with
+    ``relative_gain`` as written by the analysis (``dataset, configuration, relative_gain`` fractions; rows with
     ``dataset == "overall"`` last); one panel per optimizer (and model).
     """
-    _require(relative_gain, ["dataset", "component", "relative_gain"], "relative_gain")
+    _require(relative_gain, ["dataset", "configuration", "relative_gain"], "relative_gain")
     panels, constant = _facets(relative_gain, ("model", "optimizer"))
     n_ds = relative_gain["dataset"].nunique()
     fig, axes = _grid(len(panels), width=max(5.5, 0.75 * n_ds + 2.5), height=3.8, max_cols=1 if n_ds > 5 else 2)
     for ax, (name, rows) in zip(axes, panels):
         datasets = list(dict.fromkeys(sorted(rows["dataset"].astype(str), key=lambda d: (d == "overall", d))))
-        comps = _ordered(rows["component"].unique())
-        width = 0.8 / max(len(comps), 1)
-        for k, comp in enumerate(comps):
-            r = rows[rows["component"] == comp].set_index("dataset")["relative_gain"]
+        configs = _ordered(rows["configuration"].unique())
+        width = 0.8 / max(len(configs), 1)
+        for k, config in enumerate(configs):
+            r = rows[rows["configuration"] == config].set_index("dataset")["relative_gain"]
             y = [100 * float(r.get(d, np.nan)) for d in datasets]
-            ax.bar(np.arange(len(datasets)) + (k - (len(comps) - 1) / 2) * width, y, width, color=_color(comp),
-                   label=comp, edgecolor="white", linewidth=0.5)
+            ax.bar(np.arange(len(datasets)) + (k - (len(configs) - 1) / 2) * width, y, width, color=_color(config),
+                   label=config, edgecolor="white", linewidth=0.5)
         ax.axhline(0, color="black", lw=0.8)
         if "overall" in datasets and len(datasets) > 1:
             ax.axvline(len(datasets) - 1.5, color="grey", lw=0.8, ls=":")

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from raystudy import __version__
-from raystudy.analysis.figures import COMPONENT_COLORS
-from raystudy.analysis.pipeline import AnalysisResult, publish, run_analysis, write_text_atomic
+from raystudy import __version__, storage
+from raystudy.analysis.figures import CONFIGURATION_COLORS
+from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE
+from raystudy.analysis.pipeline import AnalysisResult, run_analysis
 from raystudy.analysis.render import fmt_num, pct
-from raystudy.core.components import COMPONENTS
+from raystudy.vocab import CONFIGURATIONS
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1d2733;
@@ -87,7 +88,7 @@ def _headlines(res: AnalysisResult) -> list[str]:
         for keys, g in overall.groupby([c for c in ("model", "optimizer") if c in overall.columns], sort=True):
             keys = keys if isinstance(keys, tuple) else (keys,)
             g = g.sort_values("mean", ascending=False)
-            ranking = " > ".join(f"{r.component} {pct(r.mean)}" for r in g.itertuples())
+            ranking = " > ".join(f"{r.configuration} {pct(r.mean)}" for r in g.itertuples())
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
     p = res.inputs.plasticity
     if p is not None:
@@ -106,7 +107,7 @@ def _summary(res: AnalysisResult) -> str:
         n_ok = 0 if inp.trials_ok is None else len(inp.trials_ok)
         items += [("models", _e(_join(sorted(t["model"].astype(str).unique())))),
                   ("datasets", _e(_join(sorted(t["dataset"].astype(str).unique())))),
-                  ("configurations", _e(_join([c for c in (*COMPONENTS, "All", "Head") if c in set(t["component"])]))),
+                  ("configurations", _e(_join([c for c in CONFIGURATIONS if c in set(t["configuration"])]))),
                   ("optimizers", _e(_join(sorted(t["optimizer"].astype(str).unique())))),
                   ("learning rates", _e(_join(f"{v:g}" for v in sorted(pd.to_numeric(t["lr"]).dropna().unique())))),
                   ("seeds", _e(_join(sorted(t["seed"].dropna().unique())))),
@@ -119,7 +120,7 @@ def _summary(res: AnalysisResult) -> str:
     items.append(("tests", _e(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, "
                               f"paired by {o['pair_by'].replace('_', ' and ')}")))
     colours = "".join(f'<span class="swatch" style="background:{c}"></span>{_e(n)}'
-                      for n, c in COMPONENT_COLORS.items())
+                      for n, c in CONFIGURATION_COLORS.items())
     items.append(("colours", colours))
     body = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
     heads = _headlines(res)
@@ -179,14 +180,15 @@ def build_html(res: AnalysisResult) -> str:
 def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> Path:
     """Write ``report.html`` into the analysis folder (uploaded too when the folder mirrors a URI)."""
     path = Path(path) if path is not None else res.out_dir / "report.html"
-    write_text_atomic(path, build_html(res))
+    storage.write_text_atomic(path, build_html(res))
     if res.upload_to and path.parent == res.out_dir:
-        publish(res.out_dir, res.upload_to)
+        storage.publish(res.out_dir, res.upload_to)
     return path
 
 
-def report(study_dir: str | os.PathLike, *, reference: str = "MHA", alternative: str = "greater",
-           pair_by: str = "dataset", out_dir: str | os.PathLike | None = None) -> Path:
+def report(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
+           alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
+           out_dir: str | os.PathLike | None = None) -> Path:
     """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
     redundant) and write the self-contained ``<out_dir>/report.html`` (default
     ``<study_dir>/analysis/report.html``); returns its path (for a URI study directory: the local staged

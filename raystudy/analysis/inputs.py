@@ -4,7 +4,8 @@
 :func:`raystudy.io.read_result` (which already names the file and the missing columns) and checks the
 values the analysis relies on. Every problem raises :class:`raystudy.io.TableError` naming the file, the
 column and, where it helps, the offending rows. Absent optional tables are ``None`` and reported in
-``notes``; an absent ``trials`` *and* ``plasticity`` is an error (nothing to analyse).
+``notes``; an absent ``trials`` *and* ``plasticity`` is an error (nothing to analyse). ``trials.parquet``
+of an older study (its ``configuration`` column still called ``component``) is read as today's.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from raystudy.core.components import COMPONENTS, CONFIGURATIONS
 from raystudy.io import TableError, read_result, table_path
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS, STATUSES, check_name
 
-OK = "ok"
+#: The one status whose trials enter the accuracy statistics.
+OK = check_name("ok", STATUSES, "status")
 
 
 @dataclass
@@ -78,23 +80,8 @@ def _no_nulls(df: pd.DataFrame, columns: list[str], path: str, id_column: str | 
             raise _fail(path, c, f"missing value(s) at {_rows(df, bad, id_column)}")
 
 
-def validate_trials(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Check ``trials`` and split it into (ok trials, excluded trials).
-
-    Every row needs a known ``component``; ``status`` other than ``ok`` (missing included) excludes a
-    trial from the accuracy statistics. Ok trials need ``dataset, optimizer, lr, seed`` and a ``test_acc``
-    in [0, 1] (a fraction, not a percentage), and no two ok trials may share model, dataset, optimizer,
-    component, lr and seed (it would count a run twice).
-    """
-    _not_empty(trials, path)
-    df = trials.reset_index(drop=True).copy()
-    _known(df, "component", CONFIGURATIONS, path)
-    for c in ("lr", "test_acc", "wall_seconds", "trainable_params"):
-        df[c] = _numeric(df, c, path)
-    status = df["status"].astype("string").fillna("missing")
-    df["status"] = status.astype(object)
-    ok = df[status == OK].copy()
-    excluded = df[status != OK].copy()
+def _check_ok_trials(ok: pd.DataFrame, path: str) -> None:
+    """Ok trials need their keys, a ``test_acc`` fraction, a positive lr, and no key twice."""
     _no_nulls(ok, ["model", "dataset", "optimizer", "lr", "seed", "test_acc"], path, "trial_id")
     bad = (ok["test_acc"] < 0) | (ok["test_acc"] > 1)
     if bad.any():
@@ -103,10 +90,30 @@ def validate_trials(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.D
     bad = ok["lr"] <= 0
     if bad.any():
         raise _fail(path, "lr", f"non-positive learning rate at {_rows(ok, bad, 'trial_id')}")
-    key = ["model", "dataset", "optimizer", "component", "lr", "seed"]
+    key = ["model", "dataset", "optimizer", "configuration", "lr", "seed"]
     dup = ok.duplicated(key, keep=False)
     if dup.any():
         raise _fail(path, "seed", f"ok trials repeat the same {key} at {_rows(ok, dup, 'trial_id')}")
+
+
+def validate_trials(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Check ``trials`` and split it into (ok trials, excluded trials).
+
+    Every row needs a known ``configuration``; ``status`` other than ``ok`` (missing included) excludes a
+    trial from the accuracy statistics. Ok trials need ``dataset, optimizer, lr, seed`` and a ``test_acc``
+    in [0, 1] (a fraction, not a percentage), and no two ok trials may share model, dataset, optimizer,
+    configuration, lr and seed (it would count a run twice).
+    """
+    _not_empty(trials, path)
+    df = trials.reset_index(drop=True).copy()
+    _known(df, "configuration", CONFIGURATIONS, path)
+    for c in ("lr", "test_acc", "wall_seconds", "trainable_params"):
+        df[c] = _numeric(df, c, path)
+    status = df["status"].astype("string").fillna("missing")
+    df["status"] = status.astype(object)
+    ok = df[status == OK].copy()
+    excluded = df[status != OK].copy()
+    _check_ok_trials(ok, path)
     return ok.reset_index(drop=True), excluded.reset_index(drop=True)
 
 
@@ -149,35 +156,38 @@ def validate_rates(df: pd.DataFrame, path: str) -> pd.DataFrame:
     return df
 
 
+def _read_optional(inputs: StudyInputs) -> None:
+    """Read ``curves``, ``bounds`` and ``rates`` into ``inputs`` where present; absent ones become notes."""
+    for name, check in (("curves", validate_curves), ("bounds", validate_bounds), ("rates", validate_rates)):
+        df = read_result(inputs.study_dir, name, required=False)
+        if name == "curves" and df is not None and df.empty:
+            # A study whose trials all failed (or none evaluated yet) legitimately has no curve rows.
+            inputs.notes.append("curves.parquet has no rows: the gradient-norm and validation-loss figures are "
+                                "omitted.")
+        elif df is not None:
+            setattr(inputs, name, check(df, inputs.path(name)))
+        elif name == "curves" and inputs.trials is not None:
+            inputs.notes.append("No curves.parquet: the gradient-norm and validation-loss figures are omitted.")
+    if inputs.bounds is None:
+        inputs.notes.append("No bounds.parquet: the bounds figure is omitted.")
+
+
 def load_study(study_dir: str | os.PathLike) -> StudyInputs:
     """Read and validate every table of ``study_dir``; absent optional tables become notes."""
-    study_dir = str(study_dir)
-    inputs = StudyInputs(study_dir=study_dir)
-    trials = read_result(study_dir, "trials", required=False)
+    inputs = StudyInputs(study_dir=str(study_dir))
+    trials = read_result(inputs.study_dir, "trials", required=False)
     if trials is not None:
         inputs.trials = trials
         inputs.trials_ok, inputs.excluded = validate_trials(trials, inputs.path("trials"))
     else:
         inputs.notes.append("No trials.parquet: the finetuning tables and figures are omitted.")
-    plasticity = read_result(study_dir, "plasticity", required=False)
+    plasticity = read_result(inputs.study_dir, "plasticity", required=False)
     if plasticity is not None:
         inputs.plasticity = validate_plasticity(plasticity, inputs.path("plasticity"))
     else:
         inputs.notes.append("No plasticity.parquet: the plasticity figures and the ranking agreement are omitted.")
     if trials is None and plasticity is None:
-        raise TableError(f"{study_dir}: neither trials.parquet nor plasticity.parquet found; "
+        raise TableError(f"{inputs.study_dir}: neither trials.parquet nor plasticity.parquet found; "
                          "is this a study directory?")
-    for name, check in (("curves", validate_curves), ("bounds", validate_bounds), ("rates", validate_rates)):
-        df = read_result(study_dir, name, required=False)
-        if name == "curves" and df is not None and df.empty:
-            # A study whose trials all failed (or none evaluated yet) legitimately has no curve rows.
-            inputs.notes.append("curves.parquet has no rows: the gradient-norm and validation-loss figures are "
-                                "omitted.")
-            continue
-        if df is not None:
-            setattr(inputs, name, check(df, inputs.path(name)))
-    if inputs.trials is not None and inputs.curves is None and not any("curves.parquet" in n for n in inputs.notes):
-        inputs.notes.append("No curves.parquet: the gradient-norm and validation-loss figures are omitted.")
-    if inputs.bounds is None:
-        inputs.notes.append("No bounds.parquet: the bounds figure is omitted.")
+    _read_optional(inputs)
     return inputs

@@ -11,19 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import pyarrow.fs as pafs
 from tqdm.auto import tqdm
 
+from raystudy import storage
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
 from raystudy.analysis.inputs import StudyInputs, load_study
-from raystudy.analysis.stats import check_options, ranking_table, wilcoxon_table
+from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE, check_options
+from raystudy.analysis.stats import ranking_table, wilcoxon_table
 from raystudy.analysis.tables import (
     best_lr_table,
     cost_table,
@@ -70,81 +70,52 @@ class AnalysisResult:
         return out
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def output_target(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None) -> tuple[Path, str | None]:
-    """Where outputs are written: ``(local folder, URI to upload it to or None)``.
-
-    Default ``<study_dir>/analysis``. Matplotlib writes local files, so for a URI (``s3://...``, ``gs://...``,
-    ``file://...``) everything is staged in a local temporary folder and uploaded with pyarrow afterwards.
-    """
-    target = str(out_dir) if out_dir is not None else f"{str(study_dir).rstrip('/')}/analysis"
-    if "://" in target:
-        return Path(tempfile.mkdtemp(prefix="raystudy-analysis-")), target
-    return Path(target), None
-
-
-def publish(local: Path, uri: str | None) -> None:
-    """Replace the contents of ``uri`` by those of the local folder ``local`` (no-op without a URI)."""
-    if uri is None:
-        return
-    fs, path = pafs.FileSystem.from_uri(uri)
-    fs.create_dir(path, recursive=True)
-    fs.delete_dir_contents(path, missing_dir_ok=True)
-    pafs.copy_files(str(local.absolute()), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-
-
 def _slug(*parts) -> str:
     return "_".join(re.sub(r"[^A-Za-z0-9.+-]+", "-", str(p)).strip("-") for p in parts if str(p))
 
 
-def compute_tables(inputs: StudyInputs, *, reference: str = "MHA", alternative: str = "greater",
-                   pair_by: str = "dataset", notes: list[str] | None = None) -> dict[str, pd.DataFrame]:
-    """Every table computable from ``inputs`` (pure: writes nothing). Omitted ones are explained in ``notes``."""
-    check_options(reference, alternative, pair_by)
-    notes = notes if notes is not None else []
-    tables: dict[str, pd.DataFrame] = {}
-    ok = inputs.trials_ok
-    if inputs.trials is None:
-        return tables
-    if ok is None or ok.empty:
-        notes.append("No trial has status ok: the accuracy tables and figures are omitted.")
-        tables["cost"] = cost_table(inputs.trials, inputs.trials.iloc[0:0])
-        return tables
-    tables["best_lr"] = best_lr_table(ok)
-    tables["lr_grid"] = lr_grid_table(ok)
-    wilcoxon = wilcoxon_table(tables["best_lr"], ok, reference=reference, alternative=alternative, pair_by=pair_by)
+def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **options) -> dict:
+    """The tables built on the ok trials' accuracies (every one but ``cost``); omitted ones noted."""
+    tables = {"best_lr": best_lr_table(ok), "lr_grid": lr_grid_table(ok)}
     tables["overall"] = overall_table(tables["best_lr"], tables["lr_grid"], ok)
     gain = relative_gain_table(tables["best_lr"], ok)
     if gain is not None:
         tables["relative_gain"] = gain
     else:
         notes.append("No Head (linear probing) trials: the relative-gain table and figure are omitted.")
+    wilcoxon = wilcoxon_table(tables["best_lr"], ok, **options)
     if len(wilcoxon):
         tables["wilcoxon"] = wilcoxon
     else:
-        notes.append(f"No {reference} trials: the Wilcoxon tests against {reference} are omitted.")
+        ref = options["reference"]
+        notes.append(f"No {ref} trials: the Wilcoxon tests against {ref} are omitted.")
     tables["stability"] = stability_table(ok)
     if inputs.plasticity is not None:
         ranking = ranking_table(inputs.plasticity, tables["best_lr"], ok, notes)
         if ranking is not None:
             tables["ranking"] = ranking
-    tables["cost"] = cost_table(inputs.trials, ok)
     counts = tables["overall"].groupby("optimizer")["n_datasets"].agg(["min", "max"])
     for opt, r in counts.iterrows():
         if r["min"] != r["max"]:
             notes.append(f"{opt}: not every configuration has ok trials on every dataset "
                          f"({r['min']}–{r['max']} datasets); overall means cover different datasets.")
+    return tables
+
+
+def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
+                   alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
+                   notes: list[str] | None = None) -> dict[str, pd.DataFrame]:
+    """Every table computable from ``inputs`` (pure: writes nothing). Omitted ones are explained in ``notes``."""
+    check_options(reference, alternative, pair_by)
+    notes = notes if notes is not None else []
+    if inputs.trials is None:
+        return {}
+    ok = inputs.trials_ok
+    if ok is None or ok.empty:
+        notes.append("No trial has status ok: the accuracy tables and figures are omitted.")
+        return {"cost": cost_table(inputs.trials, inputs.trials.iloc[0:0])}
+    tables = _accuracy_tables(ok, inputs, notes, reference=reference, alternative=alternative, pair_by=pair_by)
+    tables["cost"] = cost_table(inputs.trials, ok)
     return {k: tables[k] for k in TABLES if k in tables}
 
 
@@ -166,11 +137,12 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
     return out
 
 
-def draw_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], fig_dir: Path,
-                 notes: list[str]) -> list[FigureInfo]:
-    """Draw every figure the inputs allow into ``fig_dir`` (PNG + SVG each)."""
-    jobs = []  # (name, title, caption, callable(stem) -> paths)
-    p, ok = inputs.plasticity, inputs.trials_ok
+#: A figure to draw: (name, title, caption, draw(path stem) -> paths).
+FigureJob = tuple[str, str, str, Callable[[Path], list[Path]]]
+
+
+def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
+    p, jobs = inputs.plasticity, []
     if p is not None:
         jobs.append(("plasticity_depth", "Plasticity across depth",
                      "Mean rate ||f(x) − f(y)||_F / ||x − y||_F per layer and component with its 95% interval; "
@@ -189,33 +161,49 @@ def draw_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], fig_dir: 
         jobs.append(("bounds", "Upper bounds and measured plasticity",
                      "Theoretical upper bounds (dashed) next to the measured plasticity (solid), log scale.",
                      lambda s: F.plot_bounds(b, p, s)))
-    if ok is not None and len(ok):
-        jobs.append(("accuracy_distribution", "Test accuracy over learning rates × seeds",
-                     "Every ok trial of each configuration (dots) with its distribution.",
-                     lambda s: F.plot_accuracy_distribution(ok, s)))
-        if "relative_gain" in tables:
-            g = tables["relative_gain"]
-            jobs.append(("relative_gain", "Relative gain over linear probing",
-                         "(acc − acc_Head) / acc_Head of the best-lr accuracies, per dataset and overall.",
-                         lambda s: F.plot_relative_gain(g, s)))
-        if inputs.curves is not None:
-            runs = F.best_runs(ok)
-            many_models = runs["model"].nunique() > 1
-            for (model, ds, opt), rr in runs.groupby(["model", "dataset", "optimizer"], sort=True):
-                missing = set(rr["trial_id"]) - set(inputs.curves["trial_id"])
-                if missing == set(rr["trial_id"]):
-                    notes.append(f"curves.parquet has no rows for the best runs on {ds} / {opt}.")
-                    continue
-                label = f"{model} · {ds} · {opt}" if many_models else f"{ds} · {opt}"
-                stem = _slug("curves", model, ds, opt) if many_models else _slug("curves", ds, opt)
-                c = inputs.curves
-                jobs.append((stem, f"Gradient norm and validation loss — {label}",
-                             f"Best run (highest test accuracy) of each configuration on {label}.",
-                             lambda s, c=c, rr=rr, label=label: F.plot_curves(c, rr, s, title=label)))
-    figs = []
-    for name, title, caption, draw in tqdm(jobs, desc="figures", unit="fig", leave=False):
-        figs.append(FigureInfo(name, title, caption, draw(fig_dir / name)))
-    return figs
+    return jobs
+
+
+def _curve_figures(ok: pd.DataFrame, curves: pd.DataFrame, notes: list[str]) -> list[FigureJob]:
+    """One gradient-norm / validation-loss figure per (model,) dataset and optimizer: its best runs."""
+    runs = F.best_runs(ok)
+    many_models = runs["model"].nunique() > 1
+    jobs = []
+    for (model, ds, opt), rr in runs.groupby(["model", "dataset", "optimizer"], sort=True):
+        if not set(rr["trial_id"]) & set(curves["trial_id"]):
+            notes.append(f"curves.parquet has no rows for the best runs on {ds} / {opt}.")
+            continue
+        label = f"{model} · {ds} · {opt}" if many_models else f"{ds} · {opt}"
+        stem = _slug("curves", model, ds, opt) if many_models else _slug("curves", ds, opt)
+        jobs.append((stem, f"Gradient norm and validation loss — {label}",
+                     f"Best run (highest test accuracy) of each configuration on {label}.",
+                     lambda s, rr=rr, label=label: F.plot_curves(curves, rr, s, title=label)))
+    return jobs
+
+
+def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: list[str]) -> list[FigureJob]:
+    ok = inputs.trials_ok
+    if ok is None or not len(ok):
+        return []
+    jobs = [("accuracy_distribution", "Test accuracy over learning rates × seeds",
+             "Every ok trial of each configuration (dots) with its distribution.",
+             lambda s: F.plot_accuracy_distribution(ok, s))]
+    if "relative_gain" in tables:
+        g = tables["relative_gain"]
+        jobs.append(("relative_gain", "Relative gain over linear probing",
+                     "(acc − acc_Head) / acc_Head of the best-lr accuracies, per dataset and overall.",
+                     lambda s: F.plot_relative_gain(g, s)))
+    if inputs.curves is not None:
+        jobs += _curve_figures(ok, inputs.curves, notes)
+    return jobs
+
+
+def draw_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], fig_dir: Path,
+                 notes: list[str]) -> list[FigureInfo]:
+    """Draw every figure the inputs allow into ``fig_dir`` (PNG + SVG each)."""
+    jobs = _plasticity_figures(inputs) + _trial_figures(inputs, tables, notes)
+    return [FigureInfo(name, title, caption, draw(fig_dir / name))
+            for name, title, caption, draw in tqdm(jobs, desc="figures", unit="fig", leave=False)]
 
 
 def _clean(out_dir: Path, fig_dir: Path) -> None:
@@ -229,54 +217,61 @@ def _clean(out_dir: Path, fig_dir: Path) -> None:
                 f.unlink()
 
 
-def run_analysis(study_dir: str | os.PathLike, *, reference: str = "MHA", alternative: str = "greater",
-                 pair_by: str = "dataset", out_dir: str | os.PathLike | None = None,
-                 figures: bool = True) -> AnalysisResult:
+def _write_tables(res: AnalysisResult) -> None:
+    """``<name>.csv`` (fractions, full precision) and ``<name>.md`` (percent) per table, ``notes.md``."""
+    out, excluded = res.out_dir, res.inputs.excluded
+    for name, df in res.tables.items():
+        storage.write_text_atomic(out / f"{name}.csv", df.to_csv(index=False))
+        storage.write_text_atomic(out / f"{name}.md", res.rendered[name].markdown())
+    if excluded is not None and len(excluded):
+        storage.write_text_atomic(out / "excluded.csv", excluded.to_csv(index=False))
+        storage.write_text_atomic(out / "excluded.md", R.render_excluded(excluded).markdown())
+
+
+def _write_notes(res: AnalysisResult) -> None:
+    lines = ["# Analysis notes", ""] + [f"- {n}" for n in res.notes + ([res.footnote] if res.footnote else [])]
+    storage.write_text_atomic(res.out_dir / "notes.md", "\n".join(lines) + "\n")
+
+
+def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
+                 alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
+                 out_dir: str | os.PathLike | None = None, figures: bool = True) -> AnalysisResult:
     """Read ``study_dir``, write every table and figure to ``out_dir``; returns all of it.
 
     ``out_dir`` defaults to ``<study_dir>/analysis``; a URI there (or a URI study directory) is written
     through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``).
     """
     check_options(reference, alternative, pair_by)
+    options = dict(reference=reference, alternative=alternative, pair_by=pair_by)
     inputs = load_study(study_dir)
-    out, uri = output_target(study_dir, out_dir)
-    res = AnalysisResult(str(study_dir), out, inputs, notes=list(inputs.notes), upload_to=uri,
-                         options=dict(reference=reference, alternative=alternative, pair_by=pair_by))
-    res.tables = compute_tables(inputs, reference=reference, alternative=alternative, pair_by=pair_by,
-                                notes=res.notes)
+    out, uri = storage.staged(out_dir if out_dir is not None else storage.join(study_dir, "analysis"),
+                              prefix="raystudy-analysis-")
+    res = AnalysisResult(str(study_dir), out, inputs, notes=list(inputs.notes), upload_to=uri, options=options)
+    res.tables = compute_tables(inputs, notes=res.notes, **options)
     if inputs.excluded is not None and len(inputs.excluded):
         res.footnote = R.excluded_footnote(len(inputs.trials), inputs.excluded)
-    res.rendered = render_tables(res.tables, inputs, reference=reference, alternative=alternative,
-                                 pair_by=pair_by, footnote=res.footnote)
-    fig_dir = out / "figures"
-    _clean(out, fig_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, df in res.tables.items():
-        write_text_atomic(out / f"{name}.csv", df.to_csv(index=False))
-        write_text_atomic(out / f"{name}.md", res.rendered[name].markdown())
-    if inputs.excluded is not None and len(inputs.excluded):
-        write_text_atomic(out / "excluded.csv", inputs.excluded.to_csv(index=False))
-        write_text_atomic(out / "excluded.md", R.render_excluded(inputs.excluded).markdown())
+    res.rendered = render_tables(res.tables, inputs, footnote=res.footnote, **options)
+    _clean(out, out / "figures")
+    _write_tables(res)
     if figures:
-        res.figures = draw_figures(inputs, res.tables, fig_dir, res.notes)
-    lines = ["# Analysis notes", ""] + [f"- {n}" for n in res.notes + ([res.footnote] if res.footnote else [])]
-    write_text_atomic(out / "notes.md", "\n".join(lines) + "\n")
-    publish(out, uri)
+        res.figures = draw_figures(inputs, res.tables, out / "figures", res.notes)
+    _write_notes(res)
+    storage.publish(out, uri)
     for n in res.notes:
         log.debug("%s", n)
     return res
 
 
-def analyze(study_dir: str | os.PathLike, *, reference: str = "MHA", alternative: str = "greater",
-            pair_by: str = "dataset", out_dir: str | os.PathLike | None = None,
-            figures: bool = True) -> dict[str, pd.DataFrame]:
+def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
+            alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
+            out_dir: str | os.PathLike | None = None, figures: bool = True) -> dict[str, pd.DataFrame]:
     """Analyse a study directory; write tables (CSV + Markdown) and figures under ``<study_dir>/analysis``.
 
     Returns the tables by name (``best_lr, lr_grid, overall, relative_gain, wilcoxon, stability, ranking,
     cost``; the ones the inputs do not allow are absent and explained in ``analysis/notes.md``).
     ``reference``: the configuration the Wilcoxon tests compare against; ``alternative``: ``"greater"``
     (the reference is better), ``"two-sided"`` or ``"less"``; ``pair_by``: ``"dataset"`` (best-lr means)
-    or ``"dataset_seed"``.
+    or ``"dataset_seed"``. ``out_dir``: another folder or URI for the outputs.
     """
     return run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by,
                         out_dir=out_dir, figures=figures).tables

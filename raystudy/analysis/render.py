@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from raystudy.analysis.figures import _fmt_lr
-from raystudy.analysis.tables import OVERALL, best_component
-from raystudy.core.components import CONFIGURATIONS
+from raystudy.analysis.tables import OVERALL, best_component, recorded_counts
+from raystudy.vocab import CONFIGURATIONS
 
 
 @dataclass
@@ -163,14 +163,14 @@ def _wide(df: pd.DataFrame, cell, *, bold: pd.Series | None = None, row_key: str
     """One block per optimizer (and model): a row per ``row_key`` value, a column per configuration."""
     blocks = []
     for heading, g in _groups(df, list(block_keys)):
-        configs = _configs(g["component"])
+        configs = _configs(g["configuration"])
         keys = list(dict.fromkeys(g.sort_values(row_key, key=lambda s: s.map(lambda v: (v == OVERALL, str(v))))[
             row_key]))
         rows, marks = [], set()
         for i, k in enumerate(keys):
             row = [str(k)]
             for j, c in enumerate(configs, start=1):
-                hit = g[(g[row_key] == k) & (g["component"] == c)]
+                hit = g[(g[row_key] == k) & (g["configuration"] == c)]
                 row.append(cell(hit.iloc[0]) if len(hit) else "")
                 if len(hit) and bold is not None and bool(bold.loc[hit.index[0]]):
                     marks.add((i, j))
@@ -214,8 +214,8 @@ def render_overall(t: pd.DataFrame, wilcoxon: pd.DataFrame | None = None, refere
         mask = best_component(g)
         rows, bold = [], set()
         for i, (idx, r) in enumerate(g.iterrows()):
-            mark = " †" if (r.get("model"), r["optimizer"], r["component"]) in sig else ""
-            rows.append([r["optimizer"], r["component"], pct(r["mean"]) + mark, pct(r["std"]),
+            mark = " †" if (r.get("model"), r["optimizer"], r["configuration"]) in sig else ""
+            rows.append([r["optimizer"], r["configuration"], pct(r["mean"]) + mark, pct(r["std"]),
                          pm(r["lr_grid_mean"], r["lr_grid_std"]), str(int(r["n_datasets"]))])
             if mask.loc[idx]:
                 bold.add((i, 2))
@@ -295,7 +295,7 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
             wall = fmt_seconds(r["wall_seconds"])
             if _finite(r["wall_seconds_std"]):
                 wall += f" ± {fmt_seconds(r['wall_seconds_std'])}"
-            rows.append([r["optimizer"], r["component"], fmt_count(r["trainable_params"]),
+            rows.append([r["optimizer"], r["configuration"], fmt_count(r["trainable_params"]),
                          *[fmt_bytes(r[c]) for c in mem], wall, fmt_seconds(r["total_wall_seconds"]),
                          str(int(r["n_trials"])), *([fmt_num(r["images_per_s"], 1)] if speed else [])])
         blocks.append(Block(heading, ["optimizer", "configuration", "trainable parameters",
@@ -305,21 +305,25 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
              "classifier head, i.e. the number of classes); total wall time includes failed trials."]
     if not mem:
         notes.append("trials.parquet has no grad_memory_bytes / optimizer_memory_bytes: memory columns omitted.")
-    if trials is not None:
-        p = pd.to_numeric(trials["trainable_params"], errors="coerce")
-        p = p.where(p > 0)
-        spread = trials.assign(p=p).groupby("component")["p"].agg(["min", "max"])
-        spread = spread.loc[[c for c in CONFIGURATIONS if c in spread.index]]
-        varied = spread[spread["min"] != spread["max"]]
-        if len(varied):
-            notes.append("Trainable parameters vary across datasets (min–max): " + ", ".join(
-                f"{c} {fmt_count(r['min'])}–{fmt_count(r['max'])}" for c, r in varied.iterrows()) + ".")
+    if trials is not None and (spread := _params_spread(trials)):
+        notes.append(spread)
     return Rendered("cost", "Cost per configuration", "Trainable parameters, gradient and optimizer-state memory, "
                     "and wall time per configuration.", blocks, notes)
 
 
+def _params_spread(trials: pd.DataFrame) -> str:
+    """A note on the configurations whose trainable-parameter count varies across trials ("" if none)."""
+    p = trials.assign(p=recorded_counts(trials["trainable_params"])).groupby("configuration")["p"]
+    spread = p.agg(["min", "max"]).reindex([c for c in CONFIGURATIONS if c in p.groups]).dropna()
+    varied = spread[spread["min"] != spread["max"]]
+    if not len(varied):
+        return ""
+    return "Trainable parameters vary across datasets (min–max): " + ", ".join(
+        f"{c} {fmt_count(r['min'])}–{fmt_count(r['max'])}" for c, r in varied.iterrows()) + "."
+
+
 def render_excluded(excluded: pd.DataFrame) -> Rendered:
-    cols = [c for c in ("trial_id", "dataset", "optimizer", "component", "lr", "seed", "status") if c in excluded]
+    cols = [c for c in ("trial_id", "dataset", "optimizer", "configuration", "lr", "seed", "status") if c in excluded]
     rows = [[fmt_lr(r[c]) if c == "lr" else str(r[c]) for c in cols] for _, r in excluded.iterrows()]
     return Rendered("excluded", "Trials excluded from the accuracy statistics",
                     "Every trial whose status is not ok.", [Block("", cols, rows)])

@@ -11,26 +11,20 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from raystudy.analysis.options import (
+    DEFAULT_ALTERNATIVE,
+    DEFAULT_PAIR_BY,
+    DEFAULT_REFERENCE,
+    check_options,
+)
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models
-from raystudy.core.components import COMPONENTS, CONFIGURATIONS
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
-PAIR_BY = ("dataset", "dataset_seed")
-ALTERNATIVES = ("greater", "two-sided", "less")
 ALPHA = 0.05
 
 
-def check_options(reference: str, alternative: str, pair_by: str) -> None:
-    """Reject unknown option values with an error naming the parameter."""
-    if reference not in CONFIGURATIONS:
-        raise ValueError(f"reference: unknown configuration {reference!r}; expected one of {list(CONFIGURATIONS)}")
-    if alternative not in ALTERNATIVES:
-        raise ValueError(f"alternative: {alternative!r} is not one of {list(ALTERNATIVES)}")
-    if pair_by not in PAIR_BY:
-        raise ValueError(f"pair_by: {pair_by!r} is not one of {list(PAIR_BY)}")
-
-
 def paired_samples(best_lr: pd.DataFrame, trials_ok: pd.DataFrame, pair_by: str) -> pd.DataFrame:
-    """One accuracy per (model, optimizer, component, pair): the unit the test pairs on.
+    """One accuracy per (model, optimizer, configuration, pair): the unit the test pairs on.
 
     ``pair_by="dataset"``: the pair is the dataset, the value the best-lr mean over seeds.
     ``pair_by="dataset_seed"``: the pair is (dataset, seed), the value the seed's accuracy at its
@@ -38,16 +32,32 @@ def paired_samples(best_lr: pd.DataFrame, trials_ok: pd.DataFrame, pair_by: str)
     """
     b = _with_model(best_lr, trials_ok)
     if pair_by == "dataset":
-        return b.assign(pair=b["dataset"].astype(str))[["model", "optimizer", "component", "pair", "mean"]].rename(
-            columns={"mean": "acc"})
-    key = ["model", "dataset", "optimizer", "component", "lr"]
+        pairs = b.assign(pair=b["dataset"].astype(str))
+        return pairs[["model", "optimizer", "configuration", "pair", "mean"]].rename(columns={"mean": "acc"})
+    key = ["model", "dataset", "optimizer", "configuration", "lr"]
     runs = trials_ok.merge(b[key], on=key, how="inner")
     runs = runs.assign(pair=runs["dataset"].astype(str) + " / seed " + runs["seed"].astype(str))
-    return runs[["model", "optimizer", "component", "pair", "test_acc"]].rename(columns={"test_acc": "acc"})
+    return runs[["model", "optimizer", "configuration", "pair", "test_acc"]].rename(columns={"test_acc": "acc"})
 
 
-def wilcoxon_table(best_lr: pd.DataFrame, trials_ok: pd.DataFrame, *, reference: str = "MHA",
-                   alternative: str = "greater", pair_by: str = "dataset", alpha: float = ALPHA) -> pd.DataFrame:
+def signed_rank_test(ref: pd.Series, other: pd.Series, alternative: str) -> tuple[float, float, int]:
+    """``(statistic, p_value, n_pairs)`` of ``scipy.stats.wilcoxon(ref, other)`` over their shared pairs.
+
+    ``ref`` and ``other`` are accuracies indexed by pair; NaN statistic and p-value without pairs or when
+    every difference is zero.
+    """
+    joined = pd.concat([ref.rename("ref"), other.rename("other")], axis=1, join="inner")
+    if not len(joined) or (joined["ref"] == joined["other"]).all():
+        return np.nan, np.nan, len(joined)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # scipy's note on tiny samples
+        res = stats.wilcoxon(joined["ref"], joined["other"], alternative=alternative)
+    return float(res.statistic), float(res.pvalue), len(joined)
+
+
+def wilcoxon_table(best_lr: pd.DataFrame, trials_ok: pd.DataFrame, *, reference: str = DEFAULT_REFERENCE,
+                   alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
+                   alpha: float = ALPHA) -> pd.DataFrame:
     """Wilcoxon signed-rank tests of ``reference`` against every other configuration.
 
     For each optimizer and each other configuration ``c``: pairs ``(a_ref[p], a_c[p])`` over the pairs
@@ -60,25 +70,15 @@ def wilcoxon_table(best_lr: pd.DataFrame, trials_ok: pd.DataFrame, *, reference:
     samples = paired_samples(best_lr, trials_ok, pair_by)
     rows = []
     for (model, opt), grp in samples.groupby(["model", "optimizer"], sort=True):
-        ref = grp[grp["component"] == reference].set_index("pair")["acc"]
-        if ref.empty:
+        acc = {c: g.set_index("pair")["acc"] for c, g in grp.groupby("configuration", sort=False)}
+        if reference not in acc:
             continue
-        for other in CONFIGURATIONS:
-            if other == reference or other not in set(grp["component"]):
-                continue
-            oth = grp[grp["component"] == other].set_index("pair")["acc"]
-            joined = pd.concat([ref.rename("ref"), oth.rename("other")], axis=1, join="inner")
-            stat = p = np.nan
-            if len(joined) and not np.allclose(joined["ref"] - joined["other"], 0.0, rtol=0, atol=0):
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", RuntimeWarning)  # scipy's note on tiny samples
-                    res = stats.wilcoxon(joined["ref"], joined["other"], alternative=alternative)
-                stat, p = float(res.statistic), float(res.pvalue)
+        for other in [c for c in CONFIGURATIONS if c != reference and c in acc]:
+            stat, p, n = signed_rank_test(acc[reference], acc[other], alternative)
             rows.append(dict(model=model, optimizer=opt, reference=reference, other=other, statistic=stat,
-                             p_value=p, n_pairs=len(joined), significant=bool(p < alpha)))
+                             p_value=p, n_pairs=n, significant=bool(p < alpha)))
     cols = ["optimizer", "reference", "other", "statistic", "p_value", "n_pairs", "significant"]
-    out = pd.DataFrame(rows, columns=["model"] + cols)
-    return finish(out, cols, n_models(trials_ok))
+    return finish(pd.DataFrame(rows, columns=["model"] + cols), cols, n_models(trials_ok))
 
 
 def _order_string(values: pd.Series) -> str:
@@ -128,53 +128,67 @@ def _correlate(plast: pd.Series, acc: pd.Series) -> dict:
     return row
 
 
+def _match_models(plast: pd.DataFrame, accuracy: pd.DataFrame, notes: list[str]) -> pd.DataFrame | None:
+    """``plast`` with its model renamed to the finetuned one when each table holds one model under different
+    names; ``None`` (noted) when no model and dataset is in both tables."""
+    p_models, t_models = set(plast["model"]), set(accuracy["model"])
+    if not p_models & t_models:
+        if len(p_models) != 1 or len(t_models) != 1:
+            notes.append("Ranking agreement omitted: no model appears in both plasticity.parquet and trials.parquet.")
+            return None
+        notes.append(f"Ranking agreement: plasticity model {next(iter(p_models))!r} and finetuned model "
+                     f"{next(iter(t_models))!r} differ in name; matched by dataset.")
+        plast = plast.assign(model=next(iter(t_models)))
+    shared = set(zip(plast["model"], plast["dataset"])) & set(zip(accuracy["model"], accuracy["dataset"]))
+    if not shared:
+        notes.append("Ranking agreement omitted: no dataset appears in both plasticity.parquet and trials.parquet.")
+        return None
+    missing = sorted({d for m, d in zip(accuracy["model"], accuracy["dataset"]) if (m, d) not in shared})
+    if missing:
+        notes.append(f"Ranking agreement: no plasticity measured for dataset(s) {missing}.")
+    return plast
+
+
+def _ranking_rows(pm: pd.DataFrame, bo: pd.DataFrame, **keys) -> list[dict]:
+    """Rows of one model, mode and optimizer: each shared dataset, then the mean over them (``overall``)."""
+    datasets = sorted(set(pm["dataset"]) & set(bo["dataset"]))
+    rows = []
+    for ds in datasets:
+        p = pm[pm["dataset"] == ds].set_index("component")["plasticity"]
+        a = bo[bo["dataset"] == ds].set_index("component")["mean"]
+        rows.append(dict(keys, dataset=ds, **_correlate(p, a)))
+    if datasets:
+        p = pm[pm["dataset"].isin(datasets)].groupby("component")["plasticity"].mean()
+        a = bo[bo["dataset"].isin(datasets)].groupby("component")["mean"].mean()
+        rows.append(dict(keys, dataset=OVERALL, **_correlate(p, a)))
+    return rows
+
+
 def ranking_table(plasticity: pd.DataFrame, best_lr: pd.DataFrame, trials_ok: pd.DataFrame,
                   notes: list[str] | None = None) -> pd.DataFrame | None:
     """Agreement between each dataset's plasticity ranking and its accuracy ranking of the five components.
 
     Plasticity of a component on a dataset: mean over layers of ``plasticity`` (per model and mode).
-    Accuracy: the best-lr mean accuracy (per optimizer). For every dataset x optimizer x mode,
-    ``scipy.stats.spearmanr`` (p-value: exact permutation test, :func:`spearman_p_value`) and
-    ``scipy.stats.kendalltau`` (tau-b, exact p-value for small samples without ties) over the components
-    both tables have (NaN below 3 components or for a constant ranking). Rows with
-    ``dataset == "overall"`` correlate the mean over the shared datasets of both quantities. Plasticity and
-    trials are matched on model and dataset; when their model names differ and each table holds one model,
-    on dataset alone (noted).
-    ``None`` when no dataset is in both tables.
+    Accuracy: the best-lr mean accuracy of the configuration that trains that component (per optimizer).
+    For every dataset x optimizer x mode, ``scipy.stats.spearmanr`` (p-value: exact permutation test,
+    :func:`spearman_p_value`) and ``scipy.stats.kendalltau`` (tau-b, exact p-value for small samples without
+    ties) over the components both tables have (NaN below 3 components or for a constant ranking). Rows
+    with ``dataset == "overall"`` correlate the mean over the shared datasets of both quantities. Plasticity
+    and trials are matched on model and dataset; when their model names differ and each table holds one
+    model, on dataset alone (noted). ``None`` when no dataset is in both tables.
     """
     notes = notes if notes is not None else []
     b = _with_model(best_lr, trials_ok)
-    b = b[b["component"].isin(COMPONENTS)]
+    # Only the five one-component configurations have a plasticity to compare with.
+    b = b[b["configuration"].isin(COMPONENTS)].rename(columns={"configuration": "component"})
     plast = plasticity.groupby(["model", "dataset", "mode", "component"], sort=False)["plasticity"].mean()
-    plast = plast.reset_index()
-    p_models, t_models = set(plast["model"]), set(b["model"])
-    if not p_models & t_models:
-        if len(p_models) == 1 and len(t_models) == 1:
-            notes.append(f"Ranking agreement: plasticity model {next(iter(p_models))!r} and finetuned model "
-                         f"{next(iter(t_models))!r} differ in name; matched by dataset.")
-            plast["model"] = next(iter(t_models))
-        else:
-            notes.append("Ranking agreement omitted: no model appears in both plasticity.parquet and trials.parquet.")
-            return None
-    shared = set(zip(plast["model"], plast["dataset"])) & set(zip(b["model"], b["dataset"]))
-    if not shared:
-        notes.append("Ranking agreement omitted: no dataset appears in both plasticity.parquet and trials.parquet.")
+    plast = _match_models(plast.reset_index(), b, notes)
+    if plast is None:
         return None
-    missing = sorted({d for m, d in zip(b["model"], b["dataset"]) if (m, d) not in shared})
-    if missing:
-        notes.append(f"Ranking agreement: no plasticity measured for dataset(s) {missing}.")
     rows = []
     for (model, mode), pm in plast.groupby(["model", "mode"], sort=True):
         for opt, bo in b[b["model"] == model].groupby("optimizer", sort=True):
-            datasets = sorted(set(pm["dataset"]) & set(bo["dataset"]))
-            for ds in datasets:
-                p = pm[pm["dataset"] == ds].set_index("component")["plasticity"]
-                a = bo[bo["dataset"] == ds].set_index("component")["mean"]
-                rows.append(dict(model=model, dataset=ds, optimizer=opt, mode=mode, **_correlate(p, a)))
-            if datasets:
-                p = pm[pm["dataset"].isin(datasets)].groupby("component")["plasticity"].mean()
-                a = bo[bo["dataset"].isin(datasets)].groupby("component")["mean"].mean()
-                rows.append(dict(model=model, dataset=OVERALL, optimizer=opt, mode=mode, **_correlate(p, a)))
+            rows += _ranking_rows(pm, bo, model=model, optimizer=opt, mode=mode)
     if not rows:
         return None
     cols = ["dataset", "optimizer", "mode", "spearman", "spearman_p", "kendall", "kendall_p", "n_components",

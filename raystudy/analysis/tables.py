@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from raystudy.core.components import COMPONENTS, CONFIGURATIONS
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
 #: Key of a learning-rate sweep: one (model, dataset, optimizer, configuration).
-SWEEP = ["model", "dataset", "optimizer", "component"]
+SWEEP = ["model", "dataset", "optimizer", "configuration"]
 #: Label of the rows that aggregate over datasets.
 OVERALL = "overall"
 
@@ -26,11 +26,11 @@ OVERALL = "overall"
 def order(df: pd.DataFrame) -> pd.DataFrame:
     """Sort by model, dataset (``overall`` last), optimizer and configuration order; fresh index."""
     keys, cols = [], []
-    for c in ("model", "dataset", "optimizer", "mode", "component", "reference", "other"):
+    for c in ("model", "dataset", "optimizer", "mode", "configuration", "reference", "other"):
         if c not in df.columns:
             continue
         cols.append(c)
-        if c in ("component", "other", "reference"):
+        if c in ("configuration", "other", "reference"):
             rank = {n: i for i, n in enumerate(CONFIGURATIONS)}
             keys.append(df[c].map(lambda v, r=rank: r.get(v, len(r))))
         elif c == "dataset":
@@ -63,19 +63,19 @@ def seed_means(trials_ok: pd.DataFrame) -> pd.DataFrame:
 def best_lr_table(trials_ok: pd.DataFrame) -> pd.DataFrame:
     """The paper's full results table: for each dataset x configuration the best learning rate.
 
-    ``lr* = argmax_l mean_s a[d,o,c,l,s]`` (ties: the smaller lr); columns ``dataset, optimizer, component,
-    lr, mean, std, n_seeds`` give ``lr*`` and the mean and std over seeds at ``lr*``.
+    ``lr* = argmax_l mean_s a[d,o,c,l,s]`` (ties: the smaller lr); columns ``dataset, optimizer,
+    configuration, lr, mean, std, n_seeds`` give ``lr*`` and the mean and std over seeds at ``lr*``.
     """
     sm = seed_means(trials_ok).sort_values(SWEEP + ["lr"], kind="stable")
     best = sm.loc[sm.groupby(SWEEP, sort=False)["mean"].idxmax()]
-    return finish(best, ["dataset", "optimizer", "component", "lr", "mean", "std", "n_seeds"], n_models(trials_ok))
+    return finish(best, ["dataset", "optimizer", "configuration", "lr", "mean", "std", "n_seeds"], n_models(trials_ok))
 
 
 def best_component(best_lr: pd.DataFrame) -> pd.Series:
     """Boolean mask of the rows of ``best_lr`` (or any table with ``mean``) that are the best among the five
     components for their model, dataset and optimizer (``All`` and ``Head`` never qualify)."""
     keys = [k for k in ("model", "dataset", "optimizer") if k in best_lr.columns]
-    comp = best_lr[best_lr["component"].isin(COMPONENTS)]
+    comp = best_lr[best_lr["configuration"].isin(COMPONENTS)]
     top = comp.groupby(keys, sort=False)["mean"].transform("max")
     mask = pd.Series(False, index=best_lr.index)
     mask.loc[comp.index] = np.isclose(comp["mean"], top, rtol=0, atol=1e-12)
@@ -92,7 +92,8 @@ def lr_grid_table(trials_ok: pd.DataFrame) -> pd.DataFrame:
     g = sm.groupby(SWEEP, sort=False)
     out = g["mean"].agg(["mean", "std"]).join(g["lr"].count().rename("n_lrs")).join(
         g["n_seeds"].sum().rename("n_trials")).reset_index()
-    return finish(out, ["dataset", "optimizer", "component", "mean", "std", "n_lrs", "n_trials"], n_models(trials_ok))
+    return finish(out, ["dataset", "optimizer", "configuration", "mean", "std", "n_lrs", "n_trials"],
+                  n_models(trials_ok))
 
 
 def _with_model(table: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.DataFrame:
@@ -111,11 +112,11 @@ def overall_table(best_lr: pd.DataFrame, lr_grid: pd.DataFrame, trials_ok: pd.Da
     """
     b = _with_model(best_lr, trials_ok)
     g = _with_model(lr_grid, trials_ok)
-    key = ["model", "optimizer", "component"]
+    key = ["model", "optimizer", "configuration"]
     out = b.groupby(key, sort=False)["mean"].agg(mean="mean", std="std", n_datasets="count")
     grid = g.groupby(key, sort=False).agg(lr_grid_mean=("mean", "mean"), lr_grid_std=("std", "mean"))
     out = out.join(grid).reset_index()
-    return finish(out, ["optimizer", "component", "mean", "std", "n_datasets", "lr_grid_mean", "lr_grid_std"],
+    return finish(out, ["optimizer", "configuration", "mean", "std", "n_datasets", "lr_grid_mean", "lr_grid_std"],
                   n_models(trials_ok))
 
 
@@ -128,17 +129,17 @@ def relative_gain_table(best_lr: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.Da
     """
     b = _with_model(best_lr, trials_ok)
     key = ["model", "dataset", "optimizer"]
-    head = b[b["component"] == "Head"][key + ["mean"]].rename(columns={"mean": "head_accuracy"})
+    head = b[b["configuration"] == "Head"][key + ["mean"]].rename(columns={"mean": "head_accuracy"})
     if head.empty:
         return None
-    rows = b[b["component"] != "Head"].merge(head, on=key, how="inner").rename(columns={"mean": "accuracy"})
+    rows = b[b["configuration"] != "Head"].merge(head, on=key, how="inner").rename(columns={"mean": "accuracy"})
     if rows.empty:
         return None
     rows["relative_gain"] = (rows["accuracy"] - rows["head_accuracy"]) / rows["head_accuracy"]
-    overall = rows.groupby(["model", "optimizer", "component"], sort=False)[
+    overall = rows.groupby(["model", "optimizer", "configuration"], sort=False)[
         ["accuracy", "head_accuracy", "relative_gain"]].mean().reset_index().assign(dataset=OVERALL)
     out = pd.concat([rows, overall], ignore_index=True)
-    return finish(out, ["dataset", "optimizer", "component", "accuracy", "head_accuracy", "relative_gain"],
+    return finish(out, ["dataset", "optimizer", "configuration", "accuracy", "head_accuracy", "relative_gain"],
                   n_models(trials_ok))
 
 
@@ -153,46 +154,49 @@ def stability_table(trials_ok: pd.DataFrame) -> pd.DataFrame:
     per = g.agg(mean="mean", std="std", min="min", max="max", n_trials="count").reset_index()
     per["range"] = per["max"] - per["min"]
     stats = ["mean", "std", "min", "max", "range"]
-    og = per.groupby(["model", "optimizer", "component"], sort=False)
+    og = per.groupby(["model", "optimizer", "configuration"], sort=False)
     overall = og[stats].mean().join(og["n_trials"].sum()).reset_index().assign(dataset=OVERALL)
     out = pd.concat([per, overall], ignore_index=True)
-    return finish(out, ["dataset", "optimizer", "component"] + stats + ["n_trials"], n_models(trials_ok))
+    return finish(out, ["dataset", "optimizer", "configuration"] + stats + ["n_trials"], n_models(trials_ok))
 
 
 #: Optional memory columns of ``trials.parquet`` (written by the finetuning run summary).
 MEMORY_COLUMNS = ("grad_memory_bytes", "optimizer_memory_bytes")
 
 
+def recorded_counts(values: pd.Series) -> pd.Series:
+    """``values`` as float with nulls, non-numbers and values <= 0 as NaN (a count or size not recorded)."""
+    v = pd.to_numeric(values, errors="coerce").astype(float)
+    return v.where(v > 0)
+
+
 def cost_table(trials: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.DataFrame:
     """Cost per configuration and optimizer.
 
     ``trainable_params`` and the memory columns are medians over the configuration's trials that recorded
-    them (values <= 0, e.g. the ``-1`` of a trial that failed before building its model, count as missing;
-    they vary only with the classifier head, i.e. the number of classes of a dataset); ``wall_seconds`` and
-    ``wall_seconds_std`` are the mean and std per ok trial; ``total_wall_seconds`` sums every trial with a
-    recorded time, failed ones included (the compute actually spent); ``n_trials`` counts all trials.
-    ``grad_memory_bytes`` / ``optimizer_memory_bytes`` appear only when ``trials.parquet`` has them
-    (with at least one value), and ``images_per_s`` (mean training throughput per ok trial) likewise.
+    them: a failed trial records null there (studies written before nulls recorded ``-1``; any value <= 0
+    counts as missing). They vary only with the classifier head, i.e. the number of classes of a dataset.
+    ``wall_seconds`` and ``wall_seconds_std`` are the mean and std per ok trial; ``total_wall_seconds`` sums
+    every trial with a recorded time, failed ones included (the compute actually spent); ``n_trials`` counts
+    all trials. ``grad_memory_bytes`` / ``optimizer_memory_bytes`` appear only when ``trials.parquet`` has
+    them (with at least one value), and ``images_per_s`` (mean training throughput per ok trial) likewise.
     """
-    key = ["model", "optimizer", "component"]
+    key = ["model", "optimizer", "configuration"]
     df = trials.copy()
-    mem = [c for c in MEMORY_COLUMNS if c in df.columns and pd.to_numeric(df[c], errors="coerce").notna().any()]
+    mem = [c for c in MEMORY_COLUMNS if c in df.columns and recorded_counts(df[c]).notna().any()]
     for c in ["trainable_params", *mem]:
-        v = pd.to_numeric(df[c], errors="coerce")
-        df[c] = v.where(v > 0)
+        df[c] = recorded_counts(df[c])
     df["wall_seconds"] = pd.to_numeric(df["wall_seconds"], errors="coerce")
     g = df.groupby(key, sort=False)
-    out = g[["trainable_params"] + mem].median()
+    out = g[["trainable_params", *mem]].median()
     out = out.join(g["wall_seconds"].sum(min_count=1).rename("total_wall_seconds"))
     out = out.join(g["trial_id"].count().rename("n_trials"))
-    ok = trials_ok.groupby(key, sort=False)["wall_seconds"].agg(wall_seconds="mean", wall_seconds_std="std")
-    out = out.join(ok)
-    extra = []
-    if "images_per_s" in trials_ok.columns and pd.to_numeric(trials_ok["images_per_s"], errors="coerce").notna().any():
-        rate = trials_ok.assign(images_per_s=pd.to_numeric(trials_ok["images_per_s"], errors="coerce"))
-        out = out.join(rate.groupby(key, sort=False)["images_per_s"].mean())
-        extra = ["images_per_s"]
-    out = out.reset_index()
-    cols = ["optimizer", "component", "trainable_params", *mem,
-            "wall_seconds", "wall_seconds_std", "total_wall_seconds", "n_trials", *extra]
-    return finish(out, cols, int(df["model"].nunique()))
+    ok = trials_ok.assign(wall_seconds=pd.to_numeric(trials_ok["wall_seconds"], errors="coerce"))
+    out = out.join(ok.groupby(key, sort=False)["wall_seconds"].agg(wall_seconds="mean", wall_seconds_std="std"))
+    speed = "images_per_s" in ok.columns and pd.to_numeric(ok["images_per_s"], errors="coerce").notna().any()
+    if speed:
+        ok = ok.assign(images_per_s=pd.to_numeric(ok["images_per_s"], errors="coerce"))
+        out = out.join(ok.groupby(key, sort=False)["images_per_s"].mean())
+    cols = ["optimizer", "configuration", "trainable_params", *mem, "wall_seconds", "wall_seconds_std",
+            "total_wall_seconds", "n_trials", *(["images_per_s"] if speed else [])]
+    return finish(out.reset_index(), cols, int(df["model"].nunique()))

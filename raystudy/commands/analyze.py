@@ -4,41 +4,58 @@ from __future__ import annotations
 
 import argparse
 
+from raystudy.analysis.options import (
+    ALTERNATIVES,
+    DEFAULT_ALTERNATIVE,
+    DEFAULT_PAIR_BY,
+    DEFAULT_REFERENCE,
+    PAIR_BY,
+)
+from raystudy.vocab import CONFIGURATIONS
+
 
 def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("study_dir", metavar="DIR", help="study directory holding trials.parquet, plasticity.parquet, ...")
     p.add_argument("--out", default=None, metavar="OUT",
                    help="output folder or URI (default: DIR/analysis)")
-    p.add_argument("--reference", default="MHA",
-                   help="configuration the Wilcoxon tests compare against every other one (default: MHA)")
-    p.add_argument("--alternative", default="greater", choices=["greater", "two-sided", "less"],
-                   help="Wilcoxon alternative: 'greater' = the reference is better (default)")
-    p.add_argument("--pair-by", default="dataset", choices=["dataset", "dataset_seed"],
-                   help="Wilcoxon pairs: datasets (best-lr means, default) or (dataset, seed) pairs")
+    p.add_argument("--reference", default=DEFAULT_REFERENCE, choices=CONFIGURATIONS, metavar="CONFIGURATION",
+                   help="configuration the Wilcoxon tests compare against every other one "
+                        f"({', '.join(CONFIGURATIONS)}; default: {DEFAULT_REFERENCE})")
+    p.add_argument("--alternative", default=DEFAULT_ALTERNATIVE, choices=ALTERNATIVES,
+                   help=f"Wilcoxon alternative: 'greater' = the reference is better (default: {DEFAULT_ALTERNATIVE})")
+    p.add_argument("--pair-by", default=DEFAULT_PAIR_BY, choices=PAIR_BY,
+                   help="Wilcoxon pairs: datasets (best-lr means over seeds) or (dataset, seed) pairs at each "
+                        f"configuration's best learning rate (default: {DEFAULT_PAIR_BY})")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="write the study's tables (CSV + Markdown) and figures (PNG + SVG)",
                               description="Read the Parquet tables of a study directory (never Ray) and write "
                                           "best_lr, lr_grid, overall, relative_gain, wilcoxon, stability, ranking "
-                                          "and cost tables plus figures to DIR/analysis/.")
+                                          "and cost tables plus figures to DIR/analysis/ (or --out).")
     _options(p)
     p.add_argument("--no-figures", action="store_true", help="tables only")
     p.set_defaults(func=run_analyze)
     r = subparsers.add_parser("report", help="write a self-contained report.html (tables and figures embedded)",
                               description="Analyse the study directory like `raystudy analyze` and write "
-                                          "DIR/analysis/report.html, which opens offline; prints its path.")
+                                          "DIR/analysis/report.html (or OUT/report.html), which opens offline; "
+                                          "prints its path.")
     _options(r)
     r.set_defaults(func=run_report)
 
 
-def run_analyze(args: argparse.Namespace) -> int:
+def _analysis(args: argparse.Namespace, *, figures: bool = True):
     from raystudy.analysis.pipeline import run_analysis
 
     res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
-                       pair_by=args.pair_by, out_dir=args.out, figures=not args.no_figures)
+                       pair_by=args.pair_by, out_dir=args.out, figures=figures)
     for note in res.notes:
         print(f"note: {note}")
+    return res
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    res = _analysis(args, figures=not args.no_figures)
     if res.footnote:
         print(f"note: {res.footnote}")
     where = f"{res.upload_to} (staged in {res.out_dir})" if res.upload_to else str(res.out_dir)
@@ -50,12 +67,8 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
     from raystudy.analysis.html_report import write_report
-    from raystudy.analysis.pipeline import run_analysis
 
-    res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
-                       pair_by=args.pair_by, out_dir=args.out)
-    for note in res.notes:
-        print(f"note: {note}")
+    res = _analysis(args)
     path = write_report(res)
     if res.upload_to:
         print(f"note: uploaded to {res.upload_to}/report.html")

@@ -1,0 +1,24 @@
+"""The options of an analysis (which configuration the tests compare against, how they pair), checked once.
+
+Imports only :mod:`raystudy.vocab`, so the CLI can offer these choices without loading pandas or scipy.
+"""
+
+from __future__ import annotations
+
+from raystudy.vocab import CONFIGURATIONS, check_name
+
+#: ``scipy.stats.wilcoxon`` alternatives; ``"greater"``: the reference configuration is better.
+ALTERNATIVES: tuple[str, ...] = ("greater", "two-sided", "less")
+#: What one Wilcoxon pair is: a dataset (best-lr means over seeds) or a (dataset, seed) pair.
+PAIR_BY: tuple[str, ...] = ("dataset", "dataset_seed")
+
+DEFAULT_REFERENCE = "MHA"
+DEFAULT_ALTERNATIVE = "greater"
+DEFAULT_PAIR_BY = "dataset"
+
+
+def check_options(reference: str, alternative: str, pair_by: str) -> None:
+    """Reject unknown option values with a ``ValueError`` naming the parameter and the choices."""
+    check_name(reference, CONFIGURATIONS, "reference")
+    check_name(alternative, ALTERNATIVES, "alternative")
+    check_name(pair_by, PAIR_BY, "pair_by")
