@@ -98,7 +98,7 @@ def run_plain(store, split, args, epoch):
                                      epoch=epoch), "image")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--store", help="a prepared store (default: a synthetic JPEG store in a temporary folder)")
     ap.add_argument("--split", default="train")
@@ -111,43 +111,28 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-per-block", type=int, help="Ray Data block rows (default: auto; 0: one per shard)")
     ap.add_argument("--repeats", type=int, default=3, help="timed epochs per pipeline (default 3)")
     ap.add_argument("--no-plain", action="store_true", help="skip the single-process reference")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    import ray
-    import torch
 
-    from raystudy.data.store import read_meta
-
-    tmp = tempfile.TemporaryDirectory(prefix="data_bench_")
-    store = args.store or make_jpeg_store(Path(tmp.name) / "store", args.n, args.image_size)
-    n_rows = read_meta(store)["counts"][args.split]
-    cpus = os.cpu_count() or 1
-    print(f"store {store}: {n_rows} {args.split} images; {cpus} CPUs; output {args.batch_size}x3x{args.size}x"
-          f"{args.size} float32; torch threads in this process: {torch.get_num_threads()}")
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    loader = make_loader(store, args.split, args)
-    pipelines = {
-        "ray_data": lambda e: run_ray(store, args.split, args, e),
-        "dataloader": lambda e: run_loader(loader, e),
-    }
-    if not args.no_plain:
-        pipelines["plain"] = lambda e: run_plain(store, args.split, args, e)
+def time_pipelines(pipelines: dict, n_rows: int, repeats: int) -> tuple[dict, dict]:
+    """One untimed warm-up epoch each, then ``repeats`` interleaved timed epochs: ``(epoch s, first batch s)``."""
     times: dict[str, list[float]] = {k: [] for k in pipelines}
     firsts: dict[str, list[float]] = {k: [] for k in pipelines}
     for name, fn in pipelines.items():  # warm-up: worker processes, imports
         t = time.perf_counter()
         assert fn(0)[0] == n_rows
         print(f"warm-up {name}: {time.perf_counter() - t:.1f} s")
-    for r in range(args.repeats):
+    for r in range(repeats):
         for name, fn in pipelines.items():
             t = time.perf_counter()
             n, first = fn(r + 1)
             assert n == n_rows
             times[name].append(time.perf_counter() - t)
             firsts[name].append(first - t)
-    ray.shutdown()
+    return times, firsts
 
+
+def report(times: dict, firsts: dict, n_rows: int, args) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     rate = {k: n_rows / v for k, v in med.items()}
     steady = {k: (n_rows - args.batch_size) / max(1e-9, med[k] - statistics.median(firsts[k])) for k in med}
@@ -163,6 +148,34 @@ def main(argv=None) -> int:
     print("  * (images - first batch) / (epoch - time to first batch). Ray Data's map tasks run ahead and hand\n"
           "    over output blocks of several batches, so its figure overstates the steady rate; its first-batch\n"
           "    time is the per-execution start cost (planning, file listing, task launches).")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    import ray
+    import torch
+
+    from raystudy.data.store import read_meta
+    from raystudy.distributed.cluster import init_ray
+
+    tmp = tempfile.TemporaryDirectory(prefix="data_bench_")
+    store = args.store or make_jpeg_store(Path(tmp.name) / "store", args.n, args.image_size)
+    n_rows = read_meta(store)["counts"][args.split]
+    cpus = os.cpu_count() or 1
+    print(f"store {store}: {n_rows} {args.split} images; {cpus} CPUs; output {args.batch_size}x3x{args.size}x"
+          f"{args.size} float32; torch threads in this process: {torch.get_num_threads()}")
+    init_ray("local", num_cpus=cpus, include_dashboard=False)  # a fresh local Ray, whatever RAY_ADDRESS says
+    loader = make_loader(store, args.split, args)
+    pipelines = {
+        "ray_data": lambda e: run_ray(store, args.split, args, e),
+        "dataloader": lambda e: run_loader(loader, e),
+    }
+    if not args.no_plain:
+        pipelines["plain"] = lambda e: run_plain(store, args.split, args, e)
+    times, firsts = time_pipelines(pipelines, n_rows, args.repeats)
+    ray.shutdown()
+    report(times, firsts, n_rows, args)
     tmp.cleanup()
     return 0
 

@@ -166,11 +166,12 @@ def child(args) -> None:
     """One measurement in this process: fresh local Ray, one run, peaks as one JSON line on stdout."""
     import ray
 
+    from raystudy.distributed.cluster import init_ray
     from raystudy.distributed.plasticity import PlasticityJob, run_plasticity
 
     inputs = json.loads(args.inputs)
-    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    # a fresh local Ray in this process, whatever RAY_ADDRESS says
+    init_ray("local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False)
     sampler = PeakSampler()
     sampler.start()
     job = PlasticityJob(model=TIMM_NAME, weights=inputs["weights"], model_kwargs=TINY, pretrain=inputs["mem-pre"],

@@ -10,8 +10,8 @@ transform of every image:
   transform) and ``pair_rates_tensor`` + ``rates_frame``, ``summarize`` at the end; model build included;
   one process.
 - pipeline: ``run_plasticity`` end to end (staging, load tasks, actor pool start-up with model build,
-  rates, streamed Parquet, moments, bounds), figures off; ``ray.init`` is timed separately and excluded
-  (a cluster is normally already up).
+  rates, streamed Parquet, moments, bounds), figures off; starting Ray (``init_ray``) is timed separately
+  and excluded (a cluster is normally already up).
 
 Both compute with the same number of intra-op threads (``--threads``, default 1: the core loop sets it,
 the actor gets ``torch_threads``). On a 2-core machine shared with other jobs, 2-thread BLAS is erratic
@@ -92,14 +92,36 @@ def core_loop(pre: str, down: str, weights: str, *, pairs: int, batch_size: int,
     return table, seconds
 
 
+def _pipeline(pre: str, down: str, weights: str, out: str, *, pairs: int, batch_size: int, workers: int,
+              threads: int, seed: int) -> tuple[dict, float, float]:
+    """``run_plasticity`` on a (started or connected) Ray: ``(summary, seconds, ray start seconds)``."""
+    import ray
+
+    from raystudy.distributed.cluster import init_ray
+    from raystudy.distributed.plasticity import PlasticityJob, run_plasticity
+
+    t = time.perf_counter()
+    started_here = init_ray()
+    init_s = time.perf_counter() - t
+    job = PlasticityJob(model=TIMM_NAME, weights=weights, model_kwargs=BENCH_VIT, pretrain=pre, downstream=[down],
+                        pairs=pairs, batch_size=batch_size, workers=workers, seed=seed, torch_threads=threads,
+                        out_dir=out, figures=False)
+    t = time.perf_counter()
+    try:
+        summary = run_plasticity(job, progress=False)
+    finally:
+        if started_here:
+            ray.shutdown()
+    return summary, time.perf_counter() - t, init_s
+
+
 def bench_pipeline(*, pairs: int = 4000, batch_size: int = 64, workers: int = 1, threads: int = 1, seed: int = 0,
                    root: str | None = None, verbose: bool = True) -> dict:
     """Measure the core loop and the Ray pipeline on the same pairs; print and return the figures."""
-    import ray
+    import pandas as pd
     import torch
 
     from raystudy.core.models import build_model
-    from raystudy.distributed.plasticity import PlasticityJob, run_plasticity
 
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         tmp = Path(tmp)
@@ -111,48 +133,37 @@ def bench_pipeline(*, pairs: int = 4000, batch_size: int = 64, workers: int = 1,
         if verbose:
             print(f"stores: 2 x {pairs} PNGs (56x72) in {time.perf_counter() - t:.1f} s; model {TIMM_NAME} "
                   f"with {BENCH_VIT}")
-
         core_table, core_s = core_loop(pre, down, str(weights), pairs=pairs, batch_size=batch_size, seed=seed,
                                        img_size=BENCH_VIT["img_size"], threads=threads)
-        t = time.perf_counter()
-        started_here = not ray.is_initialized()
-        if started_here:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-        init_s = time.perf_counter() - t
-        job = PlasticityJob(model=TIMM_NAME, weights=str(weights), model_kwargs=BENCH_VIT, pretrain=pre,
-                            downstream=[down], pairs=pairs, batch_size=batch_size, workers=workers, seed=seed,
-                            torch_threads=threads, out_dir=str(tmp / "out"), figures=False)
-        t = time.perf_counter()
-        summary = run_plasticity(job, progress=False)
-        pipe_s = time.perf_counter() - t
-        import pandas as pd
-
-        pipe_table = pd.read_parquet(summary["plasticity"])
-        rel = float(np.max(np.abs(pipe_table["plasticity"].to_numpy() - core_table["plasticity"].to_numpy())
-                           / np.abs(core_table["plasticity"].to_numpy())))
-        if started_here:
-            ray.shutdown()
+        summary, pipe_s, init_s = _pipeline(pre, down, str(weights), str(tmp / "out"), pairs=pairs,
+                                            batch_size=batch_size, workers=workers, threads=threads, seed=seed)
+        core, pipe = core_table["plasticity"].to_numpy(), pd.read_parquet(summary["plasticity"])["plasticity"]
+        rel = float(np.max(np.abs(pipe.to_numpy() - core) / np.abs(core)))
+    timing = summary["timing"]
     result = {
         "pairs": pairs, "batch_size": batch_size, "workers": workers, "threads": threads,
         "cpus": len(os.sched_getaffinity(0)),
         "core_s": core_s, "core_pairs_per_s": pairs / core_s,
         "pipeline_s": pipe_s, "pipeline_pairs_per_s": pairs / pipe_s,
         "overhead": pipe_s / core_s - 1.0, "ray_init_s": init_s, "max_rel_diff": rel,
-        "pipeline_first_rates_s": summary["timing"]["first_rates_s"],
-        "pipeline_steady_pairs_per_s": (pairs - summary["timing"]["first_pairs"])
-        / max(1e-9, summary["timing"]["rates_s"] - summary["timing"]["first_rates_s"]),
+        "pipeline_first_rates_s": timing["first_rates_s"],
+        "pipeline_steady_pairs_per_s": (pairs - timing["first_pairs"])
+        / max(1e-9, timing["rates_s"] - timing["first_rates_s"]),
     }
     if verbose:
-        print(f"core loop (decode + transform + pair_rates_tensor, 1 process, {threads} thread(s)):   "
-              f"{result['core_pairs_per_s']:8.1f} pairs/s  ({core_s:.1f} s)")
-        print(f"Ray pipeline ({workers} actor(s) x {threads} thread(s), end to end, ray.init {init_s:.1f} s excluded):"
-              f"{result['pipeline_pairs_per_s']:8.1f} pairs/s  ({pipe_s:.1f} s)")
-        print(f"  of which start-up (staging, actor start with imports and model build, first batch): "
-              f"{result['pipeline_first_rates_s']:.1f} s; after it {result['pipeline_steady_pairs_per_s']:.1f} pairs/s")
-        print(f"pipeline overhead: {100 * result['overhead']:+.1f}%  (max relative difference of the "
-              f"plasticity tables: {rel:.1e})")
+        _report(result)
     return result
+
+
+def _report(r: dict) -> None:
+    print(f"core loop (decode + transform + pair_rates_tensor, 1 process, {r['threads']} thread(s)):   "
+          f"{r['core_pairs_per_s']:8.1f} pairs/s  ({r['core_s']:.1f} s)")
+    print(f"Ray pipeline ({r['workers']} actor(s) x {r['threads']} thread(s), end to end, ray.init "
+          f"{r['ray_init_s']:.1f} s excluded):{r['pipeline_pairs_per_s']:8.1f} pairs/s  ({r['pipeline_s']:.1f} s)")
+    print(f"  of which start-up (staging, actor start with imports and model build, first batch): "
+          f"{r['pipeline_first_rates_s']:.1f} s; after it {r['pipeline_steady_pairs_per_s']:.1f} pairs/s")
+    print(f"pipeline overhead: {100 * r['overhead']:+.1f}%  (max relative difference of the "
+          f"plasticity tables: {r['max_rel_diff']:.1e})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of the core loop and of each actor")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     bench_pipeline(pairs=args.pairs, batch_size=args.batch_size, workers=args.workers, threads=args.threads,
                    seed=args.seed)
     return 0

@@ -24,6 +24,7 @@ from raystudy.data.transforms import transform_batch
 from raystudy.distributed.plasticity import (
     PlasticityJob,
     StreamingMoments,
+    combine_runs,
     locate_split,
     pair_positions,
     resolve_pretrain_split,
@@ -93,10 +94,11 @@ def _reference(setup, mode):
 _RUNS: dict = {}
 
 
-def _run(setup, workers, batch_size, mode="embedding", **extra):
-    key = (workers, batch_size, mode, tuple(sorted(extra.items())))
+def _run(setup, workers, batch_size, mode="embedding", tag="", **extra):
+    """Run the pipeline once per distinct arguments (``tag`` tells apart runs under an injected fault)."""
+    key = (workers, batch_size, mode, tag, tuple(sorted(extra.items())))
     if key not in _RUNS:
-        out = setup["root"] / f"out-{workers}-{batch_size}-{mode}-{len(_RUNS)}"
+        out = setup["root"] / f"out-{workers}-{batch_size}-{mode}-{len(_RUNS)}{tag}"
         extra.setdefault("figures", False)
         job = PlasticityJob(model=TIMM_NAME, weights=setup["weights"], model_kwargs=TINY, pretrain=setup["pre"],
                             downstream=setup["down"], pairs=PAIRS, batch_size=batch_size, mode=mode,
@@ -167,7 +169,9 @@ def test_streaming_moments_equal_summarize():
 
 def test_bad_jobs_fail_before_any_work(setup, tmp_path):
     base = dict(model=TIMM_NAME, pretrain=setup["pre"], downstream=setup["down"], out_dir=str(tmp_path))
-    for bad, msg in [({"mode": "tokens"}, "mode must be one of"), ({"pairs": 0}, "pairs must be >= 1"),
+    for bad, msg in [({"mode": "tokens"}, r"mode: unknown value 'tokens'; expected one of \['embedding', 'hidden'\]"),
+                     ({"pretrain_split": "dev"}, "pretrain_split: unknown value 'dev'"),
+                     ({"pairs": 0}, "pairs must be >= 1"),
                      ({"workers": 0}, "workers must be >= 1"), ({"batch_size": 0}, "batch_size must be >= 1"),
                      ({"cpus_per_worker": 0}, "cpus_per_worker must be > 0")]:
         with pytest.raises(ValueError, match=msg):
@@ -237,11 +241,42 @@ def test_pipeline_equals_core_on_the_same_pairs(ray_session, setup, workers, bat
                                                f"rate_distribution_{TIMM_NAME}_{name}_hidden"}
 
 
-def test_actor_crash_mid_run_gives_identical_numbers(ray_session, setup):
+def test_combine_runs_concatenates_tables_and_refuses_other_pairs(ray_session, setup, tmp_path):
+    import shutil
+
+    runs = []
+    for args, extra in (((1, 8, "embedding"), {}), ((1, 5, "hidden"), {"figures": True})):  # cached runs
+        summary, tables = _run(setup, *args, **extra)
+        runs.append((Path(summary["out_dir"]), tables))
+    paths = combine_runs([d for d, _ in runs], tmp_path / "all")
+    for table in ("rates", "plasticity", "bounds"):
+        got = pd.read_parquet(paths[table])
+        expected = pd.concat([t[table] for _, t in runs], ignore_index=True)
+        pd.testing.assert_frame_equal(got, expected, check_exact=True, obj=table)
+    pd.testing.assert_frame_equal(pd.read_parquet(paths["pairs"]), runs[0][1]["pairs"])
+    assert sorted(set(pd.read_parquet(paths["rates"])["mode"])) == ["embedding", "hidden"]
+
+    # a run on other pairs cannot join; a run whose rates have another schema leaves no rates file behind
+    other = tmp_path / "other"
+    shutil.copytree(runs[1][0], other)
+    pairs = runs[1][1]["pairs"].assign(pretrain_index=lambda f: f["pretrain_index"] + 1)
+    pairs.to_parquet(other / "pairs.parquet", index=False)
+    with pytest.raises(ValueError, match="other stores or seeds"):
+        combine_runs([runs[0][0], other], tmp_path / "bad")
+    shutil.copy(runs[0][0] / "pairs.parquet", other / "pairs.parquet")
+    runs[1][1]["rates"].astype({"layer": "int32"}).to_parquet(other / "rates.parquet", index=False)
+    with pytest.raises(ValueError, match="is not the rates schema"):
+        combine_runs([runs[0][0], other], tmp_path / "bad")
+    assert sorted(p.name for p in (tmp_path / "bad").iterdir()) == ["bounds.parquet", "pairs.parquet",
+                                                                     "plasticity.parquet"]
+
+
+def test_actor_crash_mid_run_gives_identical_numbers(ray_session, setup, faults):
     _, clean = _run(setup, 1, 8)  # shared with the first equality test
-    summary, crashed = _run(setup, 1, 8, crash_at_batch=2)  # the actor's process dies on its 2nd batch
+    faults(crash_at_batch=2)  # the first actor to reach its 2nd batch kills its own process
+    summary, crashed = _run(setup, 1, 8, tag="-crash")
     marker = list((setup["root"]).glob("out-1-8-embedding-*/.plasticity-crash-injected"))
-    assert len(marker) == 1, "the crash hook did not fire"
+    assert len(marker) == 1 and marker[0].parent.name.endswith("-crash"), "the injected crash did not fire"
     assert "exited at its batch 2" in marker[0].read_text()
     for table in ("rates", "plasticity", "bounds", "pairs"):
         pd.testing.assert_frame_equal(crashed[table], clean[table], check_exact=True, obj=table)

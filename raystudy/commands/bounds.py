@@ -17,21 +17,19 @@ def register(sub) -> None:
     p = sub.add_parser("bounds", help="theoretical plasticity upper bounds per component",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--images", help="images to measure r and sigma on (folder, .pt/.npy, or store)")
+    p.add_argument("--images", metavar="PATH", help="images to measure r and sigma on (folder, .pt/.npy, or store)")
     p.add_argument("--radius", type=float, help="token radius r (instead of measuring it)")
-    p.add_argument("--seq-len", type=int, help="sequence length n (default: the model's)")
+    p.add_argument("--seq-len", type=int, help="sequence length n (default: measured, else the model's)")
     p.add_argument("--sigma", type=float, help="LayerNorm per-token std lower bound (instead of measuring it)")
-    p.add_argument("--out", required=True, help="output directory (bounds.parquet)")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from raystudy.commands.plasticity import _build, load_images
-    from raystudy.core.bounds import measure_token_stats, upper_bounds
-    from raystudy.io import write_result
+def token_stats(args, model) -> tuple[float | None, int | None, float | None]:
+    """``(radius, seq_len, sigma)``: the flags where given, else measured on ``--images`` (when given)."""
+    from raystudy.commands.plasticity import load_images
+    from raystudy.core.bounds import measure_token_stats
 
-    model = _build(args).eval()
-    radius, sigma, seq_len = args.radius, args.sigma, args.seq_len
+    radius, seq_len, sigma = args.radius, args.seq_len, args.sigma
     if args.images:
         x, name = load_images(args.images, model.patch_embed.img_size[0])
         stats = measure_token_stats(model, x)
@@ -40,10 +38,20 @@ def run(args) -> int:
         radius = radius if radius is not None else stats.radius
         sigma = sigma if sigma is not None else stats.sigma
         seq_len = seq_len if seq_len is not None else stats.seq_len
-    if radius is None:
-        raise ValueError("give --images to measure the token radius, or --radius")
     if seq_len is None:
         seq_len = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
+    return radius, seq_len, sigma
+
+
+def run(args) -> int:
+    from raystudy.commands.plasticity import _build
+    from raystudy.core.bounds import upper_bounds
+    from raystudy.io import write_result
+
+    model = _build(args).eval()
+    radius, seq_len, sigma = token_stats(args, model)
+    if radius is None:
+        raise ValueError("give --images to measure the token radius, or --radius")
     table = upper_bounds(model, radius=radius, seq_len=seq_len, sigma=sigma)
     table.insert(0, "model", args.model)
     path = write_result(table, Path(args.out), "bounds")

@@ -12,36 +12,48 @@ import argparse
 import json
 from pathlib import Path
 
+from raystudy.vocab import COMPONENTS, MODES
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model flags shared by ``plasticity`` and ``bounds`` (the names every sub-command uses)."""
     p.add_argument("--model", required=True, help="timm model name, e.g. vit_base_patch16_224")
-    p.add_argument("--weights", default=None, help="local .safetensors / PyTorch state dict")
+    p.add_argument("--weights", default=None, metavar="FILE", help="local .safetensors / PyTorch state dict")
     p.add_argument("--pretrained", action="store_true", help="download timm's weights (needs internet)")
-    p.add_argument("--model-kwargs", default="{}", type=json.loads,
+    p.add_argument("--model-kwargs", default="{}", type=json.loads, metavar="JSON",
                    help='JSON dict for timm.create_model, e.g. \'{"img_size": 32, "depth": 3}\'')
     p.add_argument("--img-size", type=int, default=None, help="model resolution (default: the model's)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random init without --weights (plasticity: also of the pairing shuffle)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
 
 
 def register(sub) -> None:
     p = sub.add_parser("plasticity", help="measure the plasticity of every component of every block",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--x", help="pretraining-side images (folder, .pt/.npy tensor or store)")
-    p.add_argument("--y", help="downstream-side images (folder, .pt/.npy tensor or store)")
-    p.add_argument("--pretrain", help="prepared store of pretraining images (Ray pipeline)")
-    p.add_argument("--downstream", nargs="+", help="prepared downstream store(s) (Ray pipeline)")
-    p.add_argument("--pairs", type=int, default=None, help="number of pairs (default: all the smaller side has)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--mode", choices=("embedding", "hidden"), default="embedding")
-    p.add_argument("--seed", type=int, default=0, help="seed of the pairing shuffle")
-    p.add_argument("--workers", type=int, default=1, help="actor pool size (Ray pipeline)")
-    p.add_argument("--gpus-per-worker", type=float, default=0.0)
-    p.add_argument("--device", default=None, help="local mode: cpu or cuda (default: cuda if available)")
+    local = p.add_argument_group("local images (no Ray)")
+    local.add_argument("--x", help="pretraining-side images (folder, .pt/.npy tensor or store)")
+    local.add_argument("--y", help="downstream-side images (folder, .pt/.npy tensor or store)")
+    local.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    local.add_argument("--dataset", default=None, help="dataset name for the tables (default: y's name)")
+    ray = p.add_argument_group("prepared stores (Ray pipeline)")
+    ray.add_argument("--pretrain", "--pretrain-store", dest="pretrain", metavar="STORE",
+                     help="prepared store of pretraining images")
+    ray.add_argument("--downstream", "--downstream-stores", dest="downstream", nargs="+", metavar="STORE",
+                     help="prepared downstream store(s)")
+    ray.add_argument("--workers", type=int, default=1, help="actor pool size")
+    ray.add_argument("--cpus-per-worker", type=float, default=0.5, help="logical CPUs per actor")
+    ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per actor (0: CPU)")
+    ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    ray.add_argument("--json", action="store_true", help="print the run's summary as JSON")
+    p.add_argument("--pairs", type=int, default=None,
+                   help="number of pairs (local default: all the smaller side has; required with stores)")
+    p.add_argument("--batch-size", type=int, default=32, help="pairs per forward pass")
+    p.add_argument("--mode", choices=MODES, default=MODES[0], help="rate definition (default: %(default)s)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward (norms stay float32)")
-    p.add_argument("--dataset", default=None, help="local mode: dataset name for the tables (default: y's name)")
-    p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run)
 
 
@@ -104,11 +116,18 @@ def run(args) -> int:
 
 
 def _build(args):
+    """The model of ``--model/--weights/--pretrained/--model-kwargs/--img-size``; a random init is seeded
+    with ``--seed`` (as the Ray pipeline's actors do), so two runs measure the same model."""
+    import torch
+
     from raystudy.core.models import build_model
 
     kwargs = dict(args.model_kwargs)
     img_size = args.img_size or kwargs.pop("img_size", None)
-    return build_model(args.model, weights=args.weights, pretrained=args.pretrained, img_size=img_size, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        return build_model(args.model, weights=args.weights, pretrained=args.pretrained, img_size=img_size,
+                           **kwargs)
 
 
 def run_local(args) -> int:
@@ -150,16 +169,15 @@ def run_local(args) -> int:
 
 
 def print_table(table) -> None:
-    """Plasticity per component (rows) and layer (columns)."""
-    from raystudy.core.components import COMPONENTS
-
+    """Plasticity per component (rows) and layer (columns) of one dataset's table."""
     wide = table.pivot_table(index="component", columns="layer", values="plasticity").reindex(list(COMPONENTS))
     wide["mean"] = wide.mean(axis=1)
     print(wide.to_string(float_format=lambda v: f"{v:.4f}"))
 
 
-def run_pipeline(args) -> int:
-    from raystudy.distributed.plasticity import PlasticityJob, run_plasticity
+def pipeline_job(args):
+    """The validated :class:`~raystudy.distributed.plasticity.PlasticityJob` of the parsed flags."""
+    from raystudy.distributed.plasticity import PlasticityJob
 
     if not (args.pretrain and args.downstream):
         raise ValueError("the Ray pipeline needs both --pretrain STORE and --downstream STORE ...")
@@ -168,9 +186,37 @@ def run_pipeline(args) -> int:
     job = PlasticityJob(
         model=args.model, weights=args.weights, model_kwargs=dict(args.model_kwargs), pretrain=args.pretrain,
         downstream=list(args.downstream), pairs=args.pairs, batch_size=args.batch_size, mode=args.mode,
-        workers=args.workers, gpus_per_worker=args.gpus_per_worker, seed=args.seed,
-        img_size=args.img_size, amp_bf16=args.bf16, out_dir=args.out,
+        workers=args.workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=args.cpus_per_worker,
+        seed=args.seed, img_size=args.img_size, amp_bf16=args.bf16, out_dir=args.out,
     )
-    summary = run_plasticity(job)
-    print(json.dumps(summary, indent=2, default=str))
+    job.validate()  # before Ray starts
+    return job
+
+
+def run_pipeline(args) -> int:
+    import pandas as pd
+
+    from raystudy.distributed.cluster import init_ray
+    from raystudy.distributed.plasticity import run_plasticity
+
+    if args.pretrained:
+        raise ValueError("--pretrained is not available with stores: download the weights and pass --weights")
+    job = pipeline_job(args)
+    started = init_ray(args.address, verbose=getattr(args, "verbose", False))
+    try:
+        summary = run_plasticity(job)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    table = pd.read_parquet(summary["plasticity"])
+    for dataset, rows in table.groupby("dataset", sort=False):
+        print(f"\n{dataset} ({summary['datasets'][dataset]['n_pairs']} pairs):")
+        print_table(rows)
+    print(f"\n{summary['n_pairs']} pairs in {summary['wall_s']:.1f} s; wrote rates, plasticity, pairs and bounds "
+          f"tables and {len(summary['figures'])} figures in {summary['out_dir']}")
     return 0

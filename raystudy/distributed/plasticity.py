@@ -66,7 +66,8 @@ Ray Data 2.60 restarts a pool actor whose process dies and reruns its lost batch
 (``max_restarts=-1, max_task_retries=-1`` are its defaults for actor pools; per-operator retry arguments
 are deprecated there), and reruns a load task whose process dies; Ray Core reruns a dead gather task. The
 pipeline preserves block order, so a run with a crash writes the same tables, row for row, as one
-without (``tests/test_distributed_plasticity.py`` kills an actor with the ``crash_at_batch`` hook).
+without (``tests/test_distributed_plasticity.py`` kills an actor through the ``crash_at_batch`` fault of
+:mod:`raystudy.faults`).
 """
 
 from __future__ import annotations
@@ -90,16 +91,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from raystudy import faults, storage
+from raystudy.data.splits import SPLITS
+from raystudy.vocab import MODES, SCHEMAS, check_name
+
 log = logging.getLogger(__name__)
 
-MODES = ("embedding", "hidden")
-RATES_SCHEMA = pa.schema([
-    ("model", pa.string()), ("dataset", pa.string()), ("mode", pa.string()), ("pair", pa.int64()),
-    ("layer", pa.int64()), ("component", pa.string()), ("rate", pa.float64()),
-])
-PAIRS_SCHEMA = pa.schema([
-    ("dataset", pa.string()), ("pair", pa.int64()), ("pretrain_index", pa.int64()), ("downstream_index", pa.int64()),
-])
+RATES_SCHEMA = SCHEMAS["rates"]
+PAIRS_SCHEMA = SCHEMAS["pairs"]
 #: Logical CPUs of one gather task (reads and writes bytes; several may share a core).
 GATHER_CPUS = 0.25
 #: Logical CPUs reserved by one load task (decode + transform). Kept small so that a load task always fits
@@ -107,10 +106,13 @@ GATHER_CPUS = 0.25
 LOAD_CPUS = 0.25
 #: Rates rows buffered on the driver before they are written as one Parquet row group.
 _ROWS_PER_WRITE = 1 << 16
+#: Marker file in ``out_dir`` recording that the injected ``crash_at_batch`` fault fired (tests only).
 _CRASH_MARKER = ".plasticity-crash-injected"
 #: Object-store budget of the pipeline, in batches of decoded pairs per actor (plus one for the loaders).
 INFLIGHT_BATCHES = 4
 _MIN_BUDGET = 64 * 2**20
+#: The downstream dataset whose pairs also yield the pretraining images' token statistics (for the bounds).
+STATS_DATASET = 0
 
 
 @dataclass
@@ -129,7 +131,7 @@ class PlasticityJob:
         downstream: prepared stores of the downstream side (``y``); each one's ``test`` split is used.
         pairs: number of pairs ``N`` per downstream dataset.
         batch_size: pairs per actor call (and per staging bucket).
-        mode: ``"embedding"`` (the paper's definition) or ``"hidden"``.
+        mode: one of :data:`raystudy.vocab.MODES`: ``"embedding"`` (the paper's definition) or ``"hidden"``.
         workers: actors ``K`` in the pool, each holding the model once.
         gpus_per_worker: GPUs per actor (0: the model runs on the CPU); fractions share a GPU.
         cpus_per_worker: logical CPUs per actor. Fractional by default: Ray Data needs free CPUs for the
@@ -143,8 +145,6 @@ class PlasticityJob:
             the actors in the cluster (at least one). Each is a process with torch loaded (about 1 GB here).
         torch_threads: intra-op threads of a CPU actor; ``None``: its CPUs, ``max(1, int(cpus_per_worker))``.
         stage_dir: where the (fresh, temporary) staging directory is made; default ``out_dir``.
-        crash_at_batch: test hook: the first actor to reach its ``crash_at_batch``-th batch kills its own
-            process (``os._exit``), once per ``out_dir`` (a marker file there records that it happened).
     """
 
     model: str
@@ -167,7 +167,6 @@ class PlasticityJob:
     loaders: int | None = None
     torch_threads: int | None = None
     stage_dir: str | None = None
-    crash_at_batch: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.downstream, str | os.PathLike):
@@ -177,28 +176,30 @@ class PlasticityJob:
         self.model_kwargs = dict(self.model_kwargs or {})
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad parameter."""
-        checks = [
+        """Raise ``ValueError`` naming the first bad parameter (``FileNotFoundError`` for the weights)."""
+        check_name(self.mode, MODES, "plasticity job: mode")
+        check_name(self.pretrain_split, SPLITS, "plasticity job: pretrain_split")
+        for ok, msg in self._limits():
+            if not ok:
+                raise ValueError(f"plasticity job: {msg}")
+        if self.weights is not None and not Path(self.weights).is_file():
+            raise FileNotFoundError(f"weights file not found: {self.weights}")
+
+    def _limits(self) -> list[tuple[bool, str]]:
+        """``(holds, message)`` for every range a field must lie in."""
+        return [
             (bool(self.model), "model: empty model name"),
             (len(self.downstream) > 0, "downstream: give at least one downstream store"),
             (self.pairs >= 1, f"pairs must be >= 1, got {self.pairs}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
             (self.workers >= 1, f"workers must be >= 1, got {self.workers}"),
             (self.gpus_per_worker >= 0, f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}"),
             (self.cpus_per_worker > 0, f"cpus_per_worker must be > 0, got {self.cpus_per_worker}"),
-            (self.pretrain_split in ("train", "val", "test"),
-             f"pretrain_split must be train, val or test, got {self.pretrain_split!r}"),
             (self.img_size is None or self.img_size > 0, f"img_size must be positive, got {self.img_size}"),
             (self.loaders is None or self.loaders >= 1, f"loaders must be >= 1, got {self.loaders}"),
             (self.torch_threads is None or self.torch_threads >= 1,
              f"torch_threads must be >= 1, got {self.torch_threads}"),
         ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"plasticity job: {msg}")
-        if self.weights is not None and not Path(self.weights).is_file():
-            raise FileNotFoundError(f"weights file not found: {self.weights}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def _gather_shard(shard_path: str, rows: np.ndarray, pairs: np.ndarray, bucket_s
     buckets = pairs // bucket_size
     layout: dict[int, int] = {}
     schema = pa.schema([("pair", pa.int64()), ("image", pa.binary())])
-    with pq.ParquetWriter(out_path, schema, compression="none") as w:
+    with storage.atomic_output(out_path) as f, pq.ParquetWriter(f, schema, compression="none") as w:
         for g, b in enumerate(np.unique(buckets)):
             sel = buckets == b
             w.write_table(pa.table({"pair": pa.array(pairs[sel], pa.int64()),
@@ -379,9 +380,15 @@ class RateActor:
         self.calls = 0
 
     def _maybe_crash(self) -> None:
+        """Tests only: the ``crash_at_batch`` fault of :mod:`raystudy.faults` kills this process at that batch.
+
+        Only the first actor to get there dies: it creates the marker file exclusively (``O_EXCL``, a lock
+        between processes rather than an output, hence not :mod:`raystudy.storage`), so the restarted actor
+        and the other actors of the run carry on.
+        """
         self.calls += 1
-        at = self.spec["crash_at_batch"]
-        if at is None or self.calls != at:
+        at = faults.injected("crash_at_batch")
+        if at is None or self.calls != int(at):
             return
         try:
             fd = os.open(self.spec["crash_marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -394,29 +401,36 @@ class RateActor:
     def __call__(self, batch: dict) -> dict:
         import torch
 
-        from raystudy.core.bounds import token_radius, token_sigma
-        from raystudy.core.components import get_adapter
         from raystudy.core.plasticity import pair_rates_tensor
 
         self._maybe_crash()
         x = torch.from_numpy(np.ascontiguousarray(batch["x"])).to(self.device, non_blocking=True)
         y = torch.from_numpy(np.ascontiguousarray(batch["y"])).to(self.device, non_blocking=True)
         rates = pair_rates_tensor(self.model, x, y, mode=self.spec["mode"], amp_dtype=self.amp)
-        n = x.shape[0]
-        radius = np.full(n, np.nan, dtype=np.float32)
-        sigma = np.full(n, np.nan, dtype=np.float32)
-        tokens = np.zeros(n, dtype=np.int64)
         want = np.asarray(batch["dataset"]) == self.spec["stats_dataset"]
-        if want.any():
-            amp = torch.autocast(self.device.type, dtype=self.amp) if self.amp else contextlib.nullcontext()
-            with torch.inference_mode(), amp:
-                z = get_adapter(self.model).embed(x[torch.from_numpy(want).to(self.device)])  # (m, tokens, d)
-            radius[want] = token_radius(z).cpu().numpy()
-            sigma[want] = token_sigma(z).amin(dim=1).cpu().numpy()
-            tokens[want] = z.shape[1]
         return {"dataset": np.asarray(batch["dataset"], dtype=np.int64),
                 "pair": np.asarray(batch["pair"], dtype=np.int64), "rates": rates.cpu().numpy(),
-                "radius": radius, "sigma": sigma, "tokens": tokens}
+                **self._token_stats(x, want)}
+
+    def _token_stats(self, x, want: np.ndarray) -> dict[str, np.ndarray]:
+        """``radius, sigma, tokens (n,)`` of the embedded images ``x[want]``; NaN, NaN, 0 elsewhere."""
+        import torch
+
+        from raystudy.core.bounds import token_radius, token_sigma
+        from raystudy.core.components import get_adapter
+
+        n = x.shape[0]
+        out = {"radius": np.full(n, np.nan, dtype=np.float32), "sigma": np.full(n, np.nan, dtype=np.float32),
+               "tokens": np.zeros(n, dtype=np.int64)}
+        if not want.any():
+            return out
+        amp = torch.autocast(self.device.type, dtype=self.amp) if self.amp else contextlib.nullcontext()
+        with torch.inference_mode(), amp:
+            z = get_adapter(self.model).embed(x[torch.from_numpy(want).to(self.device)])  # (m, tokens, d)
+        out["radius"][want] = token_radius(z).cpu().numpy()
+        out["sigma"][want] = token_sigma(z).amin(dim=1).cpu().numpy()
+        out["tokens"][want] = z.shape[1]
+        return out
 
 
 class BoundsThread(threading.Thread):
@@ -521,15 +535,29 @@ class StreamingMoments:
 
 
 class _RatesWriter:
-    """Appends rate rows to a temporary Parquet file beside ``path``; :meth:`commit` renames it into place."""
+    """Streams rate rows into ``path`` as Parquet: a context manager around :func:`raystudy.storage.atomic_output`,
+    so the file appears (complete) only when the ``with`` block succeeds.
 
-    def __init__(self, path: Path):
+    ``add`` buffers rows and writes a row group every ``_ROWS_PER_WRITE`` rows; ``write_table`` appends a
+    table of the rates schema directly.
+    """
+
+    def __init__(self, path: str | os.PathLike):
         self.path = path
-        self.tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        self.writer = pq.ParquetWriter(self.tmp, RATES_SCHEMA)
         self.buffer: list[pa.Table] = []
         self.buffered = 0
         self.rows = 0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _RatesWriter:
+        sink = self._stack.enter_context(storage.atomic_output(self.path))
+        self.writer = self._stack.enter_context(pq.ParquetWriter(sink, RATES_SCHEMA))
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if exc[0] is None:
+            self.flush()
+        return self._stack.__exit__(*exc)
 
     def add(self, model: str, dataset: str, mode: str, pairs: np.ndarray, rates: np.ndarray) -> None:
         from raystudy.core.plasticity import rates_frame
@@ -545,22 +573,16 @@ class _RatesWriter:
         if self.buffered >= _ROWS_PER_WRITE:
             self.flush()
 
+    def write_table(self, table: pa.Table) -> None:
+        self.flush()
+        self.writer.write_table(table)
+        self.rows += table.num_rows
+
     def flush(self) -> None:
         if self.buffer:
             self.writer.write_table(pa.concat_tables(self.buffer))
             self.rows += self.buffered
             self.buffer, self.buffered = [], 0
-
-    def commit(self) -> None:
-        self.flush()
-        self.writer.close()
-        os.replace(self.tmp, self.path)
-
-    def abort(self) -> None:
-        try:
-            self.writer.close()
-        finally:
-            self.tmp.unlink(missing_ok=True)
 
 
 def resolve_img_size(job: PlasticityJob) -> int:
@@ -655,174 +677,295 @@ def _collect_layout(ray, staged: list) -> dict[int, list[tuple[str, int]]]:
     return layout
 
 
-def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
-    """Run the job on the current Ray cluster (a local one is started when none is connected).
+@dataclass
+class PairPlan:
+    """Which rows form the pairs of a job, drawn on the driver before any Ray work (module docstring).
 
-    Writes to ``job.out_dir``: ``rates.parquet``, ``plasticity.parquet``, ``bounds.parquet`` (schemas in
-    ARCHITECTURE.md; ``model``, ``dataset`` = the store's ``dataset.json`` name, ``mode`` filled),
-    ``pairs.parquet`` (``dataset, pair, pretrain_index, downstream_index``: which images formed each
-    pair) and ``figures/`` per dataset. Returns a summary: paths, wall time, pairs/s, token statistics and,
-    per dataset, ``n_pairs`` and how often the rows of each side were reused. ``timing`` holds seconds since
-    the start: ``staged_s`` (gather done), ``first_rates_s`` (first batch of rates back: actor start-up),
-    ``rates_s`` (last batch back); ``wall_s`` ends with the tables, before the figures.
+    Pair ``i`` of downstream dataset ``d`` is row ``pre_pos[i]`` of ``pre`` (the same for every dataset)
+    and row ``down_pos[d][i]`` of ``down[d]``.
     """
-    import ray
-    from tqdm.auto import tqdm
 
-    from raystudy.core.bounds import TokenStats
-    from raystudy.io import write_result
-    from raystudy.storage import write_parquet_atomic
+    pre: SplitRows
+    down: list[SplitRows]
+    pre_pos: np.ndarray  # (N,) int64
+    down_pos: list[np.ndarray]  # per dataset (N,) int64
 
-    job.validate()
-    t0 = time.perf_counter()
-    out_dir = Path(job.out_dir)
-    pre_split = resolve_pretrain_split(job.pretrain, job.pretrain_split)
-    pre_rows = locate_split(job.pretrain, pre_split)
-    down_rows = [locate_split(s, "test") for s in job.downstream]
-    names = [d.name for d in down_rows]
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.down]
+
+
+def plan_pairs(job: PlasticityJob) -> PairPlan:
+    """Locate both sides' rows and draw every dataset's pairs (a warning when a side has fewer rows than pairs).
+
+    Raises ``ValueError`` when two downstream stores share a dataset name (their rates would mix).
+    """
+    pre = locate_split(job.pretrain, resolve_pretrain_split(job.pretrain, job.pretrain_split))
+    down = [locate_split(s, "test") for s in job.downstream]
+    names = [d.name for d in down]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"downstream stores share the dataset name(s) {dupes} (dataset.json 'name'); "
                          "their rows would be indistinguishable in rates.parquet")
-    img_size = resolve_img_size(job)
-    plans = [pair_positions(len(pre_rows), len(d), job.pairs, job.seed) for d in down_rows]
-    pre_pos = plans[0][0]  # drawn first from the seed: the same pretraining images for every dataset
-    for name, rows in [(pre_rows.store, pre_rows)] + [(d.store, d) for d in down_rows]:
+    positions = [pair_positions(len(pre), len(d), job.pairs, job.seed) for d in down]
+    for rows in [pre, *down]:
         if len(rows) < job.pairs:
             log.warning("%s (%s split) has %d rows for %d pairs: each image is used up to %d times",
-                        name, rows.split, len(rows), job.pairs, math.ceil(job.pairs / len(rows)))
-    out_dir.mkdir(parents=True, exist_ok=True)
+                        rows.store, rows.split, len(rows), job.pairs, math.ceil(job.pairs / len(rows)))
+    # the pretraining side is drawn first from the seed: the same pretraining images for every dataset
+    return PairPlan(pre, down, positions[0][0], [down_pos for _, down_pos in positions])
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), configure_logging=False, log_to_driver=False)
-    # a plain Ray task: Ray Core reruns it (3 times by default) when its worker process dies
-    gather = ray.remote(num_cpus=GATHER_CPUS)(_gather_shard)
-    loaders = _check_resources(ray, job)
 
+def actor_spec(job: PlasticityJob) -> dict:
+    """What an actor (and the bounds thread) needs to build the model and compute, as a plain dict."""
     model_kwargs = dict(job.model_kwargs)
     if job.img_size and "img_size" not in model_kwargs:
         model_kwargs["img_size"] = job.img_size  # the model must accept the transformed images
-    spec = {"model": job.model, "weights": job.weights, "model_kwargs": model_kwargs, "seed": job.seed,
+    return {"model": job.model, "weights": job.weights, "model_kwargs": model_kwargs, "seed": job.seed,
             "mode": job.mode, "amp_bf16": job.amp_bf16, "gpus": job.gpus_per_worker, "cpus": job.cpus_per_worker,
-            "threads": job.torch_threads, "crash_at_batch": job.crash_at_batch,
-            "crash_marker": str(out_dir / _CRASH_MARKER), "stats_dataset": 0}
-    stage = Path(job.stage_dir or out_dir) / f".plasticity-stage-{uuid.uuid4().hex[:12]}"  # always a fresh dir
+            "threads": job.torch_threads, "crash_marker": str(Path(job.out_dir) / _CRASH_MARKER),
+            "stats_dataset": STATS_DATASET}
+
+
+def stage_pairs(ray, job: PlasticityJob, plan: PairPlan, stage: Path) -> list[dict[int, list[tuple[str, int]]]]:
+    """Gather the chosen images into ``stage``, one Ray task per source shard.
+
+    Returns the bucket layout ``{bucket: [(file, row_group)]}`` of the pretraining side, then of each
+    downstream dataset.
+    """
+    # a plain Ray task: Ray Core reruns it (3 times by default) when its worker process dies
+    gather = ray.remote(num_cpus=GATHER_CPUS)(_gather_shard)
+    staged = [_stage_side(gather, plan.pre, plan.pre_pos, job.batch_size, stage / "pre", "pre")]
+    staged += [_stage_side(gather, rows, pos, job.batch_size, stage / f"d{d}", "down")
+               for d, (rows, pos) in enumerate(zip(plan.down, plan.down_pos))]
+    return [_collect_layout(ray, side) for side in staged]
+
+
+def _bucket_items(job: PlasticityJob, layouts: list[dict]) -> list[dict]:
+    """One pipeline item per (dataset, bucket of ``batch_size`` pairs), naming the staged pieces of both sides."""
     n_buckets = math.ceil(job.pairs / job.batch_size)
-    rates_path = out_dir / "rates.parquet"
-    writer = _RatesWriter(rates_path)
-    stats = TokenStats()
-    moments = [StreamingMoments() for _ in down_rows]
-    bounds_thread = BoundsThread(spec)
-    bounds_thread.start()
-    try:
-        staged = [_stage_side(gather, pre_rows, pre_pos, job.batch_size, stage / "pre", "pre")]
-        staged += [_stage_side(gather, rows, plan[1], job.batch_size, stage / f"d{d}", "down")
-                   for d, (rows, plan) in enumerate(zip(down_rows, plans))]
-        layouts = [_collect_layout(ray, s) for s in staged]
-        log.info("staged %d pairs x %d datasets in %.1f s", job.pairs, len(down_rows), time.perf_counter() - t0)
-        items = [{"dataset": d, "start": b * job.batch_size, "stop": min(job.pairs, (b + 1) * job.batch_size),
-                  "pre_pieces": json.dumps(layouts[0].get(b, [])), "down_pieces": json.dumps(layouts[1 + d].get(b, []))}
-                 for d in range(len(down_rows)) for b in range(n_buckets)]
-        ds = ray.data.from_items(items, override_num_blocks=len(items))
-        ds.context.execution_options.preserve_order = True  # rates.parquet in (dataset, pair) order, every run
-        ds.context.enable_progress_bars = False  # the tqdm bar below counts pairs
-        # Without a cap Ray Data lets the loaders run ahead of the actors until a fraction of the whole object
-        # store is full; a budget of a few batches per actor keeps memory independent of the pair count.
-        batch_bytes = job.batch_size * 2 * 3 * img_size**2 * 4
-        budget = max(_MIN_BUDGET, INFLIGHT_BATCHES * (job.workers + 1) * batch_bytes)
-        ds.context.execution_options.resource_limits = ray.data.ExecutionResources.for_limits(
-            object_store_memory=budget)
-        # Fault tolerance is Ray Data's default in 2.60: tasks retry and pool actors restart (and rerun the
-        # lost batch) when their process dies; per-operator retry arguments are deprecated there.
-        # Ray Data fuses a task step into the next actor step when their resource requests are equal; the
-        # actor would then decode serially with its forward passes. Distinct requests keep decoding in
-        # tasks that run beside the actors.
-        load_cpus = LOAD_CPUS if job.cpus_per_worker != LOAD_CPUS else LOAD_CPUS / 2
-        ds = ds.map_batches(_load_buckets, batch_size=1, fn_kwargs={"img_size": img_size}, num_cpus=load_cpus,
-                            compute=ray.data.TaskPoolStrategy(size=loaders))
-        ds = ds.map_batches(RateActor, batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers),
-                            num_cpus=job.cpus_per_worker, num_gpus=job.gpus_per_worker or None,
-                            fn_constructor_kwargs={"spec": spec})
-        bar = tqdm(total=job.pairs * len(down_rows), unit="pair", desc=f"plasticity {job.model}",
-                   disable=not progress, smoothing=0.1)
-        timing = {"staged_s": time.perf_counter() - t0}
+    return [{"dataset": d, "start": b * job.batch_size, "stop": min(job.pairs, (b + 1) * job.batch_size),
+             "pre_pieces": json.dumps(layouts[0].get(b, [])), "down_pieces": json.dumps(down.get(b, []))}
+            for d, down in enumerate(layouts[1:]) for b in range(n_buckets)]
+
+
+def rate_pipeline(ray, job: PlasticityJob, layouts: list[dict], spec: dict, *, img_size: int, loaders: int):
+    """The Ray Data pipeline: bucket items -> load tasks (read, decode, transform) -> the actor pool."""
+    items = _bucket_items(job, layouts)
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    ctx = ds.context
+    ctx.execution_options.preserve_order = True  # rates.parquet in (dataset, pair) order, every run
+    ctx.enable_progress_bars = False  # the tqdm bar of stream_rates counts pairs
+    # Without a cap Ray Data lets the loaders run ahead of the actors until a fraction of the whole object
+    # store is full; a budget of a few batches per actor keeps memory independent of the pair count.
+    batch_bytes = job.batch_size * 2 * 3 * img_size**2 * 4
+    budget = max(_MIN_BUDGET, INFLIGHT_BATCHES * (job.workers + 1) * batch_bytes)
+    ctx.execution_options.resource_limits = ray.data.ExecutionResources.for_limits(object_store_memory=budget)
+    # Fault tolerance is Ray Data's default in 2.60: tasks retry and pool actors restart (and rerun the
+    # lost batch) when their process dies; per-operator retry arguments are deprecated there.
+    # Ray Data fuses a task step into the next actor step when their resource requests are equal; the
+    # actor would then decode serially with its forward passes. Distinct requests keep decoding in
+    # tasks that run beside the actors.
+    load_cpus = LOAD_CPUS if job.cpus_per_worker != LOAD_CPUS else LOAD_CPUS / 2
+    ds = ds.map_batches(_load_buckets, batch_size=1, fn_kwargs={"img_size": img_size}, num_cpus=load_cpus,
+                        compute=ray.data.TaskPoolStrategy(size=loaders))
+    return ds.map_batches(RateActor, batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers),
+                          num_cpus=job.cpus_per_worker, num_gpus=job.gpus_per_worker or None,
+                          fn_constructor_kwargs={"spec": spec})
+
+
+def _batch_token_stats(out: dict, sel: np.ndarray):
+    """The :class:`~raystudy.core.bounds.TokenStats` of the pretraining images of the rows ``sel`` of ``out``."""
+    from raystudy.core.bounds import TokenStats
+
+    s = TokenStats()
+    radius = np.asarray(out["radius"][sel], np.float64)
+    s.count, s.seq_len = int(sel.sum()), int(out["tokens"][sel][0])
+    s.radius_sum, s.radius_max = float(radius.sum()), float(radius.max())
+    s.sigma_min = float(out["sigma"][sel].min())
+    return s
+
+
+class RateReducer:
+    """The driver's end of the stream, batch by batch of actor output.
+
+    Appends the rates to ``rates.parquet``, merges them into each dataset's :class:`StreamingMoments` and
+    the token statistics of dataset :data:`STATS_DATASET` into ``stats``; when a dataset's pairs are
+    complete it deletes the dataset's staging files and (for :data:`STATS_DATASET`) hands the statistics
+    to the bounds thread. ``timing`` collects the stream's timestamps.
+    """
+
+    def __init__(self, job: PlasticityJob, plan: PairPlan, writer: _RatesWriter, bounds: BoundsThread, stage: Path):
+        from raystudy.core.bounds import TokenStats
+
+        self.job, self.names, self.writer, self.bounds, self.stage = job, plan.names, writer, bounds, stage
+        self.moments = [StreamingMoments() for _ in plan.down]
+        self.stats = TokenStats()
+        self.timing: dict[str, float] = {}
+
+    def add(self, out: dict) -> int:
+        """Reduce one batch of actor output (columns of :class:`RateActor`); returns its pair count."""
+        rates = np.asarray(out["rates"], dtype=np.float32)
+        finite = np.isfinite(rates).reshape(len(rates), -1).all(axis=1)
+        for d in np.unique(out["dataset"]):
+            sel = out["dataset"] == d
+            if not finite[sel].all():
+                raise FloatingPointError(f"{self.names[d]}: non-finite rates for pair(s) "
+                                         f"{out['pair'][sel & ~finite][:10].tolist()}")
+            self._add_dataset(int(d), sel, rates, out)
+        return len(rates)
+
+    def _add_dataset(self, d: int, sel: np.ndarray, rates: np.ndarray, out: dict) -> None:
+        self.writer.add(self.job.model, self.names[d], self.job.mode, out["pair"][sel], rates[sel])
+        self.moments[d].update(rates[sel])
+        if d == STATS_DATASET:
+            self.stats.merge(_batch_token_stats(out, sel))
+        if self.moments[d].n == self.job.pairs:
+            shutil.rmtree(self.stage / f"d{d}", ignore_errors=True)  # this dataset is done
+            if d == STATS_DATASET:
+                self.bounds.submit(self.stats.radius, self.stats.seq_len, self.stats.sigma)
+
+    def check_complete(self) -> None:
+        for name, m in zip(self.names, self.moments):
+            if m.n != self.job.pairs:
+                raise RuntimeError(f"{name}: the pipeline returned {m.n} pairs, expected {self.job.pairs}")
+
+
+def stream_rates(ds, reducer: RateReducer, *, t0: float, progress: bool = True) -> None:
+    """Pull the actors' output batch by batch into ``reducer`` (a progress bar counting pairs)."""
+    from tqdm.auto import tqdm
+
+    job, timing = reducer.job, reducer.timing
+    with tqdm(total=job.pairs * len(reducer.names), unit="pair", desc=f"plasticity {job.model}",
+              disable=not progress, smoothing=0.1) as bar:
         for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            rates = np.asarray(out["rates"], dtype=np.float32)
             if "first_rates_s" not in timing:  # start-up done: actors built, first batch through
-                timing["first_rates_s"], timing["first_pairs"] = time.perf_counter() - t0, len(rates)
-            finite = np.isfinite(rates).reshape(len(rates), -1).all(axis=1)
-            for d in np.unique(out["dataset"]):
-                sel = out["dataset"] == d
-                name = down_rows[d].name
-                if not finite[sel].all():
-                    raise FloatingPointError(f"{name}: non-finite rates for pair(s) "
-                                             f"{out['pair'][sel & ~finite][:10].tolist()}")
-                writer.add(job.model, name, job.mode, out["pair"][sel], rates[sel])
-                moments[d].update(rates[sel])
-                if d == spec["stats_dataset"]:
-                    s = TokenStats()
-                    s.count, s.seq_len = int(sel.sum()), int(out["tokens"][sel][0])
-                    s.radius_sum = float(np.asarray(out["radius"][sel], np.float64).sum())
-                    s.radius_max, s.sigma_min = float(out["radius"][sel].max()), float(out["sigma"][sel].min())
-                    stats.merge(s)
-                if moments[d].n == job.pairs:
-                    shutil.rmtree(stage / f"d{d}", ignore_errors=True)  # this dataset is done
-                    if d == spec["stats_dataset"]:
-                        bounds_thread.submit(stats.radius, stats.seq_len, stats.sigma)
-            bar.update(len(rates))
-        bar.close()
-        timing["rates_s"] = time.perf_counter() - t0
-        log.info("rates of %d pairs done at %.1f s (first batch at %.1f s)", job.pairs * len(down_rows),
-                 timing["rates_s"], timing["first_rates_s"])
-        for d, m in enumerate(moments):
-            if m.n != job.pairs:
-                raise RuntimeError(f"{down_rows[d].name}: the pipeline returned {m.n} pairs, expected {job.pairs}")
-        writer.commit()
+                timing["first_rates_s"], timing["first_pairs"] = time.perf_counter() - t0, len(out["rates"])
+            bar.update(reducer.add(out))
+    timing["rates_s"] = time.perf_counter() - t0
+    log.info("rates of %d pairs done at %.1f s (first batch at %.1f s)", job.pairs * len(reducer.names),
+             timing["rates_s"], timing.get("first_rates_s", math.nan))
+
+
+def measure_rates(ray, job: PlasticityJob, plan: PairPlan, *, img_size: int, loaders: int, t0: float,
+                  progress: bool = True) -> RateReducer:
+    """Stage the pairs, stream them through the actors and reduce: ``rates.parquet`` is written, the moments
+    and token statistics are in the returned reducer, and its bounds thread computes the bounds.
+
+    The staging directory is fresh and removed at the end, also when the run fails.
+    """
+    spec = actor_spec(job)
+    stage = Path(job.stage_dir or job.out_dir) / f".plasticity-stage-{uuid.uuid4().hex[:12]}"
+    bounds = BoundsThread(spec)
+    bounds.start()
+    try:
+        with _RatesWriter(Path(job.out_dir) / "rates.parquet") as writer:
+            reducer = RateReducer(job, plan, writer, bounds, stage)
+            layouts = stage_pairs(ray, job, plan, stage)
+            reducer.timing["staged_s"] = time.perf_counter() - t0
+            log.info("staged %d pairs x %d datasets in %.1f s", job.pairs, len(plan.down), reducer.timing["staged_s"])
+            ds = rate_pipeline(ray, job, layouts, spec, img_size=img_size, loaders=loaders)
+            stream_rates(ds, reducer, t0=t0, progress=progress)
+            reducer.check_complete()
     except BaseException:
-        writer.abort()
-        bounds_thread.cancel()
+        bounds.cancel()
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    return reducer
 
+
+def plasticity_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -> pd.DataFrame:
+    """``plasticity.parquet``: every dataset's moments as :func:`raystudy.core.plasticity.summarize` rows."""
     tables = []
-    for rows, m in zip(down_rows, moments):
+    for name, m in zip(plan.names, reducer.moments):
         table = m.frame()
         table.insert(0, "mode", job.mode)
-        table.insert(0, "dataset", rows.name)
+        table.insert(0, "dataset", name)
         table.insert(0, "model", job.model)
         tables.append(table)
-    plasticity = pd.concat(tables, ignore_index=True)
-    pairs = pa.concat_tables([pa.table({
+    return pd.concat(tables, ignore_index=True)
+
+
+def pairs_table(job: PlasticityJob, plan: PairPlan) -> pa.Table:
+    """``pairs.parquet``: the stores' ``index`` of the pretraining and downstream image of every pair."""
+    return pa.concat_tables([pa.table({
         "dataset": pa.array([rows.name] * job.pairs, pa.string()),
         "pair": pa.array(np.arange(job.pairs), pa.int64()),
-        "pretrain_index": pa.array(pre_rows.index[pre_pos], pa.int64()),
-        "downstream_index": pa.array(rows.index[plan[1]], pa.int64()),
-    }, schema=PAIRS_SCHEMA) for rows, plan in zip(down_rows, plans)])
-    paths = {"rates": str(rates_path), "plasticity": write_result(plasticity, out_dir, "plasticity"),
-             "pairs": write_parquet_atomic(out_dir / "pairs.parquet", pairs)}
-    bounds = bounds_thread.result()
-    log.info("bounds done at %.1f s", time.perf_counter() - t0)
+        "pretrain_index": pa.array(plan.pre.index[plan.pre_pos], pa.int64()),
+        "downstream_index": pa.array(rows.index[pos], pa.int64()),
+    }, schema=PAIRS_SCHEMA) for rows, pos in zip(plan.down, plan.down_pos)])
+
+
+def bounds_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -> pd.DataFrame:
+    """``bounds.parquet``: the bounds thread's table with the model and the token statistics it used."""
+    bounds = reducer.bounds.result()
     bounds.insert(0, "model", job.model)
-    bounds["radius_max"] = stats.radius_max
-    bounds["n_sequences"] = stats.count
-    bounds["pretrain_dataset"] = pre_rows.name
-    paths["bounds"] = write_result(bounds, out_dir, "bounds")
-    wall = time.perf_counter() - t0
-    done = job.pairs * len(down_rows)
-    figures = []
-    if job.figures:
-        figures = write_figures(plasticity, rates_path, out_dir, model=job.model, pretrain=pre_rows.name)
+    bounds["radius_max"] = reducer.stats.radius_max
+    bounds["n_sequences"] = reducer.stats.count
+    bounds["pretrain_dataset"] = plan.pre.name
+    return bounds
+
+
+def write_tables(job: PlasticityJob, plan: PairPlan, reducer: RateReducer, plasticity: pd.DataFrame) -> dict:
+    """Write ``plasticity``, ``pairs`` and ``bounds`` (atomically) beside ``rates``; returns their paths."""
+    from raystudy.io import write_result
+
+    out_dir = job.out_dir
+    return {"rates": str(Path(out_dir) / "rates.parquet"),
+            "plasticity": write_result(plasticity, out_dir, "plasticity"),
+            "pairs": storage.write_parquet_atomic(storage.join(out_dir, "pairs.parquet"), pairs_table(job, plan)),
+            "bounds": write_result(bounds_frame(job, plan, reducer), out_dir, "bounds")}
+
+
+def _summary(job: PlasticityJob, plan: PairPlan, reducer: RateReducer, *, wall: float, img_size: int) -> dict:
+    done = job.pairs * len(plan.down)
+    pre = plan.pre
     return {
-        **paths, "out_dir": str(out_dir), "figures": figures, "wall_s": wall, "timing": timing,
+        "out_dir": str(Path(job.out_dir)), "wall_s": wall, "timing": reducer.timing,
         "pairs_per_s": done / wall if wall > 0 else math.nan, "n_pairs": done,
-        "pretrain": {"store": pre_rows.store, "name": pre_rows.name, "split": pre_split, "rows": len(pre_rows),
-                     "reuse": math.ceil(job.pairs / len(pre_rows))},
+        "pretrain": {"store": pre.store, "name": pre.name, "split": pre.split, "rows": len(pre),
+                     "reuse": math.ceil(job.pairs / len(pre))},
         "datasets": {rows.name: {"store": rows.store, "n_pairs": m.n, "downstream_rows": len(rows),
                                  "downstream_reuse": math.ceil(job.pairs / len(rows))}
-                     for rows, m in zip(down_rows, moments)},
-        "token_stats": stats.as_dict(), "img_size": img_size, "job": asdict(job),
+                     for rows, m in zip(plan.down, reducer.moments)},
+        "token_stats": reducer.stats.as_dict(), "img_size": img_size, "job": asdict(job),
     }
+
+
+def run_plasticity(job: PlasticityJob, *, progress: bool = True) -> dict:
+    """Run the job on the current Ray cluster (:func:`~raystudy.distributed.cluster.init_ray` starts or
+    connects one when none is).
+
+    Writes to ``job.out_dir``: ``rates.parquet``, ``plasticity.parquet``, ``bounds.parquet`` (schemas in
+    :data:`raystudy.vocab.SCHEMAS`; ``model``, ``dataset`` = the store's ``dataset.json`` name, ``mode``
+    filled), ``pairs.parquet`` (``dataset, pair, pretrain_index, downstream_index``: which images formed
+    each pair) and ``figures/`` per dataset. Returns a summary: paths, wall time, pairs/s, token statistics
+    and, per dataset, ``n_pairs`` and how often the rows of each side were reused. ``timing`` holds seconds
+    since the start: ``staged_s`` (gather done), ``first_rates_s`` (first batch of rates back: actor
+    start-up), ``rates_s`` (last batch back); ``wall_s`` ends with the tables, before the figures.
+    """
+    import ray
+
+    from raystudy.distributed.cluster import init_ray
+
+    job.validate()
+    t0 = time.perf_counter()
+    plan = plan_pairs(job)
+    img_size = resolve_img_size(job)
+    Path(job.out_dir).mkdir(parents=True, exist_ok=True)
+    init_ray()
+    loaders = _check_resources(ray, job)
+    reducer = measure_rates(ray, job, plan, img_size=img_size, loaders=loaders, t0=t0, progress=progress)
+    plasticity = plasticity_frame(job, plan, reducer)
+    paths = write_tables(job, plan, reducer, plasticity)
+    wall = time.perf_counter() - t0
+    log.info("tables done at %.1f s", wall)
+    figures = []
+    if job.figures:
+        figures = write_figures(plasticity, Path(paths["rates"]), Path(job.out_dir), model=job.model,
+                                pretrain=plan.pre.name)
+    return {**paths, "figures": figures, **_summary(job, plan, reducer, wall=wall, img_size=img_size)}
 
 
 def combine_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike) -> dict[str, str]:
@@ -833,37 +976,31 @@ def combine_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike) 
     only, and every run must agree: runs whose pairs differ raise ``ValueError``). All writes are atomic.
     Returns the paths written.
     """
-    from raystudy.io import check_columns, write_result
-    from raystudy.storage import write_parquet_atomic
+    from raystudy.io import read_result, write_result
 
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
         raise ValueError("combine_runs: no run directories")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for table in ("plasticity", "bounds"):
-        frames = [pd.read_parquet(d / f"{table}.parquet") for d in run_dirs]
-        for d, f in zip(run_dirs, frames):
-            check_columns(f, table, where=str(d / f"{table}.parquet"))
-        paths[table] = write_result(pd.concat(frames, ignore_index=True), out_dir, table)
+    paths = {table: write_result(pd.concat([read_result(d, table) for d in run_dirs], ignore_index=True),
+                                 out_dir, table)
+             for table in ("plasticity", "bounds")}
     pairs = pq.read_table(run_dirs[0] / "pairs.parquet")
     for d in run_dirs[1:]:
         if not pq.read_table(d / "pairs.parquet").equals(pairs):
             raise ValueError(f"{d / 'pairs.parquet'} differs from {run_dirs[0] / 'pairs.parquet'}: the runs used "
                              "other stores or seeds and cannot be combined")
-    paths["pairs"] = write_parquet_atomic(out_dir / "pairs.parquet", pairs)
-    writer = _RatesWriter(out_dir / "rates.parquet")
-    try:
+    paths["pairs"] = storage.write_parquet_atomic(storage.join(out_dir, "pairs.parquet"), pairs)
+    paths["rates"] = _combine_rates(run_dirs, storage.join(out_dir, "rates.parquet"))
+    return paths
+
+
+def _combine_rates(run_dirs: list[Path], path: str) -> str:
+    """Copy every run's ``rates.parquet`` into ``path``, row group by row group."""
+    with _RatesWriter(path) as writer:
         for d in run_dirs:
             pf = pq.ParquetFile(d / "rates.parquet")
             if not pf.schema_arrow.equals(RATES_SCHEMA):
                 raise ValueError(f"{d / 'rates.parquet'}: schema {pf.schema_arrow} is not the rates schema")
             for g in range(pf.metadata.num_row_groups):
-                writer.writer.write_table(pf.read_row_group(g))
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
-    paths["rates"] = str(out_dir / "rates.parquet")
-    return paths
+                writer.write_table(pf.read_row_group(g))
+    return path
