@@ -10,9 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from raystudy.core.components import CONFIGURATIONS
 from raystudy.io import read_result
-from raystudy.study.results import ResultTables, failed_row, trial_dir, trial_row
+from raystudy.study.results import ResultTables, trial_dir, trial_row
 from raystudy.study.spec import SpecError, StudySpec, load_preset, preset_names, trial_id
 
 PAPER_DATASETS = {
@@ -54,7 +53,12 @@ def test_demo_preset_is_self_contained():
 def test_trial_id_is_stable_and_readable():
     assert trial_id("cifar10", "MHA", "sgd", 0.01, 0) == "cifar10-MHA-sgd-lr0.01-s0"
     assert trial_id("sketch", "LN1", "adamw", 3e-5, 3407) == "sketch-LN1-adamw-lr3e-05-s3407"
-    assert trial_id("a", "All", "sgd", 1e-2, 42) == trial_id("a", "All", "sgd", 0.01, 42)
+    # an lr computed by arithmetic gets the id of the literal it rounds to only when it is that float
+    assert trial_id("a", "All", "sgd", 3 * 0.01, 42) == "a-All-sgd-lr0.03-s42"
+    assert trial_id("a", "All", "sgd", 0.1 * 3, 42) == "a-All-sgd-lr0.30000000000000004-s42"
+    # the lr part round-trips to the exact float (ids of a resumed study match bit for bit)
+    for lr in (1e-3, 3e-5, 0.1 * 3, 1 / 3, 2.5e-7):
+        assert float(trial_id("a", "MHA", "sgd", lr, 0).split("-lr")[1].rsplit("-s", 1)[0]) == lr
 
 
 def _base(**kw) -> StudySpec:
@@ -83,6 +87,13 @@ def test_overrides_from_the_command_line():
 
 @pytest.mark.parametrize("overrides,field", [
     (["configurations=[MHA, QKV]"], "configurations"),
+    (["configurations=[]", "plasticity.enabled=false"], "configurations"),
+    (["tracking=[wandb, tensorboardx]"], "tracking"),
+    (["tracking=[mlflow, mlflow]"], "tracking"),
+    (["pretrain.enabled=true", "pretrain.optimizer=lion"], "pretrain.optimizer"),
+    (["pretrain.enabled=true", "pretrain.lr=0"], "pretrain.lr"),
+    (["trial_driver_cpus=0"], "trial_driver_cpus"),
+    (["samples=0"], "samples"),
     (["optimizers={lion: [0.01]}"], "optimizers"),
     (["optimizers={sgd: [0.01, -0.1]}"], "optimizers.sgd"),
     (["optimizers={sgd: [0]}"], "optimizers.sgd"),
@@ -100,6 +111,42 @@ def test_overrides_from_the_command_line():
 def test_bad_spec_is_rejected_naming_the_field(overrides, field):
     with pytest.raises(SpecError, match=field):
         _base().with_overrides(overrides).validate(check_files=False)
+
+
+def test_plasticity_only_study_has_no_trials():
+    """``configurations: []`` with plasticity enabled is a valid study of zero trials, whatever the search;
+    its optimizers and seeds may be empty too (they span no trial)."""
+    for search in ("grid", "optuna"):
+        spec = _base(configurations=[], optimizers={}, seeds=[], search=search)
+        spec.validate(check_files=False)
+        assert spec.grid() == [] and spec.groups() == [] and spec.total_trials() == 0
+    # with configurations, the optimizers and seeds are required again
+    for field, value in (("optimizers", {}), ("seeds", [])):
+        with pytest.raises(SpecError, match=f"^{field}:"):
+            _base(**{field: value}).validate(check_files=False)
+
+
+def test_tracking_is_normalized_and_validated():
+    assert _base(tracking="wandb, mlflow").tracking == ["wandb", "mlflow"]
+    assert _base().with_overrides(["tracking=mlflow"]).tracking == ["mlflow"]
+    assert _base().tracking == []
+    _base(tracking=["wandb", "mlflow"]).validate(check_files=False)
+
+
+def test_old_spec_with_inject_failures_still_loads(caplog):
+    """spec.yaml of studies written before the test hook moved to raystudy.faults carries
+    ``inject_failures``: it is read, dropped with a debug message, and not written again."""
+    import logging
+
+    import yaml
+
+    old = yaml.safe_load(_base().to_yaml())
+    old["inject_failures"] = {"a-MHA-sgd-lr0.01-s0": 3}
+    with caplog.at_level(logging.DEBUG, logger="raystudy.study.spec"):
+        spec = StudySpec.from_dict(old, where="old/spec.yaml")
+    assert spec == _base()
+    assert "inject_failures" not in spec.to_yaml()
+    assert any("inject_failures" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
 
 
 def test_missing_store_and_weights_are_rejected(tmp_path, make_store_factory):
@@ -152,6 +199,11 @@ def _summary(status="ok", acc=0.5, **kw):
     return s
 
 
+def _failed(**kw):
+    """A failed run's summary: nulls where it has no result (raystudy.distributed.train.failed_summary)."""
+    return _summary(status="failed", acc=math.nan, best_val_step=None, final_val_loss=math.nan, error="boom", **kw)
+
+
 def _point(ds="a", cfg="MHA", lr=0.01, seed=0):
     return {"trial_id": trial_id(ds, cfg, "sgd", lr, seed), "dataset": ds, "configuration": cfg,
             "optimizer": "sgd", "lr": lr, "seed": seed}
@@ -166,14 +218,14 @@ def _curves(n=3):
 def test_tables_upsert_without_duplicates_and_rewrite_atomically(tmp_path):
     t = ResultTables(str(tmp_path))
     p1, p2 = _point(lr=0.01), _point(lr=0.1)
-    t.add(failed_row(p1, "m", 10, 8, "boom"))
+    t.add(trial_row(p1, "m", _failed()))
     t.add(trial_row(p2, "m", _summary(lr=0.1)), _curves())
     assert t.counts() == {"ok": 1, "diverged": 0, "failed": 1}
     t.add(trial_row(p1, "m", _summary()), _curves(2))  # the failed trial succeeds on resume: replaced
     trials = read_result(tmp_path, "trials")
     curves = read_result(tmp_path, "curves")
     assert sorted(trials.trial_id) == sorted([p1["trial_id"], p2["trial_id"]])
-    assert set(trials.status) == {"ok"} and trials.component.tolist() == ["MHA", "MHA"]
+    assert set(trials.status) == {"ok"} and trials.configuration.tolist() == ["MHA", "MHA"]
     assert trials.lr.tolist() == [0.01, 0.1]  # sorted by the grid's axes
     assert trials.grad_memory_bytes.tolist() == [492, 492]  # extra columns kept
     assert curves.groupby("trial_id").size().to_dict() == {p1["trial_id"]: 2, p2["trial_id"]: 3}
@@ -209,9 +261,12 @@ def test_trial_row_rejects_unknown_status():
         trial_row(_point(), "m", _summary(status="weird"))
 
 
-def test_configurations_are_the_registry():
+def test_default_configurations_are_the_papers_seven():
+    """The default grid trains the paper's seven configurations (Table 1), in the registry's order."""
     spec = StudySpec.from_dict({"weights": "w", "datasets": {"a": "a"}, "pretrain_store": "p"})
-    assert tuple(spec.configurations) == CONFIGURATIONS
+    assert spec.configurations == ["LN1", "MHA", "LN2", "FC1", "FC2", "All", "Head"]
+    spec.validate(check_files=False)
+    assert spec.total_trials() == 1 * 7 * 4 * 3  # 1 dataset x 7 configurations x 4 sgd lrs x 3 seeds
 
 
 # --------------------------------------------------------------------------------------------------
@@ -230,7 +285,26 @@ def test_cli_dry_run_prints_the_grid(capsys, tmp_path):
     assert rc == 0 and "grid: 4 trials, 0 done, 4 to run" in capsys.readouterr().out
 
 
+def test_cli_print_spec_is_the_resolved_yaml(capsys, tmp_path):
+    """--print-spec prints preset + flags + --set as YAML, which loads back as the same spec."""
+    import yaml
+
+    from raystudy.cli import main
+
+    rc = main(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--config", "MHA,LN1", "--seed", "7",
+               "--workers", "2", "--cpus-per-worker", "3", "--model-kwargs", '{"drop_path_rate": 0.1}',
+               "--img-size", "384", "--tracking", "wandb", "--set", "plasticity.pairs=64", "--print-spec"])
+    out = capsys.readouterr().out
+    assert rc == 0 and not (tmp_path / "p").exists()
+    spec = StudySpec.from_dict(yaml.safe_load(out))
+    assert spec.out == str(tmp_path / "p") and spec.configurations == ["MHA", "LN1"] and spec.seeds == [7]
+    assert spec.workers_per_trial == 2 and spec.cpus_per_worker == 3.0 and spec.img_size == 384
+    assert spec.model_kwargs == {"drop_path_rate": 0.1} and spec.tracking == ["wandb"]
+    assert spec.plasticity.pairs == 64 and spec.steps == 10000 and len(spec.datasets) == 11  # the preset's
+
+
 @pytest.mark.parametrize("argv,field", [
+    (["--tracking", "neptune"], "tracking"),
     (["--set", "configurations=[MHA, QKV]"], "configurations"),
     (["--datasets", "imagenet21k"], "datasets"),
     (["--set", "optimizers={sgd: [-0.1]}"], "optimizers.sgd"),
@@ -258,11 +332,11 @@ def test_missing_weights_and_stores_stop_the_study_before_ray(tmp_path, capsys):
 
 
 def test_progress_line_and_eta():
-    from raystudy.study.tune import Progress
+    from raystudy.study.progress import Progress
 
-    lines = []
-    p = Progress(total=10, done_before=4, echo=lines.append, prefix="x")
-    p.t0 -= 100.0  # 100 s into this launch
+    lines, now = [], [1000.0]
+    p = Progress(total=10, done_before=4, echo=lines.append, prefix="x", clock=lambda: now[0])
+    now[0] += 100.0  # 100 s into this launch
     p.running.update({"a", "b"})
     p.counts.update(ok=1, diverged=1, failed=1)
     p.show("e")
@@ -275,18 +349,18 @@ def test_progress_line_and_eta():
 
 def test_tables_on_a_uri(tmp_path):
     """The study directory may be any pyarrow URI; file:// goes through the same filesystem code as s3://."""
-    from raystudy.study.results import exists, read_text, write_text_atomic
-    from raystudy.study.tune import local_dir_for
+    from raystudy.storage import exists, publish, read_text, staged, write_text_atomic
 
     uri = f"file://{tmp_path}/study"
     t = ResultTables(uri)
     t.add(trial_row(_point(), "m", _summary()), _curves())
     assert len(read_result(uri, "trials")) == 1 and exists(f"{uri}/trials.parquet")
-    write_text_atomic("name: x\n", f"{uri}/spec.yaml")
+    write_text_atomic(f"{uri}/spec.yaml", "name: x\n")
     assert read_text(f"{uri}/spec.yaml") == "name: x\n"
-    with local_dir_for(f"{uri}/trials/t1") as d:  # a run writes locally, uploaded at the end
-        assert not d.startswith("file:")
-        (Path(d) / "summary.json").write_text("{}")
+    d, target = staged(f"{uri}/trials/t1")  # a run writes locally, uploaded at the end
+    assert target == f"{uri}/trials/t1" and not str(d).startswith("file:")
+    (d / "summary.json").write_text("{}")
+    publish(d, target)
     assert (tmp_path / "study" / "trials" / "t1" / "summary.json").read_text() == "{}"
 
 

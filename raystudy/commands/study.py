@@ -1,13 +1,19 @@
 """``raystudy study``: run, continue or inspect a study (the grid of finetuning runs + plasticity + analysis).
 
-``experiments/full_study.py`` is the same command as a script (``make demo`` runs it).
+``experiments/full_study.py`` is the same command as a script (``make demo`` runs it), and
+``experiments/plasticity_study.py`` the same with the plasticity-only presets. Flags set spec fields
+(:data:`FLAG_FIELDS`), ``--set key=value`` any field; ``--print-spec`` shows the result as YAML.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+
+from raystudy.study.spec import TRACKERS, preset_names
+from raystudy.vocab import CONFIGURATIONS, SEARCHES
 
 DESCRIPTION = (
     "Run a study: the grid dataset x configuration x optimizer x lr x seed of finetuning runs on Ray Tune "
@@ -16,13 +22,37 @@ DESCRIPTION = (
     "tune/, analysis/. Re-running the same command continues an interrupted study (only missing trials "
     "run) and does nothing for a finished one; --resume DIR continues the study stored in DIR. The preset "
     "is `demo` (built-in data, local Ray, a few minutes on 2 CPUs) unless a cluster address is given, then "
-    "`paper`."
+    "`paper`; an empty --configurations (presets plasticity-demo, plasticity-paper) measures plasticity only."
 )
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def _name_list(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def _json_mapping(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+#: flag dest -> the spec field it sets (each flag overrides the preset; --set overrides the flags)
+FLAG_FIELDS: dict[str, str] = {
+    "out": "out", "model": "model", "model_kwargs": "model_kwargs", "weights": "weights", "img_size": "img_size",
+    "data_root": "data_root", "configurations": "configurations", "seeds": "seeds", "steps": "steps",
+    "search": "search", "samples": "samples", "workers": "workers_per_trial", "cpus_per_worker": "cpus_per_worker",
+    "gpus_per_worker": "gpus_per_worker", "max_concurrent_trials": "max_concurrent_trials", "tracking": "tracking",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None,
-                   help="preset name (demo, paper, paper-vtab1k) or a spec YAML file; "
+                   help=f"preset name ({', '.join(preset_names())}) or a spec YAML file; "
                         "default: demo, or paper with --address")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the study in DIR with the spec stored there (spec.yaml); --set may still "
@@ -33,23 +63,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec field (YAML value; dotted keys for plasticity.* / pretrain.*), "
                         "e.g. --set steps=200 --set 'seeds=[0,1]' --set plasticity.pairs=512")
+    p.add_argument("--model", default=None, help="timm model name")
+    p.add_argument("--model-kwargs", type=_json_mapping, default=None, help="JSON timm.create_model kwargs")
+    p.add_argument("--weights", default=None, help="local weights file of the model")
+    p.add_argument("--img-size", type=int, default=None, help="model resolution")
+    p.add_argument("--data-root", default=None, help="directory holding the prepared stores")
     p.add_argument("--datasets", default=None, help="comma-separated subset of the preset's datasets")
-    p.add_argument("--configurations", default=None, help="comma-separated, e.g. MHA,FC1,LN1")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds")
+    p.add_argument("--configurations", "--configuration", "--config", "--component", "--components",
+                   dest="configurations", type=_name_list, default=None,
+                   help=f"comma-separated, some of {','.join(CONFIGURATIONS)}; empty: plasticity only")
+    p.add_argument("--seeds", "--seed", dest="seeds", type=_int_list, default=None, help="comma-separated seeds")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--search", choices=["grid", "optuna"], default=None,
+    p.add_argument("--search", choices=SEARCHES, default=None,
                    help="grid: every lr of the spec; optuna: TPE over the lr range, --samples runs per "
                         "(dataset, configuration, optimizer, seed)")
     p.add_argument("--samples", type=int, default=None, help="runs per cell with --search optuna")
     p.add_argument("--max-concurrent-trials", type=int, default=None, help="0: as many as resources allow")
     p.add_argument("--workers", type=int, default=None, help="Ray Train workers (DDP) per trial")
+    p.add_argument("--cpus-per-worker", type=float, default=None)
     p.add_argument("--gpus-per-worker", type=float, default=None)
-    p.add_argument("--data-root", default=None, help="directory holding the prepared stores")
-    p.add_argument("--weights", default=None, help="local weights file of the model")
+    p.add_argument("--tracking", type=_name_list, default=None,
+                   help=f"comma-separated experiment trackers ({', '.join(TRACKERS)}) every trial logs to")
     p.add_argument("--no-plasticity", action="store_true", help="skip the plasticity measurement")
     p.add_argument("--no-analysis", action="store_true", help="skip the analysis")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the spec and print the grid and what is already done; launch nothing")
+    p.add_argument("--print-spec", action="store_true",
+                   help="print the resolved spec (preset + flags + --set) as YAML and exit; launch nothing")
 
 
 def register(subparsers) -> None:
@@ -59,40 +99,29 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def spec_from_args(args: argparse.Namespace):
+def preset_of(args: argparse.Namespace, prefix: str = "") -> str:
+    """The preset to load: ``--preset``, else ``paper`` with a cluster address and ``demo`` without; a
+    preset name (not a file) gets ``prefix`` (``plasticity-``: ``--preset paper`` is ``plasticity-paper``)."""
+    name = args.preset or ("paper" if args.address else "demo")
+    is_file = bool(os.path.splitext(name)[1]) or os.sep in name
+    return name if is_file or name.startswith(prefix) else prefix + name
+
+
+def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
     """The study spec: preset (or the stored spec with --resume), then flags, then --set overrides."""
     from raystudy.study.spec import load_preset
-    from raystudy.study.tune import load_study_spec
 
     if args.resume:
+        from raystudy.study.tune import load_study_spec
+
         if args.preset:
             raise ValueError("--resume DIR continues the stored spec; do not combine it with --preset")
         spec = load_study_spec(args.resume)
     else:
-        spec = load_preset(args.preset or ("paper" if args.address else "demo"))
-    flags: dict = {}
-    if args.out and not args.resume:
-        flags["out"] = args.out
-    if args.steps is not None:
-        flags["steps"] = args.steps
-    if args.search is not None:
-        flags["search"] = args.search
-    if args.samples is not None:
-        flags["samples"] = args.samples
-    if args.max_concurrent_trials is not None:
-        flags["max_concurrent_trials"] = args.max_concurrent_trials
-    if args.workers is not None:
-        flags["workers_per_trial"] = args.workers
-    if args.gpus_per_worker is not None:
-        flags["gpus_per_worker"] = args.gpus_per_worker
-    if args.data_root is not None:
-        flags["data_root"] = args.data_root
-    if args.weights is not None:
-        flags["weights"] = args.weights
-    if args.seeds is not None:
-        flags["seeds"] = [int(s) for s in args.seeds.split(",") if s.strip()]
-    if args.configurations is not None:
-        flags["configurations"] = [c.strip() for c in args.configurations.split(",") if c.strip()]
+        spec = load_preset(preset_of(args, preset_prefix))
+    flags = {field: getattr(args, dest) for dest, field in FLAG_FIELDS.items() if getattr(args, dest) is not None}
+    if args.resume:
+        flags.pop("out", None)
     if flags:
         spec = spec.with_overrides(flags)
     if args.datasets is not None:
@@ -107,20 +136,27 @@ def spec_from_args(args: argparse.Namespace):
 
 
 def dry_run(spec) -> int:
+    """Validate ``spec`` (without its files) and print what the study would run; launches nothing."""
     from raystudy.study.results import ResultTables, exists
     from raystudy.study.tune import resolve_paths
 
     spec.validate(check_files=False)
     spec = resolve_paths(spec)
-    grid = spec.grid()
     tables = ResultTables(spec.out) if exists(spec.out) else None
     done = tables.done_ids() if tables else set()
     print(f"study {spec.name!r} -> {spec.out}")
-    print(f"  model {spec.model} (weights: {spec.weights}); {len(spec.datasets)} dataset(s), "
-          f"{len(spec.configurations)} configuration(s), optimizers {spec.optimizers}, seeds {spec.seeds}")
+    print(f"  model {spec.model} (weights: {spec.weights}); {len(spec.datasets)} dataset(s)")
+    p = spec.plasticity
+    if p.enabled:
+        print(f"  plasticity: {p.pairs} pairs per dataset ({p.mode}), {p.workers} worker(s)")
+    if not spec.configurations:
+        print("  grid: 0 trials (plasticity only)")
+        return 0
+    print(f"  {len(spec.configurations)} configuration(s), optimizers {spec.optimizers}, seeds {spec.seeds}")
     print(f"  {spec.steps} steps, batch {spec.batch_size}, {spec.workers_per_trial} worker(s)/trial, "
           f"{spec.gpus_per_worker} GPU/worker, max concurrent {spec.max_concurrent_trials or 'unlimited'}")
     if spec.search == "grid":
+        grid = spec.grid()
         todo = [p for p in grid if p["trial_id"] not in done]
         print(f"  grid: {len(grid)} trials, {len(grid) - len(todo)} done, {len(todo)} to run")
         for p in todo[:20]:
@@ -132,30 +168,42 @@ def dry_run(spec) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    from raystudy.study.tune import run_study
+def print_spec(spec) -> int:
+    """Validate ``spec`` (without its files) and print it as YAML: a spec file ``--preset FILE`` reads."""
+    spec.validate(check_files=False)
+    print(spec.to_yaml(), end="")
+    return 0
 
-    spec = spec_from_args(args)
+
+def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
+    spec = spec_from_args(args, preset_prefix=preset_prefix)
+    if args.print_spec:
+        return print_spec(spec)
     if args.dry_run:
         return dry_run(spec)
+    from raystudy.study.tune import run_study
+
     outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))
     return 0 if outcome.counts.get("failed", 0) == 0 else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``experiments/full_study.py``: the same flags as ``raystudy study``."""
-    import logging
+def main(argv: list[str] | None = None, *, prog: str = "full_study.py", preset_prefix: str = "") -> int:
+    """Entry point of the scripts in ``experiments/``: the flags of ``raystudy study``.
 
-    parser = argparse.ArgumentParser(prog="full_study.py", description=DESCRIPTION)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, Ray worker output")
+    ``preset_prefix`` is prepended to a preset name (``plasticity_study.py`` uses ``plasticity-``, so its
+    default presets are ``plasticity-demo`` and, with ``--address``, ``plasticity-paper``).
+    """
+    from raystudy.cli import setup_logging
+
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, Ray's own logs")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(message)s")
+    setup_logging(args.verbose)
     try:
-        return run(args)
+        return run(args, preset_prefix=preset_prefix)
     except (ValueError, FileNotFoundError, TypeError) as e:
         if args.verbose:
             raise
-        print(f"full_study.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

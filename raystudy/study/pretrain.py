@@ -1,43 +1,65 @@
-"""Pretraining the demo's model: a short full training from a random init, saved as a weights file.
+"""The demo's extras: the built-in data and a pretrained model, made before the study runs.
 
-The demo has no downloadable checkpoint, so it makes one: configuration ``All`` (every parameter
-trainable) on the ``pretrain`` store with the finetuning core's own single-process loop
-(:func:`raystudy.core.finetune.train_local`: same data order, augmentation, schedule and clipping), then
-the final full model is written as ``.safetensors``. The finetuning grid loads it like any pretrained
-checkpoint: its classifier is re-initialised for each run (:func:`raystudy.core.finetune.reset_head`).
-It runs in the driver process (the demo is local); on a cluster use a real checkpoint instead.
+The demo has no downloadable data or checkpoint, so it makes both:
+
+* :func:`prepare_builtin_data` prepares raystudy's procedural stores (:func:`raystudy.data.prepare_default`)
+  under the spec's ``data_root``;
+* :func:`pretrain_weights` trains configuration ``All`` (every parameter) from a random init on the
+  ``pretrain`` store with the finetuning core's own single-process loop
+  (:func:`raystudy.core.finetune.train_local`: same data order, augmentation, schedule and clipping;
+  the run's config is :func:`raystudy.study.jobs.pretrain_job`), then writes the final full model as
+  ``.safetensors``. The finetuning grid loads it like any pretrained checkpoint: its classifier is
+  re-initialised for each run. It runs in the driver process (the demo is local); on a cluster use a real
+  checkpoint instead.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
+from pathlib import Path
 
 import torch
 
-from raystudy.study.spec import StudySpec
+from raystudy import storage
+from raystudy.study.jobs import pretrain_job
+from raystudy.study.spec import SpecError, StudySpec
 
 
-def pretrain_weights(spec: StudySpec, weights_path: str, *, echo=print) -> dict:
+def _echo(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def prepare_builtin_data(spec: StudySpec, echo=_echo, **sizes) -> dict[str, str]:
+    """Prepare the built-in procedural stores under ``data_root`` (kept when already there); returns
+    ``{store name: path}``. Every dataset of the spec must be one of them. ``sizes`` go to
+    :func:`~raystudy.data.prepare_default` (``n_train``, ``n_test``, ...; default: its own, the demo's)."""
+    from raystudy.data.synthetic import prepare_default
+
+    root = spec.resolved_data_root()
+    t0 = time.time()
+    stores = prepare_default(root, **sizes)
+    echo(f"[{spec.name}] built-in data in {root}: {sorted(stores)} ({time.time() - t0:.0f}s)")
+    missing = [d for d, p in spec.datasets.items() if os.path.basename(p) not in stores and d not in stores]
+    if missing:
+        raise SpecError(f"datasets: {missing} are not among the built-in stores {sorted(stores)}")
+    return stores
+
+
+def pretrain_weights(spec: StudySpec, weights_path: str, *, echo=_echo) -> dict:
     """Train ``spec.model`` on ``spec.pretrain_store`` per ``spec.pretrain``; write ``weights_path``.
 
     Returns the pretraining run's summary (its ``best_val_acc`` / ``test_acc`` say how well the model
     learned the pretraining task). The run's curves and TensorBoard events stay in
     ``<dirname(weights_path)>/run/``.
     """
-    from raystudy.core.finetune import FinetuneConfig, train_local
+    from raystudy.core.finetune import train_local
 
-    if "://" in str(weights_path):
+    if storage.is_uri(weights_path):
         raise ValueError(f"weights: pretraining writes a local file, got the URI {weights_path}")
     t = spec.pretrain
-    run_dir = os.path.join(os.path.dirname(weights_path), "run")
-    cfg = FinetuneConfig(
-        model=spec.model, model_kwargs=dict(spec.model_kwargs), weights=None, img_size=spec.img_size,
-        store=spec.pretrain_store_path(), component="All", optimizer=t.optimizer, lr=t.lr, seed=t.seed,
-        steps=t.steps, batch_size=t.batch_size, eval_period=t.steps, warmup_steps=t.warmup_steps,
-        augment=t.augment, shuffle=True, checkpoint_period=0, out_dir=run_dir, save_final=True,
-    )
+    run_dir = Path(weights_path).parent / "run"
+    cfg, _ = pretrain_job(spec, str(run_dir))
     echo(f"[{spec.name}] pretraining {spec.model} on {cfg.store}: {t.steps} steps, batch {t.batch_size}, "
          f"{t.optimizer} lr {t.lr:g}")
     t0 = time.time()
@@ -49,10 +71,7 @@ def pretrain_weights(spec: StudySpec, weights_path: str, *, echo=print) -> dict:
         summary, _ = train_local(cfg)
     finally:
         torch.set_num_threads(threads)
-    os.makedirs(os.path.dirname(weights_path), exist_ok=True)
-    tmp = f"{weights_path}.{os.getpid()}.tmp"
-    shutil.copyfile(os.path.join(run_dir, "final_model.safetensors"), tmp)
-    os.replace(tmp, weights_path)
+    storage.write_bytes_atomic(weights_path, (run_dir / "final_model.safetensors").read_bytes())
     echo(f"[{spec.name}] pretrained in {time.time() - t0:.0f}s: val acc {summary['best_val_acc']:.3f}, "
          f"test acc {summary['test_acc']:.3f} -> {weights_path}")
     return summary

@@ -1,9 +1,11 @@
 """The study specification: one dataclass, loaded from a preset YAML and overridden from the command line.
 
 A study is the grid ``dataset x configuration x optimizer x lr x seed`` of finetuning runs (plus the
-plasticity of every dataset), all sharing one model, protocol and resource plan. Presets live in
-``experiments/presets/<name>.yaml``; any field can be overridden with ``--set key=value`` (dotted keys for
-the nested sections, values parsed as YAML: ``--set seeds=[0,1] --set plasticity.pairs=200``).
+plasticity of every dataset), all sharing one model, protocol and resource plan; ``configurations: []``
+is a plasticity-only study (no trial). Presets ship with the package, ``raystudy/presets/<name>.yaml``
+(:func:`preset_names`); any field can be overridden with ``--set key=value`` (dotted keys for the nested
+sections, values parsed as YAML: ``--set seeds=[0,1] --set plasticity.pairs=200``). How a spec becomes
+the config of each job (finetuning run, pretraining, plasticity measurement) is :mod:`raystudy.study.jobs`.
 
 Every grid point has a stable id, ``<dataset>-<configuration>-<optimizer>-lr<lr>-s<seed>`` (see
 :func:`trial_id`), which is how a resumed study recognises the runs it already has.
@@ -18,20 +20,29 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pyarrow.fs as pafs
 import yaml
 
-from raystudy.core.components import CONFIGURATIONS
+from raystudy import storage
+from raystudy.vocab import CONFIGURATIONS, MODES, OPTIMIZERS, SEARCHES, check_name
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
-SEARCHES: tuple[str, ...] = ("grid", "optuna")
-PLASTICITY_MODES: tuple[str, ...] = ("embedding", "hidden")
-PRESET_DIR = Path(__file__).resolve().parents[2] / "experiments" / "presets"
+log = logging.getLogger(__name__)
+
+#: experiment trackers a study can log to through Ray Tune's own integrations (``tracking: [wandb]``)
+TRACKERS: tuple[str, ...] = ("wandb", "mlflow")
+#: the presets shipped with the package (``raystudy/presets/*.yaml``, package data)
+PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
+#: fields of older spec.yaml files that are read and dropped: field -> why
+DROPPED_FIELDS: dict[str, str] = {
+    "inject_failures": "a test hook, replaced by raystudy.faults (RAYSTUDY_FAULTS)",
+}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # names go into trial ids and directory names
 
 
@@ -41,12 +52,14 @@ class SpecError(ValueError):
 
 @dataclass
 class PlasticitySpec:
-    """The plasticity measurement of every dataset against the pretraining store (issue: distributed plasticity)."""
+    """The plasticity measurement of every dataset against the pretraining store
+    (:class:`raystudy.distributed.plasticity.PlasticityJob`; same-named fields are copied into it)."""
 
     enabled: bool = True
     pairs: int = 12800
     batch_size: int = 256
     mode: str = "embedding"
+    seed: int = 0  # which pairs are drawn
     workers: int = 1
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
@@ -122,10 +135,8 @@ class StudySpec:
     plasticity: PlasticitySpec = field(default_factory=PlasticitySpec)
     pretrain: PretrainSpec = field(default_factory=PretrainSpec)
     analysis: bool = True
-
-    # testing hook: trial_id -> step after whose checkpoint the trial's first attempt fails (exercises the
-    # trial retries end to end; see FinetuneConfig.fail_after_step)
-    inject_failures: dict[str, int] = field(default_factory=dict)
+    # experiment trackers (some of TRACKERS) every trial also logs to, through Ray Tune's callbacks
+    tracking: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------------------
     # loading and overriding
@@ -140,6 +151,9 @@ class StudySpec:
         kwargs: dict[str, Any] = {}
         known = {f.name: f for f in dataclasses.fields(cls)}
         for key, value in data.items():
+            if key in DROPPED_FIELDS:
+                log.debug("%s: ignoring the old field %r (%s)", where, key, DROPPED_FIELDS[key])
+                continue
             if key not in known:
                 raise SpecError(f"{where}: unknown field {key!r} (known: {sorted(known)})")
             if key == "plasticity":
@@ -181,8 +195,8 @@ class StudySpec:
                 raise SpecError(f"--set {key}: unknown field {leaf!r} (known: {sorted(target)})")
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
-            elif parts == ["configurations"] and isinstance(value, str):
-                value = [v.strip() for v in value.split(",") if v.strip()]
+            elif parts in (["configurations"], ["tracking"]) and isinstance(value, str):
+                value = _split_names(value)
             target[leaf] = value
         return StudySpec.from_dict(data, where="overrides")
 
@@ -191,7 +205,11 @@ class StudySpec:
         if isinstance(self.seeds, int):
             self.seeds = [self.seeds]
         if isinstance(self.configurations, str):
-            self.configurations = [self.configurations]
+            self.configurations = _split_names(self.configurations)
+        if self.configurations is None:
+            self.configurations = []
+        if isinstance(self.tracking, str) or self.tracking is None:
+            self.tracking = _split_names(self.tracking or "")
         if isinstance(self.datasets, list):
             # a plain list of names: stores named like the datasets under data_root
             self.datasets = {str(n): str(n) for n in self.datasets}
@@ -222,7 +240,7 @@ class StudySpec:
 
     def store_path(self, path: str) -> str:
         """A store path as used: absolute / URI kept, relative resolved under ``data_root``."""
-        if "://" in path or Path(path).is_absolute():
+        if storage.is_uri(path) or Path(path).is_absolute():
             return path
         return str(Path(self.resolved_data_root()) / path)
 
@@ -239,9 +257,18 @@ class StudySpec:
     def validate(self, *, check_files: bool = True) -> None:
         """Reject a bad spec before anything is launched; every message starts with the field's name.
 
-        ``check_files=False`` skips the existence of stores and the weights file (used before the demo's
-        own data preparation and pretraining create them).
+        The checks run in the order of the preset files: names, grid, datasets, protocol, resources,
+        search, tracking, plasticity, pretraining. ``check_files=False`` skips the existence of stores and
+        the weights file (used before the demo's own data preparation and pretraining create them).
         """
+        for check in (self._check_names, self._check_grid, self._check_datasets, self._check_protocol,
+                      self._check_resources, self._check_search, self._check_tracking, self._check_plasticity,
+                      self._check_pretrain):
+            check()
+        if check_files:
+            self.check_files()
+
+    def _check_names(self) -> None:
         if not self.name or not _NAME_RE.match(self.name):
             raise SpecError(f"name: {self.name!r} must be a non-empty word (letters, digits, '_', '-', '.')")
         if not self.out:
@@ -252,27 +279,31 @@ class StudySpec:
             raise SpecError("model_kwargs: expected a mapping")
         _positive(self.img_size, "img_size")
 
-        if not isinstance(self.configurations, list) or not self.configurations:
-            raise SpecError(f"configurations: at least one of {list(CONFIGURATIONS)} is required")
+    def _check_grid(self) -> None:
+        """Configurations, optimizers with their lrs, seeds. No configuration: a plasticity-only study,
+        whose optimizers and seeds may be empty (they span no trial)."""
+        if not isinstance(self.configurations, list):
+            raise SpecError(f"configurations: expected a list of {list(CONFIGURATIONS)}")
+        if not self.configurations and not self.plasticity.enabled:
+            raise SpecError(f"configurations: at least one of {list(CONFIGURATIONS)} is required "
+                            "(an empty list is a plasticity-only study: enable plasticity)")
         for c in self.configurations:
-            if c not in CONFIGURATIONS:
-                raise SpecError(f"configurations: unknown configuration {c!r}; expected some of {list(CONFIGURATIONS)}")
+            _choice(c, CONFIGURATIONS, "configurations")
         _unique(self.configurations, "configurations")
-        if not self.optimizers:
+        if self.configurations and not self.optimizers:
             raise SpecError(f"optimizers: at least one of {list(OPTIMIZERS)} with its learning rates is required")
         for opt, lrs in self.optimizers.items():
-            if opt not in OPTIMIZERS:
-                raise SpecError(f"optimizers: unknown optimizer {opt!r}; expected some of {list(OPTIMIZERS)}")
+            _choice(opt, OPTIMIZERS, "optimizers")
             if not lrs:
                 raise SpecError(f"optimizers.{opt}: the learning-rate list is empty")
             for lr in lrs:
-                if not (math.isfinite(lr) and lr > 0):
-                    raise SpecError(f"optimizers.{opt}: learning rate {lr!r} must be a positive number")
+                _learning_rate(lr, f"optimizers.{opt}")
             _unique(lrs, f"optimizers.{opt}")
-        if not self.seeds:
+        if self.configurations and not self.seeds:
             raise SpecError("seeds: at least one seed is required")
         _unique(self.seeds, "seeds")
 
+    def _check_datasets(self) -> None:
         if not self.datasets and not self.builtin_data:
             raise SpecError("datasets: at least one downstream dataset (name: store path) is required")
         for name in self.datasets:
@@ -282,10 +313,14 @@ class StudySpec:
                     "(it becomes part of trial ids such as cifar10-MHA-sgd-lr0.01-s0)"
                 )
 
-        for name in ("steps", "batch_size", "eval_period", "workers_per_trial", "checkpoint_period"):
+    def _check_protocol(self) -> None:
+        for name in ("steps", "batch_size", "eval_period", "checkpoint_period"):
             _positive(getattr(self, name), name)
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise SpecError(f"warmup_steps: {self.warmup_steps} must lie in [0, steps={self.steps})")
+
+    def _check_resources(self) -> None:
+        _positive(self.workers_per_trial, "workers_per_trial")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0 or self.trial_driver_cpus <= 0:
             raise SpecError(
                 "gpus_per_worker / cpus_per_worker must be >= 0 and trial_driver_cpus > 0 "
@@ -295,38 +330,44 @@ class StudySpec:
             raise SpecError(f"max_concurrent_trials: {self.max_concurrent_trials} must be >= 0 (0 = no limit)")
         if self.trial_retries < 0 or self.worker_retries < 0:
             raise SpecError("trial_retries / worker_retries must be >= 0")
-        if self.search not in SEARCHES:
-            raise SpecError(f"search: unknown search {self.search!r}; expected one of {list(SEARCHES)}")
+
+    def _check_search(self) -> None:
+        _choice(self.search, SEARCHES, "search")
         _positive(self.samples, "samples")
 
-        p = self.plasticity
-        if p.enabled:
-            if p.mode not in PLASTICITY_MODES:
-                raise SpecError(f"plasticity.mode: unknown mode {p.mode!r}; expected one of {list(PLASTICITY_MODES)}")
-            for name in ("pairs", "batch_size", "workers"):
-                _positive(getattr(p, name), f"plasticity.{name}")
-            if self.pretrain_store is None and not self.builtin_data:
-                raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
-        t = self.pretrain
-        if t.enabled:
-            if t.optimizer not in OPTIMIZERS:
-                raise SpecError(
-                    f"pretrain.optimizer: unknown optimizer {t.optimizer!r}; expected one of {list(OPTIMIZERS)}"
-                )
-            for name in ("steps", "batch_size"):
-                _positive(getattr(t, name), f"pretrain.{name}")
-            if not (math.isfinite(t.lr) and t.lr > 0):
-                raise SpecError(f"pretrain.lr: learning rate {t.lr!r} must be a positive number")
-            if self.pretrain_store is None and not self.builtin_data:
-                raise SpecError("pretrain_store: pretraining needs a pretraining store")
-        elif self.weights is None:
-            raise SpecError(
-                "weights: a local weights file is required (or enable pretrain to train one); "
-                "a random-init model is not a pretrained model"
-            )
+    def _check_tracking(self) -> None:
+        if not isinstance(self.tracking, list):
+            raise SpecError(f"tracking: expected a list of {list(TRACKERS)}")
+        for t in self.tracking:
+            _choice(t, TRACKERS, "tracking")
+        _unique(self.tracking, "tracking")
 
-        if check_files:
-            self.check_files()
+    def _check_plasticity(self) -> None:
+        p = self.plasticity
+        if not p.enabled:
+            return
+        _choice(p.mode, MODES, "plasticity.mode")
+        for name in ("pairs", "batch_size", "workers"):
+            _positive(getattr(p, name), f"plasticity.{name}")
+        if self.pretrain_store is None and not self.builtin_data:
+            raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
+
+    def _check_pretrain(self) -> None:
+        """Pretraining settings, or (without pretraining) the weights file every job starts from."""
+        t = self.pretrain
+        if not t.enabled:
+            if self.weights is None:
+                raise SpecError(
+                    "weights: a local weights file is required (or enable pretrain to train one); "
+                    "a random-init model is not a pretrained model"
+                )
+            return
+        _choice(t.optimizer, OPTIMIZERS, "pretrain.optimizer")
+        for name in ("steps", "batch_size"):
+            _positive(getattr(t, name), f"pretrain.{name}")
+        _learning_rate(t.lr, "pretrain.lr")
+        if self.pretrain_store is None and not self.builtin_data:
+            raise SpecError("pretrain_store: pretraining needs a pretraining store")
 
     def check_files(self, *, weights: bool | None = None) -> None:
         """Every store and the weights file exist. ``weights=None`` checks the weights file unless
@@ -466,12 +507,13 @@ def _sub(cls, value, where):
 
 
 def _file_exists(path: str) -> bool:
-    if "://" in path:
-        import pyarrow.fs as pafs
+    fs, p = storage.filesystem(path)
+    return fs.get_file_info(p).type == pafs.FileType.File
 
-        fs, p = pafs.FileSystem.from_uri(path)
-        return fs.get_file_info(p).type == pafs.FileType.File
-    return Path(path).is_file()
+
+def _split_names(text: str) -> list[str]:
+    """``"MHA, LN1"`` -> ``["MHA", "LN1"]`` (comma-separated names from a flag or a YAML string)."""
+    return [v.strip() for v in text.split(",") if v.strip()]
 
 
 def _split_override(text: str) -> tuple[str, str]:
@@ -490,7 +532,7 @@ def _parse_value(text: str) -> Any:
 
 def _select_datasets(available: dict[str, str], names) -> dict[str, str]:
     if isinstance(names, str):
-        names = [n.strip() for n in names.split(",") if n.strip()]
+        names = _split_names(names)
     out = {}
     for n in names:
         if n not in available:
@@ -513,6 +555,19 @@ def _to_int(v, field_name: str) -> int:
         return int(v)
     except (TypeError, ValueError):
         raise SpecError(f"{field_name}: {v!r} is not an integer") from None
+
+
+def _choice(value, allowed: tuple[str, ...], field_name: str) -> None:
+    """``value`` is one of the vocabulary's ``allowed`` names (:func:`raystudy.vocab.check_name`)."""
+    try:
+        check_name(value, allowed, field_name)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+
+
+def _learning_rate(lr, field_name: str) -> None:
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise SpecError(f"{field_name}: learning rate {lr!r} must be a positive number")
 
 
 def _positive(v, field_name: str) -> None:

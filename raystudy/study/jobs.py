@@ -1,0 +1,98 @@
+"""A study spec -> the config of each job it runs; one conversion per job, and only here.
+
+* :func:`finetune_job`: one grid point -> :class:`~raystudy.core.finetune.FinetuneConfig` (the protocol)
+  and :class:`~raystudy.distributed.train.TrainResources` (its Ray Train workers);
+* :func:`pretrain_job`: the demo's pretraining (configuration ``All`` from a random init) -> the same pair;
+* :func:`plasticity_job`: the plasticity of some of the spec's datasets ->
+  :class:`~raystudy.distributed.plasticity.PlasticityJob`.
+
+A field with the same name in the source (the spec, one of its sections, a grid point) and in the job's
+dataclass is copied by name (:func:`by_name`): a new protocol field is one line in each dataclass and
+none here. Only the names that differ are mapped explicitly (``workers_per_trial`` -> ``workers``,
+``worker_retries`` -> ``max_failures``, a dataset name -> its store).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from raystudy.study.spec import StudySpec
+
+#: the spec's fields that describe the model every job builds (and its forward precision)
+MODEL_FIELDS: tuple[str, ...] = ("model", "model_kwargs", "weights", "img_size", "amp_bf16")
+
+
+def by_name(cls, *sources: Any) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` that ``sources`` (dataclasses or mappings) hold, later sources winning.
+
+    Values are deep copies: a job never shares a list or dict with the spec it came from.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: dict[str, Any] = {}
+    for src in sources:
+        if isinstance(src, Mapping):
+            items = src.items()
+        else:
+            items = ((f.name, getattr(src, f.name)) for f in dataclasses.fields(src))
+        out.update({k: copy.deepcopy(v) for k, v in items if k in names})
+    return out
+
+
+def train_resources(spec: StudySpec):
+    """The Ray Train resources of each of the spec's runs: ``workers_per_trial`` workers of
+    ``cpus_per_worker`` / ``gpus_per_worker``, restarted up to ``worker_retries`` times."""
+    from raystudy.distributed.train import TrainResources
+
+    return TrainResources(**by_name(TrainResources, spec), workers=spec.workers_per_trial,
+                          max_failures=spec.worker_retries)
+
+
+def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str):
+    """The finetuning run of one grid point (``dataset``, ``configuration``, ``optimizer``, ``lr``,
+    ``seed``; see :func:`raystudy.study.spec.grid_point`): ``(FinetuneConfig, TrainResources)``.
+
+    The spec's protocol fields (steps, batch_size, warmup_steps, ...) and the point's axes are copied by
+    name; the dataset becomes its store path.
+    """
+    from raystudy.core.finetune import FinetuneConfig
+
+    fields = by_name(FinetuneConfig, spec, point)
+    cfg = FinetuneConfig(**fields, store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir))
+    return cfg, train_resources(spec)
+
+
+def pretrain_job(spec: StudySpec, out_dir: str):
+    """The demo's pretraining run: configuration ``All`` of the spec's model from a random init on the
+    pretraining store, per ``spec.pretrain`` (steps, batch_size, lr, optimizer, warmup_steps, seed,
+    augment: copied by name); one evaluation at the end, no periodic checkpoint, the final full model saved
+    (``final_model.safetensors`` in ``out_dir``). ``(FinetuneConfig, TrainResources)``.
+    """
+    from raystudy.core.finetune import FinetuneConfig
+
+    model = {k: getattr(spec, k) for k in MODEL_FIELDS if k != "weights"}
+    fields = by_name(FinetuneConfig, model, spec.pretrain)
+    cfg = FinetuneConfig(
+        **fields, weights=None, store=spec.pretrain_store_path(), configuration="All",
+        eval_period=spec.pretrain.steps, shuffle=True, checkpoint_period=0, save_final=True, out_dir=str(out_dir),
+    )
+    return cfg, train_resources(spec)
+
+
+def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | None, out_dir: str):
+    """The plasticity measurement of ``datasets`` (names among ``spec.datasets``) against the pretraining
+    ``store`` (``None``: the spec's ``pretrain_store``): a
+    :class:`~raystudy.distributed.plasticity.PlasticityJob` with the spec's model and the ``plasticity``
+    section's settings (pairs, batch_size, mode, seed, workers, ...: copied by name).
+    """
+    from raystudy.distributed.plasticity import PlasticityJob
+
+    names = [datasets] if isinstance(datasets, str) else list(datasets)
+    model = {k: getattr(spec, k) for k in MODEL_FIELDS}
+    fields = by_name(PlasticityJob, model, spec.plasticity)
+    return PlasticityJob(
+        **fields, pretrain=store if store is not None else spec.pretrain_store_path(),
+        downstream=[spec.store_path(spec.datasets[n]) for n in names], out_dir=str(out_dir),
+    )

@@ -1,0 +1,136 @@
+"""A study spec -> each job's config (raystudy.study.jobs): every setting of the spec reaches the job it
+belongs to. Every value is set away from both dataclasses' defaults (and from the value of the
+same-named field of another section), so a field that is dropped, defaulted or taken from the wrong
+section fails. No Ray, fast."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from raystudy.core.finetune import FinetuneConfig
+from raystudy.distributed.plasticity import PlasticityJob
+from raystudy.distributed.train import TrainResources
+from raystudy.study.jobs import finetune_job, plasticity_job, pretrain_job
+from raystudy.study.spec import PlasticitySpec, PretrainSpec, StudySpec, grid_point
+
+#: spec field -> FinetuneConfig field of every finetuning run
+FINETUNE = {
+    "model": "model", "model_kwargs": "model_kwargs", "weights": "weights", "img_size": "img_size",
+    "steps": "steps", "batch_size": "batch_size", "eval_period": "eval_period", "warmup_steps": "warmup_steps",
+    "augment": "augment", "shuffle": "shuffle", "checkpoint_period": "checkpoint_period",
+    "amp_bf16": "amp_bf16", "train_final_norm": "train_final_norm",
+}
+#: spec field -> TrainResources field (the Ray Train workers of a run)
+RESOURCES = {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
+             "cpus_per_worker": "cpus_per_worker", "worker_retries": "max_failures"}
+#: plasticity section field -> PlasticityJob field
+PLASTICITY = {"pairs": "pairs", "batch_size": "batch_size", "mode": "mode", "seed": "seed", "workers": "workers",
+              "gpus_per_worker": "gpus_per_worker", "cpus_per_worker": "cpus_per_worker",
+              "torch_threads": "torch_threads"}
+#: pretrain section field -> FinetuneConfig field of the pretraining run
+PRETRAIN = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "optimizer": "optimizer",
+            "warmup_steps": "warmup_steps", "seed": "seed", "augment": "augment"}
+#: the model fields every job builds its model from
+MODEL = ("model", "model_kwargs", "weights", "img_size", "amp_bf16")
+#: spec fields that are about the study (its grid, directory, scheduling), not any one job's config
+STUDY_ONLY = {
+    "name", "out", "data_root", "builtin_data", "pretrain_store", "datasets", "configurations", "optimizers",
+    "seeds", "trial_driver_cpus", "max_concurrent_trials", "trial_retries", "search", "samples", "plasticity",
+    "pretrain", "analysis", "tracking",
+}
+
+SPEC = dict(
+    name="jobs", out="/tmp/jobs-study", data_root="/data/root", pretrain_store="pre",
+    datasets={"a": "a-store", "b": "/abs/b"},
+    model="vit_small_patch16_224", model_kwargs={"depth": 3, "drop_path_rate": 0.05},
+    weights="/w/vit.safetensors", img_size=96, configurations=["MHA"], optimizers={"sgd": [0.1]}, seeds=[0],
+    steps=321, batch_size=48, eval_period=40, warmup_steps=17, augment=False, shuffle=False,
+    checkpoint_period=80, amp_bf16=True, train_final_norm=True,
+    workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
+    plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
+                    cpus_per_worker=1.5, torch_threads=3),
+    pretrain=dict(enabled=True, steps=77, batch_size=16, lr=5e-4, optimizer="adamw", warmup_steps=7, seed=5,
+                  augment=False),
+)
+
+
+@pytest.fixture
+def spec() -> StudySpec:
+    s = StudySpec.from_dict(SPEC)
+    s.validate(check_files=False)
+    return s
+
+
+def _defaults(cls) -> dict:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def test_every_spec_field_is_mapped_or_study_only():
+    """A new spec field fails here until it is added to a job mapping above (or declared study-only)."""
+    spec_fields = {f.name for f in dataclasses.fields(StudySpec)}
+    assert spec_fields == set(FINETUNE) | set(RESOURCES) | STUDY_ONLY
+    assert {f.name for f in dataclasses.fields(PlasticitySpec)} == set(PLASTICITY) | {"enabled"}
+    assert {f.name for f in dataclasses.fields(PretrainSpec)} == set(PRETRAIN) | {"enabled"}
+
+
+def test_the_test_values_differ_from_every_default(spec):
+    """Otherwise a field the conversion forgot (left at the job's default) would still read as passed."""
+    for src, mapping, cls in ((spec, FINETUNE, FinetuneConfig), (spec, RESOURCES, TrainResources),
+                              (spec.plasticity, PLASTICITY, PlasticityJob), (spec.pretrain, PRETRAIN, FinetuneConfig)):
+        job_defaults = _defaults(cls)
+        for s, j in mapping.items():
+            assert getattr(src, s) != job_defaults.get(j, object()), f"{cls.__name__}.{j}: default = test value"
+    # same-named fields of the trial resources and the plasticity section differ, so a mix-up shows
+    for name in ("batch_size", "gpus_per_worker", "cpus_per_worker"):
+        assert getattr(spec, name) != getattr(spec.plasticity, name)
+    assert spec.workers_per_trial != spec.plasticity.workers and spec.steps != spec.pretrain.steps
+
+
+def test_finetune_job_carries_the_protocol_the_point_and_the_resources(spec):
+    point = grid_point("a", "LN2", "adamw", 3e-4, 7)
+    cfg, res = finetune_job(spec, point, "/runs/x")
+    for s, j in FINETUNE.items():
+        assert getattr(cfg, j) == getattr(spec, s), j
+    for s, j in RESOURCES.items():
+        assert getattr(res, j) == getattr(spec, s), j
+    assert (cfg.configuration, cfg.optimizer, cfg.lr, cfg.seed) == ("LN2", "adamw", 3e-4, 7)
+    assert cfg.store == "/data/root/a-store" and cfg.out_dir == "/runs/x"
+    assert (res.keep_checkpoints, res.cleanup_checkpoints) == (2, True)  # not study settings: the defaults
+    assert cfg.validate() is cfg and res.validate(cfg) is res
+    cfg.model_kwargs["depth"] = 12  # a job never shares the spec's mutable values
+    assert spec.model_kwargs["depth"] == 3
+    cfg_b, _ = finetune_job(spec, grid_point("b", "Head", "sgd", 0.1, 0), "/runs/y")
+    assert cfg_b.store == "/abs/b" and cfg_b.configuration == "Head"  # an absolute store path is kept
+
+
+def test_pretrain_job_is_configuration_all_from_a_random_init(spec):
+    cfg, res = pretrain_job(spec, "/pre/run")
+    for s, j in PRETRAIN.items():
+        assert getattr(cfg, j) == getattr(spec.pretrain, s), j
+    for name in ("model", "model_kwargs", "img_size", "amp_bf16"):
+        assert getattr(cfg, name) == getattr(spec, name), name
+    assert cfg.configuration == "All" and cfg.weights is None and cfg.store == "/data/root/pre"
+    # one evaluation at the end, no periodic checkpoint, the final full model written
+    assert cfg.eval_period == 77 and cfg.checkpoint_period == 0 and cfg.save_final and cfg.shuffle
+    assert cfg.out_dir == "/pre/run" and res.workers == 3
+    assert cfg.validate() is cfg
+
+
+def test_plasticity_job_takes_the_model_and_the_plasticity_section(spec):
+    job = plasticity_job(spec, ["b", "a"], None, "/pl/run-000")
+    for s, j in PLASTICITY.items():
+        assert getattr(job, j) == getattr(spec.plasticity, s), j
+    for name in MODEL:
+        assert getattr(job, name) == getattr(spec, name), name
+    assert job.pretrain == "/data/root/pre" and job.downstream == ["/abs/b", "/data/root/a-store"]
+    assert job.out_dir == "/pl/run-000"
+    one = plasticity_job(spec, "a", "/other/pretrain", "/pl/run-001")
+    assert one.downstream == ["/data/root/a-store"] and one.pretrain == "/other/pretrain"

@@ -1,0 +1,137 @@
+"""The presets shipped with the package (raystudy/presets/*.yaml): each loads and validates, and its grid
+has the size its YAML says, counted here from the raw YAML without the spec code. Also the plasticity
+study's entry point (experiments/plasticity_study.py), which runs the plasticity-only presets. No Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import raystudy
+from raystudy.study.spec import PRESET_DIR, load_preset, preset_names
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET_FILES = sorted((Path(raystudy.__file__).parent / "presets").glob("*.yaml"))
+#: the study's own defaults the YAML may leave out (StudySpec: all 7 configurations, sgd x 4 lrs, 3 seeds)
+DEFAULT_AXES = {"configurations": 7, "lrs": 4, "seeds": 3}
+
+
+def _sizes_from_yaml(raw: dict) -> tuple[int, int]:
+    """``(grid points, trials)`` from the YAML as written: datasets x configurations x (every optimizer's
+    lrs) x seeds; an Optuna search runs ``samples`` trials per (dataset, configuration, optimizer, seed)."""
+    datasets = len(raw["datasets"])
+    configurations = len(raw["configurations"]) if "configurations" in raw else DEFAULT_AXES["configurations"]
+    optimizers = raw.get("optimizers", {"sgd": [None] * DEFAULT_AXES["lrs"]})
+    lrs = sum(len(v) for v in optimizers.values())
+    seeds = len(raw["seeds"]) if "seeds" in raw else DEFAULT_AXES["seeds"]
+    points = datasets * configurations * lrs * seeds
+    if raw.get("search", "grid") == "grid":
+        return points, points
+    return points, datasets * configurations * len(optimizers) * seeds * raw.get("samples", 4)
+
+
+def test_presets_are_package_data():
+    """One preset system, inside the package (a wheel ships them): no presets left in experiments/."""
+    assert PRESET_DIR == Path(raystudy.__file__).parent / "presets"
+    assert set(preset_names()) == {p.stem for p in PRESET_FILES}
+    assert {"demo", "paper", "paper-vtab1k", "plasticity-demo", "plasticity-paper"} <= set(preset_names())
+    assert not (ROOT / "experiments" / "presets").exists()
+
+
+@pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.stem)
+def test_every_preset_loads_validates_and_has_its_grid(path):
+    raw = yaml.safe_load(path.read_text())
+    spec = load_preset(path.stem)
+    assert spec.name == raw["name"] == path.stem  # the preset's name is its file name
+    spec.validate(check_files=False)
+    points, trials = _sizes_from_yaml(raw)
+    assert len(spec.grid()) == points and spec.total_trials() == trials
+    assert len({p["trial_id"] for p in spec.grid()}) == points  # every trial id distinct
+    if path.stem.startswith("plasticity-"):
+        assert raw["configurations"] == [] and points == trials == 0
+        assert spec.plasticity.enabled
+
+
+def test_grid_sizes_of_the_named_presets():
+    """The sizes the README and the preset comments state (independent of the YAML parsing above)."""
+    sizes = {name: load_preset(name).total_trials() for name in preset_names()}
+    assert sizes["paper"] == sizes["paper-vtab1k"] == 11 * 7 * 8 * 3 == 1848
+    assert sizes["demo"] == 2 * 3 * 2 * 1 == 12
+    assert sizes["plasticity-demo"] == sizes["plasticity-paper"] == 0
+
+
+def test_plasticity_presets_measure_what_the_old_plasticity_study_did():
+    demo, paper = load_preset("plasticity-demo"), load_preset("plasticity-paper")
+    assert sorted(demo.datasets) == ["shift-color", "shift-noise"] and demo.builtin_data
+    assert demo.pretrain.enabled and demo.weights is None  # a pretrained toy, not a random init
+    assert demo.plasticity.pairs == 384 and demo.img_size == 32
+    assert paper.model == "vit_base_patch16_224.augreg_in21k" and paper.pretrain_store == "imagenet-val"
+    assert paper.plasticity.pairs == 12800 and paper.plasticity.mode == "embedding"
+    assert len(paper.datasets) == 11 and set(paper.datasets) == set(load_preset("paper").datasets)
+
+
+def _script(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "plasticity_study.py"), *argv],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_plasticity_study_script_runs_the_plasticity_presets(tmp_path):
+    """experiments/plasticity_study.py is `raystudy study` with the plasticity-* presets."""
+    r = _script("--dry-run", "--out", str(tmp_path / "pd"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"study 'plasticity-demo' -> {tmp_path / 'pd'}" in r.stdout
+    assert "plasticity: 384 pairs per dataset (embedding)" in r.stdout
+    assert "grid: 0 trials (plasticity only)" in r.stdout
+    assert not (tmp_path / "pd").exists()  # a dry run writes nothing
+
+    r = _script("--preset", "paper", "--print-spec", "--model", "vit_large_patch16_224.augreg_in21k", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    spec = yaml.safe_load(r.stdout)
+    assert spec["name"] == "plasticity-paper" and spec["configurations"] == []
+    assert spec["model"] == "vit_large_patch16_224.augreg_in21k" and spec["plasticity"]["pairs"] == 12800
+
+    r = _script("--preset", "nope", "--dry-run", cwd=tmp_path)
+    assert r.returncode == 2 and "plasticity_study.py: error: preset: unknown preset 'plasticity-nope'" in r.stderr
+
+
+def test_demo_builtin_data_and_pretraining_stage(tmp_path):
+    """The demo's own data and pretrained model (tiny sizes): the weights file exists, loads into the model,
+    differs from the random init the run started from, and the training loss went down."""
+    import math
+
+    import pandas as pd
+    import timm
+    import torch
+    from safetensors.torch import load_file
+
+    from raystudy.core.models import build_model
+    from raystudy.data.store import read_meta
+    from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
+
+    spec = load_preset("demo").with_overrides({
+        "out": str(tmp_path / "study"), "pretrain.steps": 40, "pretrain.batch_size": 32, "pretrain.warmup_steps": 4,
+        "pretrain.lr": 2e-3,
+    })
+    lines: list[str] = []
+    stores = prepare_builtin_data(spec, lines.append, n_train=256, n_test=64)
+    assert {"pretrain", *spec.datasets} <= set(stores) and spec.resolved_data_root() == str(tmp_path / "study/data")
+    weights = tmp_path / "study" / "pretrained" / "model.safetensors"
+    summary = pretrain_weights(spec, str(weights), echo=lines.append)
+    assert weights.is_file() and summary["status"] == "ok" and summary["steps"] == 40
+
+    num_classes = int(read_meta(stores["pretrain"])["num_classes"])
+    trained = load_file(str(weights))
+    build_model(spec.model, num_classes=num_classes, weights=str(weights), img_size=32, **spec.model_kwargs)  # loads
+    torch.manual_seed(spec.pretrain.seed)  # the run's own random init, rebuilt with timm directly
+    init = timm.create_model(spec.model, num_classes=num_classes, img_size=32, **spec.model_kwargs).state_dict()
+    assert set(trained) == set(init)
+    moved = [k for k in init if k.startswith("blocks.") and not torch.equal(trained[k], init[k])]
+    assert len(moved) == len([k for k in init if k.startswith("blocks.")])  # every block parameter trained
+
+    curves = pd.read_parquet(weights.parent / "run" / "curves.parquet").dropna(subset=["train_loss"])
+    first, last = curves.train_loss.iloc[0], curves.train_loss.iloc[-1]
+    assert math.isfinite(last) and last < first and last < math.log(num_classes)  # below chance level
