@@ -22,7 +22,7 @@ gradients; x1 SGD momentum, x2 AdamW moments) and the bytes actually held after 
 and optimizer step on the CPU (distinct storages of ``.grad`` and of the optimizer state).
 
     .venv/bin/python benchmarks/finetune_bench.py            # both parts (~5-10 min on 2 cores)
-    .venv/bin/python benchmarks/finetune_bench.py --no-memory --configs MHA Head
+    .venv/bin/python benchmarks/finetune_bench.py --no-memory --configurations MHA Head
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 os.environ.setdefault("RAY_worker_niceness", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raystudy.core.components import CONFIGURATIONS  # noqa: E402
+from raystudy.vocab import CONFIGURATIONS  # noqa: E402
 
 
 def make_bench_store(path: Path, n_train: int, size: int, seed: int = 0) -> str:
@@ -62,7 +62,7 @@ def make_bench_store(path: Path, n_train: int, size: int, seed: int = 0) -> str:
     return str(path)
 
 
-def side_by_side(ray_cfg, plain_cfg):
+def side_by_side(ray_cfg, resources, plain_cfg):
     """Run the Ray Train run and the plain loop at the same time, one core each: whatever else loads the
     machine then slows both alike. The plain loop starts when Ray's worker has built its run (its
     TensorBoard directory appears), so both steady-state windows overlap."""
@@ -70,7 +70,7 @@ def side_by_side(ray_cfg, plain_cfg):
     from raystudy.distributed.train import run_finetune
 
     out: dict = {}
-    thread = threading.Thread(target=lambda: out.setdefault("ray", run_finetune(ray_cfg)), daemon=True)
+    thread = threading.Thread(target=lambda: out.setdefault("ray", run_finetune(ray_cfg, resources)), daemon=True)
     thread.start()
     tb = Path(ray_cfg.out_dir) / "tb"
     while thread.is_alive() and not (tb.is_dir() and any(tb.iterdir())):
@@ -85,14 +85,14 @@ def throughput(args) -> list[dict]:
     import torch
 
     from raystudy.core.finetune import FinetuneConfig, train_local
-    from raystudy.distributed.train import run_finetune
+    from raystudy.distributed.cluster import init_ray
+    from raystudy.distributed.train import TrainResources, run_finetune
 
     tmp = Path(tempfile.mkdtemp(prefix="finetune-bench-"))
     store = make_bench_store(tmp / "store", args.train_images, args.img_size)
     model_kwargs = dict(img_size=args.img_size, patch_size=args.patch_size, embed_dim=args.embed_dim,
                         depth=args.depth, num_heads=args.heads)
-    ray.init(num_cpus=args.threads if args.sequential else 2 * args.threads, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    init_ray(num_cpus=args.threads if args.sequential else 2 * args.threads)
     torch.set_num_threads(args.threads)
     mode = "sequential: plain, ray, plain" if args.sequential else "side by side (concurrently)"
     print(f"tiny ViT {model_kwargs}, batch {args.batch_size}, {args.steps} steps (steady state after step "
@@ -101,20 +101,20 @@ def throughput(args) -> list[dict]:
     print(f"{'config':<6} {'trainable':>10} {'plain img/s':>12} {'ray img/s':>10} {'overhead':>9} "
           f"{'plain cpu':>10} {'ray cpu':>8} {'cpu +':>8} {'ray wall s':>10}", flush=True)
     rows = []
+    resources = TrainResources(workers=1, cpus_per_worker=args.threads)
     for config in args.configs:
         def cfg(name, config=config):
             return FinetuneConfig(model="vit_tiny_patch16_224", model_kwargs=model_kwargs, img_size=args.img_size,
-                                  store=store, component=config, steps=args.steps, batch_size=args.batch_size,
+                                  store=store, configuration=config, steps=args.steps, batch_size=args.batch_size,
                                   eval_period=10 ** 9, checkpoint_period=0, log_period=args.log_period,
-                                  cpus_per_worker=args.threads, out_dir=str(tmp / f"{config}-{name}"),
-                                  warmup_steps=1)
+                                  out_dir=str(tmp / f"{config}-{name}"), warmup_steps=1)
         if args.sequential:
             # plain, Ray, plain: the mean of the two plain runs brackets the Ray run in time
             before, ft = train_local(cfg("plain1"), write=False)
-            ray_summary = run_finetune(cfg("ray"))
+            ray_summary = run_finetune(cfg("ray"), resources)
             after, _ = train_local(cfg("plain2"), write=False)
         else:
-            before, ft, ray_summary = side_by_side(cfg("ray"), cfg("plain1"))
+            before, ft, ray_summary = side_by_side(cfg("ray"), resources, cfg("plain1"))
             after = before
         plain_ips = (before["images_per_s"] + after["images_per_s"]) / 2
         ray_ips = ray_summary["images_per_s"]
@@ -183,7 +183,8 @@ def memory(args) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
+    p.add_argument("--configurations", "--configs", dest="configs", nargs="+", default=list(CONFIGURATIONS),
+                   choices=list(CONFIGURATIONS))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--log-period", type=int, default=10)

@@ -14,13 +14,14 @@ from conftest import make_store
 
 from raystudy.core.components import CONFIGURATIONS
 from raystudy.core.finetune import (
-    CURVE_COLUMNS,
+    MOVED_KEYS,
     Event,
     FinetuneConfig,
     Finetuner,
+    MicroBatches,
     SplitData,
-    _MicroBatches,
     analytic_memory,
+    build_finetune_model,
     fingerprint,
     global_batch,
     make_optimizer,
@@ -30,7 +31,8 @@ from raystudy.core.finetune import (
     train_step,
     warmup_cosine,
 )
-from raystudy.vocab import columns
+from raystudy.distributed.train import TrainResources, failed_summary, run_config_dict, split_legacy
+from raystudy.vocab import RUN_CURVE_COLUMNS, columns
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
 D, H, L, C = 48, 192, 3, 10
@@ -63,9 +65,8 @@ def test_defaults_are_the_papers_protocol():
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(component="Attn"), "component"),
+    (dict(configuration="Attn"), "configuration"),
     (dict(optimizer="adam"), "optimizer"),
-    (dict(batch_size=10, workers=3), "batch_size"),
     (dict(lr=-1.0), "lr"),
     (dict(model_kwargs=dict(img_size=64)), "img_size"),
     (dict(warmup_steps=99), "warmup_steps"),
@@ -78,11 +79,47 @@ def test_validation_names_the_field(kw, field):
         FinetuneConfig(**base).validate()
 
 
+def test_the_global_batch_must_split_over_the_workers():
+    cfg = FinetuneConfig(store="/somewhere", batch_size=10)
+    with pytest.raises(ValueError, match="TrainResources.workers=3"):
+        TrainResources(workers=3).validate(cfg)
+    assert TrainResources(workers=5).validate(cfg).workers == 5
+    with pytest.raises(ValueError, match="over the 3 workers"):  # checked before the store is read
+        Finetuner(cfg, world_size=3)
+    with pytest.raises(ValueError, match="TrainResources.keep_checkpoints"):
+        TrainResources(keep_checkpoints=0).validate()
+
+
 def test_config_dict_roundtrip():
     cfg = FinetuneConfig(store="s", model_kwargs=TINY, img_size=32, betas=(0.8, 0.99))
     assert FinetuneConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ValueError, match="unknown FinetuneConfig field"):
         FinetuneConfig.from_dict({"store": "s", "bogus": 1})
+    res = TrainResources(workers=2, gpus_per_worker=0.5, max_failures=3, cleanup_checkpoints=False)
+    assert split_legacy(json.loads(json.dumps(run_config_dict(cfg, res)))) == (cfg, res)
+
+
+OLD_CONFIG_JSON = {  # a run's config.json as written before the protocol and the resources were split
+    "model": "vit_tiny_patch16_224", "store": "s", "component": "FC1", "optimizer": "adamw", "lr": 0.003,
+    "seed": 0, "steps": 8, "batch_size": 6, "eval_period": 3, "warmup_steps": None, "img_size": 32,
+    "workers": 2, "gpus_per_worker": 0.0, "cpus_per_worker": 2.0, "out_dir": "runs/x", "weights": None,
+    "pretrained": False, "num_classes": None, "amp_bf16": False, "train_final_norm": False, "augment": True,
+    "shuffle": True, "checkpoint_period": 4, "max_failures": 1, "model_kwargs": TINY, "micro_batch_size": None,
+    "log_period": 1, "momentum": 0.9, "betas": [0.9, 0.999], "weight_decay": 0.0, "clip_norm": 1.0,
+    "head_init": "trunc_normal", "include_layerscale": False, "eval_batch_size": 256, "eval_cache_mb": 512,
+    "loader_workers": 0, "keep_checkpoints": 3, "cleanup_checkpoints": False, "save_final": False,
+    "fail_after_step": 4,
+}
+
+
+def test_an_old_config_json_still_loads():
+    cfg, res = split_legacy(OLD_CONFIG_JSON)
+    assert (cfg.configuration, cfg.optimizer, cfg.lr, cfg.steps, cfg.batch_size) == ("FC1", "adamw", 0.003, 8, 6)
+    assert res == TrainResources(workers=2, gpus_per_worker=0.0, cpus_per_worker=2.0, max_failures=1,
+                                 keep_checkpoints=3, cleanup_checkpoints=False)
+    assert FinetuneConfig.from_dict(OLD_CONFIG_JSON) == cfg  # the core alone drops the moved keys
+    assert {f for f in res.to_dict()} | {"fail_after_step"} == set(MOVED_KEYS)
+    assert not hasattr(cfg, "fail_after_step") and not hasattr(cfg, "workers")
 
 
 def test_warmup_cosine_schedule_matches_closed_form():
@@ -125,9 +162,9 @@ def test_global_batches_cover_each_epoch_exactly_once():
 def test_worker_slices_equal_the_single_worker_batch(store, tmp_path):
     """2 workers x 4 images (micro-batches of 2) load exactly the tensors of 1 worker x 8, augmentation on."""
     data = SplitData(store, "train")
-    one = _MicroBatches(data, tiny_cfg(store, tmp_path, shuffle=True, augment=True), 0, 2)
-    two = [_MicroBatches(data, tiny_cfg(store, tmp_path, shuffle=True, augment=True, workers=2,
-                                        micro_batch_size=2), r, 2) for r in (0, 1)]
+    one = MicroBatches(data, tiny_cfg(store, tmp_path, shuffle=True, augment=True), 0, 2)
+    two = [MicroBatches(data, tiny_cfg(store, tmp_path, shuffle=True, augment=True, micro_batch_size=2), r, 2,
+                        world_size=2) for r in (0, 1)]
     x1, y1 = one[0]
     parts = [two[r][k] for r in (0, 1) for k in (0, 1)]  # step 2 = item 0..1 of each worker
     assert torch.equal(torch.cat([p[0] for p in parts]), x1) and torch.equal(torch.cat([p[1] for p in parts]), y1)
@@ -143,12 +180,13 @@ def test_worker_slices_equal_the_single_worker_batch(store, tmp_path):
 EXPECTED_COUNTS = {  # independent of the registry: the tiny ViT's shapes, per block times depth, + head
     "LN1": 2 * D * L, "LN2": 2 * D * L, "MHA": (3 * D * D + 3 * D + D * D + D) * L,
     "FC1": (D * H + H) * L, "FC2": (H * D + D) * L, "Head": 0,
+    "Emb": 3 * 8 * 8 * D + D + D + 17 * D,  # patch projection (8 px patches) + bias, cls token, 17 positions
 }
 
 
 @pytest.mark.parametrize("config", CONFIGURATIONS)
 def test_freezing_is_exact(store, tmp_path, config):
-    cfg = tiny_cfg(store, tmp_path, component=config, steps=3, eval_period=10)
+    cfg = tiny_cfg(store, tmp_path, configuration=config, steps=3, eval_period=10)
     ft = Finetuner(cfg)
     init = {n: p.detach().clone() for n, p in ft.model.named_parameters()}
     ft.run(progress=False)
@@ -171,14 +209,14 @@ def test_freezing_is_exact(store, tmp_path, config):
 
 
 def test_train_final_norm_option(store, tmp_path):
-    ft = Finetuner(tiny_cfg(store, tmp_path, component="LN1", train_final_norm=True))
+    ft = Finetuner(tiny_cfg(store, tmp_path, configuration="LN1", train_final_norm=True))
     assert {"norm.weight", "norm.bias"} <= set(ft.selection.names)
     assert ft.selection.num_trainable == EXPECTED_COUNTS["LN1"] + 2 * D + D * C + C
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_memory_measured_equals_analytic(store, tmp_path, optimizer):
-    ft = Finetuner(tiny_cfg(store, tmp_path, component="FC2", optimizer=optimizer))
+    ft = Finetuner(tiny_cfg(store, tmp_path, configuration="FC2", optimizer=optimizer))
     assert measured_memory(ft.trainable, ft.optimizer) == {"grad_bytes": 0, "optimizer_bytes": 0}
     x, y = ft.train_data.load(np.arange(8), size=32, train=False)
     train_step(ft.net, ft.optimizer, ft.scheduler, [(x, y)], share=8, trainable=ft.trainable, group=ft.group)
@@ -198,7 +236,7 @@ def test_memory_measured_equals_analytic(store, tmp_path, optimizer):
 
 
 def test_train_step_norms_clipping_and_accumulation(store, tmp_path):
-    cfg = tiny_cfg(store, tmp_path, component="MHA", lr=0.05, warmup_steps=0)
+    cfg = tiny_cfg(store, tmp_path, configuration="MHA", lr=0.05, warmup_steps=0)
     ft = Finetuner(cfg)
     x, y = ft.train_data.load(np.arange(8), size=32, train=False)
     before = {n: p.detach().clone() for n, p in ft.selection.trainable}
@@ -224,7 +262,8 @@ def test_train_step_norms_clipping_and_accumulation(store, tmp_path):
 
 
 def test_divergence_is_recorded_not_raised(store, tmp_path):
-    summary, ft = train_local(tiny_cfg(store, tmp_path, lr=1e30, steps=6), tensorboard=False)
+    # evaluation only at the last step, which a diverged run never reaches: no validation result at all
+    summary, ft = train_local(tiny_cfg(store, tmp_path, lr=1e30, steps=6, eval_period=10), tensorboard=False)
     assert summary["status"] == "diverged"
     assert 1 <= summary["diverged_step"] <= 6 and summary["steps_completed"] == summary["diverged_step"]
     last = ft.curves[-1]
@@ -232,6 +271,24 @@ def test_divergence_is_recorded_not_raised(store, tmp_path):
     assert not (math.isfinite(last["train_loss"]) and math.isfinite(last["grad_norm"]))
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["status"] == "diverged"
+    # nulls, not -1 sentinels, where the run has no value
+    assert saved["best_val_step"] is None and saved["restored_from_step"] is None
+    assert math.isnan(saved["best_val_acc"]) and math.isnan(saved["test_acc"])
+    assert not (tmp_path / "best_trainable.safetensors").exists()
+
+
+def test_failed_summary_has_every_key_of_a_summary_with_nulls(store, tmp_path):
+    cfg = tiny_cfg(store, tmp_path, configuration="LN2", steps=2)
+    summary, _ = train_local(cfg, tensorboard=False, write=False)
+    failed = failed_summary(cfg, RuntimeError("workers died"))
+    assert set(summary) <= set(failed)
+    assert failed["status"] == "failed" and failed["error"] == "RuntimeError: workers died"
+    assert failed["trainable_params"] == EXPECTED_COUNTS["LN2"] + D * C + C  # the model could be built
+    assert failed["best_val_step"] is None and failed["steps_completed"] is None
+    assert math.isnan(failed["best_val_acc"]) and math.isnan(failed["test_acc"])
+    assert (failed["configuration"], failed["model_kwargs"], failed["num_classes"]) == ("LN2", TINY, C)
+    no_store = failed_summary(tiny_cfg(tmp_path / "missing", tmp_path), "store gone")
+    assert no_store["trainable_params"] is None and no_store["error"] == "store gone"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -246,7 +303,7 @@ class Killed(Exception):
 def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path):
     """Killed after its checkpoint at step 4, a resumed run reproduces the uninterrupted one bitwise and
     restarts from the checkpointed optimizer, schedule and RNG state."""
-    kw = dict(component="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=4,
+    kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=4,
               shuffle=True, augment=True, batch_size=6)
     ref, ref_ft = train_local(tiny_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
 
@@ -285,6 +342,40 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path):
     assert summary["num_restores"] == 1 and summary["restored_from_step"] == 4
 
 
+def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
+    """A checkpoint written before the rename (its config says ``component``), with the run's old
+    config.json, resumes and ends where the uninterrupted run ends."""
+    kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=4,
+              shuffle=True, augment=True, batch_size=6)
+    ref, ref_ft = train_local(tiny_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
+    cfg = tiny_cfg(store, tmp_path / "run", **kw)
+    ckdir = tmp_path / "run" / "ckpt"
+
+    def kill(ev: Event):
+        if ev.checkpoint:
+            first.save(ckdir / f"step_{ev.step:08d}")
+            raise Killed
+
+    first = Finetuner(cfg)
+    with pytest.raises(Killed):
+        first.run(kill, progress=False)
+    path = ckdir / "step_00000004" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    state["config"]["component"] = state["config"].pop("configuration")
+    torch.save(state, path)
+    old = dict(OLD_CONFIG_JSON, store=store, out_dir=str(tmp_path / "run"))
+    old_cfg, _ = split_legacy(json.loads(json.dumps(old)))
+    assert old_cfg == cfg
+    summary, ft = train_local(old_cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
+    assert summary["restored_from_step"] == 4 and [r["step"] for r in ft.curves] == list(range(1, 9))
+    assert [r["train_loss"] for r in ft.curves] == [r["train_loss"] for r in ref_ft.curves]
+    assert summary["test_acc"] == ref["test_acc"]
+    state["config"]["component"] = "FC2"  # and an old checkpoint of another configuration is refused
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="configuration"):
+        Finetuner(cfg).load(ckdir / "step_00000004")
+
+
 def test_resume_refuses_another_runs_checkpoint(store, tmp_path):
     cfg = tiny_cfg(store, tmp_path, steps=2)
     ft = Finetuner(cfg)
@@ -294,62 +385,101 @@ def test_resume_refuses_another_runs_checkpoint(store, tmp_path):
         other.load(tmp_path / "ck")
 
 
+def read_hparams(tb_dir) -> dict:
+    """The HParams record of a run's TensorBoard folder: {name: value}, read with TensorBoard's own parser."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    acc = EventAccumulator(str(tb_dir)).Reload()
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
+    hp = metadata.parse_session_start_info_plugin_data(content)
+    return {k: (v.string_value if v.HasField("string_value") else v.number_value) for k, v in hp.hparams.items()}
+
+
 def test_outputs_summary_curves_tensorboard(store, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    summary, ft = train_local(tiny_cfg(store, tmp_path, steps=5, eval_period=2, log_period=2))
+    summary, ft = train_local(tiny_cfg(store, tmp_path, steps=5, eval_period=2, log_period=2, seed=3))
     saved = json.loads((tmp_path / "summary.json").read_text())
     needed = set(columns("trials")) - {"trial_id", "dataset", "model"}
     assert needed <= set(saved) and {"grad_memory_bytes", "optimizer_memory_bytes"} <= set(saved)
+    assert "component" not in saved and saved["configuration"] == "MHA" and saved["model_kwargs"] == TINY
     curves = pd.read_parquet(tmp_path / "curves.parquet")
-    assert list(curves.columns) == CURVE_COLUMNS
+    assert list(curves.columns) == list(RUN_CURVE_COLUMNS)
     assert curves["step"].tolist() == [2, 4, 5]  # log every 2 steps and the last step
     assert curves["val_acc"].notna().tolist() == [True, True, True]  # evals at 2, 4 and the final step
-    assert 0.0 <= saved["best_val_acc"] <= 1.0 and 0.0 <= saved["test_acc"] <= 1.0
     assert saved["best_val_step"] in (2, 4, 5)
-    acc = EventAccumulator(str(tmp_path / "tb")).Reload()
+    tb = tmp_path / "tb"
+    acc = EventAccumulator(str(tb)).Reload()
     assert {"train/train_loss", "train/grad_norm", "train/component_grad_norm", "val/val_acc",
-            "result/test_acc"} <= set(acc.Tags()["scalars"])
+            "result/test_acc", "result/best_val_acc"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("train/train_loss")] == [2, 4, 5]
+    assert acc.Scalars("result/test_acc")[0].value == pytest.approx(saved["test_acc"])
     assert (tmp_path / "best_trainable.safetensors").is_file()
+    # the HParams record, in the run's own folder (no timestamped sub-folder)
+    assert [p for p in tb.iterdir() if p.is_dir()] == []
+    assert read_hparams(tb) == {"configuration": "MHA", "optimizer": "sgd", "lr": pytest.approx(0.1), "seed": 3,
+                                "steps": 5, "batch_size": 8, "model": "vit_tiny_patch16_224",
+                                "model_kwargs": json.dumps(TINY, sort_keys=True)}
 
 
-def test_test_accuracy_is_of_the_best_validation_state(store, tmp_path):
-    """The reported test accuracy is recomputed here from best_trainable.safetensors."""
-    from safetensors.torch import load_file
-
-    summary, ft = train_local(tiny_cfg(store, tmp_path, steps=6, eval_period=2, lr=0.3), tensorboard=False)
-    best = load_file(tmp_path / "best_trainable.safetensors")
-    model = ft.model
+def accuracy(model: torch.nn.Module, state: dict[str, torch.Tensor], split: SplitData) -> float:
+    """Accuracy on all of ``split`` of ``model`` with the trainable tensors ``state`` put in."""
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n in best:
-                p.copy_(best[n])
-    test = SplitData(ft.cfg.store, "test")
-    x, y = test.load(np.arange(len(test)), size=32, train=False)
+            if n in state:
+                p.copy_(state[n])
+    x, y = split.load(np.arange(len(split)), size=32, train=False)
     model.eval()
     with torch.no_grad():
-        acc = float((model(x).argmax(1) == y).float().mean())
-    assert summary["test_acc"] == pytest.approx(acc)
-    vals = [r["val_acc"] for r in ft.curves if r["val_acc"] is not None]
-    assert summary["best_val_acc"] == max(vals)
-    assert summary["best_val_step"] == [r["step"] for r in ft.curves if r["val_acc"] == max(vals)][0]
+        return float((model(x).argmax(1) == y).double().mean())
+
+
+def test_best_validation_state_and_its_test_accuracy(store, tmp_path):
+    """Recomputed here from the saved states: the val accuracy of the trainable state at every evaluation
+    step (checkpoints of steps 2 and 4, the final model of step 6), the best of them (the first on ties),
+    the saved best_trainable.safetensors, and its test accuracy."""
+    from safetensors.torch import load_file
+
+    cfg = tiny_cfg(store, tmp_path, steps=6, eval_period=2, checkpoint_period=2, lr=0.3, save_final=True)
+    summary, ft = train_local(cfg, checkpoint_dir=tmp_path / "ck", tensorboard=False)
+    states = {s: torch.load(tmp_path / "ck" / f"step_{s:08d}" / "state.pt", weights_only=True)["trainable"]
+              for s in (2, 4)}
+    final = load_file(tmp_path / "final_model.safetensors")
+    states[6] = {n: final[n] for n in states[2]}
+    model = build_finetune_model(cfg, C)  # frozen parameters as initialised (test_freezing_is_exact)
+    val, test = SplitData(store, "val"), SplitData(store, "test")
+    val_acc = {s: accuracy(model, state, val) for s, state in states.items()}
+    best_step = min(s for s in val_acc if val_acc[s] == max(val_acc.values()))
+    assert summary["best_val_step"] == best_step
+    assert summary["best_val_acc"] == pytest.approx(val_acc[best_step], abs=1e-12)
+    best = load_file(tmp_path / "best_trainable.safetensors")
+    assert set(best) == set(states[best_step]) and all(torch.equal(best[n], states[best_step][n]) for n in best)
+    assert summary["test_acc"] == pytest.approx(accuracy(model, best, test), abs=1e-12)
+    assert len(set(val_acc.values())) > 1 or summary["best_val_step"] == 2  # (ties resolve to the first)
 
 
 def test_cli_builds_the_config(store, tmp_path):
     from raystudy.cli import build_parser
     from raystudy.commands.finetune import config_from_args
 
-    args = build_parser().parse_args([
-        "finetune", "--store", store, "--model", "vit_tiny_patch16_224", "--model-kwargs", json.dumps(TINY),
-        "--img-size", "32", "--config", "LN2", "--optimizer", "adamw", "--lr", "1e-4", "--seed", "2",
-        "--steps", "7", "--workers", "2", "--batch-size", "8", "--out", str(tmp_path), "--no-shuffle"])
-    cfg = config_from_args(args)
-    assert (cfg.component, cfg.optimizer, cfg.lr, cfg.seed, cfg.steps, cfg.workers) == ("LN2", "adamw", 1e-4, 2, 7, 2)
-    assert cfg.model_kwargs == TINY and not cfg.shuffle and cfg.augment
+    base = ["finetune", "--store", store, "--model", "vit_tiny_patch16_224", "--model-kwargs", json.dumps(TINY),
+            "--img-size", "32", "--optimizer", "adamw", "--lr", "1e-4", "--seed", "2", "--steps", "7",
+            "--workers", "2", "--cpus-per-worker", "1.5", "--max-failures", "2", "--batch-size", "8",
+            "--out", str(tmp_path), "--no-shuffle"]
+    for flag in ("--configuration", "--component", "--config"):  # today's name and the old spellings
+        cfg, res = config_from_args(build_parser().parse_args([*base, flag, "LN2"]))
+        assert (cfg.configuration, cfg.optimizer, cfg.lr, cfg.seed, cfg.steps) == ("LN2", "adamw", 1e-4, 2, 7)
+        assert cfg.model_kwargs == TINY and not cfg.shuffle and cfg.augment and cfg.out_dir == str(tmp_path)
+        assert res == TrainResources(workers=2, cpus_per_worker=1.5, max_failures=2)
+    with pytest.raises(SystemExit):  # choices come from the vocabulary
+        build_parser().parse_args([*base, "--configuration", "Attn"])
     bad = build_parser().parse_args(["finetune", "--store", store, "--out", str(tmp_path), "--model-kwargs", "{x"])
     with pytest.raises(ValueError, match="--model-kwargs"):
         config_from_args(bad)
+    odd = build_parser().parse_args([*base, "--configuration", "LN2", "--workers", "3"])
+    with pytest.raises(ValueError, match="TrainResources.workers"):
+        config_from_args(odd)
 
 
 def test_dataloader_processes_give_the_same_run(store, tmp_path):

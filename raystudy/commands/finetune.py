@@ -1,20 +1,25 @@
-"""``raystudy finetune``: one component-wise finetuning run on Ray Train, printing its summary."""
+"""``raystudy finetune``: one component-wise finetuning run on Ray Train, printing its progress and summary."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "finetune", help="finetune one configuration (LN1, MHA, LN2, FC1, FC2, All, Head) on Ray Train",
+        "finetune", help="finetune one configuration (a component, Emb, All or Head) on Ray Train",
         description="One run of the paper's protocol: freeze everything but the configuration's component (in "
                     "every block) and a new head, train with SGD (momentum 0.9) or AdamW, cosine schedule with "
                     "linear warmup, clipping at norm 1, global batch 512 over K DDP workers; evaluate on val "
                     "every --eval-period steps and report the test accuracy of the best-validation state. "
-                    "Writes summary.json, curves.parquet, tb/, best_trainable.safetensors and Ray checkpoints "
-                    "into --out; re-running with the same --out resumes from its latest checkpoint.",
+                    "Writes summary.json, curves.parquet, tb/ (scalars and the run's HParams), "
+                    "best_trainable.safetensors and Ray checkpoints into --out; re-running with the same --out "
+                    "resumes from its latest checkpoint. Prints one "
+                    "line per logged step (every --log-period steps) and evaluation while it runs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--store", required=True, help="prepared store directory (raystudy data prepare)")
@@ -23,8 +28,9 @@ def register(subparsers) -> None:
     p.add_argument("--pretrained", action="store_true", help="download timm's pretrained weights (internet)")
     p.add_argument("--model-kwargs", default="{}", metavar="JSON",
                    help='extra timm.create_model arguments, e.g. \'{"depth": 3, "embed_dim": 48}\'')
-    p.add_argument("--config", dest="component", default="MHA", help="LN1, MHA, LN2, FC1, FC2, All or Head")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--configuration", "--component", "--config", dest="configuration", default="MHA",
+                   choices=CONFIGURATIONS, help="what to train (a component in every block, All or Head)")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=1e-2, help="learning rate as used (AdamW: the caller scales)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=10_000)
@@ -45,6 +51,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-shuffle", action="store_true", help="train rows in store order every epoch")
     p.add_argument("--checkpoint-period", type=int, default=None, help="default: --eval-period; 0: off")
     p.add_argument("--max-failures", type=int, default=0, help="worker failures to recover from")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="latest checkpoints kept while the run lives")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader processes per worker")
     p.add_argument("--save-final", action="store_true", help="also write the final full model")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
@@ -54,8 +61,9 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The :class:`~raystudy.core.finetune.FinetuneConfig` of the parsed arguments (validated)."""
+    """The validated ``(FinetuneConfig, TrainResources)`` of the parsed arguments."""
     from raystudy.core.finetune import FinetuneConfig
+    from raystudy.distributed.train import TrainResources
 
     try:
         model_kwargs = json.loads(args.model_kwargs)
@@ -65,30 +73,42 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("--model-kwargs must be a JSON object")
     cfg = FinetuneConfig(
         model=args.model, weights=args.weights, pretrained=args.pretrained, model_kwargs=model_kwargs,
-        store=args.store, component=args.component, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+        store=args.store, configuration=args.configuration, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
         steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
         eval_period=args.eval_period, log_period=args.log_period, warmup_steps=args.warmup_steps,
-        img_size=args.img_size, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
-        cpus_per_worker=args.cpus_per_worker, num_classes=args.num_classes, amp_bf16=args.bf16,
+        img_size=args.img_size, num_classes=args.num_classes, amp_bf16=args.bf16,
         train_final_norm=args.train_final_norm, augment=not args.no_augment, shuffle=not args.no_shuffle,
-        checkpoint_period=args.checkpoint_period, max_failures=args.max_failures,
-        loader_workers=args.loader_workers, save_final=args.save_final, out_dir=args.out,
+        checkpoint_period=args.checkpoint_period, loader_workers=args.loader_workers, save_final=args.save_final,
+        out_dir=args.out,
     )
-    return cfg.validate()
+    resources = TrainResources(workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                               cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures,
+                               keep_checkpoints=args.keep_checkpoints)
+    return cfg.validate(), resources.validate(cfg)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    cfg, resources = config_from_args(args)
     from raystudy.data.store import read_meta
 
     read_meta(cfg.store)  # a clear error before Ray starts
     import ray
 
-    from raystudy.distributed.train import format_summary, run_finetune
+    from raystudy.distributed.cluster import init_ray
+    from raystudy.distributed.train import format_report, format_summary, run_finetune
 
-    if not ray.is_initialized():
-        ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
-    summary = run_finetune(cfg)
+    progress = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON document only
+
+    def show(metrics: dict) -> None:
+        if not metrics.get("final"):
+            print(format_report(metrics, cfg.steps), file=progress, flush=True)
+
+    started = init_ray(args.address, verbose=getattr(args, "verbose", False))
+    try:
+        summary = run_finetune(cfg, resources, on_report=show)
+    finally:
+        if started:
+            ray.shutdown()
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -1,24 +1,26 @@
 """Finetuning on Ray Train (V2): a thin layer over :class:`raystudy.core.finetune.Finetuner`.
 
-``run_finetune(cfg)`` builds a ``TorchTrainer`` (:func:`make_trainer`) with ``cfg.workers`` workers, fits it
-and writes the run's outputs into ``cfg.out_dir``:
+``run_finetune(cfg, resources)`` builds a ``TorchTrainer`` (:func:`make_trainer`) with
+``resources.workers`` workers, fits it and writes the run's outputs into ``cfg.out_dir``:
 
 * ``summary.json``: the ``trials.parquet`` columns of the run (the caller adds trial_id, dataset, model)
   plus memory, throughput and restore figures; ``curves.parquet``: step, lr, train_loss, grad_norm,
   component_grad_norm, images_per_s, val_loss, val_acc (val columns null between evaluations);
-* ``tb/``: TensorBoard events (written by worker 0); ``best_trainable.safetensors``: the trainable
-  parameters and head of the best-validation step; ``config.json``, ``restores.json``;
+* ``tb/``: TensorBoard events and the run's HParams record (written by worker 0);
+  ``best_trainable.safetensors``: the trainable parameters and head of the best-validation step;
+  ``config.json`` (the protocol, with the resources under ``"resources"``), ``restores.json``;
 * ``ray/train/``: Ray Train's run directory with the checkpoints (unless a ``run_config`` says otherwise),
   deleted when the run ends ``ok`` or ``diverged`` (``cleanup_checkpoints``), kept when it ``failed``.
 
 Each worker builds the same model (seeded), freezes it by configuration, wraps it in DDP through
 ``ray.train.torch.prepare_model`` (gloo on CPU, NCCL on GPU) and reads its own contiguous slice of every
-global batch from the prepared store (see the core module for why this order is exact). Metrics are
-reported with ``ray.train.report`` at every log step and evaluation; every ``checkpoint_period`` steps the
-workers report a checkpoint (worker 0: trainable parameters, optimizer, schedule, step, data position,
-best-validation state, curves; every worker: its RNG states), from which ``FailureConfig(max_failures)``
-restarts resume exactly. Re-running a run that failed (or whose driver died) with the same ``out_dir`` (or
-the same ``RunConfig`` name and storage) resumes from the latest checkpoint of the previous attempt.
+global batch from the prepared store (see :mod:`raystudy.core.finetune.data` for why this order is exact).
+Metrics are reported with ``ray.train.report`` at every log step and evaluation; every
+``checkpoint_period`` steps the workers report a checkpoint (worker 0: trainable parameters, optimizer,
+schedule, step, data position, best-validation state, curves; every worker: its RNG states), from which
+``FailureConfig(max_failures)`` restarts resume exactly. Re-running a run that failed (or whose driver
+died) with the same ``out_dir`` (or the same ``RunConfig`` name and storage) resumes from the latest
+checkpoint of the previous attempt.
 
 A non-finite loss ends the run with status ``diverged`` (recorded, not raised); a run whose workers fail
 more often than ``max_failures`` is recorded with status ``failed`` and the error message.
@@ -26,26 +28,116 @@ more often than ``max_failures`` is recorded with status ``failed`` and the erro
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from ray.train import UserCallback
 
 from raystudy.core.finetune import (
     Event,
     FinetuneConfig,
     Finetuner,
     TensorBoardLogger,
-    save_safetensors,
+    build_finetune_model,
+    run_summary,
+    save_weights,
+    select_for,
     write_outputs,
 )
+from raystudy.faults import injected
 
 log = logging.getLogger(__name__)
 
 
+# --------------------------------------------------------------------------------------------------
+# Resources: where and on how many workers a run executes
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResources:
+    """The Ray Train settings of a run (the protocol is :class:`~raystudy.core.finetune.FinetuneConfig`).
+
+    ``workers`` DDP workers with ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs each share the global
+    batch evenly. ``max_failures`` worker failures are recovered from the latest checkpoint. Ray Train keeps
+    the ``keep_checkpoints`` latest checkpoints while a run lives and, with ``cleanup_checkpoints``, its
+    directory is deleted once the run has ended ``ok`` or ``diverged`` (a ViT-B MHA checkpoint is ~340 MB:
+    a thousand-run study cannot keep them); ``failed`` runs keep theirs so that a re-run resumes.
+    """
+
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+    max_failures: int = 0
+    keep_checkpoints: int = 2
+    cleanup_checkpoints: bool = True
+
+    def validate(self, cfg: FinetuneConfig | None = None) -> TrainResources:
+        """Raise ``ValueError`` naming the offending field (also when ``cfg``'s global batch does not split
+        evenly over the workers); returns ``self``."""
+        def bad(name: str, why: str):
+            raise ValueError(f"TrainResources.{name}={getattr(self, name)!r}: {why}")
+
+        if not (isinstance(self.workers, int) and self.workers >= 1):
+            bad("workers", "must be an integer >= 1")
+        if self.gpus_per_worker < 0:
+            bad("gpus_per_worker", "must be >= 0")
+        if self.cpus_per_worker <= 0:
+            bad("cpus_per_worker", "must be > 0")
+        if not (isinstance(self.max_failures, int) and self.max_failures >= -1):
+            bad("max_failures", "must be an integer >= 0 (or -1: retry forever)")
+        if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 1):
+            bad("keep_checkpoints", "must be an integer >= 1")
+        if cfg is not None and cfg.batch_size % self.workers:
+            bad("workers", f"the global batch FinetuneConfig.batch_size={cfg.batch_size} must split evenly "
+                           "over the workers")
+        return self
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.gpus_per_worker > 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainResources:
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown TrainResources field(s) {unknown}")
+        return cls(**d)
+
+
+def run_config_dict(cfg: FinetuneConfig, resources: TrainResources) -> dict:
+    """A run's ``config.json``: the protocol, with the resources under ``"resources"``."""
+    return {**cfg.to_dict(), "resources": resources.to_dict()}
+
+
+def split_legacy(d: dict) -> tuple[FinetuneConfig, TrainResources]:
+    """The protocol and the resources of a run's ``config.json``, today's (:func:`run_config_dict`) or an
+    older one (resources as top-level keys, ``component`` for ``configuration``, ``fail_after_step``)."""
+    d = dict(d)
+    resources = d.pop("resources", None)
+    if resources is None:
+        resources = {f.name: d[f.name] for f in fields(TrainResources) if f.name in d}
+    return FinetuneConfig.from_dict(d), TrainResources.from_dict(resources)
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker
+# --------------------------------------------------------------------------------------------------
+
+
 class InjectedFailure(RuntimeError):
-    """Raised by the ``FinetuneConfig.fail_after_step`` testing hook."""
+    """Raised by a worker when a test injects ``fail_after_step`` (:mod:`raystudy.faults`)."""
 
 
 def _all_reduce_sum(t):
@@ -56,32 +148,23 @@ def _all_reduce_sum(t):
 
 
 def _clean_metrics(metrics: dict) -> dict:
-    """Ray metrics: plain floats/ints/strings, None dropped (val columns between evaluations)."""
-    out = {}
-    for k, v in metrics.items():
-        if v is None:
-            continue
-        out[k] = float(v) if isinstance(v, float) else v
-    return out
+    """Ray metrics: plain numbers, strings and flags (None and nested values dropped)."""
+    return {k: float(v) if isinstance(v, float) else v for k, v in metrics.items()
+            if isinstance(v, int | float | str | bool)}
 
 
-def train_loop_per_worker(config: dict) -> dict | None:
-    """The Ray Train worker function: ``config = {"cfg": FinetuneConfig.to_dict()}``.
-
-    Returns the run payload (summary, curves, restores) on worker 0, ``None`` on the others.
-    """
+def _worker_finetuner(cfg: FinetuneConfig, resources: TrainResources) -> Finetuner:
+    """This worker's :class:`Finetuner` (DDP-wrapped when there are several), resumed from Ray Train's
+    latest checkpoint when there is one."""
     import ray.train
-    import ray.train.collective
     import ray.train.torch
     import torch
-    from ray.train import Checkpoint
 
-    cfg = FinetuneConfig.from_dict(config["cfg"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
+        torch.set_num_threads(max(1, int(resources.cpus_per_worker)))
     ft = Finetuner(
         cfg, rank=rank, world_size=world, device=device,
         wrap=lambda m: ray.train.torch.prepare_model(m, move_to_device=device,
@@ -93,136 +176,200 @@ def train_loop_per_worker(config: dict) -> dict | None:
         with checkpoint.as_directory() as d:
             info = ft.load(d)
         log.info("rank %d resumed at step %d from %s", rank, info["step"], checkpoint.path)
-    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None) if rank == 0 else None
+    return ft
 
-    def callback(ev: Event) -> None:
+
+def _reporter(ft: Finetuner, tb: TensorBoardLogger | None, config: dict) -> Callable[[Event], None]:
+    """The loop's callback on a worker: TensorBoard (worker 0), ``ray.train.report`` with a checkpoint at
+    checkpoint steps, and the test fault ``fail_after_step`` (first attempt only, after its checkpoint)."""
+    import ray.train
+    import ray.train.collective
+    from ray.train import Checkpoint
+
+    fail_after = injected("fail_after_step", Path(ft.cfg.out_dir).name)
+
+    def report(ev: Event) -> None:
         if tb is not None:
             tb(ev)
-        metrics = _clean_metrics(ev.metrics)
-        metrics["step"], metrics["final"] = ev.step, ev.final
+        metrics = {**_clean_metrics(ev.metrics), "step": ev.step, "final": ev.final}
         if ev.checkpoint:
             with tempfile.TemporaryDirectory(prefix="raystudy-ckpt-") as d:
                 ft.save(d)
-                if ev.final and rank == 0:
-                    write_outputs(d, ev.metrics, ft.curves, config=cfg.to_dict(), restores=ft.restores)
+                if ev.final and ft.rank == 0:
+                    write_outputs(d, ev.metrics, ft.curves, config=config, restores=ft.restores)
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         else:
             ray.train.report(metrics)
-        if cfg.fail_after_step is not None and ev.step == cfg.fail_after_step and not ft.restores and not ev.final:
+        if fail_after is not None and ev.step == fail_after and not ft.restores and not ev.final:
             # Every worker's report (and checkpoint) is queued before anyone dies, so the controller
             # registers this checkpoint before it sees the failure.
             ray.train.collective.barrier()
-            raise InjectedFailure(f"injected failure after step {ev.step} (FinetuneConfig.fail_after_step)")
+            raise InjectedFailure(f"injected failure after step {ev.step} (raystudy.faults fail_after_step)")
 
+    return report
+
+
+def train_loop_per_worker(config: dict) -> dict | None:
+    """The Ray Train worker function: ``config`` is a run's :func:`run_config_dict`.
+
+    Returns the run payload (summary, curves, restores) on worker 0, ``None`` on the others.
+    """
+    cfg, resources = split_legacy(config)
+    ft = _worker_finetuner(cfg, resources)
+    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None) if ft.rank == 0 else None
     try:
-        summary = ft.run(callback, progress=False)
+        summary = ft.run(_reporter(ft, tb, config), progress=False)
     finally:
         if tb is not None:
             tb.close()
-    if rank != 0:
+    if ft.rank != 0:
         return None
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if ft.best_state is not None:
-        save_safetensors(ft.best_state, out / "best_trainable.safetensors")
-    if cfg.save_final:
-        save_safetensors(ft.model.state_dict(), out / "final_model.safetensors")
+    save_weights(ft)
     return {"summary": summary, "curves": ft.curves, "restores": ft.restores}
 
 
-def make_trainer(cfg: FinetuneConfig, run_config=None, callbacks: list | None = None):
+# --------------------------------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------------------------------
+
+
+def _run_config(cfg: FinetuneConfig, resources: TrainResources, run_config, callbacks: list):
+    """``run_config``, or the default one of :func:`make_trainer`, with the resources' failure and
+    checkpoint settings where it leaves Ray's defaults and ``callbacks`` appended."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    failure = FailureConfig(max_failures=resources.max_failures)
+    keep = CheckpointConfig(num_to_keep=resources.keep_checkpoints)
+    if run_config is None:
+        return RunConfig(name="train", storage_path=str(Path(cfg.out_dir).absolute() / "ray"),
+                         failure_config=failure, checkpoint_config=keep, callbacks=list(callbacks))
+    changes = {}
+    if run_config.failure_config == FailureConfig():
+        changes["failure_config"] = failure
+    if run_config.checkpoint_config == CheckpointConfig():
+        changes["checkpoint_config"] = keep
+    if callbacks:
+        changes["callbacks"] = list(run_config.callbacks or []) + list(callbacks)
+    return dataclasses.replace(run_config, **changes) if changes else run_config
+
+
+def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *, run_config=None,
+                 callbacks: list | None = None):
     """The ``TorchTrainer`` of one run.
 
     Without ``run_config``: ``RunConfig(name="train", storage_path=<out_dir>/ray,
-    failure_config=FailureConfig(max_failures=cfg.max_failures),
-    checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints), callbacks=callbacks)``. A given
+    failure_config=FailureConfig(max_failures=resources.max_failures),
+    checkpoint_config=CheckpointConfig(num_to_keep=resources.keep_checkpoints), callbacks=callbacks)``. A given
     ``run_config`` (e.g. ``RunConfig(callbacks=[TuneReportCallback()], storage_path=..., name=...)`` inside a
     Tune trial) is used as is, except that a failure or checkpoint config left at Ray's default takes the
     values above and ``callbacks`` are appended to its own.
     """
-    import dataclasses
-
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    cfg.validate()
-    failure = FailureConfig(max_failures=cfg.max_failures)
-    keep = CheckpointConfig(num_to_keep=cfg.keep_checkpoints)
-    if run_config is None:
-        run_config = RunConfig(name="train", storage_path=str(Path(cfg.out_dir).absolute() / "ray"),
-                               failure_config=failure, checkpoint_config=keep, callbacks=list(callbacks or []))
-    else:
-        changes = {}
-        if run_config.failure_config == FailureConfig():
-            changes["failure_config"] = failure
-        if run_config.checkpoint_config == CheckpointConfig():
-            changes["checkpoint_config"] = keep
-        if callbacks:
-            changes["callbacks"] = list(run_config.callbacks or []) + list(callbacks)
-        if changes:
-            run_config = dataclasses.replace(run_config, **changes)
-    use_gpu = cfg.gpus_per_worker > 0
-    resources = {"CPU": cfg.cpus_per_worker}
-    if use_gpu:
-        resources["GPU"] = cfg.gpus_per_worker
+    resources = (resources or TrainResources()).validate(cfg.validate())
+    per_worker = {"CPU": resources.cpus_per_worker}
+    if resources.use_gpu:
+        per_worker["GPU"] = resources.gpus_per_worker
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.to_dict()},
-        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=use_gpu, resources_per_worker=resources),
-        run_config=run_config,
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        train_loop_config=run_config_dict(cfg, resources),
+        scaling_config=ScalingConfig(num_workers=resources.workers, use_gpu=resources.use_gpu,
+                                     resources_per_worker=per_worker),
+        run_config=_run_config(cfg, resources, run_config, list(callbacks or [])),
+        torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
     )
 
 
-def _failed_summary(cfg: FinetuneConfig, error: BaseException) -> dict:
-    nan = float("nan")
+def failed_summary(cfg: FinetuneConfig, error: BaseException | str | None) -> dict:
+    """The summary of a run that produced no result: every key of a normal summary, the measured ones
+    null (NaN or None), ``trainable_params`` counted when the model can be built, and ``error``."""
+    from raystudy.data.store import read_meta
+
+    trainable, num_classes = None, cfg.num_classes
     try:
-        from raystudy.core.finetune import build_finetune_model, select_and_freeze
-        from raystudy.data.store import read_meta
-
-        model = build_finetune_model(cfg, cfg.num_classes or int(read_meta(cfg.store)["num_classes"]))
-        trainable = select_and_freeze(model, cfg.component, train_final_norm=cfg.train_final_norm,
-                                      include_layerscale=cfg.include_layerscale).num_trainable
-    except Exception:  # the failure may be the model itself
-        trainable = -1
-    return {
-        "component": cfg.component, "optimizer": cfg.optimizer, "lr": float(cfg.lr), "seed": cfg.seed,
-        "steps": cfg.steps, "batch_size": cfg.batch_size, "trainable_params": trainable, "status": "failed",
-        "best_val_acc": nan, "best_val_step": -1, "test_acc": nan, "final_val_loss": nan, "final_val_acc": nan,
-        "steps_completed": -1, "error": f"{type(error).__name__}: {error}"[:2000],
-    }
+        num_classes = num_classes or int(read_meta(cfg.store)["num_classes"])
+        trainable = select_for(build_finetune_model(cfg, num_classes), cfg).num_trainable
+    except Exception:  # the failure may be the store or the model itself
+        pass
+    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return run_summary(cfg, status="failed", trainable_params=trainable, num_classes=num_classes,
+                       error=message[:2000])
 
 
-def run_finetune(cfg: FinetuneConfig, *, run_config=None, callbacks: list | None = None) -> dict:
+class _QueueReports(UserCallback):
+    """Puts worker 0's reports into a Ray queue (this callback runs in Ray Train's controller process, whose
+    output does not reach the terminal)."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if metrics:
+            self.queue.put_nowait(metrics[0])  # returns once the item is in the queue
+
+
+@contextlib.contextmanager
+def forwarded_reports(on_report: Callable[[dict], None] | None) -> Iterator[list]:
+    """Ray Train callbacks that hand worker 0's reports to ``on_report`` on the driver (in a thread, while
+    the block runs; the remaining ones when it ends). Empty without ``on_report``."""
+    if on_report is None:
+        yield []
+        return
+    from ray.util.queue import Empty, Queue
+
+    queue, done = Queue(actor_options={"num_cpus": 0}), threading.Event()
+
+    def drain() -> None:
+        while True:
+            try:
+                on_report(queue.get(timeout=0.5))
+            except Empty:
+                if done.is_set():
+                    return
+
+    thread = threading.Thread(target=drain, name="raystudy-reports", daemon=True)
+    thread.start()
+    try:
+        yield [_QueueReports(queue)]
+    finally:
+        done.set()
+        thread.join()
+        queue.shutdown()
+
+
+def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *, run_config=None,
+                 callbacks: list | None = None, on_report: Callable[[dict], None] | None = None) -> dict:
     """Run one finetuning run on Ray Train and return its summary (also written to ``cfg.out_dir``).
 
     Never raises for a run that diverges (status ``diverged``) or whose workers fail beyond
-    ``cfg.max_failures`` (status ``failed``, with ``error``); invalid configurations raise ``ValueError``.
-    ``wall_seconds`` is the driver's wall time of ``fit()``, Ray Train start-up included.
+    ``resources.max_failures`` (status ``failed``, with ``error``); invalid settings raise ``ValueError``.
+    ``wall_seconds`` is the driver's wall time of ``fit()``, Ray Train start-up included. ``on_report``
+    receives worker 0's metrics of every report while the run lives (``raystudy finetune`` prints them).
     """
     from ray.train import TrainingFailedError
 
-    cfg.validate()
+    resources = (resources or TrainResources()).validate(cfg.validate())
     t0 = time.perf_counter()
-    trainer = make_trainer(cfg, run_config, callbacks)
     payload, error, result = None, None, None
     try:
-        result = trainer.fit()
+        with forwarded_reports(on_report) as forward:
+            trainer = make_trainer(cfg, resources, run_config=run_config, callbacks=[*(callbacks or []), *forward])
+            result = trainer.fit()
         payload = result.return_value
         if payload is None:
             error = RuntimeError("Ray Train returned no result from worker 0")
     except TrainingFailedError as e:
         error = e
         log.error("finetune run %s failed: %s", cfg.out_dir, e)
-    wall = time.perf_counter() - t0
     if payload is not None:
         summary, curves, restores = dict(payload["summary"]), payload["curves"], payload["restores"]
     else:
-        summary, curves, restores = _failed_summary(cfg, error), [], []
-    summary["wall_seconds"] = wall
-    summary["workers"] = cfg.workers
-    write_outputs(cfg.out_dir, summary, curves, config=cfg.to_dict(), restores=restores)
-    if cfg.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):
+        summary, curves, restores = failed_summary(cfg, error), [], []
+    summary["wall_seconds"] = time.perf_counter() - t0
+    summary["workers"] = resources.workers
+    write_outputs(cfg.out_dir, summary, curves, config=run_config_dict(cfg, resources), restores=restores)
+    if resources.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):
         _delete_run_dir(result)
     return summary
 
@@ -235,15 +382,30 @@ def _delete_run_dir(result) -> None:
         log.warning("could not delete the checkpoints of %s: %s", result.path, e)
 
 
+# --------------------------------------------------------------------------------------------------
+# Terminal output
+# --------------------------------------------------------------------------------------------------
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.6g}"
+    return "-" if v is None else str(v)
+
+
+def format_report(metrics: dict, steps: int) -> str:
+    """One progress line of a report: step, train loss, lr, images/s, and the val metrics at evaluations."""
+    line = (f"step {metrics.get('step', '?')}/{steps}  loss {_fmt(metrics.get('train_loss'))}  "
+            f"lr {_fmt(metrics.get('lr'))}  {_fmt(metrics.get('images_per_s'))} img/s")
+    if "val_acc" in metrics:
+        line += f"  val_loss {_fmt(metrics.get('val_loss'))}  val_acc {_fmt(metrics['val_acc'])}"
+    return line
+
+
 def format_summary(summary: dict) -> str:
     """A short human-readable block of a run summary (used by ``raystudy finetune``)."""
-    def fmt(v):
-        if isinstance(v, float):
-            return "nan" if math.isnan(v) else f"{v:.6g}"
-        return str(v)
-
-    keys = ["component", "optimizer", "lr", "seed", "steps", "batch_size", "workers", "trainable_params", "status",
-            "best_val_acc", "best_val_step", "test_acc", "final_val_loss", "images_per_s", "grad_memory_bytes",
-            "optimizer_memory_bytes", "num_restores", "wall_seconds", "error"]
+    keys = ["configuration", "optimizer", "lr", "seed", "steps", "batch_size", "workers", "trainable_params",
+            "status", "best_val_acc", "best_val_step", "test_acc", "final_val_loss", "images_per_s",
+            "grad_memory_bytes", "optimizer_memory_bytes", "num_restores", "wall_seconds", "error"]
     width = max(len(k) for k in keys)
-    return "\n".join(f"{k:<{width}}  {fmt(summary[k])}" for k in keys if k in summary)
+    return "\n".join(f"{k:<{width}}  {_fmt(summary[k])}" for k in keys if k in summary)

@@ -1,0 +1,185 @@
+"""The finetuning protocol: :class:`FinetuneConfig`, its validation, the learning-rate schedule, the optimizer.
+
+A config holds the protocol only (what is trained, how, on which data, for how long). Where and on how many
+workers a run executes is the caller's business (:class:`raystudy.distributed.train.TrainResources` for Ray
+Train; one process for :func:`raystudy.core.finetune.train_local`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS
+
+log = logging.getLogger(__name__)
+
+#: Fraction of the run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
+WARMUP_FRACTION = 0.2
+HEAD_INITS = ("trunc_normal", "zero")
+#: Keys of older ``config.json`` files and their names now.
+RENAMED_KEYS = {"component": "configuration"}
+#: Keys of older ``config.json`` files that are no longer protocol settings: Ray Train's resources (now
+#: :class:`raystudy.distributed.train.TrainResources`) and the former test hook ``fail_after_step`` (now
+#: :mod:`raystudy.faults`). :meth:`FinetuneConfig.from_dict` ignores them.
+MOVED_KEYS = ("workers", "gpus_per_worker", "cpus_per_worker", "max_failures", "keep_checkpoints",
+              "cleanup_checkpoints", "fail_after_step")
+#: Fields a checkpoint must agree on to be resumed (others, e.g. eval_period or the workers, may change).
+RESUME_KEYS = ("model", "configuration", "optimizer", "lr", "seed", "steps", "batch_size", "warmup_steps",
+               "img_size", "augment", "shuffle", "train_final_norm", "include_layerscale", "momentum", "betas",
+               "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init")
+_POSITIVE_INTS = ("steps", "batch_size", "eval_period", "log_period", "eval_batch_size", "img_size")
+
+
+@dataclass
+class FinetuneConfig:
+    """One finetuning run. Defaults are the paper's protocol (ViT-B/16 at 224 px, SGD, 10,000 steps).
+
+    ``batch_size`` is the *global* batch (all workers together); each worker processes its share in
+    micro-batches of at most ``micro_batch_size`` (None: the whole share at once). ``model`` is a timm name;
+    ``model_kwargs`` go to ``timm.create_model`` (e.g. a tiny ViT: ``dict(img_size=32, patch_size=8,
+    embed_dim=48, depth=3, num_heads=4)``); an ``img_size`` in them must equal ``img_size``. ``weights`` is a
+    local file (see :func:`raystudy.core.models.load_weights`), ``pretrained=True`` downloads timm's weights
+    instead (needs internet); with neither the backbone is random (tests). ``num_classes`` None takes the
+    store's. ``warmup_steps`` None is 20% of ``steps``; ``checkpoint_period`` None equals ``eval_period``;
+    ``0`` disables periodic checkpoints.
+    """
+
+    model: str = "vit_base_patch16_224"
+    store: str = ""
+    configuration: str = "MHA"
+    optimizer: str = "sgd"
+    lr: float = 1e-2
+    seed: int = 0
+    steps: int = 10_000
+    batch_size: int = 512
+    eval_period: int = 500
+    warmup_steps: int | None = None
+    img_size: int = 224
+    out_dir: str = "finetune_run"
+    weights: str | None = None
+    pretrained: bool = False
+    num_classes: int | None = None
+    amp_bf16: bool = False
+    train_final_norm: bool = False
+    augment: bool = True
+    shuffle: bool = True
+    checkpoint_period: int | None = None
+    model_kwargs: dict = field(default_factory=dict)
+    micro_batch_size: int | None = None
+    log_period: int = 10
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    clip_norm: float | None = 1.0
+    head_init: str = "trunc_normal"  # or "zero" (the original ViT finetuning recipe)
+    include_layerscale: bool = False
+    eval_batch_size: int = 256
+    eval_cache_mb: int = 512  # decoded val/test tensors are cached per worker up to this size
+    loader_workers: int = 0  # torch DataLoader processes decoding train batches ahead (0: in the loop)
+    save_final: bool = False  # also write the final full model to out_dir/final_model.safetensors
+
+    def __post_init__(self):
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)
+        self.model_kwargs = dict(self.model_kwargs or {})
+
+    def validate(self) -> FinetuneConfig:
+        """Raise ``ValueError`` naming the first offending field; returns ``self``."""
+        for name, why in self._problems():
+            raise ValueError(f"FinetuneConfig.{name}={getattr(self, name)!r}: {why}")
+        return self
+
+    def _problems(self) -> Iterator[tuple[str, str]]:
+        if self.configuration not in CONFIGURATIONS:
+            yield "configuration", f"expected one of {list(CONFIGURATIONS)}"
+        if self.optimizer not in OPTIMIZERS:
+            yield "optimizer", f"expected one of {list(OPTIMIZERS)}"
+        if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
+            yield "lr", "must be a positive finite number"
+        for name in _POSITIVE_INTS:
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                yield name, "must be an integer >= 1"
+        if not isinstance(self.seed, int) or self.seed < 0:
+            yield "seed", "must be a non-negative integer"
+        if self.micro_batch_size is not None and not (isinstance(self.micro_batch_size, int)
+                                                      and self.micro_batch_size >= 1):
+            yield "micro_batch_size", "must be None or an integer >= 1"
+        if self.warmup_steps is not None and not (0 <= self.warmup_steps <= self.steps):
+            yield "warmup_steps", f"must be None or in [0, steps={self.steps}]"
+        if self.checkpoint_period is not None and self.checkpoint_period < 0:
+            yield "checkpoint_period", "must be None, 0 (off) or positive"
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            yield "clip_norm", "must be positive (or None for no clipping)"
+        if self.head_init not in HEAD_INITS:
+            yield "head_init", f"expected one of {list(HEAD_INITS)}"
+        if self.weights is not None and self.pretrained:
+            yield "weights", "pass either weights=FILE or pretrained=True, not both"
+        if self.model_kwargs.get("img_size", self.img_size) != self.img_size:
+            yield "img_size", f"differs from model_kwargs['img_size']={self.model_kwargs['img_size']}; set both alike"
+        if "num_classes" in self.model_kwargs:
+            yield "model_kwargs", "num_classes belongs in FinetuneConfig.num_classes (None: from the store)"
+        if not self.store:
+            yield "store", "a prepared store directory is required"
+
+    @property
+    def warmup(self) -> int:
+        """Warmup steps actually used: ``warmup_steps`` or ``round(0.2 * steps)``."""
+        return self.warmup_steps if self.warmup_steps is not None else int(round(WARMUP_FRACTION * self.steps))
+
+    @property
+    def ckpt_period(self) -> int:
+        return self.eval_period if self.checkpoint_period is None else self.checkpoint_period
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FinetuneConfig:
+        """The config of ``d`` (e.g. a run's ``config.json``); the keys of older files are accepted:
+        :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored."""
+        d = dict(d)
+        for old, new in RENAMED_KEYS.items():
+            if old in d:
+                d.setdefault(new, d.pop(old))
+        moved = [k for k in MOVED_KEYS if d.pop(k, None) is not None]
+        if moved:
+            log.debug("FinetuneConfig.from_dict: %s are no longer protocol settings; ignored", moved)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown FinetuneConfig field(s) {unknown}")
+        return cls(**d)
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Learning-rate factor of update ``step`` (0-based): linear warmup then cosine decay.
+
+    ``(step + 1) / w`` for ``step < w``, then ``0.5 (1 + cos(pi (step - w) / (T - w)))``: the factor
+    reaches 1 at the last warmup step and decays towards 0 at ``T`` (the same curve as ``transformers``'
+    ``get_cosine_schedule_with_warmup``, shifted by one step so the first update is not wasted).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: FinetuneConfig) -> torch.optim.Optimizer:
+    """SGD (momentum ``cfg.momentum``, no Nesterov) or AdamW (``cfg.betas``), weight decay ``cfg.weight_decay``."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    raise ValueError(f"FinetuneConfig.optimizer={cfg.optimizer!r}: expected one of {list(OPTIMIZERS)}")
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """:func:`warmup_cosine` over ``cfg.steps`` updates with ``cfg.warmup`` warmup steps, times ``cfg.lr``."""
+    warmup, total = cfg.warmup, cfg.steps
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total))

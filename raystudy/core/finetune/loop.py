@@ -1,0 +1,428 @@
+"""The run: :class:`Finetuner` (build, optionally :meth:`~Finetuner.load`, then :meth:`~Finetuner.run`)
+and :func:`train_local`, the plain single-process loop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from raystudy.core.components import get_adapter
+from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
+from raystudy.core.finetune.data import MicroBatches, SplitData
+from raystudy.core.finetune.outputs import (
+    TensorBoardLogger,
+    run_summary,
+    save_safetensors,
+    write_outputs,
+)
+from raystudy.core.finetune.selection import build_finetune_model, select_for
+from raystudy.core.finetune.state import (
+    fingerprint,
+    read_state,
+    restore_rng,
+    resume_config,
+    rng_state,
+    write_checkpoint,
+)
+from raystudy.core.finetune.step import StepResult, analytic_memory, evaluate, measured_memory, train_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    """What the loop hands its callback after a logged, evaluated or checkpointed step (every worker)."""
+
+    step: int
+    metrics: dict  # the curve row of this step (lr, train_loss, grad norms, images_per_s, val_* or None)
+    checkpoint: bool  # this step is a checkpoint step: the callback should persist :meth:`Finetuner.save`
+    final: bool = False  # the end of the run: ``metrics`` is the run summary
+
+
+def steady_throughput(step_ends: list[float], batch_size: int, skip: int | None = None) -> float:
+    """Images/s over the steady state: ``(n - skip) B / (t_n - t_skip)`` from the end of step ``skip`` to the
+    end of the last of ``n`` steps (``step_ends`` on a training clock). ``skip`` defaults to
+    ``min(10, n // 5)`` steps of warm-up (allocator, thread pools, first data)."""
+    n = len(step_ends)
+    if n < 2:
+        return float("nan")
+    skip = min(10, n // 5) if skip is None else skip
+    skip = max(1, min(skip, n - 1))
+    dt = step_ends[-1] - step_ends[skip - 1]
+    return (n - skip) * batch_size / dt if dt > 0 else float("nan")
+
+
+class ThroughputMeter:
+    """The training clock of one attempt, in wall and in CPU seconds of this process.
+
+    The clock runs during steps and metric reports (part of a run's cost) and stops inside :meth:`paused`
+    (evaluations and checkpoints, which do not scale with the number of steps). CPU time is insensitive to
+    other processes sharing the cores.
+    """
+
+    def __init__(self, batch_size: int, seconds_before: float = 0.0):
+        self.batch_size = batch_size
+        self.seconds_before = seconds_before  # training seconds of earlier attempts (a resumed run)
+        self._start = (time.perf_counter(), time.process_time())
+        self._paused = [0.0, 0.0]
+        self.wall_ends: list[float] = []  # training clock at the end of each step of this attempt
+        self.cpu_ends: list[float] = []
+        self._window = (0.0, 0)  # clock and steps at the start of the current reporting window
+
+    def step_done(self) -> None:
+        self.wall_ends.append(time.perf_counter() - self._start[0] - self._paused[0])
+        self.cpu_ends.append(time.process_time() - self._start[1] - self._paused[1])
+
+    @property
+    def train_seconds(self) -> float:
+        return self.seconds_before + (self.wall_ends[-1] if self.wall_ends else 0.0)
+
+    def window_images_per_s(self) -> float:
+        """Images/s from the previous call (or the start) to the last step, then a new window starts."""
+        (start, steps_before), now, steps = self._window, self.wall_ends[-1], len(self.wall_ends)
+        self._window = (now, steps)
+        return (steps - steps_before) * self.batch_size / (now - start) if now > start else float("nan")
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self._paused[0] += time.perf_counter() - wall
+            self._paused[1] += time.process_time() - cpu
+
+    def images_per_s(self) -> float:
+        """Steady-state images/s of this attempt (:func:`steady_throughput`)."""
+        return steady_throughput(self.wall_ends, self.batch_size)
+
+    def cpu_ms_per_image(self) -> float:
+        """CPU milliseconds per image over the same steady-state window."""
+        ips = steady_throughput(self.cpu_ends, self.batch_size)
+        return 1000.0 / ips if ips > 0 else float("nan")
+
+
+def curve_row(step: int, res: StepResult, images_per_s: float) -> dict:
+    """One row of the run's curves (val columns filled in at evaluation steps)."""
+    return {"step": step, "lr": res.lr, "train_loss": res.loss, "grad_norm": res.grad_norm,
+            "component_grad_norm": res.component_grad_norm, "images_per_s": images_per_s,
+            "val_loss": None, "val_acc": None}
+
+
+class Finetuner:
+    """A finetuning run: build with a config, optionally :meth:`load` a checkpoint, then :meth:`run`.
+
+    Single-process use needs nothing else. A distributed worker passes its ``rank`` of ``world_size``, the
+    ``device``, ``wrap`` (e.g. DDP) and ``all_reduce`` (in-place-free sum over workers of a tensor); each
+    worker then processes ``share = batch_size / world_size`` images per step.
+    """
+
+    def __init__(self, cfg: FinetuneConfig, *, rank: int = 0, world_size: int = 1,
+                 device: torch.device | str | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        from raystudy.data.store import read_meta
+
+        self.cfg = cfg.validate()
+        if cfg.batch_size % world_size:
+            raise ValueError(f"FinetuneConfig.batch_size={cfg.batch_size}: the global batch must split evenly "
+                             f"over the {world_size} workers")
+        self.rank, self.world_size, self.share = rank, world_size, cfg.batch_size // world_size
+        self.device = torch.device(device or "cpu")
+        self.all_reduce = all_reduce
+        self.meta = read_meta(cfg.store)
+        self.num_classes = cfg.num_classes or int(self.meta["num_classes"])
+        self.model = build_finetune_model(cfg, self.num_classes)
+        get_adapter(self.model)  # fails early, listing the supported families
+        self.selection = select_for(self.model, cfg)
+        self.model.to(self.device)
+        self.net = wrap(self.model) if wrap is not None else self.model  # forward/backward go through this
+        self.trainable = [p for _, p in self.selection.trainable]
+        self.group = [p for _, p in self.selection.group]
+        self.optimizer = make_optimizer(self.trainable, cfg)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.train_data = SplitData(cfg.store, "train")
+        self._eval_data: dict[str, SplitData] = {}
+        self._eval_cache: dict[str, list] = {}
+        # the run's progress and results (all of it is checkpointed, see state_dict)
+        self.step, self.status, self.diverged_step = 0, "ok", None
+        self.best_val_acc, self.best_val_step = -1.0, None
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.last_val: tuple[float, float] | None = None  # (loss, acc) of the latest evaluation
+        self.curves: list[dict] = []
+        self.memory: dict[str, int] = {}
+        self.restores: list[dict] = []
+        self.train_seconds = 0.0
+        self.images_per_s = self.cpu_ms_per_image = self.test_acc = float("nan")
+
+    # ---- the loop ------------------------------------------------------------------------------------
+
+    def run(self, callback: Callable[[Event], None] | None = None, *, progress: bool | None = None) -> dict:
+        """Train from the current step to ``cfg.steps`` (or divergence), then test the best-validation state.
+
+        Calls ``callback(Event)`` on every worker after each logged, evaluated or checkpointed step and
+        once at the end (``final=True``). Returns the run summary (:meth:`summary`).
+        """
+        cfg = self.cfg
+        meter = ThroughputMeter(cfg.batch_size, seconds_before=self.train_seconds)
+        bar = self._progress_bar(progress)
+        for micro in self._train_batches():
+            res = train_step(self.net, self.optimizer, self.scheduler, micro, share=self.share,
+                             trainable=self.trainable, group=self.group, clip_norm=cfg.clip_norm,
+                             all_reduce=self.all_reduce, world_size=self.world_size, amp_bf16=cfg.amp_bf16)
+            self.step += 1
+            meter.step_done()
+            bar.update(1)
+            self.train_seconds = meter.train_seconds
+            if res.finite and not self.memory:
+                self._measure_memory()
+            if not res.finite:
+                self._mark_diverged()
+            s = self.step
+            log_step = s % cfg.log_period == 0 or s == cfg.steps or not res.finite
+            eval_step = res.finite and (s % cfg.eval_period == 0 or s == cfg.steps)
+            ckpt_step = res.finite and cfg.ckpt_period > 0 and s % cfg.ckpt_period == 0 and s < cfg.steps
+            if not (log_step or eval_step or ckpt_step):
+                continue
+            row = curve_row(s, res, meter.window_images_per_s())
+            if eval_step:
+                with meter.paused():
+                    self._eval_and_track(row)
+            self.curves.append(row)
+            if callback is not None:
+                with meter.paused() if ckpt_step else contextlib.nullcontext():
+                    callback(Event(step=s, metrics=dict(row), checkpoint=ckpt_step))
+            if not res.finite:
+                break
+        bar.close()
+        self.images_per_s, self.cpu_ms_per_image = meter.images_per_s(), meter.cpu_ms_per_image()
+        self.test_acc = self._test_best()
+        summary = self.summary()
+        if callback is not None:
+            callback(Event(step=self.step, metrics=dict(summary), checkpoint=True, final=True))
+        return summary
+
+    def _progress_bar(self, progress: bool | None):
+        from tqdm.auto import tqdm
+
+        disable = (True if self.rank != 0 else None) if progress is None else not progress
+        return tqdm(total=self.cfg.steps, initial=self.step, desc=f"finetune {self.cfg.configuration}",
+                    unit="step", disable=disable, leave=False)
+
+    def _mark_diverged(self) -> None:
+        self.status, self.diverged_step = "diverged", self.step
+        log.warning("%s lr=%g: non-finite loss/gradient at step %d; run marked diverged",
+                    self.cfg.configuration, self.cfg.lr, self.step)
+
+    def _eval_and_track(self, row: dict) -> None:
+        val_loss, val_acc = self.evaluate("val")
+        row["val_loss"], row["val_acc"] = val_loss, val_acc
+        self.last_val = (val_loss, val_acc)
+        if val_acc > self.best_val_acc:
+            self.best_val_acc, self.best_val_step = val_acc, row["step"]
+            self.best_state = self.trainable_state()
+
+    def _measure_memory(self) -> None:
+        measured = measured_memory(self.trainable, self.optimizer)
+        analytic = analytic_memory(self.selection.num_trainable, self.cfg.optimizer,
+                                   self.trainable[0].element_size())
+        self.memory = {"grad_memory_bytes": measured["grad_bytes"],
+                       "optimizer_memory_bytes": measured["optimizer_bytes"],
+                       "grad_memory_bytes_analytic": analytic["grad_bytes"],
+                       "optimizer_memory_bytes_analytic": analytic["optimizer_bytes"]}
+
+    def _test_best(self) -> float:
+        """Test accuracy of the best-validation state (NaN when no evaluation happened); the final
+        trainable state is put back afterwards."""
+        if self.best_state is None:
+            return float("nan")
+        final = self.trainable_state()
+        self._set_trainable(self.best_state)
+        _, acc = self.evaluate("test")
+        self._set_trainable(final)
+        return acc
+
+    def summary(self) -> dict:
+        """The run's result (:func:`raystudy.core.finetune.outputs.run_summary`)."""
+        nan = float("nan")
+        evaluated = self.best_val_step is not None
+        return run_summary(
+            self.cfg, trainable_params=self.selection.num_trainable, status=self.status,
+            best_val_acc=self.best_val_acc if evaluated else nan, best_val_step=self.best_val_step,
+            test_acc=self.test_acc, final_val_loss=self.last_val[0] if self.last_val else nan,
+            final_val_acc=self.last_val[1] if self.last_val else nan, wall_seconds=self.train_seconds,
+            train_seconds=self.train_seconds, steps_completed=self.step, diverged_step=self.diverged_step,
+            final_train_loss=self.curves[-1]["train_loss"] if self.curves else nan,
+            images_per_s=self.images_per_s, cpu_ms_per_image=self.cpu_ms_per_image, workers=self.world_size,
+            num_classes=self.num_classes, num_restores=len(self.restores),
+            restored_from_step=self.restores[-1]["step"] if self.restores else None, **self.memory,
+        )
+
+    # ---- data ---------------------------------------------------------------------------------------
+
+    def _train_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """This worker's micro-batches of every remaining step, one list per step."""
+        if self.step >= self.cfg.steps or self.status != "ok":
+            return
+        ds = MicroBatches(self.train_data, self.cfg, self.rank, self.step, self.world_size)
+        if self.cfg.loader_workers > 0:
+            it = iter(torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False,
+                                                  num_workers=self.cfg.loader_workers,
+                                                  pin_memory=self.device.type == "cuda"))
+        else:
+            it = (ds[k] for k in range(len(ds)))
+        for _ in range(self.cfg.steps - self.step):
+            yield [next(it) for _ in ds.bounds]
+
+    def _eval_batches(self, split: str):
+        """This worker's contiguous share of ``split`` in batches (decoded once and cached if small)."""
+        if split in self._eval_cache:
+            yield from self._eval_cache[split]
+            return
+        if split not in self._eval_data:
+            self._eval_data[split] = SplitData(self.cfg.store, split)
+        data = self._eval_data[split]
+        rows = np.array_split(np.arange(len(data)), self.world_size)[self.rank]
+        per_image = 3 * self.cfg.img_size ** 2 * 4
+        cache = len(rows) * per_image <= self.cfg.eval_cache_mb * 2 ** 20
+        out = []
+        for i in range(0, len(rows), self.cfg.eval_batch_size):
+            b = data.load(rows[i:i + self.cfg.eval_batch_size], size=self.cfg.img_size, train=False)
+            if cache:
+                out.append(b)
+            yield b
+        if cache:
+            self._eval_cache[split] = out
+
+    def evaluate(self, split: str) -> tuple[float, float]:
+        """Mean loss and accuracy on ``split`` over all workers (each evaluates its slice; sums all-reduced)."""
+        loss_sum, correct, count = evaluate(self.model, self._eval_batches(split), device=self.device,
+                                            amp_bf16=self.cfg.amp_bf16)
+        if self.all_reduce is not None and self.world_size > 1:
+            t = self.all_reduce(torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=self.device))
+            loss_sum, correct, count = float(t[0]), float(t[1]), float(t[2])
+        return loss_sum / count, correct / count
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Trainable parameters (selection + head [+ final norm]) by name, detached CPU copies."""
+        return {n: p.detach().cpu().clone() for n, p in self.selection.trainable}
+
+    def _set_trainable(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.selection.trainable)
+        with torch.no_grad():
+            for n, t in state.items():
+                params[n].copy_(t)
+
+    def _data_position(self) -> dict:
+        n = len(self.train_data)
+        seen = self.step * self.cfg.batch_size
+        return {"step": self.step, "samples_seen": seen, "epoch": seen // n, "position_in_epoch": seen % n,
+                "train_rows": n, "seed": self.cfg.seed, "batch_size": self.cfg.batch_size,
+                "shuffle": self.cfg.shuffle, "augment": self.cfg.augment, "checksum": self.meta.get("checksum")}
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume exactly, except RNG states (per worker, :meth:`save`)."""
+        return {
+            "step": self.step, "status": self.status, "diverged_step": self.diverged_step,
+            "trainable": self.trainable_state(),
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "data": self._data_position(),
+            "best": {"val_acc": self.best_val_acc, "step": self.best_val_step, "state": self.best_state,
+                     "last_val": list(self.last_val) if self.last_val else None},
+            "curves": self.curves, "memory": self.memory, "restores": self.restores,
+            "train_seconds": self.train_seconds,
+            "config": resume_config(self.cfg),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["trainable"]) != set(self.selection.names):
+            raise ValueError("checkpoint: trainable parameters differ from the configuration's")
+        self._set_trainable(state["trainable"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.status, self.diverged_step = int(state["step"]), state["status"], state["diverged_step"]
+        best = state["best"]
+        self.best_val_acc, self.best_val_step, self.best_state = best["val_acc"], best["step"], best["state"]
+        self.last_val = tuple(best["last_val"]) if best["last_val"] else None
+        self.curves = list(state["curves"])
+        self.memory = dict(state["memory"])
+        self.restores = list(state["restores"])
+        self.train_seconds = float(state["train_seconds"])
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write this worker's part of a checkpoint: rank 0 the run state, every rank its RNG states."""
+        write_checkpoint(directory, self.state_dict() if self.rank == 0 else None, rank=self.rank,
+                         device=self.device)
+
+    def load(self, directory: str | os.PathLike) -> dict:
+        """Restore a checkpoint written by :meth:`save`; returns fingerprints of the live restored state
+        (also appended to :attr:`restores`)."""
+        state = read_state(directory, self.cfg, train_rows=len(self.train_data), checksum=self.meta.get("checksum"))
+        self.load_state_dict(state)
+        restore_rng(directory, rank=self.rank, device=self.device)
+        info = {
+            "step": self.step,
+            "optimizer": fingerprint(self.optimizer.state_dict()),
+            "scheduler": fingerprint(self.scheduler.state_dict()),
+            "scheduler_last_epoch": int(self.scheduler.last_epoch),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "rng": fingerprint(rng_state(self.device)),
+            "trainable": fingerprint(self.trainable_state()),
+        }
+        self.restores.append(info)
+        return info
+
+
+def train_local(cfg: FinetuneConfig, *, checkpoint_dir: str | os.PathLike | None = None,
+                resume: bool = False, tensorboard: bool = True, write: bool = True) -> tuple[dict, Finetuner]:
+    """The plain single-process loop (no Ray, world size 1): run ``cfg`` and write its outputs into
+    ``cfg.out_dir``.
+
+    With ``checkpoint_dir``, checkpoints are written to ``checkpoint_dir/step_XXXXXXXX`` and ``resume=True``
+    continues from the latest one. Returns ``(summary, finetuner)``.
+    """
+    ft = Finetuner(cfg)
+    ckdir = Path(checkpoint_dir) if checkpoint_dir else None
+    if resume and ckdir is not None and (existing := sorted(ckdir.glob("step_*"))):
+        ft.load(existing[-1])
+    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None) if tensorboard else None
+
+    def callback(ev: Event):
+        if tb is not None:
+            tb(ev)
+        if ev.checkpoint and ckdir is not None and not ev.final:
+            ft.save(ckdir / f"step_{ev.step:08d}")
+
+    t0 = time.perf_counter()
+    try:
+        summary = ft.run(callback)
+    finally:
+        if tb is not None:
+            tb.close()
+    summary["wall_seconds"] = time.perf_counter() - t0
+    if write:
+        write_outputs(cfg.out_dir, summary, ft.curves, config=cfg.to_dict(), restores=ft.restores)
+        save_weights(ft)
+    return summary, ft
+
+
+def save_weights(ft: Finetuner) -> None:
+    """``best_trainable.safetensors`` (the best-validation trainable state, when there was an evaluation)
+    and, with ``save_final``, ``final_model.safetensors`` (the whole final model) in the run's ``out_dir``."""
+    from raystudy.storage import join
+
+    if ft.best_state is not None:
+        save_safetensors(ft.best_state, join(ft.cfg.out_dir, "best_trainable.safetensors"))
+    if ft.cfg.save_final:
+        save_safetensors(ft.model.state_dict(), join(ft.cfg.out_dir, "final_model.safetensors"))
+

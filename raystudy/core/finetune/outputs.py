@@ -1,0 +1,129 @@
+"""What a run leaves behind: its summary, curves, TensorBoard events (scalars and HParams) and weights.
+
+Every file is written through :mod:`raystudy.storage` (atomic: a reader never sees a half-written file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.storage import join, write_bytes_atomic, write_json_atomic, write_parquet_atomic
+from raystudy.vocab import RUN_CURVE_COLUMNS
+
+if TYPE_CHECKING:
+    from raystudy.core.finetune.loop import Event
+
+#: The columns of a run's ``curves.parquet`` (one row per logged step; val columns null between evaluations).
+CURVE_COLUMNS = list(RUN_CURVE_COLUMNS)
+MEMORY_KEYS = ("grad_memory_bytes", "optimizer_memory_bytes", "grad_memory_bytes_analytic",
+               "optimizer_memory_bytes_analytic")
+_nan = float("nan")
+#: Every result of a run summary and its value when the run has none (a run that failed before it
+#: measured anything): NaN for measured quantities, None for counts and steps, never a -1 sentinel.
+RESULT_DEFAULTS: dict = {
+    "trainable_params": None, "status": "failed", "best_val_acc": _nan, "best_val_step": None, "test_acc": _nan,
+    "final_val_loss": _nan, "final_val_acc": _nan, "wall_seconds": _nan, "train_seconds": _nan,
+    "steps_completed": None, "diverged_step": None, "final_train_loss": _nan, "images_per_s": _nan,
+    "cpu_ms_per_image": _nan, "workers": None, "num_classes": None, "num_restores": None,
+    "restored_from_step": None, **dict.fromkeys(MEMORY_KEYS),
+}
+#: The hyperparameters of a run in its TensorBoard HParams record, and the metrics recorded with them.
+HPARAM_KEYS = ("configuration", "optimizer", "lr", "seed", "steps", "batch_size", "model", "model_kwargs")
+HPARAM_METRICS = ("result/best_val_acc", "result/test_acc")
+
+
+def run_summary(cfg: FinetuneConfig, **results) -> dict:
+    """A run's summary: its protocol (configuration, optimizer, lr, seed, steps, batch_size, model, ...),
+    then every key of :data:`RESULT_DEFAULTS` (``results`` or the default) and ``error`` when given.
+
+    The ``trials.parquet`` columns less trial_id, dataset and model, plus throughput, memory and restores.
+    """
+    unknown = set(results) - set(RESULT_DEFAULTS) - {"error"}
+    if unknown:
+        raise ValueError(f"run_summary: unknown result(s) {sorted(unknown)}")
+    protocol = {
+        "configuration": cfg.configuration, "optimizer": cfg.optimizer, "lr": float(cfg.lr), "seed": cfg.seed,
+        "steps": cfg.steps, "batch_size": cfg.batch_size, "warmup_steps": cfg.warmup, "model_name": cfg.model,
+        "model_kwargs": dict(cfg.model_kwargs), "img_size": cfg.img_size, "train_final_norm": cfg.train_final_norm,
+    }
+    return {**protocol, **RESULT_DEFAULTS, **results}
+
+
+def run_hparams(summary: dict) -> dict:
+    """The :data:`HPARAM_KEYS` of a run summary as TensorBoard accepts them (numbers and strings)."""
+    hp = {k: summary.get(k) for k in HPARAM_KEYS}
+    hp["model"] = summary.get("model_name")
+    hp["model_kwargs"] = json.dumps(summary.get("model_kwargs") or {}, sort_keys=True)
+    return {k: v for k, v in hp.items() if v is not None}
+
+
+class TensorBoardLogger:
+    """Writes every curve row to ``out_dir/tb`` (one directory per run) and, at the end, the run's result
+    scalars and its HParams record (:func:`run_hparams` with :data:`HPARAM_METRICS`) into the same
+    directory. ``purge_step`` drops events after a restored step, so a resumed run leaves no duplicates."""
+
+    def __init__(self, out_dir: str | os.PathLike, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=join(out_dir, "tb"), purge_step=purge_step)
+
+    def __call__(self, event: Event) -> None:
+        if event.final:
+            for tag in HPARAM_METRICS:
+                v = event.metrics.get(tag.split("/", 1)[1])
+                if v is not None and math.isfinite(v):
+                    self.writer.add_scalar(tag, v, event.step)
+            self.write_hparams(event.metrics, event.step)
+        else:
+            for k, v in event.metrics.items():
+                if k != "step" and v is not None:
+                    tag = ("val/" if k.startswith("val_") else "train/") + k
+                    self.writer.add_scalar(tag, v, event.step)
+        self.writer.flush()
+
+    def write_hparams(self, summary: dict, step: int) -> None:
+        """The HParams plugin's records (experiment, session start and end) in this run's own event file
+        (``SummaryWriter.add_hparams`` would open a second, timestamped run folder)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        writer = self.writer._get_file_writer()
+        for record in hparams(run_hparams(summary), dict.fromkeys(HPARAM_METRICS, 0.0)):
+            writer.add_summary(record, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def curves_frame(rows: list[dict]):
+    """Curve rows as a DataFrame with :data:`CURVE_COLUMNS` (val columns null between evaluations)."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows, columns=CURVE_COLUMNS)
+    df["step"] = df["step"].astype("int64")
+    for c in CURVE_COLUMNS[1:]:
+        df[c] = df[c].astype("float64")
+    return df
+
+
+def write_outputs(out_dir: str | os.PathLike, summary: dict, curves: list[dict], *, config: dict | None = None,
+                  restores: list[dict] | None = None) -> None:
+    """``summary.json``, ``curves.parquet``, and ``config.json``/``restores.json`` when given."""
+    write_parquet_atomic(join(out_dir, "curves.parquet"), curves_frame(curves))
+    write_json_atomic(join(out_dir, "summary.json"), summary)
+    if config is not None:
+        write_json_atomic(join(out_dir, "config.json"), config)
+    if restores is not None:
+        write_json_atomic(join(out_dir, "restores.json"), restores)
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """``tensors`` (detached to the CPU) as one ``.safetensors`` file."""
+    from safetensors.torch import save
+
+    write_bytes_atomic(path, save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))

@@ -1,0 +1,101 @@
+"""The model of a run and which of its parameters train: a fresh head, the configuration's selection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raystudy.core.components import head_parameters, trainable_parameters
+from raystudy.core.finetune.config import FinetuneConfig
+
+
+def build_finetune_model(cfg: FinetuneConfig, num_classes: int) -> nn.Module:
+    """The timm model with ``num_classes`` outputs and a freshly initialised head, seeded by ``cfg.seed``."""
+    from raystudy.core.models import build_model
+
+    torch.manual_seed(cfg.seed)
+    kwargs = dict(cfg.model_kwargs)
+    kwargs.pop("img_size", None)
+    model = build_model(cfg.model, num_classes=num_classes, pretrained=cfg.pretrained, weights=cfg.weights,
+                        img_size=cfg.img_size, **kwargs)
+    reset_head(model, seed=cfg.seed, mode=cfg.head_init)
+    return model
+
+
+def reset_head(model: nn.Module, *, seed: int, mode: str = "trunc_normal") -> None:
+    """Re-initialise the classifier: weights ~ truncated normal(0, 0.02) on [-0.04, 0.04] (or zeros), bias 0.
+
+    Independent of any weights file, so the head is the same function of ``seed`` with or without
+    pretrained weights.
+    """
+    gen = torch.Generator().manual_seed(10_007 * seed + 1)
+    with torch.no_grad():
+        for _, p in head_parameters(model):
+            if p.ndim >= 2 and mode == "trunc_normal":
+                w = torch.empty(p.shape, dtype=torch.float32)
+                nn.init.trunc_normal_(w, std=0.02, a=-0.04, b=0.04, generator=gen)
+                p.copy_(w)
+            else:
+                p.zero_()
+
+
+def final_norm_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The norm applied after the last block (timm: ``norm`` and ``fc_norm``), frozen unless configured."""
+    names = [n for n in ("norm", "fc_norm") if isinstance(getattr(model, n, None), nn.Module)]
+    prefixes = tuple(f"{n}." for n in names)
+    return [(n, p) for n, p in model.named_parameters() if prefixes and n.startswith(prefixes)]
+
+
+@dataclass
+class Selection:
+    """Which parameters a configuration trains, by role.
+
+    ``component``: the configuration's selection (:func:`trainable_parameters`; empty for ``Head``);
+    ``head``: the classifier; ``extra``: the final norm when ``train_final_norm``. ``trainable`` is their
+    union in ``model.named_parameters()`` order. ``group`` is the set whose gradient norm is logged as
+    ``component_grad_norm``: the component selection, or the head for ``Head``.
+    """
+
+    component: list[tuple[str, nn.Parameter]]
+    head: list[tuple[str, nn.Parameter]]
+    extra: list[tuple[str, nn.Parameter]]
+    trainable: list[tuple[str, nn.Parameter]]
+
+    @property
+    def group(self) -> list[tuple[str, nn.Parameter]]:
+        return self.component or self.head
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.trainable]
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(p.numel() for _, p in self.trainable)
+
+
+def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm: bool = False,
+                      include_layerscale: bool = False) -> Selection:
+    """Set ``requires_grad`` so that exactly the configuration's selection, the head (and the final norm
+    if asked) are trainable; return the :class:`Selection`."""
+    component = trainable_parameters(model, configuration, include_layerscale=include_layerscale)
+    head = head_parameters(model)
+    chosen = {n for n, _ in component} | {n for n, _ in head}
+    extra = []
+    if train_final_norm:
+        extra = [(n, p) for n, p in final_norm_parameters(model) if n not in chosen]
+        chosen |= {n for n, _ in extra}
+    trainable = []
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in chosen)
+        if n in chosen:
+            trainable.append((n, p))
+    return Selection(component=component, head=head, extra=extra, trainable=trainable)
+
+
+def select_for(model: nn.Module, cfg: FinetuneConfig) -> Selection:
+    """:func:`select_and_freeze` with the options of ``cfg``."""
+    return select_and_freeze(model, cfg.configuration, train_final_norm=cfg.train_final_norm,
+                             include_layerscale=cfg.include_layerscale)

@@ -1,0 +1,135 @@
+"""What a checkpoint holds beyond the run state: RNG states per worker, fingerprints, the resume check.
+
+A checkpoint directory has ``state.pt`` (rank 0: the run state of
+:meth:`raystudy.core.finetune.Finetuner.state_dict`) and ``rng_rank{r}.pt`` (every rank ``r``: its torch,
+CUDA, numpy and Python RNG states).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from raystudy.core.finetune.config import RENAMED_KEYS, RESUME_KEYS, FinetuneConfig
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.pt"
+RNG_FILE = "rng_rank{rank}.pt"
+
+
+def rng_state(device: torch.device | None = None) -> dict:
+    """torch (CPU and the CUDA device), numpy and Python RNG states, as plain tensors/lists."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": _to_lists(random.getstate()),
+    }
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device | None = None) -> None:
+    torch.set_rng_state(state["torch"])
+    npst = state["numpy"]
+    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
+                         npst["cached_gaussian"]))
+    random.setstate(_to_tuples(state["python"]))
+    if "cuda" in state and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _to_lists(x):
+    return [_to_lists(v) for v in x] if isinstance(x, tuple | list) else x
+
+
+def _to_tuples(x):
+    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def fingerprint(obj) -> str:
+    """SHA-256 over a nested structure of tensors, arrays and scalars (dict keys sorted): equal
+    fingerprints mean bitwise-equal state."""
+    h = hashlib.sha256()
+
+    def feed(o):
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(o, np.ndarray):
+            h.update(f"A{o.dtype}{o.shape}".encode())
+            h.update(np.ascontiguousarray(o).tobytes())
+        elif isinstance(o, dict):
+            h.update(b"{")
+            for k in sorted(o, key=str):
+                h.update(str(k).encode())
+                feed(o[k])
+            h.update(b"}")
+        elif isinstance(o, list | tuple):
+            h.update(b"[")
+            for v in o:
+                feed(v)
+            h.update(b"]")
+        else:
+            h.update(repr(o).encode())
+
+    feed(obj)
+    return h.hexdigest()
+
+
+def resume_config(cfg: FinetuneConfig) -> dict:
+    """The fields of ``cfg`` a checkpoint records and must agree on (:data:`RESUME_KEYS`)."""
+    return {k: v for k, v in cfg.to_dict().items() if k in RESUME_KEYS}
+
+
+def write_checkpoint(directory: str | os.PathLike, state: dict | None, *, rank: int,
+                     device: torch.device | None = None) -> None:
+    """Write this worker's part of a checkpoint: ``state`` (rank 0's run state; None on other ranks) and
+    this rank's RNG states."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if state is not None:
+        torch.save(state, directory / STATE_FILE)
+    torch.save(rng_state(device), directory / RNG_FILE.format(rank=rank))
+
+
+def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows: int,
+               checksum: str | None) -> dict:
+    """The run state of a checkpoint, checked to belong to ``cfg`` on a store with ``train_rows`` train
+    rows and this ``checksum`` (``ValueError`` otherwise). Checkpoints of older versions name the
+    configuration ``component``; it is renamed on read."""
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    saved = dict(state["config"])
+    for old, new in RENAMED_KEYS.items():
+        if old in saved:
+            saved.setdefault(new, saved.pop(old))
+    mine = resume_config(cfg)
+    changed = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
+    if changed:
+        raise ValueError(f"checkpoint {directory} belongs to another run: (checkpoint, now) differ for {changed}")
+    if state["data"]["train_rows"] != train_rows or state["data"]["checksum"] != checksum:
+        raise ValueError(f"checkpoint {directory} was written for another store than {cfg.store}")
+    state["config"] = saved
+    return state
+
+
+def restore_rng(directory: str | os.PathLike, *, rank: int, device: torch.device | None = None) -> None:
+    """Set this rank's RNG states from the checkpoint (a warning when it has none for this rank)."""
+    path = Path(directory) / RNG_FILE.format(rank=rank)
+    if path.is_file():
+        set_rng_state(torch.load(path, map_location="cpu", weights_only=True), device)
+    else:
+        log.warning("checkpoint %s has no RNG state for rank %d; RNG not restored", directory, rank)

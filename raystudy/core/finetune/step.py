@@ -1,0 +1,136 @@
+"""One training step, evaluation, and the memory a step holds (the paper's Table 6: gradients + optimizer).
+
+Each worker's loss is ``sum_i CE_i / (B/W)`` over its share of the global batch ``B``; DDP averages the
+gradients over the ``W`` workers, so the update uses the gradient of the mean loss over the global batch in
+every layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean cross-entropy over the global batch
+    grad_norm: float  # global L2 norm of all trainable gradients, before clipping
+    component_grad_norm: float  # L2 norm of the component group's gradients, before clipping
+    lr: float  # learning rate used by this update
+    finite: bool  # False: loss or gradient non-finite, no update applied
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on ``device`` when ``enabled``, else a no-op context."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _total_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    share: int,
+    trainable: list[nn.Parameter],
+    group: list[nn.Parameter],
+    clip_norm: float | None = 1.0,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    world_size: int = 1,
+    amp_bf16: bool = False,
+) -> StepResult:
+    """Forward/backward over this worker's micro-batches, clip, step the optimizer and the schedule.
+
+    Each micro-batch contributes ``sum_i CE_i / share`` (``share`` = this worker's images per step), so the
+    accumulated gradient is that of the worker's mean loss; a DDP ``model`` averages it over workers on the
+    last micro-batch (earlier ones run under ``no_sync``). ``all_reduce`` (sum over workers) makes the
+    reported loss the global mean, identical on every worker, so all workers agree on divergence.
+    Gradient norms are measured after the DDP average and before clipping to ``clip_norm``.
+    """
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    device = trainable[0].device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    last = len(micro_batches) - 1
+    for i, (x, y) in enumerate(micro_batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        sync = contextlib.nullcontext() if i == last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with autocast(device, amp_bf16):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float(), y, reduction="sum") / share
+            loss.backward()
+        loss_sum += loss.detach().double()
+    if all_reduce is not None and world_size > 1:
+        loss_sum = all_reduce(loss_sum) / world_size
+    grad_norm = _total_norm(trainable, device)
+    lr = float(optimizer.param_groups[0]["lr"])
+    loss_v, gn, cgn = float(loss_sum), float(grad_norm), float(_total_norm(group, device))
+    finite = math.isfinite(loss_v) and math.isfinite(gn)
+    if finite:
+        if clip_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(trainable, clip_norm, grad_norm)
+        optimizer.step()
+        scheduler.step()
+    return StepResult(loss=loss_v, grad_norm=gn, component_grad_norm=cgn, lr=lr, finite=finite)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device,
+             amp_bf16: bool = False) -> tuple[float, int, int]:
+    """Sum of cross-entropy, number correct and number of images over ``batches`` of ``(x, y)``."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast(device, amp_bf16):
+            logits = model(x)
+        loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == y).sum())
+        count += len(y)
+    return loss_sum, correct, count
+
+
+def analytic_memory(num_params: int, optimizer: str, bytes_per_value: int = 4) -> dict[str, int]:
+    """Gradient and optimizer-state bytes for ``num_params`` trainable values.
+
+    Gradients: ``P b``; SGD with momentum: one buffer, ``P b``; AdamW: two moments, ``2 P b`` (the paper's
+    count; PyTorch's AdamW also keeps one scalar ``step`` per tensor, which the measurement includes).
+    """
+    states = {"sgd": 1, "adamw": 2}[optimizer]
+    return {"grad_bytes": num_params * bytes_per_value, "optimizer_bytes": states * num_params * bytes_per_value}
+
+
+def _unique_nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def measured_memory(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes actually held by the gradients of ``params`` and by the optimizer's state tensors, counted
+    over distinct storages (call after a real ``optimizer.step()``; before it the optimizer holds none)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [t for s in optimizer.state.values() for t in s.values()]
+    return {"grad_bytes": _unique_nbytes(grads), "optimizer_bytes": _unique_nbytes(states)}
