@@ -4,7 +4,9 @@ Names (CLI choices, spec validation, Tune config keys and table columns all come
 
 * a **component** is one of the five per-block modules the paper measures, :data:`COMPONENTS`;
 * a **configuration** is what a finetuning trial trains, :data:`CONFIGURATIONS`: one component in every
-  block, ``All`` (every parameter) or ``Head`` (only the classifier);
+  block, ``Emb`` (the embedding stage: patch embedding, class/register tokens, position embedding; the
+  authors' ``emb``, not one of the paper's seven), ``All`` (every parameter) or ``Head`` (only the
+  classifier). A trials table may also hold :data:`LINEAR_PROBE` rows (:data:`TRIALS_CONFIGURATIONS`);
 * optimizers :data:`OPTIMIZERS`, trial statuses :data:`STATUSES` (of which :data:`FINAL_STATUSES` end a
   trial for good: ``failed`` is retried on resume), plasticity modes :data:`MODES`, lr searches
   :data:`SEARCHES`.
@@ -24,7 +26,13 @@ import pyarrow as pa
 
 COMPONENTS: tuple[str, ...] = ("LN1", "MHA", "LN2", "FC1", "FC2")
 BASELINES: tuple[str, ...] = ("All", "Head")
-CONFIGURATIONS: tuple[str, ...] = COMPONENTS + BASELINES
+#: What a finetuning trial may train. The paper's seven are ``COMPONENTS + BASELINES``.
+CONFIGURATIONS: tuple[str, ...] = COMPONENTS + ("Emb",) + BASELINES
+#: The configuration name of a linear-probe row: written by the probe (logistic regression on frozen
+#: features, fit once per dataset), never trained by a trial, so it is not in CONFIGURATIONS.
+LINEAR_PROBE: str = "LP"
+#: Every name a trials table's ``configuration`` column may hold: trained configurations and the probe.
+TRIALS_CONFIGURATIONS: tuple[str, ...] = CONFIGURATIONS + (LINEAR_PROBE,)
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 STATUSES: tuple[str, ...] = ("ok", "diverged", "failed")
 FINAL_STATUSES: tuple[str, ...] = ("ok", "diverged")

@@ -43,7 +43,7 @@ def test_vit_base_parameter_counts():
     counts = {c: sum(p.numel() for _, p in trainable_parameters(model, c)) for c in CONFIGURATIONS}
     assert counts == {
         "LN1": 18_432, "MHA": 28_348_416, "LN2": 18_432, "FC1": 28_348_416, "FC2": 28_320_768,
-        "All": 85_798_656, "Head": 0,
+        "Emb": 742_656, "All": 85_798_656, "Head": 0,
     }
     assert sum(p.numel() for _, p in head_parameters(model)) == 7_690
 

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from raystudy.vocab import CONFIGURATIONS
+from raystudy.vocab import TRIALS_CONFIGURATIONS
 
 #: One colour per configuration, shared by every figure (Okabe-Ito, colour-blind safe).
 CONFIGURATION_COLORS: dict[str, str] = {
@@ -34,15 +34,17 @@ CONFIGURATION_COLORS: dict[str, str] = {
     "FC1": "#E69F00",  # orange
     "FC2": "#CC79A7",  # reddish purple
     "All": "#009E73",  # bluish green
+    "Emb": "#000000",  # black
     "Head": "#7F7F7F",  # grey
+    "LP": "#BBBBBB",  # light grey: the linear probe, a baseline like Head
 }
-assert set(CONFIGURATION_COLORS) == set(CONFIGURATIONS)
+assert set(CONFIGURATION_COLORS) == set(TRIALS_CONFIGURATIONS)
 #: The name the colours had before the vocabulary was unified (kept for user code).
 COMPONENT_COLORS = CONFIGURATION_COLORS
 
 #: Marker per configuration (helps in grey-scale prints).
 MARKERS: dict[str, str] = {
-    "LN1": "v", "MHA": "o", "LN2": "^", "FC1": "s", "FC2": "D", "All": "*", "Head": "X",
+    "LN1": "v", "MHA": "o", "LN2": "^", "FC1": "s", "FC2": "D", "Emb": "P", "All": "*", "Head": "X", "LP": "x",
 }
 
 #: Columns that split a table into panels when they hold more than one value.
@@ -66,9 +68,9 @@ def _require(df: pd.DataFrame, columns: Sequence[str], name: str) -> None:
 
 
 def _ordered(names) -> list[str]:
-    """Configuration names in CONFIGURATIONS order, unknown names last (sorted)."""
+    """Configuration names in TRIALS_CONFIGURATIONS order, unknown names last (sorted)."""
     names = set(names)
-    return [c for c in CONFIGURATIONS if c in names] + sorted(names - set(CONFIGURATIONS))
+    return [c for c in TRIALS_CONFIGURATIONS if c in names] + sorted(names - set(TRIALS_CONFIGURATIONS))
 
 
 def _color(name: str) -> str:

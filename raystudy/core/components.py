@@ -6,9 +6,10 @@ A pre-norm transformer block computes::
     x = x + FC2(act(FC1(LN2(x))))  # LN2: LayerNorm before the MLP; FC1 / FC2: the two MLP linear layers
 
 Finetuning *configurations* are the five component names (that component trainable in every block,
-everything else frozen), ``All`` (every parameter trainable) and ``Head`` (linear probing: only the
-classifier). The classification head is trainable in every configuration but is never part of a
-selection returned here; callers add :func:`head_parameters` themselves.
+everything else frozen), ``Emb`` (the embedding stage alone, see :func:`embedding_parameters`), ``All``
+(every parameter trainable) and ``Head`` (only the classifier). The classification head is trainable in
+every configuration but is never part of a selection returned here; callers add :func:`head_parameters`
+themselves.
 
 Each supported architecture family has exactly one :class:`Adapter` that maps these names to modules and
 parameters. Unsupported models fail with :class:`UnsupportedModelError`, which lists the families.
@@ -76,6 +77,13 @@ class Adapter:
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Embedding stage: ``(N, 3, H, W)`` images -> ``(N, n, d)`` tokens fed to the first block."""
+        raise NotImplementedError
+
+    def embedding_names(self) -> tuple[str, ...]:
+        """Model attributes (modules or bare parameters) holding the parameters :meth:`embed` uses.
+
+        Names the model lacks, or sets to ``None``, are skipped by :func:`embedding_parameters`.
+        """
         raise NotImplementedError
 
     def attention_kwargs(self) -> dict:
@@ -199,6 +207,12 @@ class TimmViTAdapter(_TimmPreNormAdapter):
         x = m.norm_pre(x)
         return x
 
+    def embedding_names(self) -> tuple[str, ...]:
+        # patch_embed: the patch projection (and its norm, if any); cls/reg/dist tokens: the prepended
+        # tokens (DINOv2-style registers, DeiT-distilled's distillation token); pos_embed; norm_pre: the
+        # LayerNorm CLIP-style models apply to the embedded tokens before block 0 (Identity elsewhere).
+        return ("patch_embed", "cls_token", "reg_token", "dist_token", "pos_embed", "norm_pre")
+
     def head_modules(self) -> dict[str, nn.Module]:
         heads = {"head.": self.model.head}
         if isinstance(getattr(self.model, "head_dist", None), nn.Module):
@@ -228,6 +242,12 @@ class TimmBeitAdapter(_TimmPreNormAdapter):
             x = x + m.pos_embed
         return m.pos_drop(x)
 
+    def embedding_names(self) -> tuple[str, ...]:
+        # The pretrained beit_* / beitv2_* models have no absolute position embedding (pos_embed None):
+        # their positions are the relative position bias inside every block's attention (part of MHA; a
+        # shared ``rel_pos_bias`` belongs to no component, only to ``All``).
+        return ("patch_embed", "cls_token", "pos_embed")
+
     def attention_kwargs(self) -> dict:
         rel = self.model.rel_pos_bias
         return {"shared_rel_pos_bias": rel() if rel is not None else None}
@@ -247,14 +267,36 @@ class TimmBeitAdapter(_TimmPreNormAdapter):
 # --------------------------------------------------------------------------------------------------
 
 
-def _component_prefixes(adapter: Adapter, component: str, include_layerscale: bool) -> list[str]:
-    prefixes = []
+def _named(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Parameter]]:
+    """Parameters of ``model`` that are, or belong to a module at, one of ``names`` (model order)."""
+    exact = set(names)
+    dotted = tuple(f"{n}." for n in names)
+    return [(n, p) for n, p in model.named_parameters() if n in exact or n.startswith(dotted)]
+
+
+def _component_names(adapter: Adapter, component: str, include_layerscale: bool) -> list[str]:
+    names = []
     for b in adapter.blocks():
-        prefixes.append(b.prefix + b.names[component] + ".")
+        names.append(b.prefix + b.names[component])
         if include_layerscale and component in b.layerscale:
-            ls = b.prefix + b.layerscale[component]
-            prefixes += [ls + ".", ls]  # a LayerScale module, or a bare parameter (BEiT's gamma_1)
-    return prefixes
+            names.append(b.prefix + b.layerscale[component])  # a module, or a bare parameter (BEiT)
+    return names
+
+
+def embedding_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The ``Emb`` configuration: every parameter the model applies before its first block.
+
+    The authors' ``emb`` (patch embedding, class token, position embedding), per family:
+
+    * timm ViT / DeiT / DeiT-III / DINOv2-style: ``patch_embed.*``, ``cls_token``, ``reg_token``
+      (register tokens), ``dist_token`` (distilled DeiT), ``pos_embed``, and ``norm_pre.*`` where the
+      model has a pre-block LayerNorm (CLIP-style ``pre_norm=True``; an Identity without parameters
+      otherwise). ``vit_base_patch16_224``: 590,592 + 768 + 151,296 = 742,656 parameters.
+    * timm BEiT: ``patch_embed.*``, ``cls_token`` and ``pos_embed`` when the model has an absolute one
+      (the pretrained ``beit_*`` / ``beitv2_*`` have none). Relative position biases are attention
+      parameters (MHA, or only ``All`` for a shared ``rel_pos_bias``).
+    """
+    return _named(model, list(get_adapter(model).embedding_names()))
 
 
 def head_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -269,9 +311,9 @@ def trainable_parameters(
     """Parameters selected by a finetuning configuration, excluding the classification head.
 
     ``config`` is one of :data:`CONFIGURATIONS`: a component name selects that component in every block;
-    ``All`` selects every non-head parameter (embeddings and the final norm included); ``Head`` selects
-    nothing (linear probing: the caller adds :func:`head_parameters`). Order follows
-    ``model.named_parameters()``.
+    ``Emb`` the embedding stage (:func:`embedding_parameters`); ``All`` every non-head parameter
+    (embeddings and the final norm included); ``Head`` nothing (the caller adds :func:`head_parameters`).
+    Order follows ``model.named_parameters()``.
     """
     if config not in CONFIGURATIONS:
         raise ValueError(f"unknown configuration {config!r}; expected one of {CONFIGURATIONS}")
@@ -281,10 +323,9 @@ def trainable_parameters(
         return []
     if config == "All":
         return [(n, p) for n, p in model.named_parameters() if not n.startswith(head)]
-    prefixes = _component_prefixes(adapter, config, include_layerscale)
-    exact = {p for p in prefixes if not p.endswith(".")}
-    dotted = tuple(p for p in prefixes if p.endswith("."))
-    return [(n, p) for n, p in model.named_parameters() if n in exact or n.startswith(dotted)]
+    if config == "Emb":
+        return embedding_parameters(model)
+    return _named(model, _component_names(adapter, config, include_layerscale))
 
 
 def count_parameters(params: list[tuple[str, nn.Parameter]]) -> int:
