@@ -1,0 +1,71 @@
+"""``raystudy probe``: the authors' linear-probing baseline of a frozen model on a prepared store.
+
+Features: the last block's output (before the final norm), mean-pooled over all tokens and L2-normalised;
+classifier: ``StandardScaler`` + ``LogisticRegression(max_iter=5000, random_state=--seed)`` fit on the
+``train`` split (training transforms unless ``--no-augment``) and scored on ``test``
+(:mod:`raystudy.core.probe`). Extraction is a Ray Data pass over the store (``--local``: in this process).
+Writes ``--out``/probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from raystudy.commands.plasticity import add_model_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("probe", help="linear-probing baseline (logistic regression on frozen features)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--store", required=True, metavar="STORE", help="prepared store (train and test splits)")
+    p.add_argument("--no-augment", dest="augment", action="store_false",
+                   help="train split through the eval transforms (default: one pass of the training transforms)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    p.add_argument("--local", action="store_true", help="extract the features in this process, without Ray")
+    ray = p.add_argument_group("Ray")
+    ray.add_argument("--workers", type=int, default=1, help="actor pool size")
+    ray.add_argument("--cpus-per-worker", type=float, default=0.5, help="logical CPUs per actor")
+    ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per actor (0: CPU)")
+    ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def probe_job(args):
+    """The validated :class:`~raystudy.distributed.probe.ProbeJob` of the parsed flags."""
+    from raystudy.distributed.probe import ProbeJob
+
+    job = ProbeJob(store=args.store, model=args.model, seed=args.seed, weights=args.weights,
+                   pretrained=args.pretrained, model_kwargs=dict(args.model_kwargs), img_size=args.img_size,
+                   augment=args.augment, batch_size=args.batch_size, workers=args.workers,
+                   cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker, local=args.local,
+                   out_dir=args.out)
+    job.validate()  # before Ray starts
+    return job
+
+
+def run(args) -> int:
+    from raystudy.distributed.probe import run_probe_job
+
+    job = probe_job(args)
+    started = False
+    if not job.local:
+        from raystudy.distributed.cluster import init_ray
+
+        started = init_ray(args.address, verbose=getattr(args, "verbose", False))
+    try:
+        result = run_probe_job(job)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(f"probe {result['model']} on {result['dataset']}: test_acc {result['test_acc']:.4f} "
+              f"({result['n_train']} train / {result['n_test']} test, block {result['features']['block']}, "
+              f"{'augmented' if job.augment else 'eval'} train transforms, seed {job.seed}) -> {result['path']}")
+    return 0

@@ -1,0 +1,139 @@
+"""The authors' linear probe: a logistic regression on the frozen model's last-block features.
+
+Feature of an image ``x`` (``apps/vit/linear_probing.py`` of the authors' code, with the ``block11`` /
+``ffn_res`` probe that ``apps/plots/finetuning.py`` reports as the LP baseline)::
+
+    z = blocks(embed(x))                  # (n, d): residual stream after the LAST block, before the final norm
+    f = (1 / n) sum_i z_i                 # (d,):  mean over ALL n tokens (class/prefix tokens included)
+    f = f / ||f||_2                       # L2-normalised per sample
+
+Classifier: ``make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000, random_state=seed))``
+(scikit-learn's defaults otherwise: lbfgs, L2 penalty, ``C = 1``), fit on the features of the ``train``
+split and scored (accuracy) on those of the ``test`` split. The authors pass the train split once through
+the training transforms (random resized crop + flip); the test split goes through the eval transforms.
+
+Two deliberate differences from the authors' script, neither part of the probe's definition: their train
+``DataLoader`` has ``drop_last=True`` (batches of 512, so up to 511 random training images are left out of
+the fit), while every training row is used here; and their ``seed`` is the config's 42, here the caller's
+seed. Their train split is the 80% part of a seeded 80/20 train/val split: a store's ``train`` split.
+
+Features are computed in float32. Rows are ordered by the store's stable ``index`` before the fit, so the
+fit does not depend on the order in which workers return batches.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from raystudy.core.components import get_adapter
+from raystudy.vocab import LINEAR_PROBE, columns
+
+#: ``LogisticRegression(max_iter=...)`` of the authors.
+MAX_ITER = 5000
+
+
+def probe_features(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """``(N, 3, H, W)`` images -> ``(N, d)`` float32 features ``f / ||f||_2`` with ``f = mean_i z_i`` over
+    the ``n`` tokens ``z (N, n, d)`` that the last block outputs (before the final norm)."""
+    adapter = get_adapter(model)
+    with torch.inference_mode():
+        z = adapter.run_blocks(adapter.embed(images)).float()  # (N, n, d)
+    f = z.mean(dim=1)
+    return f / f.norm(dim=-1, keepdim=True)
+
+
+def extract_features(model: nn.Module, batches: Iterable[dict], device: torch.device | str = "cpu"
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Features of every batch ``{"image" (B, 3, S, S), "label" (B,), "index" (B,)}``.
+
+    Returns ``features (N, d)`` float32, ``labels (N,)`` and ``indices (N,)`` int64, sorted by index.
+    """
+    feats, labels, index = [], [], []
+    for b in batches:
+        x = torch.as_tensor(b["image"]).to(device)
+        feats.append(probe_features(model, x).cpu().numpy())
+        labels.append(np.asarray(b["label"], dtype=np.int64))
+        index.append(np.asarray(b["index"], dtype=np.int64))
+    if not feats:
+        raise ValueError("no images to extract features from")
+    return sort_by_index(np.concatenate(feats), np.concatenate(labels), np.concatenate(index))
+
+
+def sort_by_index(features: np.ndarray, labels: np.ndarray, index: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(features (N, d), labels (N,), index (N,))`` reordered by increasing ``index``."""
+    order = np.argsort(index, kind="stable")
+    return features[order], labels[order], index[order]
+
+
+def make_classifier(seed: int):
+    """The authors' classifier: ``StandardScaler`` then ``LogisticRegression(max_iter=5000, random_state=seed)``."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return make_pipeline(StandardScaler(), LogisticRegression(max_iter=MAX_ITER, random_state=seed))
+
+
+def fit_probe(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray], seed: int) -> dict:
+    """Fit :func:`make_classifier` on ``train = (features (N, d), labels (N,))``, score on ``test``.
+
+    Returns ``test_acc`` and ``train_acc`` (fractions), ``n_train``, ``n_test``, ``n_features``, ``n_classes``
+    (classes seen in training), ``classifier_params`` (weights + biases of the fitted logistic regression:
+    ``n_features * n_classes + n_classes``, ``n_features + 1`` for two classes), ``n_iter`` and
+    ``converged`` (lbfgs stopped before ``MAX_ITER``), ``fit_seconds``.
+    """
+    from sklearn.exceptions import ConvergenceWarning
+
+    (x, y), (xt, yt) = train, test
+    clf = make_classifier(seed)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # reported as converged = False instead
+        clf.fit(x, y)
+    lr = clf[-1]
+    n_iter = int(np.max(lr.n_iter_))
+    return {"test_acc": float(clf.score(xt, yt)), "train_acc": float(clf.score(x, y)),
+            "n_train": int(len(y)), "n_test": int(len(yt)), "n_features": int(x.shape[1]),
+            "n_classes": int(len(lr.classes_)), "classifier_params": int(lr.coef_.size + lr.intercept_.size),
+            "n_iter": n_iter, "converged": n_iter < MAX_ITER, "fit_seconds": time.perf_counter() - t0}
+
+
+def feature_definition(model: nn.Module, *, augment: bool, img_size: int) -> dict:
+    """What the features are, for ``probe.json``: block index, pooling, normalisation, transforms."""
+    n_blocks = len(get_adapter(model).blocks())
+    prefix = int(getattr(model, "num_prefix_tokens", 0))
+    return {
+        "block": n_blocks - 1, "n_blocks": n_blocks,
+        "output": "residual stream after the block, before the final norm",
+        "pooling": f"mean over all tokens ({prefix} prefix token(s) included)",
+        "normalisation": "L2 per sample, then StandardScaler (fit on train)",
+        "classifier": f"LogisticRegression(max_iter={MAX_ITER}, random_state=seed)",
+        "transforms": {"train": "train (random resized crop + flip, seeded per image)" if augment else "eval",
+                       "test": "eval (resize + center crop)"},
+        "splits": {"fit": "train", "score": "test"}, "img_size": int(img_size), "dtype": "float32",
+    }
+
+
+def probe_trial_id(dataset: str, seed: int) -> str:
+    """The trial id of a dataset's probe, e.g. ``cifar10-LP-s0``."""
+    return f"{dataset}-{LINEAR_PROBE}-s{int(seed)}"
+
+
+def probe_row(result: dict, dataset: str, model: str, seed: int) -> dict:
+    """One ``trials.parquet`` row (every column of ``SCHEMAS["trials"]``) for a probe ``result``.
+
+    ``configuration = LP``, ``status = ok``, ``trainable_params`` = the classifier's parameters; the
+    finetuning-only columns (optimizer, lr, steps, ...) are null.
+    """
+    row = dict.fromkeys(columns("trials"))
+    row.update(trial_id=probe_trial_id(dataset, seed), dataset=dataset, model=model, configuration=LINEAR_PROBE,
+               seed=int(seed), trainable_params=int(result["classifier_params"]), status="ok",
+               test_acc=float(result["test_acc"]), wall_seconds=result.get("wall_seconds"))
+    return row
