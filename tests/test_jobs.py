@@ -20,7 +20,8 @@ FINETUNE = {
     "model": "model", "model_kwargs": "model_kwargs", "weights": "weights", "img_size": "img_size",
     "steps": "steps", "batch_size": "batch_size", "eval_period": "eval_period", "warmup_steps": "warmup_steps",
     "augment": "augment", "shuffle": "shuffle", "checkpoint_period": "checkpoint_period",
-    "amp_bf16": "amp_bf16", "train_final_norm": "train_final_norm",
+    "amp_bf16": "amp_bf16", "train_final_norm": "train_final_norm", "log_period": "log_period",
+    "micro_batch_size": "micro_batch_size",
 }
 #: spec field -> TrainResources field (the Ray Train workers of a run)
 RESOURCES = {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
@@ -38,15 +39,21 @@ MODEL = ("model", "model_kwargs", "weights", "img_size", "amp_bf16")
 STUDY_ONLY = {
     "name", "out", "data_root", "builtin_data", "pretrain_store", "datasets", "configurations", "optimizers",
     "seeds", "trial_driver_cpus", "max_concurrent_trials", "trial_retries", "search", "samples", "plasticity",
-    "pretrain", "analysis", "tracking",
+    "pretrain", "analysis", "tracking", "dataset_overrides", "probe",
 }
+#: the protocol fields a dataset entry overrides -> FinetuneConfig field
+PER_DATASET = {"steps": "steps", "eval_period": "eval_period", "warmup_steps": "warmup_steps",
+               "log_period": "log_period"}
 
 SPEC = dict(
     name="jobs", out="/tmp/jobs-study", data_root="/data/root", pretrain_store="pre",
-    datasets={"a": "a-store", "b": "/abs/b"},
+    datasets={"a": "a-store", "b": "/abs/b",
+              "c": {"store": "c-store", "steps": 654, "eval_period": 60, "warmup_steps": 33, "log_period": 9,
+                    "optimizers": {"adamw": [1e-4]}, "seeds": [3]}},
     model="vit_small_patch16_224", model_kwargs={"depth": 3, "drop_path_rate": 0.05},
     weights="/w/vit.safetensors", img_size=96, configurations=["MHA"], optimizers={"sgd": [0.1]}, seeds=[0],
-    steps=321, batch_size=48, eval_period=40, warmup_steps=17, augment=False, shuffle=False,
+    steps=321, batch_size=48, eval_period=40, warmup_steps=17, log_period=7, micro_batch_size=8,
+    augment=False, shuffle=False,
     checkpoint_period=80, amp_bf16=True, train_final_norm=True,
     workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
@@ -109,6 +116,23 @@ def test_finetune_job_carries_the_protocol_the_point_and_the_resources(spec):
     assert spec.model_kwargs["depth"] == 3
     cfg_b, _ = finetune_job(spec, grid_point("b", "Head", "sgd", 0.1, 0), "/runs/y")
     assert cfg_b.store == "/abs/b" and cfg_b.configuration == "Head"  # an absolute store path is kept
+
+
+def test_finetune_job_takes_the_datasets_own_protocol(spec):
+    """Dataset ``c`` overrides every per-dataset protocol field with values unlike the study's: its runs get
+    its values, the other fields the study's; dataset ``a`` (no override) the study's."""
+    cfg, _ = finetune_job(spec, grid_point("c", "MHA", "adamw", 1e-4, 3), "/runs/c")
+    for s, j in PER_DATASET.items():
+        assert getattr(cfg, j) == SPEC["datasets"]["c"][s] != getattr(spec, s), j
+    for s in set(FINETUNE) - set(PER_DATASET):
+        assert getattr(cfg, FINETUNE[s]) == getattr(spec, s), s
+    assert cfg.store == "/data/root/c-store" and (cfg.optimizer, cfg.lr, cfg.seed) == ("adamw", 1e-4, 3)
+    assert cfg.validate() is cfg
+    cfg_a, _ = finetune_job(spec, grid_point("a", "MHA", "sgd", 0.1, 0), "/runs/a")
+    assert all(getattr(cfg_a, j) == getattr(spec, s) for s, j in PER_DATASET.items())
+    # c's grid is its own optimizers and seeds; a and b keep the study's
+    assert [p["trial_id"] for p in spec.grid() if p["dataset"] == "c"] == ["c-MHA-adamw-lr0.0001-s3"]
+    assert [p["trial_id"] for p in spec.grid() if p["dataset"] == "a"] == ["a-MHA-sgd-lr0.1-s0"]
 
 
 def test_pretrain_job_is_configuration_all_from_a_random_init(spec):

@@ -21,24 +21,33 @@ DEFAULT_AXES = {"configurations": 7, "lrs": 4, "seeds": 3}
 
 
 def _sizes_from_yaml(raw: dict) -> tuple[int, int]:
-    """``(grid points, trials)`` from the YAML as written: datasets x configurations x (every optimizer's
-    lrs) x seeds; an Optuna search runs ``samples`` trials per (dataset, configuration, optimizer, seed)."""
-    datasets = len(raw["datasets"])
+    """``(grid points, trials)`` from the YAML as written: per dataset, configurations x (every optimizer's
+    lrs x its seeds), where a dataset entry that is a mapping may name its own ``optimizers`` (replacing the
+    study's) and ``seeds`` (a list for all its optimizers, or optimizer -> list); an Optuna search runs
+    ``samples`` trials per (dataset, configuration, optimizer, seed)."""
     configurations = len(raw["configurations"]) if "configurations" in raw else DEFAULT_AXES["configurations"]
-    optimizers = raw.get("optimizers", {"sgd": [None] * DEFAULT_AXES["lrs"]})
-    lrs = sum(len(v) for v in optimizers.values())
-    seeds = len(raw["seeds"]) if "seeds" in raw else DEFAULT_AXES["seeds"]
-    points = datasets * configurations * lrs * seeds
+    study_optimizers = raw.get("optimizers", {"sgd": [None] * DEFAULT_AXES["lrs"]})
+    study_seeds = raw.get("seeds", [None] * DEFAULT_AXES["seeds"])
+    points = cells = 0
+    for entry in raw["datasets"].values():
+        entry = entry if isinstance(entry, dict) else {}
+        optimizers = entry.get("optimizers", study_optimizers)
+        seeds = entry.get("seeds", study_seeds)
+        for opt, lrs in optimizers.items():
+            n_seeds = len(seeds.get(opt, study_seeds) if isinstance(seeds, dict) else seeds)
+            points += configurations * len(lrs) * n_seeds
+            cells += configurations * n_seeds
     if raw.get("search", "grid") == "grid":
         return points, points
-    return points, datasets * configurations * len(optimizers) * seeds * raw.get("samples", 4)
+    return points, cells * raw.get("samples", 4)
 
 
 def test_presets_are_package_data():
     """One preset system, inside the package (a wheel ships them): no presets left in experiments/."""
     assert PRESET_DIR == Path(raystudy.__file__).parent / "presets"
     assert set(preset_names()) == {p.stem for p in PRESET_FILES}
-    assert {"demo", "paper", "paper-vtab1k", "plasticity-demo", "plasticity-paper"} <= set(preset_names())
+    assert {"demo", "paper", "paper-vtab1k", "paper-model-size", "plasticity-demo", "plasticity-paper"} <= set(
+        preset_names())
     assert not (ROOT / "experiments" / "presets").exists()
 
 
@@ -59,7 +68,9 @@ def test_every_preset_loads_validates_and_has_its_grid(path):
 def test_grid_sizes_of_the_named_presets():
     """The sizes the README and the preset comments state (independent of the YAML parsing above)."""
     sizes = {name: load_preset(name).total_trials() for name in preset_names()}
-    assert sizes["paper"] == sizes["paper-vtab1k"] == 11 * 7 * 8 * 3 == 1848
+    assert sizes["paper"] == 11 * 6 * 4 * 3 + 4 * 6 * 4 * 1 == 888  # SGD everywhere + the AdamW ablation
+    assert sizes["paper-vtab1k"] == 11 * 7 * 8 * 3 == 1848
+    assert sizes["paper-model-size"] == 1 * 6 * 4 * 3 == 72
     assert sizes["demo"] == 2 * 3 * 2 * 1 == 12
     assert sizes["plasticity-demo"] == sizes["plasticity-paper"] == 0
 
@@ -69,9 +80,35 @@ def test_plasticity_presets_measure_what_the_old_plasticity_study_did():
     assert sorted(demo.datasets) == ["shift-color", "shift-noise"] and demo.builtin_data
     assert demo.pretrain.enabled and demo.weights is None  # a pretrained toy, not a random init
     assert demo.plasticity.pairs == 384 and demo.img_size == 32
-    assert paper.model == "vit_base_patch16_224.augreg_in21k" and paper.pretrain_store == "imagenet-val"
+    assert paper.model == "vit_base_patch16_224.orig_in21k" and paper.pretrain_store == "imagenet-val"
     assert paper.plasticity.pairs == 12800 and paper.plasticity.mode == "embedding"
     assert len(paper.datasets) == 11 and set(paper.datasets) == set(load_preset("paper").datasets)
+
+
+def test_paper_presets_use_the_authors_weights():
+    """Every paper preset (and the commands in their comments) names the original ImageNet-21k weights
+    (timm's ``orig_in21k``, the Google checkpoints the authors load), never ``augreg``."""
+    for path in PRESET_FILES:
+        if "paper" in path.stem:
+            text = path.read_text()
+            assert "augreg" not in text, path.stem
+            assert load_preset(path.stem).model.endswith(".orig_in21k"), path.stem
+
+
+def test_model_size_preset_is_table_9():
+    """ViT-L/16 on clipart with the authors' model_size.sh grid and the DomainNet protocol of ``paper``."""
+    spec, paper = load_preset("paper-model-size"), load_preset("paper")
+    spec.validate(check_files=False)
+    assert spec.model == "vit_large_patch16_224.orig_in21k" and spec.weights.endswith(".safetensors")
+    assert spec.datasets == {"clipart": paper.datasets["clipart"]}
+    assert spec.configurations == paper.configurations == ["LN1", "MHA", "LN2", "FC1", "FC2", "All"]
+    assert spec.protocol("clipart").optimizers == {"sgd": [3e-3, 1e-2, 3e-2, 6e-2]}
+    assert spec.protocol("clipart").seeds == {"sgd": [0, 42, 3407]}
+    mine, theirs = spec.protocol("clipart"), paper.protocol("clipart")
+    assert (mine.steps, mine.eval_period, mine.warmup_steps) == (theirs.steps, theirs.eval_period,
+                                                                 theirs.warmup_steps) == (20000, 500, 2000)
+    assert spec.batch_size == 512 and spec.micro_batch_size == 128 and spec.train_final_norm
+    assert [p["trial_id"] for p in spec.grid()][:2] == ["clipart-LN1-sgd-lr0.003-s0", "clipart-LN1-sgd-lr0.003-s42"]
 
 
 def _script(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -88,11 +125,11 @@ def test_plasticity_study_script_runs_the_plasticity_presets(tmp_path):
     assert "grid: 0 trials (plasticity only)" in r.stdout
     assert not (tmp_path / "pd").exists()  # a dry run writes nothing
 
-    r = _script("--preset", "paper", "--print-spec", "--model", "vit_large_patch16_224.augreg_in21k", cwd=tmp_path)
+    r = _script("--preset", "paper", "--print-spec", "--model", "vit_large_patch16_224.orig_in21k", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     spec = yaml.safe_load(r.stdout)
     assert spec["name"] == "plasticity-paper" and spec["configurations"] == []
-    assert spec["model"] == "vit_large_patch16_224.augreg_in21k" and spec["plasticity"]["pairs"] == 12800
+    assert spec["model"] == "vit_large_patch16_224.orig_in21k" and spec["plasticity"]["pairs"] == 12800
 
     r = _script("--preset", "nope", "--dry-run", cwd=tmp_path)
     assert r.returncode == 2 and "plasticity_study.py: error: preset: unknown preset 'plasticity-nope'" in r.stderr

@@ -2,7 +2,9 @@
 
 ``experiments/full_study.py`` is the same command as a script (``make demo`` runs it), and
 ``experiments/plasticity_study.py`` the same with the plasticity-only presets. Flags set spec fields
-(:data:`FLAG_FIELDS`), ``--set key=value`` any field; ``--print-spec`` shows the result as YAML.
+(:data:`FLAG_FIELDS`), ``--set key=value`` any field (``--set datasets.pets.steps=2000`` one dataset's
+protocol); ``--print-spec`` shows the result as YAML, ``--dry-run`` the resolved per-dataset protocol and
+the grid (``--dry-run --json``: one JSON object, :func:`dry_run_json`).
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configurations", "--configuration", "--config", "--component", "--components",
                    dest="configurations", type=_name_list, default=None,
                    help=f"comma-separated, some of {','.join(CONFIGURATIONS)}; empty: plasticity only")
-    p.add_argument("--seeds", "--seed", dest="seeds", type=_int_list, default=None, help="comma-separated seeds")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seeds", "--seed", dest="seeds", type=_int_list, default=None,
+                   help="comma-separated seeds of every run (a preset's per-dataset seeds are replaced)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps of every run: the study's and every dataset's (a preset's per-dataset steps "
+                        "are replaced; --set datasets.NAME.steps=N sets one dataset's)")
     p.add_argument("--search", choices=SEARCHES, default=None,
                    help="grid: every lr of the spec; optuna: TPE over the lr range, --samples runs per "
                         "(dataset, configuration, optimizer, seed)")
@@ -88,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-analysis", action="store_true", help="skip the analysis")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the spec and print the grid and what is already done; launch nothing")
+    p.add_argument("--json", action="store_true",
+                   help="with --dry-run: print one JSON object (per-dataset protocol, trial ids, probes)")
     p.add_argument("--print-spec", action="store_true",
                    help="print the resolved spec (preset + flags + --set) as YAML and exit; launch nothing")
 
@@ -124,6 +131,10 @@ def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
         flags.pop("out", None)
     if flags:
         spec = spec.with_overrides(flags)
+    for flag in ("steps", "seeds"):  # these flags set every run's value: drop the datasets' own
+        if getattr(args, flag) is not None:
+            spec = spec.with_overrides({f"datasets.{d}.{flag}": None for d, o in spec.dataset_overrides.items()
+                                        if getattr(o, flag) is not None})
     if args.datasets is not None:
         spec = spec.with_overrides([f"datasets=[{args.datasets}]"])
     if args.overrides:
@@ -135,13 +146,19 @@ def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
     return spec
 
 
-def dry_run(spec) -> int:
-    """Validate ``spec`` (without its files) and print what the study would run; launches nothing."""
+def dry_run(spec, *, as_json: bool = False) -> int:
+    """Validate ``spec`` (without its files; against the spec of the study already in ``out``, if any) and
+    print what the study would run (``as_json``: as one JSON object, :func:`dry_run_json`); launches
+    nothing."""
     from raystudy.study.results import ResultTables, exists
-    from raystudy.study.tune import resolve_paths
+    from raystudy.study.tune import check_stored, resolve_paths
 
     spec.validate(check_files=False)
     spec = resolve_paths(spec)
+    check_stored(spec)  # a study directory created with another protocol is refused, naming the fields
+    if as_json:
+        print(json.dumps(dry_run_json(spec), indent=1))
+        return 0
     tables = ResultTables(spec.out) if exists(spec.out) else None
     done = tables.done_ids() if tables else set()
     print(f"study {spec.name!r} -> {spec.out}")
@@ -149,23 +166,64 @@ def dry_run(spec) -> int:
     p = spec.plasticity
     if p.enabled:
         print(f"  plasticity: {p.pairs} pairs per dataset ({p.mode}), {p.workers} worker(s)")
+    if spec.probe.enabled:
+        print(f"  probes: {len(spec.probe_datasets())} (linear probe once per dataset, "
+              f"augment={spec.probe.augment}, seed {spec.probe.seed})")
     if not spec.configurations:
         print("  grid: 0 trials (plasticity only)")
         return 0
-    print(f"  {len(spec.configurations)} configuration(s), optimizers {spec.optimizers}, seeds {spec.seeds}")
-    print(f"  {spec.steps} steps, batch {spec.batch_size}, {spec.workers_per_trial} worker(s)/trial, "
-          f"{spec.gpus_per_worker} GPU/worker, max concurrent {spec.max_concurrent_trials or 'unlimited'}")
+    print(f"  {len(spec.configurations)} configuration(s) {spec.configurations}; batch {spec.batch_size}, "
+          f"{spec.workers_per_trial} worker(s)/trial, {spec.gpus_per_worker} GPU/worker, "
+          f"max concurrent {spec.max_concurrent_trials or 'unlimited'}")
+    print_protocols(spec)
     if spec.search == "grid":
-        grid = spec.grid()
-        todo = [p for p in grid if p["trial_id"] not in done]
-        print(f"  grid: {len(grid)} trials, {len(grid) - len(todo)} done, {len(todo)} to run")
-        for p in todo[:20]:
-            print(f"    {p['trial_id']}")
-        if len(todo) > 20:
-            print(f"    ... and {len(todo) - 20} more")
+        print_grid(spec.grid(), done)
     else:
         print(f"  optuna: {spec.samples} runs in each of {len(spec.groups())} cells = {spec.total_trials()} trials")
     return 0
+
+
+def print_protocols(spec) -> None:
+    """One line per dataset: its resolved steps / eval period / warmup / log period, and per optimizer
+    its lr grid x seeds = runs."""
+    n = len(spec.configurations)
+    print("  per dataset (steps, eval period, warmup, log period; optimizer lrs x seeds):")
+    width = max(len(d) for d in spec.datasets)
+    for name, p in spec.protocols().items():
+        grids = "; ".join(f"{o} {lrs} x seeds {p.seeds[o]}" for o, lrs in p.optimizers.items())
+        print(f"    {name:<{width}}  {p.steps} steps, eval {p.eval_period}, warmup {p.warmup_steps}, "
+              f"log {p.log_period}; {grids} -> {p.trials(n)} runs")
+
+
+def print_grid(grid: list[dict], done: set[str]) -> None:
+    """The grid's size (per optimizer), what is done, and the first trial ids still to run."""
+    todo = [p for p in grid if p["trial_id"] not in done]
+    per_opt: dict[str, int] = {}
+    for p in grid:
+        per_opt[p["optimizer"]] = per_opt.get(p["optimizer"], 0) + 1
+    print(f"  grid: {len(grid)} trials, {len(grid) - len(todo)} done, {len(todo)} to run "
+          f"({', '.join(f'{o} {k}' for o, k in per_opt.items())})")
+    for p in todo[:20]:
+        print(f"    {p['trial_id']}")
+    if len(todo) > 20:
+        print(f"    ... and {len(todo) - 20} more")
+
+
+def dry_run_json(spec) -> dict:
+    """What the study would run, as one JSON-able object: ``{"datasets": {name: {"store", "steps",
+    "eval_period", "warmup_steps", "log_period", "optimizers": {opt: [lrs]}, "seeds": {opt: [seeds]},
+    "trials"}}, "trials": [trial ids], "total_trials", "probes": [dataset names]}`` (trial ids: the
+    grid's, in launch order; an Optuna search lists none, its ids are drawn as it runs)."""
+    n = len(spec.configurations)
+    datasets = {
+        name: {"store": spec.datasets[name], "steps": p.steps, "eval_period": p.eval_period,
+               "warmup_steps": p.warmup_steps, "log_period": p.log_period, "optimizers": p.optimizers,
+               "seeds": p.seeds, "trials": p.trials(n) if spec.search == "grid" else None}
+        for name, p in spec.protocols().items()
+    }
+    trials = [p["trial_id"] for p in spec.grid()] if spec.search == "grid" else []
+    return {"datasets": datasets, "trials": trials, "total_trials": spec.total_trials(),
+            "probes": spec.probe_datasets()}
 
 
 def print_spec(spec) -> int:
@@ -176,11 +234,13 @@ def print_spec(spec) -> int:
 
 
 def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
+    if args.json and not args.dry_run:
+        raise ValueError("--json: only with --dry-run (the study's results are its tables)")
     spec = spec_from_args(args, preset_prefix=preset_prefix)
     if args.print_spec:
         return print_spec(spec)
     if args.dry_run:
-        return dry_run(spec)
+        return dry_run(spec, as_json=args.json)
     from raystudy.study.tune import run_study
 
     outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))

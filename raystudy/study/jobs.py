@@ -54,12 +54,14 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str):
     """The finetuning run of one grid point (``dataset``, ``configuration``, ``optimizer``, ``lr``,
     ``seed``; see :func:`raystudy.study.spec.grid_point`): ``(FinetuneConfig, TrainResources)``.
 
-    The spec's protocol fields (steps, batch_size, warmup_steps, ...) and the point's axes are copied by
-    name; the dataset becomes its store path.
+    The spec's protocol fields (batch_size, augment, ...), then the dataset's resolved protocol (steps,
+    eval_period, warmup_steps, log_period: its overrides, else the study's; see
+    :meth:`~raystudy.study.spec.StudySpec.protocol`), then the point's axes are copied by name; the
+    dataset becomes its store path.
     """
     from raystudy.core.finetune import FinetuneConfig
 
-    fields = by_name(FinetuneConfig, spec, point)
+    fields = by_name(FinetuneConfig, spec, spec.protocol(point["dataset"]), point)
     cfg = FinetuneConfig(**fields, store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir))
     return cfg, train_resources(spec)
 

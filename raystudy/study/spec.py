@@ -10,6 +10,33 @@ the config of each job (finetuning run, pretraining, plasticity measurement) is 
 Every grid point has a stable id, ``<dataset>-<configuration>-<optimizer>-lr<lr>-s<seed>`` (see
 :func:`trial_id`), which is how a resumed study recognises the runs it already has.
 
+Per-dataset protocol. An entry of ``datasets`` is a store path (``cifar10: cifar10``, the study's protocol
+and grid) or a mapping holding ``store`` and any of the overrides of :class:`DatasetOverrides`::
+
+    steps: 10000                    # the study's protocol ...
+    optimizers: {sgd: [1.0e-3, 3.0e-3, 1.0e-2, 3.0e-2]}
+    seeds: [0, 42, 3407]
+    datasets:
+      cifar10: cifar10              # ... used as is
+      flowers102: {store: flowers102, steps: 5000, eval_period: 250}
+      clipart:
+        store: domainnet-clipart
+        steps: 20000
+        optimizers:                 # replaces the study's optimizers (and lr grids) on this dataset
+          sgd: [3.0e-3, 1.0e-2, 3.0e-2, 6.0e-2]
+          adamw: [3.0e-5, 1.0e-4, 3.0e-4, 6.0e-4]
+        seeds: {adamw: [0]}         # per optimizer; a list applies to all; unnamed ones keep the study's
+
+``steps``, ``eval_period``, ``warmup_steps`` and ``log_period`` override the study's value; ``optimizers``
+replaces the study's mapping for that dataset (so an optimizer runs on a subset of datasets by being
+named only in those entries); ``seeds`` restricts (or changes) the seeds of the dataset's optimizers.
+That is how the ``paper`` preset runs AdamW on four datasets at seed 0 beside SGD on all eleven at three
+seeds. :meth:`StudySpec.protocol` resolves one dataset's values; :meth:`StudySpec.grid` spans, per
+dataset, ``configurations x its optimizers x their lrs x their seeds``. Trial ids do not depend on the
+protocol, so a point that exists before and after an edit keeps its id; changing a dataset's protocol
+(``steps``, ...) of an existing study is refused on resume with the field named
+(:meth:`StudySpec.conflicts`), while growing its grid (lrs, seeds, datasets) is allowed.
+
 Paths: store and weights paths that are relative are resolved against ``data_root`` (stores) or the
 current directory (weights). ``out`` is a local directory or any URI pyarrow understands
 (``s3://bucket/study``, ``gs://...``); on a cluster it must be reachable from every node (a shared
@@ -31,7 +58,7 @@ import pyarrow.fs as pafs
 import yaml
 
 from raystudy import storage
-from raystudy.vocab import CONFIGURATIONS, MODES, OPTIMIZERS, SEARCHES, check_name
+from raystudy.vocab import BASELINES, COMPONENTS, CONFIGURATIONS, MODES, OPTIMIZERS, SEARCHES, check_name
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +70,10 @@ PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 DROPPED_FIELDS: dict[str, str] = {
     "inject_failures": "a test hook, replaced by raystudy.faults (RAYSTUDY_FAULTS)",
 }
+#: the protocol fields a dataset entry may override (see :class:`DatasetOverrides`)
+PROTOCOL_FIELDS: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
+#: the configurations the study trains by default: the paper's seven (``Emb`` only when asked for)
+DEFAULT_CONFIGURATIONS: tuple[str, ...] = COMPONENTS + BASELINES
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # names go into trial ids and directory names
 
 
@@ -85,6 +116,58 @@ class PretrainSpec:
 
 
 @dataclass
+class ProbeSpec:
+    """The linear-probe baseline (configuration ``LP``): a logistic regression on the frozen model's
+    features, fit once per dataset (not per seed, lr or configuration); see :mod:`raystudy.core.probe`.
+
+    ``augment``: the training split passes once through the training transforms, as the authors do
+    (``False``: the eval transforms). ``seed`` is the regression's ``random_state`` (the authors' 42).
+    """
+
+    enabled: bool = False
+    augment: bool = True
+    seed: int = 42
+    batch_size: int = 256
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+
+
+@dataclass
+class DatasetOverrides:
+    """What one entry of ``datasets`` changes of the study's protocol and grid; ``None``: the study's value.
+
+    ``optimizers`` replaces the study's ``optimizers`` on this dataset; ``seeds`` is a list (the seeds of
+    every optimizer of the dataset) or a mapping optimizer -> seeds (optimizers it does not name keep the
+    study's ``seeds``).
+    """
+
+    steps: int | None = None
+    eval_period: int | None = None
+    warmup_steps: int | None = None
+    log_period: int | None = None
+    optimizers: dict[str, list[float]] | None = None
+    seeds: list[int] | dict[str, list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class DatasetProtocol:
+    """The resolved protocol and grid of one dataset (:meth:`StudySpec.protocol`): its overrides, else
+    the study's values. ``seeds`` maps each of its optimizers to that optimizer's seeds."""
+
+    steps: int
+    eval_period: int
+    warmup_steps: int
+    log_period: int
+    optimizers: dict[str, list[float]]
+    seeds: dict[str, list[int]]
+
+    def trials(self, configurations: int) -> int:
+        """Grid points of this dataset for ``configurations`` configurations."""
+        return configurations * sum(len(lrs) * len(self.seeds[o]) for o, lrs in self.optimizers.items())
+
+
+@dataclass
 class StudySpec:
     """Everything that defines a study. Fields are grouped as in the preset files."""
 
@@ -102,9 +185,11 @@ class StudySpec:
     builtin_data: bool = False  # prepare raystudy's procedural default data into data_root first
     pretrain_store: str | None = None
     datasets: dict[str, str] = field(default_factory=dict)  # name -> store path
+    # name -> its protocol/grid overrides; read from and written into the `datasets` entries (never a key)
+    dataset_overrides: dict[str, DatasetOverrides] = field(default_factory=dict)
 
     # the grid
-    configurations: list[str] = field(default_factory=lambda: list(CONFIGURATIONS))
+    configurations: list[str] = field(default_factory=lambda: list(DEFAULT_CONFIGURATIONS))
     optimizers: dict[str, list[float]] = field(default_factory=lambda: {"sgd": [1e-3, 3e-3, 1e-2, 3e-2]})
     seeds: list[int] = field(default_factory=lambda: [0, 42, 3407])
 
@@ -113,6 +198,8 @@ class StudySpec:
     batch_size: int = 512
     eval_period: int = 500
     warmup_steps: int = 2000
+    log_period: int = 10  # training curve (loss, gradient norm, lr) every log_period steps
+    micro_batch_size: int | None = None  # gradient accumulation: per-worker micro-batches of at most this
     augment: bool = True
     shuffle: bool = True
     checkpoint_period: int = 1000
@@ -134,6 +221,7 @@ class StudySpec:
 
     plasticity: PlasticitySpec = field(default_factory=PlasticitySpec)
     pretrain: PretrainSpec = field(default_factory=PretrainSpec)
+    probe: ProbeSpec = field(default_factory=ProbeSpec)
     analysis: bool = True
     # experiment trackers (some of TRACKERS) every trial also logs to, through Ray Tune's callbacks
     tracking: list[str] = field(default_factory=list)
@@ -142,24 +230,29 @@ class StudySpec:
     # loading and overriding
     # ------------------------------------------------------------------------------------------------
 
+    #: the spec's sections (nested dataclasses), as written in a preset file
+    SECTIONS: ClassVar[dict[str, type]] = {"plasticity": PlasticitySpec, "pretrain": PretrainSpec, "probe": ProbeSpec}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "spec") -> StudySpec:
-        """Build a spec from a (possibly partial) mapping; unknown keys raise :class:`SpecError`."""
+        """Build a spec from a (possibly partial) mapping; unknown keys raise :class:`SpecError`.
+
+        ``datasets`` entries may carry per-dataset overrides (module docstring); they are the only way to
+        write them, so ``dataset_overrides`` is not a key of a spec file.
+        """
         if not isinstance(data, dict):
             raise SpecError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
         data = copy.deepcopy(data)
         kwargs: dict[str, Any] = {}
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"dataset_overrides"}
         for key, value in data.items():
             if key in DROPPED_FIELDS:
                 log.debug("%s: ignoring the old field %r (%s)", where, key, DROPPED_FIELDS[key])
                 continue
             if key not in known:
                 raise SpecError(f"{where}: unknown field {key!r} (known: {sorted(known)})")
-            if key == "plasticity":
-                kwargs[key] = _sub(PlasticitySpec, value, f"{where}: plasticity")
-            elif key == "pretrain":
-                kwargs[key] = _sub(PretrainSpec, value, f"{where}: pretrain")
+            if key in cls.SECTIONS:
+                kwargs[key] = _sub(cls.SECTIONS[key], value, f"{where}: {key}")
             else:
                 kwargs[key] = value
         spec = cls(**kwargs)
@@ -167,17 +260,22 @@ class StudySpec:
         return spec
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The spec as a spec file holds it: a dataset's overrides inside its ``datasets`` entry."""
+        data = dataclasses.asdict(self)
+        overrides = data.pop("dataset_overrides")
+        data["datasets"] = {name: _dataset_entry(store, overrides.get(name)) for name, store in self.datasets.items()}
+        return data
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def with_overrides(self, overrides: list[str] | dict[str, Any]) -> StudySpec:
-        """A copy with ``key=value`` overrides applied (dotted keys reach into ``plasticity``/``pretrain``).
+        """A copy with ``key=value`` overrides applied (dotted keys reach into the sections and into a
+        dataset's entry: ``plasticity.pairs=64``, ``datasets.pets.steps=2000``).
 
         Values are parsed as YAML (``steps=200``, ``seeds=[0,1]``, ``weights=null``,
         ``optimizers={sgd: [0.01]}``); ``datasets`` also accepts a list of names, which selects those
-        datasets among the spec's (unknown names raise).
+        datasets (with their overrides) among the spec's (unknown names raise).
         """
         data = self.to_dict()
         items = overrides.items() if isinstance(overrides, dict) else (_split_override(o) for o in overrides)
@@ -185,23 +283,17 @@ class StudySpec:
             if isinstance(value, str) and not isinstance(overrides, dict):
                 value = _parse_value(value)
             parts = key.split(".")
-            target = data
-            for p in parts[:-1]:
-                if p not in target or not isinstance(target[p], dict):
-                    raise SpecError(f"--set {key}: {p!r} is not a section of the spec (sections: plasticity, pretrain)")
-                target = target[p]
-            leaf = parts[-1]
-            if leaf not in target:
-                raise SpecError(f"--set {key}: unknown field {leaf!r} (known: {sorted(target)})")
+            target = _override_target(data, key)
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
             elif parts in (["configurations"], ["tracking"]) and isinstance(value, str):
                 value = _split_names(value)
-            target[leaf] = value
+            target[parts[-1]] = value
         return StudySpec.from_dict(data, where="overrides")
 
     def normalize(self) -> None:
-        """Coerce YAML-ish values to their types (``1e-3`` strings, single values where lists belong)."""
+        """Coerce YAML-ish values to their types (``1e-3`` strings, single values where lists belong) and
+        split the ``datasets`` entries into stores and :attr:`dataset_overrides`."""
         if isinstance(self.seeds, int):
             self.seeds = [self.seeds]
         if isinstance(self.configurations, str):
@@ -210,24 +302,52 @@ class StudySpec:
             self.configurations = []
         if isinstance(self.tracking, str) or self.tracking is None:
             self.tracking = _split_names(self.tracking or "")
-        if isinstance(self.datasets, list):
-            # a plain list of names: stores named like the datasets under data_root
-            self.datasets = {str(n): str(n) for n in self.datasets}
-        if isinstance(self.optimizers, list | tuple):
-            raise SpecError("optimizers: expected a mapping optimizer -> list of learning rates, e.g. {sgd: [0.01]}")
-        self.optimizers = {
-            str(k): [_to_float(v, f"optimizers.{k}") for v in (lrs if isinstance(lrs, list | tuple) else [lrs])]
-            for k, lrs in (self.optimizers or {}).items()
-        }
+        self.optimizers = _optimizers(self.optimizers, "optimizers")
         self.seeds = [_to_int(s, "seeds") for s in self.seeds]
-        for name in ("steps", "batch_size", "eval_period", "warmup_steps", "checkpoint_period", "img_size",
-                     "workers_per_trial", "max_concurrent_trials", "trial_retries", "worker_retries", "samples"):
+        for name in ("steps", "batch_size", "eval_period", "warmup_steps", "log_period", "checkpoint_period",
+                     "img_size", "workers_per_trial", "max_concurrent_trials", "trial_retries", "worker_retries",
+                     "samples"):
             setattr(self, name, _to_int(getattr(self, name), name))
+        if self.micro_batch_size is not None:
+            self.micro_batch_size = _to_int(self.micro_batch_size, "micro_batch_size")
         for name in ("gpus_per_worker", "cpus_per_worker", "trial_driver_cpus"):
             setattr(self, name, _to_float(getattr(self, name), name))
         self.pretrain.lr = _to_float(self.pretrain.lr, "pretrain.lr")
-        self.datasets = {str(k): str(v) for k, v in (self.datasets or {}).items()}
+        self._normalize_datasets()
         self.model_kwargs = dict(self.model_kwargs or {})
+
+    def _normalize_datasets(self) -> None:
+        """``datasets``: a list of names (stores named like them), or name -> store path | entry mapping."""
+        entries = self.datasets or {}
+        if isinstance(entries, list | tuple):
+            entries = {str(n): str(n) for n in entries}
+        if not isinstance(entries, dict):
+            raise SpecError("datasets: expected a mapping name -> store path (or entry), or a list of names")
+        stores, overrides = {}, dict(self.dataset_overrides or {})
+        for name, entry in entries.items():
+            name = str(name)
+            if isinstance(entry, dict):
+                stores[name], overrides[name] = _parse_entry(name, entry)
+            else:
+                stores[name] = name if entry is None else str(entry)
+        self.datasets = stores
+        self.dataset_overrides = {n: o for n, o in overrides.items() if n in stores and o != DatasetOverrides()}
+
+    # ------------------------------------------------------------------------------------------------
+    # the per-dataset protocol
+    # ------------------------------------------------------------------------------------------------
+
+    def protocol(self, dataset: str) -> DatasetProtocol:
+        """The protocol and grid ``dataset`` runs with: its entry's overrides, else the study's values."""
+        o = self.dataset_overrides.get(dataset) or DatasetOverrides()
+        values = {f: getattr(self, f) if getattr(o, f) is None else getattr(o, f) for f in PROTOCOL_FIELDS}
+        optimizers = self.optimizers if o.optimizers is None else o.optimizers
+        seeds = {opt: list(_seeds_of(o.seeds, opt, self.seeds)) for opt in optimizers}
+        return DatasetProtocol(**values, optimizers=copy.deepcopy(optimizers), seeds=seeds)
+
+    def protocols(self) -> dict[str, DatasetProtocol]:
+        """:meth:`protocol` of every dataset, in the spec's order."""
+        return {name: self.protocol(name) for name in self.datasets}
 
     # ------------------------------------------------------------------------------------------------
     # resolved paths
@@ -255,15 +375,17 @@ class StudySpec:
     # ------------------------------------------------------------------------------------------------
 
     def validate(self, *, check_files: bool = True) -> None:
-        """Reject a bad spec before anything is launched; every message starts with the field's name.
+        """Reject a bad spec before anything is launched; every message starts with the field's name
+        (``datasets.<name>.<field>`` for a dataset's override).
 
-        The checks run in the order of the preset files: names, grid, datasets, protocol, resources,
-        search, tracking, plasticity, pretraining. ``check_files=False`` skips the existence of stores and
-        the weights file (used before the demo's own data preparation and pretraining create them).
+        The checks run in the order of the preset files: names, grid, datasets, protocol, each dataset's
+        overrides, resources, search, tracking, plasticity, pretraining, probe. ``check_files=False`` skips
+        the existence of stores and the weights file (used before the demo's own data preparation and
+        pretraining create them).
         """
         for check in (self._check_names, self._check_grid, self._check_datasets, self._check_protocol,
-                      self._check_resources, self._check_search, self._check_tracking, self._check_plasticity,
-                      self._check_pretrain):
+                      self._check_dataset_overrides, self._check_resources, self._check_search,
+                      self._check_tracking, self._check_plasticity, self._check_pretrain, self._check_probe):
             check()
         if check_files:
             self.check_files()
@@ -281,7 +403,8 @@ class StudySpec:
 
     def _check_grid(self) -> None:
         """Configurations, optimizers with their lrs, seeds. No configuration: a plasticity-only study,
-        whose optimizers and seeds may be empty (they span no trial)."""
+        whose optimizers and seeds may be empty (they span no trial). The study's optimizers may also be
+        empty when every dataset names its own."""
         if not isinstance(self.configurations, list):
             raise SpecError(f"configurations: expected a list of {list(CONFIGURATIONS)}")
         if not self.configurations and not self.plasticity.enabled:
@@ -290,15 +413,11 @@ class StudySpec:
         for c in self.configurations:
             _choice(c, CONFIGURATIONS, "configurations")
         _unique(self.configurations, "configurations")
-        if self.configurations and not self.optimizers:
+        uses_study_optimizers = not self.datasets or any(
+            self.dataset_overrides.get(d, DatasetOverrides()).optimizers is None for d in self.datasets)
+        if self.configurations and uses_study_optimizers and not self.optimizers:
             raise SpecError(f"optimizers: at least one of {list(OPTIMIZERS)} with its learning rates is required")
-        for opt, lrs in self.optimizers.items():
-            _choice(opt, OPTIMIZERS, "optimizers")
-            if not lrs:
-                raise SpecError(f"optimizers.{opt}: the learning-rate list is empty")
-            for lr in lrs:
-                _learning_rate(lr, f"optimizers.{opt}")
-            _unique(lrs, f"optimizers.{opt}")
+        _check_optimizers(self.optimizers, "optimizers")
         if self.configurations and not self.seeds:
             raise SpecError("seeds: at least one seed is required")
         _unique(self.seeds, "seeds")
@@ -314,10 +433,36 @@ class StudySpec:
                 )
 
     def _check_protocol(self) -> None:
-        for name in ("steps", "batch_size", "eval_period", "checkpoint_period"):
+        for name in ("steps", "batch_size", "eval_period", "log_period", "checkpoint_period"):
             _positive(getattr(self, name), name)
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise SpecError(f"warmup_steps: {self.warmup_steps} must lie in [0, steps={self.steps})")
+        if self.micro_batch_size is not None:
+            _positive(self.micro_batch_size, "micro_batch_size")
+
+    def _check_dataset_overrides(self) -> None:
+        """Each dataset's overrides, named ``datasets.<name>.<field>``; the resolved warmup lies before the
+        resolved end of training."""
+        for name, o in self.dataset_overrides.items():
+            where, p = f"datasets.{name}", self.protocol(name)
+            for f in ("steps", "eval_period", "log_period"):
+                if getattr(o, f) is not None:
+                    _positive(getattr(o, f), f"{where}.{f}")
+            if (o.steps is not None or o.warmup_steps is not None) and not 0 <= p.warmup_steps < p.steps:
+                raise SpecError(f"{where}.warmup_steps: {p.warmup_steps} must lie in [0, steps={p.steps})"
+                                + ("" if o.warmup_steps is not None else " (the study's warmup_steps)"))
+            if o.optimizers is not None:
+                if self.configurations and not o.optimizers:
+                    raise SpecError(f"{where}.optimizers: at least one of {list(OPTIMIZERS)} is required")
+                _check_optimizers(o.optimizers, f"{where}.optimizers")
+            if isinstance(o.seeds, dict):
+                for opt, seeds in o.seeds.items():
+                    if opt not in p.optimizers:
+                        raise SpecError(f"{where}.seeds: {opt!r} is not one of this dataset's optimizers "
+                                        f"{list(p.optimizers)}")
+                    _check_seeds(seeds, f"{where}.seeds.{opt}")
+            elif o.seeds is not None:
+                _check_seeds(o.seeds, f"{where}.seeds")
 
     def _check_resources(self) -> None:
         _positive(self.workers_per_trial, "workers_per_trial")
@@ -369,6 +514,14 @@ class StudySpec:
         if self.pretrain_store is None and not self.builtin_data:
             raise SpecError("pretrain_store: pretraining needs a pretraining store")
 
+    def _check_probe(self) -> None:
+        q = self.probe
+        if q.enabled:
+            for name in ("batch_size", "workers"):
+                _positive(getattr(q, name), f"probe.{name}")
+            if not isinstance(q.seed, int) or isinstance(q.seed, bool) or q.seed < 0:
+                raise SpecError(f"probe.seed: {q.seed!r} must be a non-negative integer")
+
     def check_files(self, *, weights: bool | None = None) -> None:
         """Every store and the weights file exist. ``weights=None`` checks the weights file unless
         pretraining will produce it."""
@@ -394,25 +547,35 @@ class StudySpec:
     # ------------------------------------------------------------------------------------------------
 
     def grid(self) -> list[dict[str, Any]]:
-        """Every grid point, in launch order: dataset, configuration, optimizer, lr, seed, trial_id."""
+        """Every grid point, in launch order: dataset, configuration, optimizer, lr, seed, trial_id; per
+        dataset, its own optimizers, lrs and seeds (:meth:`protocol`)."""
         points = []
         for dataset in self.datasets:
+            p = self.protocol(dataset)
             for config in self.configurations:
-                for opt, lrs in self.optimizers.items():
+                for opt, lrs in p.optimizers.items():
                     for lr in lrs:
-                        for seed in self.seeds:
+                        for seed in p.seeds[opt]:
                             points.append(grid_point(dataset, config, opt, lr, seed))
         return points
 
     def groups(self) -> list[dict[str, Any]]:
         """The (dataset, configuration, optimizer, seed) cells an lr search runs within."""
-        return [
-            {"dataset": d, "configuration": c, "optimizer": o, "seed": s}
-            for d in self.datasets for c in self.configurations for o in self.optimizers for s in self.seeds
-        ]
+        cells = []
+        for d in self.datasets:
+            p = self.protocol(d)
+            cells += [{"dataset": d, "configuration": c, "optimizer": o, "seed": s}
+                      for c in self.configurations for o in p.optimizers for s in p.seeds[o]]
+        return cells
 
-    def lr_range(self, optimizer: str) -> tuple[float, float]:
-        lrs = self.optimizers[optimizer]
+    def lr_range(self, optimizer: str, dataset: str | None = None) -> tuple[float, float]:
+        """The lr interval an Optuna search of ``optimizer`` explores on ``dataset``: its grid's extremes
+        (one decade around a single value). Without a dataset: over every dataset's grid of ``optimizer``."""
+        if dataset is not None:
+            lrs = self.protocol(dataset).optimizers[optimizer]
+        else:
+            lrs = [lr for p in self.protocols().values() for lr in p.optimizers.get(optimizer, [])]
+            lrs = lrs or self.optimizers[optimizer]
         lo, hi = min(lrs), max(lrs)
         if lo == hi:  # a single grid value: search one decade around it
             lo, hi = lo / math.sqrt(10), hi * math.sqrt(10)
@@ -421,22 +584,39 @@ class StudySpec:
     def total_trials(self) -> int:
         return len(self.groups()) * self.samples if self.search == "optuna" else len(self.grid())
 
+    def probe_datasets(self) -> list[str]:
+        """The datasets the linear probe runs on: every dataset once, when the probe is enabled."""
+        return list(self.datasets) if self.probe.enabled else []
+
     #: fields whose change alters what a finished trial means; a study directory keeps its values
     TRIAL_FIELDS: ClassVar[tuple[str, ...]] = (
         "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
-        "augment", "shuffle", "amp_bf16", "train_final_norm", "search",
+        "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search",
     )
+    #: probe fields whose change alters what a finished probe means
+    PROBE_FIELDS: ClassVar[tuple[str, ...]] = ("augment", "seed")
 
     def conflicts(self, stored: StudySpec) -> list[str]:
-        """Fields in which this spec disagrees with the one a study directory was created with."""
+        """Fields in which this spec disagrees with the one a study directory was created with: the study's
+        protocol, a dataset's store, a dataset's resolved protocol where either spec overrides it
+        (``datasets.clipart.steps: stored 20000, given 10000``), the probe's settings."""
         out = []
         for name in self.TRIAL_FIELDS:
             a, b = getattr(self, name), getattr(stored, name)
             if a != b:
                 out.append(f"{name}: stored {b!r}, given {a!r}")
         for name, path in self.datasets.items():
-            if name in stored.datasets and stored.store_path(stored.datasets[name]) != self.store_path(path):
+            if name not in stored.datasets:
+                continue
+            if stored.store_path(stored.datasets[name]) != self.store_path(path):
                 out.append(f"datasets.{name}: stored {stored.datasets[name]!r}, given {path!r}")
+            if name in self.dataset_overrides or name in stored.dataset_overrides:
+                mine, theirs = self.protocol(name), stored.protocol(name)
+                out += [f"datasets.{name}.{f}: stored {getattr(theirs, f)!r}, given {getattr(mine, f)!r}"
+                        for f in PROTOCOL_FIELDS if getattr(mine, f) != getattr(theirs, f)]
+        if self.probe.enabled and stored.probe.enabled:
+            out += [f"probe.{f}: stored {getattr(stored.probe, f)!r}, given {getattr(self.probe, f)!r}"
+                    for f in self.PROBE_FIELDS if getattr(self.probe, f) != getattr(stored.probe, f)]
         return out
 
 
@@ -504,6 +684,100 @@ def _sub(cls, value, where):
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {unknown} (known: {sorted(known)})")
     return cls(**value)
+
+
+def _dataset_entry(store: str, overrides: dict[str, Any] | None) -> str | dict[str, Any]:
+    """A ``datasets`` entry as written in a spec file: the store path, or a mapping when it overrides."""
+    set_ = {k: v for k, v in (overrides or {}).items() if v is not None}
+    return {"store": store, **set_} if set_ else store
+
+
+def _parse_entry(name: str, entry: dict[str, Any]) -> tuple[str, DatasetOverrides]:
+    """A ``datasets`` entry mapping -> (store path, its overrides), values typed; errors name
+    ``datasets.<name>.<field>``."""
+    where = f"datasets.{name}"
+    known = ["store", *(f.name for f in dataclasses.fields(DatasetOverrides))]
+    unknown = sorted(set(entry) - set(known))
+    if unknown:
+        raise SpecError(f"{where}: unknown field(s) {unknown} (a dataset entry may set {known})")
+    store = entry.get("store")
+    values: dict[str, Any] = {}
+    for f in PROTOCOL_FIELDS:
+        if entry.get(f) is not None:
+            values[f] = _to_int(entry[f], f"{where}.{f}")
+    if entry.get("optimizers") is not None:
+        values["optimizers"] = _optimizers(entry["optimizers"], f"{where}.optimizers")
+    if entry.get("seeds") is not None:
+        values["seeds"] = _seeds(entry["seeds"], f"{where}.seeds")
+    return (name if store is None else str(store)), DatasetOverrides(**values)
+
+
+def _optimizers(value: Any, where: str) -> dict[str, list[float]]:
+    """``{optimizer: lr or [lrs]}`` -> ``{optimizer: [float lrs]}``."""
+    if isinstance(value, list | tuple) or (value is not None and not isinstance(value, dict)):
+        raise SpecError(f"{where}: expected a mapping optimizer -> list of learning rates, e.g. {{sgd: [0.01]}}")
+    return {
+        str(k): [_to_float(v, f"{where}.{k}") for v in (lrs if isinstance(lrs, list | tuple) else [lrs])]
+        for k, lrs in (value or {}).items()
+    }
+
+
+def _seeds(value: Any, where: str) -> list[int] | dict[str, list[int]]:
+    """A dataset's ``seeds``: a seed or a list (every optimizer), or a mapping optimizer -> seed(s)."""
+    def as_list(v, w):
+        return [_to_int(s, w) for s in (v if isinstance(v, list | tuple) else [v])]
+
+    if isinstance(value, dict):
+        return {str(opt): as_list(v, f"{where}.{opt}") for opt, v in value.items()}
+    return as_list(value, where)
+
+
+def _seeds_of(seeds: list[int] | dict[str, list[int]] | None, optimizer: str, default: list[int]) -> list[int]:
+    """The seeds of ``optimizer`` on a dataset whose entry says ``seeds`` (None: the study's ``default``)."""
+    if seeds is None:
+        return default
+    if isinstance(seeds, dict):
+        return seeds.get(optimizer, default)
+    return seeds
+
+
+def _check_optimizers(optimizers: dict[str, list[float]], where: str) -> None:
+    """Known optimizer names, each with a non-empty list of distinct positive learning rates."""
+    for opt, lrs in optimizers.items():
+        _choice(opt, OPTIMIZERS, where)
+        if not lrs:
+            raise SpecError(f"{where}.{opt}: the learning-rate list is empty")
+        for lr in lrs:
+            _learning_rate(lr, f"{where}.{opt}")
+        _unique(lrs, f"{where}.{opt}")
+
+
+def _check_seeds(seeds: list[int], where: str) -> None:
+    if not seeds:
+        raise SpecError(f"{where}: at least one seed is required")
+    _unique(seeds, where)
+
+
+def _override_target(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """The mapping inside ``data`` (a spec's :meth:`StudySpec.to_dict`) that ``--set key=...`` writes into;
+    a dataset entry that is a plain store path becomes ``{store: path}`` to take an override."""
+    parts = key.split(".")
+    target = data
+    for depth, p in enumerate(parts[:-1]):
+        if depth == 1 and parts[0] == "datasets" and isinstance(target.get(p), str):
+            target[p] = {"store": target[p]}
+        if p not in target or not isinstance(target[p], dict):
+            raise SpecError(f"--set {key}: {p!r} is not a section of the spec "
+                            f"(sections: {', '.join(StudySpec.SECTIONS)}, datasets.<name>)")
+        target = target[p]
+    leaf = parts[-1]
+    if len(parts) == 3 and parts[0] == "datasets":
+        known = ["store", *(f.name for f in dataclasses.fields(DatasetOverrides))]
+        if leaf not in known:
+            raise SpecError(f"--set {key}: unknown field {leaf!r} (a dataset entry may set {known})")
+    elif leaf not in target:
+        raise SpecError(f"--set {key}: unknown field {leaf!r} (known: {sorted(target)})")
+    return target
 
 
 def _file_exists(path: str) -> bool:
