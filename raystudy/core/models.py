@@ -17,32 +17,73 @@ class WeightsError(ValueError):
     """A weights file that cannot be loaded into the model (names the file and the offending keys)."""
 
 
+_WRAPPERS = ("state_dict", "model", "module", "state_dict_ema")  # checkpoints that wrap their weights
+
+
+def _read_safetensors(path: Path) -> dict:
+    """The tensors of a ``.safetensors`` file; an empty, truncated or garbage file is a :class:`WeightsError`."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # SafetensorError (header too small/large, incomplete), OSError, ...
+        raise WeightsError(f"cannot read weights file {path}: not a valid .safetensors file ({e})") from e
+
+
+def _read_torch(path: Path) -> object:
+    """A PyTorch checkpoint read with ``torch.load(weights_only=True)``: a pickle that would build any object
+    other than tensors and plain containers (and so could run code) is refused, never executed."""
+    from raystudy.core.tensors import torch_load_reason
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError (refused globals), truncated zip, EOFError, ...
+        raise WeightsError(f"cannot read weights file {path}: {torch_load_reason(e)}") from e
+    for key in _WRAPPERS:
+        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+            return state[key]
+    return state
+
+
+def check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Raise :class:`WeightsError` naming ``path``, the first tensor holding NaN or inf and how many values,
+    and how many tensors are affected. NaN weights make every rate NaN and every finetuning step diverge:
+    they are refused at load, before anything runs. Sparse and other non-strided tensors are refused too."""
+    bad = []
+    for name, value in state.items():
+        if value.layout != torch.strided:
+            raise WeightsError(f"{path}: tensor {name!r} has layout {value.layout}; expected dense tensors")
+        if value.is_floating_point() or value.is_complex():
+            n = int((~torch.isfinite(value)).sum())
+            if n:
+                bad.append((name, n, value.numel()))
+    if bad:
+        name, n, numel = bad[0]
+        raise WeightsError(f"{path}: tensor {name!r} has {n} non-finite values (NaN/inf) of {numel} "
+                           f"({len(bad)} of {len(state)} tensors affected); the file is corrupt or was saved "
+                           f"from a diverged run")
+
+
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` file or a PyTorch state dict (``torch.load(weights_only=True)``).
 
     A checkpoint that wraps its weights (``{"state_dict": ...}``, ``{"model": ...}``) is unwrapped, and
-    the prefixes ``module.``, ``model.`` and ``_orig_mod.`` are stripped.
+    the prefixes ``module.``, ``model.`` and ``_orig_mod.`` are stripped. An unreadable file (empty,
+    truncated, garbage, a pickle of other objects), anything but a dict of name -> tensor, or a tensor with
+    NaN/inf (:func:`check_finite`) raises :class:`WeightsError` naming the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file not found: {path}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
-    else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle errors, truncated files, ...
-            raise WeightsError(f"cannot read weights file {path}: {e}") from e
-        for key in ("state_dict", "model", "module", "state_dict_ema"):
-            if isinstance(state, dict) and key in state and isinstance(state[key], dict):
-                state = state[key]
-                break
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    state = _read_safetensors(path) if path.suffix == ".safetensors" else _read_torch(path)
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
         raise WeightsError(f"{path} does not hold a state dict of tensors")
+    if not state:
+        raise WeightsError(f"{path} holds no tensors")
+    check_finite(state, path)
     for prefix in _PREFIXES:
-        if state and all(k.startswith(prefix) for k in state):
+        if all(k.startswith(prefix) for k in state):
             state = {k[len(prefix):]: v for k, v in state.items()}
     return state
 
