@@ -12,7 +12,7 @@ import pytest
 from raystudy.core.finetune import FinetuneConfig
 from raystudy.distributed.plasticity import PlasticityJob
 from raystudy.distributed.train import TrainResources
-from raystudy.study.jobs import finetune_job, plasticity_job, pretrain_job
+from raystudy.study.jobs import finetune_job, plasticity_job, pretrain_job, probe_job
 from raystudy.study.spec import PlasticitySpec, PretrainSpec, StudySpec, grid_point
 
 #: spec field -> FinetuneConfig field of every finetuning run
@@ -33,6 +33,9 @@ PLASTICITY = {"pairs": "pairs", "batch_size": "batch_size", "mode": "mode", "see
 #: pretrain section field -> FinetuneConfig field of the pretraining run
 PRETRAIN = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "optimizer": "optimizer",
             "warmup_steps": "warmup_steps", "seed": "seed", "augment": "augment"}
+#: probe section field -> ProbeJob field
+PROBE = {"augment": "augment", "seed": "seed", "batch_size": "batch_size", "workers": "workers",
+         "gpus_per_worker": "gpus_per_worker", "cpus_per_worker": "cpus_per_worker"}
 #: the model fields every job builds its model from
 MODEL = ("model", "model_kwargs", "weights", "img_size", "amp_bf16")
 #: spec fields that are about the study (its grid, directory, scheduling), not any one job's config
@@ -60,6 +63,8 @@ SPEC = dict(
                     cpus_per_worker=1.5, torch_threads=3),
     pretrain=dict(enabled=True, steps=77, batch_size=16, lr=5e-4, optimizer="adamw", warmup_steps=7, seed=5,
                   augment=False),
+    probe=dict(enabled=True, augment=False, seed=13, batch_size=20, workers=6, gpus_per_worker=0.5,
+               cpus_per_worker=0.3),
 )
 
 
@@ -158,3 +163,12 @@ def test_plasticity_job_takes_the_model_and_the_plasticity_section(spec):
     assert job.out_dir == "/pl/run-000"
     one = plasticity_job(spec, "a", "/other/pretrain", "/pl/run-001")
     assert one.downstream == ["/data/root/a-store"] and one.pretrain == "/other/pretrain"
+
+
+def test_probe_job_takes_the_model_and_the_probe_section(spec):
+    job = probe_job(spec, "b", "/probe/b")
+    for s, j in PROBE.items():
+        assert getattr(job, j) == getattr(spec.probe, s), j
+    for name in ("model", "model_kwargs", "weights", "img_size"):
+        assert getattr(job, name) == getattr(spec, name), name
+    assert job.store == "/abs/b" and job.out_dir == "/probe/b" and job.local is False

@@ -98,3 +98,15 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
         **fields, pretrain=store if store is not None else spec.pretrain_store_path(),
         downstream=[spec.store_path(spec.datasets[n]) for n in names], out_dir=str(out_dir),
     )
+
+
+def probe_job(spec: StudySpec, dataset: str, out_dir: str):
+    """The linear probe of ``dataset`` (a name among ``spec.datasets``): a
+    :class:`~raystudy.distributed.probe.ProbeJob` with the spec's model and the ``probe`` section's
+    settings (augment, seed, batch_size, workers, ...: copied by name), written to ``out_dir/probe.json``.
+    """
+    from raystudy.distributed.probe import ProbeJob
+
+    model = {k: getattr(spec, k) for k in MODEL_FIELDS}
+    fields = by_name(ProbeJob, model, spec.probe)
+    return ProbeJob(**fields, store=spec.store_path(spec.datasets[dataset]), out_dir=str(out_dir))
