@@ -149,3 +149,32 @@ def upload_dir(local: str | os.PathLike, uri: str) -> None:
     fs.create_dir(path, recursive=True)
     pafs.copy_files(str(Path(local).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=fs)
+
+
+#: The longest name accepted as one path component (most file systems allow 255 bytes; room for suffixes).
+MAX_NAME_LENGTH = 128
+
+
+def check_path_name(name: object, what: str) -> str:
+    """``name`` when it is safe as ONE path component (a file or folder name under an output folder).
+
+    Refused, with a ``ValueError`` naming ``what`` (the flag or file the name came from) and the value: a
+    non-string or empty name, ``.`` / ``..``, a leading ``.`` (hidden files, ``..foo``), ``/`` or ``\\``,
+    NUL or other control characters, and names longer than :data:`MAX_NAME_LENGTH` characters. Used for
+    every name that becomes a path: store and dataset names, study and model names.
+    """
+    problem = None
+    if not isinstance(name, str) or not name:
+        problem = "must be a non-empty string"
+    elif name.startswith("."):
+        problem = "must not start with '.' (no '.', '..' or hidden names)"
+    elif "/" in name or "\\" in name:
+        problem = "must not contain '/' or '\\'"
+    elif any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in name):
+        problem = "must not contain control characters"
+    elif len(name) > MAX_NAME_LENGTH:
+        problem = f"must be at most {MAX_NAME_LENGTH} characters"
+    if problem:
+        raise ValueError(f"{what}: {name!r} is not a valid name: it {problem}; it becomes a file name, "
+                         "so it must be one path component")
+    return name

@@ -229,7 +229,9 @@ def _write_tables(res: AnalysisResult) -> None:
 
 
 def _write_notes(res: AnalysisResult) -> None:
-    lines = ["# Analysis notes", ""] + [f"- {n}" for n in res.notes + ([res.footnote] if res.footnote else [])]
+    """``notes.md``: one list item per note (escaped: notes quote dataset and model names)."""
+    notes = res.notes + ([res.footnote] if res.footnote else [])
+    lines = ["# Analysis notes", ""] + [f"- {R.md_escape(n)}" for n in notes]
     storage.write_text_atomic(res.out_dir / "notes.md", "\n".join(lines) + "\n")
 
 

@@ -43,21 +43,22 @@ class Rendered:
     footnotes: list[str] = field(default_factory=list)
 
     def markdown(self) -> str:
-        out = [f"# {self.title}", "", self.caption, ""]
+        """The table as Markdown; every text is escaped with :func:`md_escape` (names come from data)."""
+        out = [f"# {md_escape(self.title)}", "", md_escape(self.caption), ""]
         for b in self.blocks:
             if b.heading:
-                out += [f"## {b.heading}", ""]
-            out.append("| " + " | ".join(_md(c) for c in b.columns) + " |")
+                out += [f"## {md_escape(b.heading)}", ""]
+            out.append("| " + " | ".join(md_escape(c) for c in b.columns) + " |")
             out.append("|" + "|".join(":---" if j == 0 else "---:" for j in range(len(b.columns))) + "|")
             for i, row in enumerate(b.rows):
                 cells = []
                 for j, c in enumerate(row):
                     text, detail = c if isinstance(c, tuple) else (c, "")
-                    text = f"**{_md(text)}**" if (i, j) in b.bold and text else _md(text)
-                    cells.append(f"{text} ({_md(detail)})" if detail else text)
+                    text = f"**{md_escape(text)}**" if (i, j) in b.bold and text else md_escape(text)
+                    cells.append(f"{text} ({md_escape(detail)})" if detail else text)
                 out.append("| " + " | ".join(cells) + " |")
             out.append("")
-        out += [f"- {n}" for n in self.footnotes]
+        out += [f"- {md_escape(n)}" for n in self.footnotes]
         return "\n".join(out).rstrip() + "\n"
 
     def html(self) -> str:
@@ -87,8 +88,18 @@ class Rendered:
         return "\n".join(parts)
 
 
-def _md(text: str) -> str:
-    return str(text).replace("|", "\\|")
+#: Characters a name may carry that Markdown would read as markup: HTML (``<script>``), table cell breaks,
+#: links, code spans, emphasis. A backslash is escaped too, so one in the name cannot undo an escape.
+_MD_ESCAPES = {"\\": "\\\\", "&": "&amp;", "<": "&lt;", ">": "&gt;", "|": "\\|", "[": "\\[", "]": "\\]",
+               "`": "\\`", "*": "\\*", "\r": " ", "\n": " "}
+_MD_TABLE = str.maketrans(_MD_ESCAPES)
+
+
+def md_escape(text: object) -> str:
+    """``text`` as one line of literal Markdown: HTML special characters as entities, ``\\ | [ ] ` *``
+    backslash-escaped, line breaks as spaces (a cell, heading or list item built from names stays one)."""
+    return str(text).translate(_MD_TABLE)
+
 
 
 def _finite(x) -> bool:

@@ -1,9 +1,10 @@
 """``raystudy plasticity``: per-pair rates and plasticity tables, locally or through the Ray pipeline.
 
 Local inputs (``--x PATH --y PATH``, no Ray): each PATH is an image folder (searched recursively, files
-in sorted order), a tensor file (``.pt`` / ``.npy``, shape ``(N, 3, H, W)``, already preprocessed), or a
-prepared store (its ``test`` split, ``val`` when it has no test images). Stores
-(``--pretrain STORE --downstream STORE ...``) run the distributed Ray Data pipeline.
+in sorted order), a tensor file (``.pt`` / ``.pth`` / ``.npy``, shape ``(N, 3, H, W)``, already
+preprocessed, read without running pickled code, NaN/inf refused), or a prepared store (its ``test``
+split, ``val`` when it has no test images). Stores (``--pretrain STORE --downstream STORE ...``) run the
+distributed Ray Data pipeline.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import json
 from pathlib import Path
 
 from raystudy.vocab import COMPONENTS, MODES
-
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -58,41 +57,63 @@ def register(sub) -> None:
 
 
 def load_images(path: str | Path, size: int) -> tuple[object, str]:
-    """Images at ``path`` as a float32 tensor ``(N, 3, size, size)`` (eval transform applied to files)."""
-    import numpy as np
-    import torch
+    """Images at ``path`` as a float32 tensor ``(N, 3, size, size)`` (eval transform applied to files) and
+    their dataset name (a store's ``dataset.json`` name, else the folder or file name).
 
-    from raystudy.data.store import read_meta, read_split
-    from raystudy.data.transforms import transform_batch
+    Every encoded image goes through :func:`raystudy.data.images.decode_image` (one decoder, one pixel
+    limit, errors that name the file or store row); the name is checked to be one path component.
+    """
+    from raystudy.core.tensors import TENSOR_SUFFIXES, load_image_tensor
+    from raystudy.data.images import IMAGE_EXTENSIONS, image_files, load_image_file
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir() and (path / "dataset.json").exists():
-        meta = read_meta(path)
-        split = "test" if meta["counts"].get("test") else "val"
-        table = read_split(path, split, columns=["image"])
-        return transform_batch(table.column("image").to_pylist(), train=False, size=size), meta["name"]
+        return _store_images(path, size)
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+        files = list(image_files(path))
         if not files:
-            raise ValueError(f"{path}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
-        images = []
-        for f in files:
-            try:
-                images.append(transform_batch([f.read_bytes()], train=False, size=size))
-            except RuntimeError as e:
-                raise ValueError(f"{f}: cannot decode image ({e})") from e
-        return torch.cat(images), path.name
-    if path.suffix == ".pt":
-        t = torch.load(path, map_location="cpu", weights_only=True)
-    elif path.suffix == ".npy":
-        t = torch.from_numpy(np.load(path))
-    else:
-        raise ValueError(f"{path}: expected an image folder, a prepared store, a .pt or a .npy file")
-    if not isinstance(t, torch.Tensor) or t.ndim != 4 or t.shape[1] != 3:
-        raise ValueError(f"{path}: expected a tensor of shape (N, 3, H, W), got {getattr(t, 'shape', type(t))}")
-    return t.float(), path.stem
+            raise ValueError(f"{path}: no image files ({', '.join(IMAGE_EXTENSIONS)})")
+        return _eval_batch((load_image_file(f) for f in files), len(files), size), _derived_name(path.resolve())
+    if path.suffix not in TENSOR_SUFFIXES:
+        raise ValueError(f"{path}: expected an image folder, a prepared store or a tensor file "
+                         f"({', '.join(TENSOR_SUFFIXES)})")
+    return load_image_tensor(path), _derived_name(path, path.stem)
+
+
+def _store_images(store: Path, size: int) -> tuple[object, str]:
+    """The ``test`` split of a prepared store (``val`` when it has no test rows) and its checked name."""
+    from raystudy.data.images import decode_image
+    from raystudy.data.store import META_FILE, read_meta, read_split
+    from raystudy.storage import check_path_name
+
+    meta = read_meta(store)
+    name = check_path_name(meta["name"], f"{store / META_FILE} 'name'")
+    split = "test" if meta["counts"].get("test") else "val"
+    images = read_split(store, split, columns=["image"]).column("image").to_pylist()
+    pixels = (decode_image(b, source=f"{store} ({split} row {i})") for i, b in enumerate(images))
+    return _eval_batch(pixels, len(images), size), name
+
+
+def _eval_batch(pixels, n: int, size: int):
+    """``n`` decoded ``uint8 (H, W, 3)`` images -> the eval-transformed float32 batch ``(n, 3, size, size)``,
+    transformed one at a time so only one full-size image is held at once."""
+    import torch
+
+    from raystudy.data.transforms import transform_batch
+
+    out = torch.empty(n, 3, size, size, dtype=torch.float32)
+    for i, px in enumerate(pixels):
+        out[i] = transform_batch([torch.from_numpy(px).permute(2, 0, 1)], train=False, size=size)[0]
+    return out
+
+
+def _derived_name(path: Path, name: str | None = None) -> str:
+    """The dataset name taken from a folder or file name, checked as one path component."""
+    from raystudy.storage import check_path_name
+
+    return check_path_name(name if name is not None else path.name, f"dataset name of {path} (pass --dataset)")
 
 
 def paired(x, y, pairs: int | None, seed: int):
@@ -138,14 +159,16 @@ def run_local(args) -> int:
     from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution
     from raystudy.core.plasticity import pair_rates, summarize
     from raystudy.io import write_result
+    from raystudy.storage import check_path_name
 
+    dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = _build(args).to(device).eval()
     size = model.patch_embed.img_size[0]
     x, _ = load_images(args.x, size)
     y, y_name = load_images(args.y, size)
     x, y = paired(x, y, args.pairs, args.seed)
-    dataset = args.dataset or y_name
+    dataset = dataset or y_name
     amp = torch.bfloat16 if args.bf16 else None
     frames = []
     with tqdm(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:

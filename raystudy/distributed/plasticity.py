@@ -227,11 +227,13 @@ def locate_split(store: str | os.PathLike, split: str) -> SplitRows:
     """Read the ``split`` and ``index`` columns of every shard once and locate the split's rows.
 
     Raises :class:`raystudy.data.store.StoreError` naming the store when it is not prepared or the
-    split is empty.
+    split is empty, and ``ValueError`` naming its ``dataset.json`` when the name is not one path component
+    (it names the dataset's figures).
     """
-    from raystudy.data.store import SCHEMA, StoreError, read_meta, shard_paths
+    from raystudy.data.store import META_FILE, SCHEMA, StoreError, read_meta, shard_paths
 
     meta = read_meta(store)
+    name = storage.check_path_name(meta["name"], f"{storage.join(store, META_FILE)} 'name'")
     paths = shard_paths(store)
     shard, row, index = [], [], []
     for i, p in enumerate(paths):
@@ -240,7 +242,7 @@ def locate_split(store: str | os.PathLike, split: str) -> SplitRows:
         shard.append(np.full(rows.shape[0], i, dtype=np.int64))
         row.append(rows.astype(np.int64))
         index.append(t.column("index").to_numpy()[rows].astype(np.int64))
-    out = SplitRows(str(store), str(meta["name"]), split, tuple(str(p) for p in paths),
+    out = SplitRows(str(store), name, split, tuple(str(p) for p in paths),
                     np.concatenate(shard), np.concatenate(row), np.concatenate(index))
     if len(out) == 0:
         raise StoreError(f"{store}: split {split!r} is empty")
