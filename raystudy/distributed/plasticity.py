@@ -182,8 +182,10 @@ class PlasticityJob:
         for ok, msg in self._limits():
             if not ok:
                 raise ValueError(f"plasticity job: {msg}")
-        if self.weights is not None and not Path(self.weights).is_file():
-            raise FileNotFoundError(f"weights file not found: {self.weights}")
+        if self.weights is not None:
+            from raystudy.core.models import load_state_dict_file
+
+            load_state_dict_file(self.weights)  # missing, unreadable or NaN/inf: refused before Ray starts
 
     def _limits(self) -> list[tuple[bool, str]]:
         """``(holds, message)`` for every range a field must lie in."""
