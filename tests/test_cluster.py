@@ -59,3 +59,33 @@ def test_schema_rejects_a_broken_config():
     bad["max_workers"] = "eight"
     with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(bad))
+
+
+# --------------------------------------------------------------------------------------------------
+# raystudy.distributed.cluster: Ray's benign notices dropped at their logger, real warnings kept
+# --------------------------------------------------------------------------------------------------
+
+
+def test_quiet_ray_logs_drops_only_the_benign_notices(caplog, monkeypatch):
+    import logging
+
+    from raystudy.distributed.cluster import BENIGN_NOTICES, quiet_ray_logs
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    quiet_ray_logs(verbose=False)
+    quiet_ray_logs(verbose=False)  # idempotent: one filter per notice
+    auth = logging.getLogger(BENIGN_NOTICES[0][0])
+    assert len(auth.filters) == 1
+    assert logging.getLogger("ray").level == logging.WARNING and logging.getLogger("ray.data").level == logging.WARNING
+    with caplog.at_level(logging.WARNING):
+        auth.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled ...")
+        auth.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+        logging.getLogger("ray.data._internal.progress").warning("Progress bars disabled. To enable, set ...")
+        logging.getLogger("ray.data._internal.progress").warning("a real problem")
+    # the notice about Ray's default is gone; the security warning and real problems stay
+    assert [r.getMessage()[:40] for r in caplog.records] == [
+        "Token authentication is disabled for thi", "a real problem"]
+    assert "RAY_AUTH_MODE" not in __import__("os").environ  # authentication itself is never changed
+    quiet_ray_logs(verbose=True)  # -v: Ray prints as it always does
+    assert logging.getLogger("ray").level == logging.INFO and auth.filters == []
+    quiet_ray_logs(verbose=False)

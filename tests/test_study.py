@@ -1,10 +1,14 @@
 """The study engine end to end on the built-in data: Ray Tune over Ray Train trials, tables, resume, divergence.
 
-Two studies in all (Ray Train start-up dominates, ~20-30 s per trial on 2 cores):
+Four studies in all (Ray Train start-up dominates, ~20-30 s per trial on 2 cores):
 
-* a 2 configurations x 2 lrs x 1 seed grid, with plasticity and the analysis, run in-process;
-* a 1 configuration x 3 lrs grid (one lr diverges) whose driver runs as a subprocess, is killed after the
-  first trial row appears, and is resumed through the CLI; then re-run.
+* a 2 configurations x 2 lrs x 1 seed grid, with plasticity and the analysis, run in-process; one trial's
+  first attempt fails after its step-3 checkpoint (``raystudy.faults``) and is retried by Tune;
+* a 1 configuration x 3 lrs grid (one lr diverges) whose driver runs as a subprocess, is killed as soon as
+  the first trial's summary.json exists (polling, no wall-clock window), and is resumed through the CLI;
+  then re-run;
+* an Optuna search over the lr through Tune (2 samples of one cell);
+* a plasticity-only study (``configurations: []``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,8 +27,9 @@ import pandas as pd
 import pytest
 import yaml
 
+from raystudy.faults import ENV as FAULTS_ENV
 from raystudy.io import read_result
-from raystudy.study.results import trial_dir
+from raystudy.study.results import read_trial_summary, trial_dir
 from raystudy.study.spec import StudySpec, trial_id
 from raystudy.study.tune import load_study_spec, restore_tuner, run_study, tune_experiments
 
@@ -74,11 +80,16 @@ def grid_study(ray_session, builtin, tmp_path_factory):
         builtin, out, name="grid", datasets={"color": "shift-color"}, configurations=["MHA", "LN1"],
         optimizers={"sgd": [0.03, 0.3]}, plasticity={"enabled": True, "pairs": 32, "batch_size": 16,
                                                      "workers": 1, "cpus_per_worker": 0.5},
-        analysis=True, trial_retries=1, inject_failures={RETRIED: 3},
+        analysis=True, trial_retries=1,
     ))
     lines: list[str] = []
     t0 = time.time()
-    outcome = run_study(spec, echo=lines.append)
+    # the `faults` fixture's file (module scope here): the first attempt of RETRIED fails after step 3
+    Path(os.environ[FAULTS_ENV]).write_text(json.dumps({"fail_after_step": {RETRIED: 3}}))
+    try:
+        outcome = run_study(spec, echo=lines.append)
+    finally:
+        os.remove(os.environ[FAULTS_ENV])
     return {"out": str(out), "spec": spec, "outcome": outcome, "lines": lines, "seconds": time.time() - t0}
 
 
@@ -90,11 +101,12 @@ def test_grid_study_has_four_ok_trials(grid_study):
     trials = read_result(grid_study["out"], "trials")
     assert sorted(trials.trial_id) == GRID_IDS
     assert (trials.status == "ok").all()
-    assert set(trials.dataset) == {"color"} and set(trials.component) == {"MHA", "LN1"}
+    assert set(trials.dataset) == {"color"} and set(trials.configuration) == {"MHA", "LN1"}
+    assert {json.loads(k) == TINY for k in trials.model_kwargs} == {True}
     assert set(trials.model) == {MODEL} and (trials.steps == 6).all() and (trials.batch_size == 16).all()
     assert trials.test_acc.between(0, 1).all() and trials.best_val_acc.between(0, 1).all()
     # MHA trains more parameters than LN1 (both plus the same head)
-    by = trials.groupby("component").trainable_params.first()
+    by = trials.groupby("configuration").trainable_params.first()
     assert by["MHA"] > by["LN1"] > 0
     assert grid_study["outcome"].counts == {"ok": 4, "diverged": 0, "failed": 0}
     assert grid_study["outcome"].launched == 4
@@ -132,9 +144,13 @@ def test_grid_study_curves_match_each_trial(grid_study):
         assert list((Path(out) / "tb" / tid).glob("events.out.tfevents.*"))
 
 
-def test_grid_study_tune_experiment_restores(grid_study):
+def test_grid_study_tune_experiment_restores(grid_study, monkeypatch):
     (exp,) = tune_experiments(grid_study["out"])
-    results = restore_tuner(exp).get_results()
+    assert os.path.isabs(exp)
+    # the README's example from the directory above the study: relative paths work
+    monkeypatch.chdir(Path(grid_study["out"]).parent)
+    assert tune_experiments("study") == [exp]
+    results = restore_tuner(os.path.relpath(exp)).get_results()
     assert len(results) == 4 and not results.errors
     assert sorted(r.metrics["study_trial_id"] for r in results) == GRID_IDS
     assert sorted(r.config["point"]["trial_id"] for r in results) == GRID_IDS
@@ -158,7 +174,9 @@ def test_grid_study_plasticity_analysis_and_progress(grid_study):
     assert stored["configurations"] == ["MHA", "LN1"] and os.path.isabs(stored["weights"])
     lines = grid_study["lines"]
     assert any("4/4 done, 0 running, 0 failed, 0 pending" in ln for ln in lines)
-    assert any("ETA" in ln and "running" in ln for ln in lines)
+    trial_line = re.compile(r"^\[grid\] ok \S+: test acc [0-9.]+ \([0-9hms]+\) \| \d/4 done, ETA ")
+    finished = [ln for ln in lines if trial_line.match(ln)]
+    assert sorted(ln.split()[2].rstrip(":") for ln in finished) == GRID_IDS  # one line per finished trial
     assert any(str(out) in ln for ln in lines) and any("report" in ln for ln in lines)
 
 
@@ -183,17 +201,17 @@ LRS = (0.03, 0.3, 1e30)  # 1e30 diverges at its first steps
 KILL_IDS = sorted(trial_id("noise", "MHA", "sgd", lr, 0) for lr in LRS)
 
 
-def _wait_for_rows(out: Path, proc: subprocess.Popen, timeout: float) -> int:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            return -1
-        if (out / "trials.parquet").is_file():
-            n = len(read_result(out, "trials"))
-            if n:
-                return n
-        time.sleep(0.5)
-    return 0
+def _wait_for_first_summary(out: Path, proc: subprocess.Popen, timeout: float) -> list[str]:
+    """Poll until some trial has written its final summary.json; the ids of those that have (or [] if the
+    driver ended first or the generous timeout passed)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout and proc.poll() is None:
+        summaries = [read_trial_summary(str(out), tid) or {} for tid in KILL_IDS]
+        done = [tid for tid, s in zip(KILL_IDS, summaries) if s.get("status") in ("ok", "diverged")]
+        if done:
+            return done
+        time.sleep(0.2)
+    return []
 
 
 @pytest.fixture(scope="module")
@@ -213,15 +231,18 @@ def killed_study(ray_session, builtin, tmp_path_factory):
          "--address", address], cwd=str(root), stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     try:
-        rows_at_kill = _wait_for_rows(out, proc, timeout=400)
+        finished = _wait_for_first_summary(out, proc, timeout=900)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         log.close()
     driver_log = (root / "driver.log").read_text()
-    assert rows_at_kill > 0, f"the driver ended or stalled before its first trial row:\n{driver_log[-3000:]}"
-    killed_rows = read_result(out, "trials")
-    return {"out": out, "rows_at_kill": rows_at_kill, "killed_rows": killed_rows, "driver_log": driver_log}
+    assert finished, f"the driver ended or stalled before its first trial finished:\n{driver_log[-3000:]}"
+    # what the killed study left: the finished trials' summaries (their rows may or may not be in the table)
+    summaries = {tid: read_trial_summary(str(out), tid) for tid in KILL_IDS}
+    summaries = {tid: s for tid, s in summaries.items() if s is not None and s.get("status") != "failed"}
+    killed_rows = read_result(out, "trials", required=False)
+    return {"out": out, "summaries": summaries, "killed_rows": killed_rows, "driver_log": driver_log}
 
 
 @pytest.fixture(scope="module")
@@ -244,20 +265,22 @@ def resumed_study(killed_study):
 
 
 def test_killed_driver_left_a_partial_study(killed_study):
+    # one trial at a time: the kill came after the first trial's end and before the last one's
+    assert 1 <= len(killed_study["summaries"]) < len(LRS), "the kill must happen mid-way"
     rows = killed_study["killed_rows"]
-    assert 1 <= len(rows) < len(LRS), "the kill must happen mid-way"
-    assert set(rows.trial_id) <= set(KILL_IDS) and rows.trial_id.is_unique
+    if rows is not None:  # the table holds at most the finished trials, each once
+        assert set(rows.trial_id) <= set(killed_study["summaries"]) and rows.trial_id.is_unique
     assert "launching 3 trial(s)" in killed_study["driver_log"]
 
 
 def test_resume_completes_exactly_the_grid(killed_study, resumed_study):
     trials = resumed_study["trials"]
     assert sorted(trials.trial_id) == KILL_IDS and trials.trial_id.is_unique  # none missing, no duplicate
-    before = set(killed_study["killed_rows"].trial_id)
-    # rows finished before the kill are kept as they were (not re-run)
-    kept = trials[trials.trial_id.isin(before)].set_index("trial_id").sort_index()
-    old = killed_study["killed_rows"].set_index("trial_id").sort_index()
-    pd.testing.assert_series_equal(kept.wall_seconds, old.wall_seconds)
+    before = set(killed_study["summaries"])
+    # trials finished before the kill are kept as they were (not re-run): same wall time as their summary
+    kept = trials.set_index("trial_id")
+    for tid, summary in killed_study["summaries"].items():
+        assert kept.at[tid, "wall_seconds"] == summary["wall_seconds"]
     assert sorted(resumed_study["curves"].trial_id.unique()) == KILL_IDS
     # the resume launched only the missing trials: one new Tune experiment with exactly those
     exp_before, exp_after, _ = resumed_study["experiments"]
@@ -285,3 +308,56 @@ def test_diverged_trial_recorded_and_study_completes(killed_study, resumed_study
     last = c[c.trial_id == diverged].sort_values("step").iloc[-1]
     assert not (math.isfinite(last.train_loss) and math.isfinite(last.grad_norm))
     assert resumed_study["rerun"].counts == {"ok": 2, "diverged": 1, "failed": 0}
+
+
+# --------------------------------------------------------------------------------------------------
+# Optuna over the lr through Tune; a plasticity-only study
+# --------------------------------------------------------------------------------------------------
+
+OPTUNA_RANGE = (0.01, 0.3)
+
+
+@pytest.fixture(scope="module")
+def optuna_study(ray_session, builtin, tmp_path_factory):
+    out = tmp_path_factory.mktemp("optuna") / "study"
+    spec = StudySpec.from_dict(base_spec(
+        builtin, out, name="opt", datasets={"color": "shift-color"}, configurations=["LN1"],
+        optimizers={"sgd": list(OPTUNA_RANGE)}, search="optuna", samples=2, steps=4, eval_period=2,
+        checkpoint_period=4,
+    ))
+    lines: list[str] = []
+    outcome = run_study(spec, echo=lines.append)
+    return {"out": str(out), "outcome": outcome, "lines": lines}
+
+
+def test_optuna_search_through_tune(optuna_study):
+    trials = read_result(optuna_study["out"], "trials")
+    assert len(trials) == 2 and trials.trial_id.is_unique
+    assert (trials.status == "ok").all() and set(trials.configuration) == {"LN1"} and set(trials.dataset) == {"color"}
+    lo, hi = OPTUNA_RANGE
+    assert trials.lr.between(lo, hi).all() and trials.lr.nunique() == 2
+    for _, row in trials.iterrows():
+        assert row.trial_id == trial_id("color", "LN1", "sgd", row.lr, 0)
+    assert optuna_study["outcome"].launched == 2 and optuna_study["outcome"].counts["ok"] == 2
+    (exp,) = tune_experiments(optuna_study["out"])
+    results = restore_tuner(exp).get_results()
+    # the searcher's objective is each run's best validation accuracy
+    by_id = trials.set_index("trial_id")
+    assert sorted(r.metrics["study_trial_id"] for r in results) == sorted(trials.trial_id)
+    for r in results:
+        assert r.metrics["objective"] == pytest.approx(by_id.at[r.metrics["study_trial_id"], "best_val_acc"])
+
+
+def test_plasticity_only_study(ray_session, builtin, tmp_path):
+    out = tmp_path / "study"
+    spec = StudySpec.from_dict(base_spec(
+        builtin, out, name="ponly", datasets={"noise": "shift-noise"}, configurations=[], optimizers={}, seeds=[],
+        plasticity={"enabled": True, "pairs": 8, "batch_size": 8, "workers": 1, "cpus_per_worker": 0.5},
+    ))
+    lines: list[str] = []
+    outcome = run_study(spec, echo=lines.append)
+    assert outcome.total == 0 and outcome.launched == 0
+    assert any("plasticity only" in ln for ln in lines)
+    plast = read_result(out, "plasticity")
+    assert set(plast.dataset) == {"noise"} and (plast.n_pairs == 8).all() and len(plast) == 3 * 5
+    assert not (out / "tune").exists() and not (out / "trials").exists()  # no Tune experiment, no trial

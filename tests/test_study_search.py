@@ -8,8 +8,8 @@ import math
 import pytest
 
 from raystudy.study.results import ResultTables, trial_row
+from raystudy.study.search import GroupedOptunaSearch, optuna_plan
 from raystudy.study.spec import StudySpec, trial_id
-from raystudy.study.tune import _grouped_searcher_class, optuna_plan
 
 
 def _spec(tmp_path, **kw):
@@ -44,7 +44,7 @@ def test_grouped_search_respects_budgets_ranges_and_history(tmp_path):
     spec = _spec(tmp_path)
     budget = {("a", "MHA", "sgd", 0): 2, ("a", "LN1", "sgd", 0): 3}
     history = {("a", "MHA", "sgd", 0): [(0.01, 0.7)], ("a", "LN1", "sgd", 0): []}
-    searcher = _grouped_searcher_class()(spec, budget, history, seed=1)
+    searcher = GroupedOptunaSearch(spec, budget, history, seed=1)
     suggestions = []
     for i in range(10):
         s = searcher.suggest(f"t{i}")

@@ -2,24 +2,120 @@
 
 A study's terminal should show the study (one line per finished trial, a periodic summary), not Ray's own
 INFO lines, raylet warnings or progress bars. :func:`init_ray` connects to ``address`` (or ``RAY_ADDRESS``)
-or starts a local instance, with Ray's loggers at WARNING and worker output kept in Ray's log files unless
-``verbose``.
+or starts a local instance. Unless ``verbose`` it silences, each at its source (Ray 2.60):
+
+* Ray's Python loggers (``ray``, ``ray.data``, ``ray.train``, ``ray.tune``) at WARNING, and the console
+  handler that ``import ray.data`` installs on ``ray.data`` (level INFO: "Starting execution of Dataset ...")
+  at WARNING too; its log file keeps everything;
+* the notices Ray logs as warnings although nothing is wrong (:data:`BENIGN_NOTICES`): the token-auth
+  notice of a new local instance and Ray Data's "Progress bars disabled";
+* worker output and raylet messages forwarded to the driver (``log_to_driver=False``; the raylet's error
+  channel prints regardless of that flag, see :func:`_silence_forwarded_messages`);
+* the ERROR lines that Ray's C++ core worker in the driver writes straight to file descriptor 2 (e.g.
+  ``core_worker.cc: Actor ... has constructor arguments in the object store``, printed for every Ray Data
+  actor pool): fd 2 goes to ``driver-stderr.log`` in Ray's session log directory while Python's own
+  ``sys.stderr`` (tracebacks, progress bars, warnings) stays on the terminal (:func:`_divert_native_stderr`).
+
+With ``verbose`` Ray prints as it always does. Ray's logs are never lost: they are in its session log
+directory (``/tmp/ray/session_latest/logs``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune")
 
+#: (logger, message prefix) of the warnings Ray logs although nothing needs the user's attention.
+BENIGN_NOTICES: tuple[tuple[str, str], ...] = (
+    # Ray >= 2.5x turns token authentication on for a new local instance and says so at every start.
+    ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this"),
+    # Printed at every Ray Data execution when progress bars are off (as they are here unless verbose).
+    ("ray.data._internal.progress", "Progress bars disabled"),
+    ("ray.data._internal.progress", "Progress bars for operators disabled"),
+)
+
+
+class DropMessages(logging.Filter):
+    """A logging filter that drops records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefixes)
+
 
 def quiet_ray_logs(verbose: bool = False) -> None:
-    """Ray's Python loggers at WARNING (DEBUG/INFO when ``verbose``)."""
+    """Ray's Python loggers at WARNING (INFO when ``verbose``), without its benign notices."""
     level = logging.INFO if verbose else logging.WARNING
     for name in RAY_LOGGERS:
         logging.getLogger(name).setLevel(level)
+    for name, prefix in BENIGN_NOTICES:
+        logger = logging.getLogger(name)
+        mine = [f for f in logger.filters if isinstance(f, DropMessages) and prefix in f.prefixes]
+        if verbose:
+            for f in mine:
+                logger.removeFilter(f)
+        elif not mine:
+            logger.addFilter(DropMessages((prefix,)))
+
+
+def _quiet_ray_data() -> None:
+    """``import ray.data`` configures its logger with a console handler at INFO: raise it to WARNING."""
+    import ray.data  # noqa: F401  (configures the "ray.data" logger on first import)
+    from ray.data import DataContext
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if handler.get_name() == "console":
+            handler.setLevel(logging.WARNING)
+    DataContext.get_current().enable_progress_bars = False
+
+
+def _silence_forwarded_messages() -> None:
+    """Stop the driver from printing raylet messages (``(raylet) ...``) it receives from the cluster.
+
+    ``log_to_driver=False`` stops worker output but not the raylet's error channel, which Ray prints from a
+    driver thread through ``print_worker_logs``; that function honours this module flag (Ray sets it while
+    a debugger breakpoint is active). The messages stay in the raylet's log files.
+    """
+    from ray._private import worker
+
+    if hasattr(worker, "_worker_logs_enabled"):
+        worker._worker_logs_enabled = False
+
+
+def _divert_native_stderr() -> str | None:
+    """Point file descriptor 2 at ``driver-stderr.log`` in Ray's session log directory; keep ``sys.stderr``
+    (Python's writes) on the original terminal. Returns the log file, or ``None`` when left as it was.
+
+    Only file descriptor 2 itself moves: the C++ core worker of the driver logs its ERROR lines there.
+    Skipped when stderr is not a real file descriptor (a notebook, pytest's capture).
+    """
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    if fd != 2:
+        return None
+    try:
+        from ray._private.worker import _global_node
+
+        logs_dir = _global_node.get_logs_dir_path()
+    except Exception:  # an internal of Ray: without it, leave stderr alone
+        return None
+    path = os.path.join(logs_dir, "driver-stderr.log")
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+    return path
 
 
 def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any) -> bool:
@@ -27,6 +123,10 @@ def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any
 
     Returns ``True`` if this call started or connected Ray (the caller then shuts it down), ``False`` if
     Ray was already initialised. Extra ``kwargs`` go to ``ray.init`` (e.g. ``num_cpus`` in tests).
+
+    Authentication is Ray's own: a local instance gets token authentication (Ray's default, token in
+    ``~/.ray/auth_token``), a cluster keeps whatever its operator configured; only the notice Ray prints
+    about the local default is dropped (:data:`BENIGN_NOTICES`), ``RAY_AUTH_MODE`` is never changed.
     """
     import ray
 
@@ -42,7 +142,7 @@ def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any
     options.update(kwargs)
     ray.init(address=address, **options)
     if not verbose:
-        from ray.data import DataContext
-
-        DataContext.get_current().enable_progress_bars = False
+        _quiet_ray_data()
+        _silence_forwarded_messages()
+        _divert_native_stderr()
     return True

@@ -15,60 +15,38 @@ Layout of ``<out>/`` (local path or pyarrow URI)::
 The per-trial ``summary.json`` is the source of truth: the study tables are a projection of the trial
 directories and can always be rebuilt from them (:meth:`ResultTables.reconcile`), so a driver killed
 between a trial's end and the table rewrite loses nothing.
+
+A ``trials.parquet`` row is :func:`trial_row` of a run summary, also for a trial that failed after all its
+retries (its summary is :func:`raystudy.distributed.train.failed_summary`: NaN / null results, never a
+``-1`` sentinel). Every row carries the model's constructor arguments as a JSON string (``model_kwargs``).
+Studies written before the vocabulary was unified call the ``configuration`` column ``component``:
+:func:`raystudy.io.read_result` renames it on read, so they load and resume.
+
+:func:`load_study` reads a study directory for a notebook (``raystudy.load_study(dir)``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+import numbers
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
-import pyarrow.fs as pafs
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raystudy.io import SCHEMAS, read_result, write_result
+from raystudy.io import read_result, write_result
+from raystudy.storage import exists, filesystem, join, read_text
+from raystudy.vocab import FINAL_STATUSES, SCHEMAS, STATUSES, columns
 
-FINAL_STATUSES = ("ok", "diverged")  # a trial with one of these is done; "failed" is retried on resume
-STATUSES = ("ok", "diverged", "failed")
-TRIAL_FLOATS = ("lr", "best_val_acc", "test_acc", "final_val_loss", "wall_seconds")
-
-
-def join(base: str, *parts: str) -> str:
-    """Join path parts of a local path or URI with '/'."""
-    return "/".join([str(base).rstrip("/"), *[p.strip("/") for p in parts]])
-
-
-def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """pyarrow filesystem and in-filesystem path for a local path or URI."""
-    if "://" in str(path):
-        return pafs.FileSystem.from_uri(str(path))
-    return pafs.LocalFileSystem(), os.path.abspath(str(path))
-
-
-def exists(path: str) -> bool:
-    fs, p = filesystem(path)
-    return fs.get_file_info(p).type != pafs.FileType.NotFound
-
-
-def read_text(path: str) -> str | None:
-    fs, p = filesystem(path)
-    try:
-        with fs.open_input_stream(p) as f:
-            return f.read().decode()
-    except (FileNotFoundError, OSError):
-        return None
-
-
-def write_text_atomic(text: str, path: str) -> None:
-    fs, p = filesystem(path)
-    parent, name = p.rsplit("/", 1)
-    fs.create_dir(parent, recursive=True)
-    tmp = f"{parent}/.{name}.{os.getpid()}.tmp"
-    with fs.open_output_stream(tmp) as f:
-        f.write(text.encode())
-    fs.move(tmp, p)
+#: columns every row has beyond the schema's: the model's constructor arguments (JSON, sorted keys)
+TRIAL_EXTRAS = ("model_kwargs",)
+#: integer result columns that older studies filled with -1 when a trial failed (now null)
+OLD_SENTINELS = ("trainable_params", "best_val_step", "steps_completed")
+#: the grid's axes: the order of ``trials.parquet``
+SORT_KEYS = ["dataset", "configuration", "optimizer", "lr", "seed"]
 
 
 def trial_dir(study_dir: str, trial_id: str) -> str:
@@ -88,38 +66,58 @@ def read_trial_summary(study_dir: str, trial_id: str) -> dict[str, Any] | None:
 
 def read_trial_curves(study_dir: str, trial_id: str) -> pd.DataFrame | None:
     path = join(trial_dir(study_dir, trial_id), "curves.parquet")
-    fs, p = filesystem(path)
-    if fs.get_file_info(p).type == pafs.FileType.NotFound:
+    if not exists(path):
         return None
+    fs, p = filesystem(path)
     return pq.read_table(p, filesystem=fs).to_pandas()
 
 
-def trial_row(point: dict[str, Any], model: str, summary: dict[str, Any]) -> dict[str, Any]:
+def trial_row(point: dict[str, Any], model: str, summary: dict[str, Any],
+              model_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``trials.parquet`` row: the grid point's identity, then the run's summary (extra keys kept).
 
-    ``component`` is the configuration name (one of the 5 components, All or Head), as in ARCHITECTURE.md.
+    ``configuration`` is what the trial trains (:data:`raystudy.vocab.CONFIGURATIONS`). ``model_kwargs``
+    is the summary's own (the run's truth) or else the given one, stored as a JSON string.
     """
     row = {k: v for k, v in summary.items() if not isinstance(v, dict | list)}
+    row.pop("component", None)  # the configuration's old name in summaries of older runs
+    kwargs = summary.get("model_kwargs")
+    kwargs = kwargs if isinstance(kwargs, dict) else (model_kwargs or {})
     row.update({
         "trial_id": point["trial_id"], "dataset": point["dataset"], "model": model,
-        "component": point["configuration"], "optimizer": point["optimizer"],
-        "lr": float(point["lr"]), "seed": int(point["seed"]),
+        "configuration": point["configuration"], "optimizer": point["optimizer"],
+        "lr": float(point["lr"]), "seed": int(point["seed"]), "model_kwargs": json.dumps(kwargs, sort_keys=True),
     })
     if row.get("status") not in STATUSES:
         raise ValueError(f"trial {point['trial_id']}: summary status {row.get('status')!r} not in {STATUSES}")
     return row
 
 
-def failed_row(point: dict[str, Any], model: str, steps: int, batch_size: int, error: str) -> dict[str, Any]:
-    """The row of a trial that failed after all retries (no metrics)."""
-    nan = math.nan
-    return {
-        "trial_id": point["trial_id"], "dataset": point["dataset"], "model": model,
-        "component": point["configuration"], "optimizer": point["optimizer"], "lr": float(point["lr"]),
-        "seed": int(point["seed"]), "steps": int(steps), "batch_size": int(batch_size),
-        "trainable_params": -1, "status": "failed", "best_val_acc": nan, "best_val_step": -1,
-        "test_acc": nan, "final_val_loss": nan, "wall_seconds": nan, "error": str(error)[:2000],
-    }
+def _typed(df: pd.DataFrame, schema_cols: list[str], int_columns: set[str]) -> pd.DataFrame:
+    """Schema columns as their Arrow types (integers nullable: a failed trial's counts are null); extra
+    columns that are integers in the file read (``int_columns``) or hold only integers stay (nullable)
+    integers, not floats because one row lacks them."""
+    for name in schema_cols:
+        kind = SCHEMAS["trials"].field(name).type
+        if str(kind) == "int64":
+            df[name] = pd.to_numeric(df[name], errors="coerce").astype("Int64")
+        elif str(kind) == "double":
+            df[name] = pd.to_numeric(df[name], errors="coerce").astype("float64")
+    for name in df.columns.difference(schema_cols):
+        values = df[name].dropna()
+        if name in int_columns or (
+                len(values) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)):
+            df[name] = pd.to_numeric(df[name], errors="coerce").astype("Int64")
+    return df
+
+
+def _clear_sentinels(row: dict[str, Any]) -> dict[str, Any]:
+    """A failed row of an older study: its ``-1`` counts become null."""
+    if row.get("status") == "failed":
+        for name in OLD_SENTINELS:
+            if row.get(name) == -1:
+                row[name] = None
+    return row
 
 
 class ResultTables:
@@ -134,9 +132,12 @@ class ResultTables:
         trials = read_result(self.study_dir, "trials", required=False)
         curves = read_result(self.study_dir, "curves", required=False)
         self.rows: dict[str, dict[str, Any]] = {}
+        self.int_columns: set[str] = set()  # integer columns of the file (pandas reads them as floats with nulls)
         if trials is not None:
+            fs, p = filesystem(join(self.study_dir, "trials.parquet"))
+            self.int_columns = {f.name for f in pq.read_schema(fs.open_input_file(p)) if pa.types.is_integer(f.type)}
             for rec in trials.to_dict("records"):
-                self.rows[rec["trial_id"]] = rec
+                self.rows[rec["trial_id"]] = _clear_sentinels(rec)
         self.curves: dict[str, pd.DataFrame] = {}
         if curves is not None and len(curves):
             for tid, df in curves.groupby("trial_id", sort=False):
@@ -158,20 +159,20 @@ class ResultTables:
         return out
 
     def trials_frame(self) -> pd.DataFrame:
-        cols = list(SCHEMAS["trials"])
+        cols = columns("trials")
         if not self.rows:
-            return pd.DataFrame(columns=cols)
+            return pd.DataFrame(columns=cols + list(TRIAL_EXTRAS))
         df = pd.DataFrame(list(self.rows.values()))
-        extra = [c for c in df.columns if c not in cols]
-        df = df[cols + extra]
-        for c in TRIAL_FLOATS:
-            df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
-        for c in ("seed", "steps", "batch_size", "trainable_params", "best_val_step"):
-            df[c] = pd.to_numeric(df[c], errors="coerce").fillna(-1).astype("int64")
-        return df.sort_values(["dataset", "component", "optimizer", "lr", "seed"], kind="stable").reset_index(drop=True)
+        for name in TRIAL_EXTRAS:
+            if name not in df:
+                df[name] = None
+            df[name] = df[name].fillna("{}")  # rows of older studies: kwargs unknown -> the spec's ({})
+        first = cols + list(TRIAL_EXTRAS)
+        df = _typed(df[first + [c for c in df.columns if c not in first]], cols, self.int_columns)
+        return df.sort_values(SORT_KEYS, kind="stable").reset_index(drop=True)
 
     def curves_frame(self) -> pd.DataFrame:
-        cols = list(SCHEMAS["curves"])
+        cols = columns("curves")
         frames = [df for tid, df in sorted(self.curves.items()) if tid in self.rows]
         if not frames:
             return pd.DataFrame(columns=cols)
@@ -188,7 +189,7 @@ class ResultTables:
         if curves is not None:
             curves = curves.drop(columns=["trial_id"], errors="ignore")
             curves.insert(0, "trial_id", tid)
-            for c in SCHEMAS["curves"]:
+            for c in columns("curves"):
                 if c not in curves:
                     curves[c] = math.nan
             self.curves[tid] = curves
@@ -198,29 +199,100 @@ class ResultTables:
             self.write()
 
     def write(self) -> None:
-        """Rewrite ``trials.parquet`` then ``curves.parquet``, each atomically."""
-        write_result(self.trials_frame(), self.study_dir, "trials")
+        """Rewrite ``curves.parquet`` then ``trials.parquet``, each atomically. In this order a driver killed
+        in between leaves curves without a row (ignored, and the trial is picked up again by
+        :meth:`reconcile`), never a final row without its curves."""
         write_result(self.curves_frame(), self.study_dir, "curves")
+        write_result(self.trials_frame(), self.study_dir, "trials")
 
-    def ingest(self, point: dict[str, Any], model: str, *, write: bool = True) -> dict[str, Any] | None:
+    def ingest(self, point: dict[str, Any], model: str, model_kwargs: dict[str, Any] | None = None, *,
+               write: bool = True) -> dict[str, Any] | None:
         """Add the trial from its directory (``summary.json`` + ``curves.parquet``); ``None`` if unfinished."""
         summary = read_trial_summary(self.study_dir, point["trial_id"])
         if summary is None:
             return None
-        row = trial_row(point, model, summary)
+        row = trial_row(point, model, summary, model_kwargs)
         self.add(row, read_trial_curves(self.study_dir, point["trial_id"]), write=write)
         return row
 
-    def reconcile(self, points: list[dict[str, Any]], model: str) -> list[str]:
+    def reconcile(self, points: list[dict[str, Any]], model: str,
+                  model_kwargs: dict[str, Any] | None = None) -> list[str]:
         """Pick up trials that finished (summary written) but never reached the tables, e.g. because the
-        driver was killed in between; returns their ids. Rows already final are left alone."""
+        driver was killed in between, and final rows whose curves are missing (a driver killed between the
+        two rewrites of an older version); returns their ids. Complete final rows are left alone."""
         picked = []
         for point in points:
-            if self.status(point["trial_id"]) in FINAL_STATUSES:
+            tid = point["trial_id"]
+            if self.status(tid) in FINAL_STATUSES and (
+                    tid in self.curves or not exists(join(trial_dir(self.study_dir, tid), "curves.parquet"))):
                 continue
-            row = self.ingest(point, model, write=False)
+            row = self.ingest(point, model, model_kwargs, write=False)
             if row is not None and row["status"] in FINAL_STATUSES:
                 picked.append(point["trial_id"])
         if picked:
             self.write()
         return picked
+
+
+# ----------------------------------------------------------------------------------------------------
+# A study for a notebook
+# ----------------------------------------------------------------------------------------------------
+
+#: the trial columns joined onto every curve row (the curve's own ``lr`` is the scheduled one)
+CURVE_TRIAL_COLUMNS = ["dataset", "model", "configuration", "optimizer", "seed", "status"]
+
+
+@dataclass
+class Study:
+    """The tables of one study directory, read for analysis (:func:`load_study`).
+
+    ``trials``: one row per trial (``trials.parquet``; ``configuration`` also in older studies);
+    ``curves``: one row per logged step of every trial, with the trial's ``dataset``, ``model``,
+    ``configuration``, ``optimizer``, ``seed``, ``status`` and its learning rate as ``trial_lr`` (the
+    curve's own ``lr`` is the schedule's value at that step); ``plasticity``, ``rates``, ``bounds``: the
+    plasticity measurement (``None`` when the study has none); ``spec``: the stored ``spec.yaml`` as a dict.
+    """
+
+    path: str
+    trials: pd.DataFrame
+    curves: pd.DataFrame
+    plasticity: pd.DataFrame | None = None
+    rates: pd.DataFrame | None = None
+    bounds: pd.DataFrame | None = None
+    spec: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        parts = [f"{name}: {len(df)} rows" for name in ("trials", "curves", "plasticity", "rates", "bounds")
+                 if (df := getattr(self, name)) is not None]
+        return f"Study({self.path!r}; {', '.join(parts)})"
+
+
+def joined_curves(trials: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """``curves`` with the trial columns of :data:`CURVE_TRIAL_COLUMNS` and ``trial_lr``, by ``trial_id``."""
+    own = trials[["trial_id", *CURVE_TRIAL_COLUMNS, "lr"]].rename(columns={"lr": "trial_lr"})
+    return curves.merge(own, on="trial_id", how="left", validate="many_to_one")
+
+
+def load_study(study_dir: str) -> Study:
+    """The tables of the study in ``study_dir`` (local path or URI), joined for a notebook: see :class:`Study`.
+
+    Reads studies of every version (an old ``component`` column is read as ``configuration``, old ``-1``
+    counts of failed trials as null). Raises :class:`raystudy.io.TableError` when there is no study there.
+    """
+    import yaml
+
+    study_dir = str(study_dir)
+    tables = ResultTables(study_dir)
+    if not tables.rows and not exists(join(study_dir, "spec.yaml")):
+        from raystudy.io import TableError
+
+        raise TableError(f"{study_dir}: no study here (neither trials.parquet nor spec.yaml)")
+    trials = tables.trials_frame()
+    spec_text = read_text(join(study_dir, "spec.yaml"))
+    return Study(
+        path=study_dir, trials=trials, curves=joined_curves(trials, tables.curves_frame()),
+        plasticity=read_result(study_dir, "plasticity", required=False),
+        rates=read_result(study_dir, "rates", required=False),
+        bounds=read_result(study_dir, "bounds", required=False),
+        spec=(yaml.safe_load(spec_text) or {}) if spec_text else {},
+    )
