@@ -54,8 +54,9 @@ def ray_session():
     """One local Ray instance for the whole test session (start-up costs several seconds)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    from raystudy.distributed.cluster import init_ray
+
+    init_ray("local", num_cpus=2)
     yield ray
     ray.shutdown()
 

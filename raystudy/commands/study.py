@@ -150,7 +150,8 @@ def dry_run(spec, *, as_json: bool = False) -> int:
     """Validate ``spec`` (without its files; against the spec of the study already in ``out``, if any) and
     print what the study would run (``as_json``: as one JSON object, :func:`dry_run_json`); launches
     nothing."""
-    from raystudy.study.results import ResultTables, exists
+    from raystudy.storage import exists
+    from raystudy.study.results import ResultTables
     from raystudy.study.tune import check_stored, resolve_paths
 
     spec.validate(check_files=False)

@@ -137,7 +137,7 @@ def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any
     address = address or os.environ.get("RAY_ADDRESS")
     options: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose,
                                "logging_level": logging.INFO if verbose else logging.WARNING}
-    if not address:
+    if not address or address == "local":  # an instance of our own: no dashboard to serve
         options["include_dashboard"] = False
     options.update(kwargs)
     ray.init(address=address, **options)

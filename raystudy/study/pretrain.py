@@ -23,11 +23,8 @@ import torch
 
 from raystudy import storage
 from raystudy.study.jobs import pretrain_job
+from raystudy.study.progress import echo as _echo
 from raystudy.study.spec import SpecError, StudySpec
-
-
-def _echo(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def prepare_builtin_data(spec: StudySpec, echo=_echo, **sizes) -> dict[str, str]:

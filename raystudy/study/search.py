@@ -55,7 +55,7 @@ class GroupedOptunaSearch(Searcher):
         self._next = 0
 
     def _cell_search(self, cell: Cell, past: list, seed: int) -> OptunaSearch:
-        lo, hi = self.spec.lr_range(cell[2])
+        lo, hi = self.spec.lr_range(cell[2], cell[0])
         return OptunaSearch(
             space={"lr": FloatDistribution(lo, hi, log=True)}, metric="objective", mode="max", seed=seed,
             points_to_evaluate=[{"lr": lr} for lr, _ in past] or None,
