@@ -30,4 +30,4 @@ bench: venv
 	$(BIN)/python benchmarks/plasticity_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info

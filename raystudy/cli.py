@@ -1,8 +1,8 @@
-"""The ``raystudy`` command line.
+"""The ``raystudy`` command line (also ``python -m raystudy``).
 
 Every module in :mod:`raystudy.commands` adds its sub-command(s) through ``register(subparsers)`` and sets
-``func`` on its parser; heavy imports (torch, Ray) happen inside the command functions, so ``--help`` is
-instant.
+``func`` on its parser; heavy imports (torch, Ray) happen inside the command functions, so ``--help`` and
+``--version`` are instant.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import pkgutil
 import sys
 
+import raystudy
 import raystudy.commands
 
 
@@ -21,7 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="raystudy",
         description="Ray-distributed studies of how transformer components adapt during finetuning.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"raystudy {raystudy.__version__}")
+    # Its own dest: a sub-command may define -v too, and a sub-parser's default would overwrite this one.
+    parser.add_argument("-v", "--verbose", dest="global_verbose", action="store_true",
+                        help="debug logging and Ray's own logs (default: Ray's logs at WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(raystudy.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"raystudy.commands.{info.name}")
@@ -29,10 +33,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def setup_logging(verbose: bool) -> None:
+    """raystudy's own messages at INFO (DEBUG with ``-v``); Ray's loggers at WARNING unless ``-v``."""
+    from raystudy.distributed.cluster import quiet_ray_logs  # logging only, no Ray import
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(message)s")
+    quiet_ray_logs(verbose)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    args.verbose = bool(getattr(args, "verbose", False) or args.global_verbose)
+    setup_logging(args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -59,7 +59,12 @@ def test_variants_differ_in_colour_and_noise_statistics(tmp_path):
 
 @pytest.mark.slow
 def test_default_is_learnable_and_shifted(tmp_path):
-    """A tiny ViT trained 200 steps on ``pretrain`` is far above chance there, clearly worse on the shifts."""
+    """A tiny ViT trained 200 steps on ``pretrain`` learns it; the shifts need adapting (README's numbers).
+
+    Measured on 300 test images each (init seeds 0 / 1 / 2; this test runs seed 0): pretrain 0.82 / 0.82 /
+    0.86, shift-color 0.38 / 0.43 / 0.46, shift-noise 0.14 / 0.11 / 0.17; chance is 0.1. The bounds leave
+    about three standard errors (0.02-0.03 at n = 300) below / above the measured values.
+    """
     t0 = time.time()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two OpenMP threads on two busy shared cores run ~20x slower than one
@@ -71,8 +76,9 @@ def test_default_is_learnable_and_shifted(tmp_path):
     finally:
         torch.set_num_threads(threads)
     print(f"accuracy after 200 steps: {acc} ({time.time() - t0:.0f} s)")
-    assert acc["pretrain"] >= 0.6  # chance is 0.1
-    assert acc["shift-color"] <= acc["pretrain"] - 0.15 and acc["shift-noise"] <= acc["pretrain"] - 0.15
+    assert acc["pretrain"] >= 0.75
+    assert 0.3 <= acc["shift-color"] <= acc["pretrain"] - 0.25  # partly transfers, clearly worse
+    assert acc["shift-noise"] <= 0.25  # near chance (0.1)
 
 
 def _train_and_eval(xtr, ytr, tests, steps=200):

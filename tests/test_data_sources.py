@@ -389,11 +389,17 @@ def test_low_data_vtab1k(tmp_path):
 
 
 def test_cli_prepare_and_info(tmp_path, capsys):
-    from raystudy.cli import main
-    from raystudy.commands.data import SOURCES as CLI_SOURCES
-    from raystudy.data.sources import SOURCES
+    from raystudy.cli import build_parser, main
 
-    assert CLI_SOURCES == SOURCES
+    # Every documented source is offered, and each one the CLI offers has a reader (or is the built-in set).
+    parser = build_parser()
+    for source in ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets", "imagenet", "imagefolder"):
+        assert parser.parse_args(["data", "prepare", source, "--out", "x"]).source == source
+        with pytest.raises(ValueError, match="needs --root"):
+            prepare(source, None, tmp_path / "none")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["data", "prepare", "mnist", "--out", "x"])
+    capsys.readouterr()
     write_cifar10c(tmp_path / "src", block=10)
     assert main(["data", "prepare", "cifar10c", "--root", str(tmp_path / "src"), "--out", str(tmp_path / "s"),
                  "--corruption", "contrast", "--severity", "2"]) == 0
@@ -401,12 +407,18 @@ def test_cli_prepare_and_info(tmp_path, capsys):
     assert "cifar10c-contrast-2" in out and "train 6" in out and "test 2" in out
     assert main(["data", "info", str(tmp_path / "s"), "--verify"]) == 0
     assert "checksum verified" in capsys.readouterr().out
-    assert main(["data", "info", str(tmp_path / "s"), "--json"]) == 0
+    assert main(["data", "info", "--store", str(tmp_path / "s"), "--json"]) == 0  # the flag form
     assert json.loads(capsys.readouterr().out)["counts"] == {"train": 6, "val": 2, "test": 2}
+    assert main(["data", "info"]) == 2
+    assert "give the store folder once" in capsys.readouterr().err
     assert main(["data", "prepare", "synthetic", "--out", str(tmp_path / "syn"), "--n-train", "40", "--n-test",
-                 "10", "--size", "16", "--variant", "pretrain", "--variant", "shift-texture"]) == 0
+                 "10", "--img-size", "16", "--variant", "pretrain", "--variant", "shift-texture"]) == 0
     assert sorted(p.name for p in (tmp_path / "syn").iterdir()) == ["pretrain", "shift-texture"]
     assert read_meta(tmp_path / "syn" / "shift-texture")["counts"] == {"train": 8, "val": 2, "test": 5}
+    assert read_meta(tmp_path / "syn" / "pretrain")["synthetic"]["size"] == 16
+    assert main(["data", "prepare", "synthetic", "--out", str(tmp_path / "syn2"), "--n-train", "10", "--n-test",
+                 "2", "--size", "12", "--variant", "pretrain"]) == 0  # the old spelling of --img-size
+    assert read_meta(tmp_path / "syn2" / "pretrain")["synthetic"]["size"] == 12
 
 
 def test_read_split_table_types(tmp_path):

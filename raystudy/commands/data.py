@@ -1,12 +1,17 @@
-"""``raystudy data prepare SOURCE --root DIR --out DIR`` and ``raystudy data info DIR``."""
+"""``raystudy data prepare SOURCE --root DIR --out DIR`` and ``raystudy data info STORE``.
+
+Choices come from the data layer itself (:mod:`raystudy.data.sources`, :mod:`raystudy.data.synthetic`:
+numpy and pyarrow only, no torch or Ray). Flags follow the CLI convention (``--out``, ``--store``,
+``--seed``, ``--img-size``, ``--workers``); older spellings stay as aliases.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-SOURCES = ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets", "imagenet", "imagefolder",
-           "synthetic")
+from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES
+from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS
 
 
 def register(subparsers) -> None:
@@ -27,29 +32,31 @@ def register(subparsers) -> None:
     pp.add_argument("--corruption", help="cifar10c: corruption, e.g. contrast, gaussian_noise, motion_blur")
     pp.add_argument("--severity", type=int, default=5, help="cifar10c: severity 1-5 (default 5)")
     pp.add_argument("--domain", help="domainnet: domain, e.g. clipart, sketch")
-    pp.add_argument("--low-data", choices=("vtab1k",), help="VTAB-1k variant: 800 train / 200 val, full test")
-    pp.add_argument("--pool", action="append", choices=("val", "test"), default=[],
+    pp.add_argument("--low-data", choices=LOW_DATA, help="VTAB-1k variant: 800 train / 200 val, full test")
+    pp.add_argument("--pool", action="append", choices=POOLABLE, default=[],
                     help="ignore an official split: 'val' folds it into train (val = 20%% of train), 'test' pools "
                          "train and test and draws 80/20 (the paper's DomainNet protocol); repeatable")
     pp.add_argument("--download", action="store_true",
                     help="first download cifar10/cifar100/flowers102/pets into --root with torchvision")
-    pp.add_argument("--on-bad-image", choices=("error", "skip"), default="error",
+    pp.add_argument("--on-bad-image", choices=BAD_IMAGE_POLICIES, default="error",
                     help="unreadable images: stop with an error (default) or skip and record them")
     pp.add_argument("--rows-per-shard", type=int, default=2048, help="rows per Parquet shard (default 2048)")
     pp.add_argument("--workers", type=int, help="image decoding threads (default: CPU count, at most 8)")
     syn = pp.add_argument_group("synthetic")
-    syn.add_argument("--variant", action="append", help="variant(s) to prepare (repeatable; default: "
-                     "pretrain, shift-color, shift-noise; also shift-texture)")
+    syn.add_argument("--variant", action="append", choices=VARIANTS,
+                     help=f"variant(s) to prepare (repeatable; default: {', '.join(DEFAULT_NAMES)})")
     syn.add_argument("--n-train", type=int, default=4000, help="training-pool images of pretrain (default 4000)")
     syn.add_argument("--n-test", type=int, default=1000, help="test images of pretrain (default 1000)")
     syn.add_argument("--n-train-downstream", type=int, help="training-pool images per shift (default n-train/4)")
     syn.add_argument("--n-test-downstream", type=int, help="test images per shift (default n-test/2)")
-    syn.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    syn.add_argument("--img-size", "--size", dest="size", type=int, default=32,
+                     help="image side in pixels (default 32)")
     syn.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     pp.set_defaults(func=cmd_prepare)
 
     pi = sub.add_parser("info", help="print the summary of a prepared store")
-    pi.add_argument("store", help="store folder")
+    pi.add_argument("store", nargs="?", help="store folder")
+    pi.add_argument("--store", dest="store_flag", metavar="STORE", help="the same, as a flag")
     pi.add_argument("--verify", action="store_true", help="recompute the checksum and fail on a mismatch")
     pi.add_argument("--json", action="store_true", help="print dataset.json as JSON")
     pi.set_defaults(func=cmd_info)
@@ -58,7 +65,7 @@ def register(subparsers) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     if args.source == "synthetic":
-        from raystudy.data.synthetic import DEFAULT_NAMES, prepare_default
+        from raystudy.data.synthetic import prepare_default
 
         paths = prepare_default(
             args.out, n_train=args.n_train, n_test=args.n_test, n_train_downstream=args.n_train_downstream,
@@ -100,6 +107,9 @@ def _print_summary(path, meta: dict | None = None) -> None:
 def cmd_info(args: argparse.Namespace) -> int:
     from raystudy.data.store import read_meta, verify_store
 
+    if bool(args.store) == bool(args.store_flag):
+        raise ValueError("give the store folder once: `raystudy data info STORE` or `--store STORE`")
+    args.store = args.store or args.store_flag
     meta = verify_store(args.store) if args.verify else read_meta(args.store)
     if args.json:
         print(json.dumps(meta, indent=2))

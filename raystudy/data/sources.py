@@ -147,8 +147,25 @@ def prepare_candidates(
     images raise :class:`StoreError` naming the file, or with ``on_bad_image="skip"`` are left out and
     listed under ``skipped`` in ``dataset.json``.
     """
-    from tqdm.auto import tqdm
+    _check_options(on_bad_image, low_data, pool)
+    _check_candidates(candidates, name, len(classes))
+    split_name = split_name or name
+    chosen = _choose_splits(candidates, split_name, pool, low_data)
+    # Filled in while the rows stream; write_store builds dataset.json after the last row, so the final
+    # counts land in it (and nothing is dropped silently).
+    info = {
+        "splits": {"rule": RULE, "key_name": split_name, "pooled": sorted(pool)},
+        "low_data": ({"variant": low_data, "n_train": VTAB_TRAIN, "n_val": VTAB_VAL} if low_data else None),
+        "skipped": {"count": 0, "items": []},
+        "reencoded": 0,
+        **(extra or {}),
+    }
+    rows = _load_rows(chosen, info, name=name, on_bad_image=on_bad_image, workers=workers, progress=progress)
+    return write_store(rows, out, name=name, source=source, classes=classes, rows_per_shard=rows_per_shard,
+                       extra=info, allow_empty=False)
 
+
+def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...]) -> None:
     if on_bad_image not in BAD_IMAGE_POLICIES:
         raise ValueError(f"on_bad_image must be one of {BAD_IMAGE_POLICIES}, got {on_bad_image!r}")
     if low_data is not None and low_data not in LOW_DATA:
@@ -156,9 +173,12 @@ def prepare_candidates(
     bad_pool = [p for p in pool if p not in POOLABLE]
     if bad_pool:
         raise ValueError(f"pool: unknown split(s) {bad_pool}; expected some of {POOLABLE}")
+
+
+def _check_candidates(candidates: list[Candidate], name: str, k: int) -> None:
+    """Labels in ``[0, k)``, unique indices and unique split keys; errors name the file (and row)."""
     if not candidates:
         raise StoreError(f"{name}: the source lists no images")
-    k = len(classes)
     seen: dict[int, str] = {}
     keys: dict[int, str] = {}
     for c in candidates:
@@ -171,7 +191,11 @@ def prepare_candidates(
         if key in keys:
             raise StoreError(f"{c.ref}: duplicate split key {key} (also {keys[key]})")
         keys[key] = c.ref
-    split_name = split_name or name
+
+
+def _choose_splits(candidates: list[Candidate], split_name: str, pool: tuple[str, ...],
+                   low_data: str | None) -> list[tuple[Candidate, str]]:
+    """``(candidate, split)`` of every row the store keeps, in candidate order (:mod:`.splits`' rules)."""
     key_of = [c.index if c.key_id is None else c.key_id for c in candidates]
     official = [c.split for c in candidates]
     if "val" in pool:
@@ -184,46 +208,39 @@ def prepare_candidates(
             by_key = low_data_split(by_key, dict(zip(key_of, (c.label for c in candidates))), name=split_name)
         except ValueError as e:
             raise StoreError(str(e)) from e
-    chosen = [(c, by_key[key]) for c, key in zip(candidates, key_of) if key in by_key]
+    return [(c, by_key[key]) for c, key in zip(candidates, key_of) if key in by_key]
 
-    skipped: list[dict] = []
-    # Filled in while the rows stream; write_store builds dataset.json after the last row, so the final
-    # counts land in it (and nothing is dropped silently).
-    info = {
-        "splits": {"rule": RULE, "key_name": split_name, "pooled": sorted(pool)},
-        "low_data": ({"variant": low_data, "n_train": VTAB_TRAIN, "n_val": VTAB_VAL} if low_data else None),
-        "skipped": {"count": 0, "items": skipped},
-        "reencoded": 0,
-        **(extra or {}),
-    }
 
-    def load(c: Candidate):
-        try:
-            return validate_image(c.load()), None
-        except Exception as e:  # any decoder error (OSError, SyntaxError, ValueError, ...) is a bad image
-            return None, f"{type(e).__name__}: {e}"
+def _load_image(c: Candidate):
+    """``((bytes, re-encoded?), None)`` or ``(None, error message)`` for one candidate."""
+    try:
+        return validate_image(c.load()), None
+    except Exception as e:  # any decoder error (OSError, SyntaxError, ValueError, ...) is a bad image
+        return None, f"{type(e).__name__}: {e}"
 
-    def rows():
-        n_workers = workers or min(8, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=n_workers) as executor, \
-                tqdm(total=len(chosen), desc=f"prepare {name}", unit="img", disable=not progress) as bar:
-            for start in range(0, len(chosen), 256):
-                chunk = chosen[start:start + 256]
-                for (c, split), (res, err) in zip(chunk, executor.map(load, [c for c, _ in chunk])):
-                    bar.update()
-                    if err is not None:
-                        if on_bad_image == "error":
-                            raise StoreError(f"{c.ref}: unreadable image (index {c.index}): {err}; "
-                                             "use --on-bad-image skip to leave such images out")
-                        skipped.append({"index": c.index, "file": c.ref, "error": err})
-                        info["skipped"]["count"] = len(skipped)
-                        continue
-                    data, re_enc = res
-                    info["reencoded"] += int(re_enc)
-                    yield {"image": data, "label": c.label, "split": split, "index": c.index}
 
-    return write_store(rows(), out, name=name, source=source, classes=classes, rows_per_shard=rows_per_shard,
-                       extra=info, allow_empty=False)
+def _load_rows(chosen: list[tuple[Candidate, str]], info: dict, *, name: str, on_bad_image: str,
+               workers: int | None, progress: bool):
+    """The store's rows in order, images decoded by a thread pool; bad images raise or go to ``info``."""
+    from tqdm.auto import tqdm
+
+    skipped = info["skipped"]["items"]
+    with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as executor, \
+            tqdm(total=len(chosen), desc=f"prepare {name}", unit="img", disable=not progress) as bar:
+        for start in range(0, len(chosen), 256):
+            chunk = chosen[start:start + 256]
+            for (c, split), (res, err) in zip(chunk, executor.map(_load_image, [c for c, _ in chunk])):
+                bar.update()
+                if err is not None:
+                    if on_bad_image == "error":
+                        raise StoreError(f"{c.ref}: unreadable image (index {c.index}): {err}; "
+                                         "use --on-bad-image skip to leave such images out")
+                    skipped.append({"index": c.index, "file": c.ref, "error": err})
+                    info["skipped"]["count"] = len(skipped)
+                    continue
+                data, re_enc = res
+                info["reencoded"] += int(re_enc)
+                yield {"image": data, "label": c.label, "split": split, "index": c.index}
 
 
 # ----------------------------------------------------------------------------- helpers

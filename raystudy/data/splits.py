@@ -26,6 +26,8 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 
+#: The splits of every prepared store (the ``split`` column), in store order.
+SPLITS: tuple[str, ...] = ("train", "val", "test")
 TEST_FRACTION = 0.2
 VAL_FRACTION = 0.2
 VTAB_TRAIN, VTAB_VAL = 800, 200
@@ -85,7 +87,7 @@ def assign_splits(
             out[int(i)] = "test" if i in test else "train"
     for i, s in zip(indices, official):
         if s is not None:
-            if s not in ("train", "val", "test"):
+            if s not in SPLITS:
                 raise ValueError(f"row {i}: unknown official split {s!r}")
             out[int(i)] = s
     if not any(s == "val" for s in official):

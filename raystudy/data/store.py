@@ -25,7 +25,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SPLITS = ("train", "val", "test")
+from raystudy.storage import write_json_atomic
+
+from .splits import SPLITS
+
 META_FILE = "dataset.json"
 SCHEMA = pa.schema(
     [("image", pa.binary()), ("label", pa.int64()), ("split", pa.string()), ("index", pa.int64())]
@@ -87,7 +90,9 @@ def write_store(
     Labels must lie in ``[0, len(classes))``, splits in :data:`SPLITS`, and ``index`` must be unique;
     with ``allow_empty=False`` every split must hold at least one row. Shards are written to a temporary
     directory and moved into place at the end, so a failed prepare leaves no half-written store (and an
-    existing store at ``out`` untouched). Returns the metadata written to ``dataset.json``.
+    existing store at ``out`` untouched). This whole-directory rename is the one atomic write outside
+    :mod:`raystudy.storage` (which writes single files); ``dataset.json`` itself goes through it.
+    Returns the metadata written to ``dataset.json``.
     """
     import shutil
 
@@ -162,7 +167,7 @@ def _write_shards(rows, tmp: Path, *, name, source, classes, rows_per_shard, ext
         "shards": shards,
         **(extra or {}),
     }
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+    write_json_atomic(tmp / META_FILE, meta)
     return meta
 
 

@@ -1,0 +1,274 @@
+"""The shape the developer guide asks of ``raystudy/`` (docs/architecture.md), checked on the source itself.
+
+- no function or method over 80 lines;
+- no test-only field in a production config (faults are injected through :mod:`raystudy.faults`);
+- one place for URIs and atomic renames: :mod:`raystudy.storage` (plus the whole-directory rename of a
+  prepared store in :mod:`raystudy.data.store`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "raystudy"
+MAX_FUNCTION_LINES = 80
+#: ``"path.py:function"`` -> why it may be longer. Empty: every function fits.
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {}
+
+
+def _sources() -> list[Path]:
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 30, f"expected the raystudy package at {PACKAGE}"
+    return files
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(PACKAGE.parent).as_posix()
+
+
+def _function_lengths(path: Path) -> list[tuple[str, int, int]]:
+    """``(qualified name, first line, length in lines)`` of every function and method in ``path``."""
+    out = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    out.append((name, child.lineno, child.end_lineno - child.lineno + 1))
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), "")
+    return out
+
+
+def test_function_lengths_are_measured_as_written(tmp_path):
+    src = "def f():\n    x = 1\n\n    return x\n\n\nclass C:\n    @staticmethod\n    def m():\n" \
+          "        def inner():\n            pass\n        return inner\n"
+    (tmp_path / "probe.py").write_text(src)
+    # Lines from `def` to the last line of the body (decorators not counted, blank lines inside counted).
+    assert _function_lengths(tmp_path / "probe.py") == [("f", 1, 4), ("C.m", 9, 4), ("C.m.inner", 10, 2)]
+
+
+def test_no_function_over_80_lines():
+    long = []
+    for path in _sources():
+        for name, line, length in _function_lengths(path):
+            key = f"{_rel(path)}:{name}"
+            if length > MAX_FUNCTION_LINES and key not in LONG_FUNCTIONS_ALLOWED:
+                long.append(f"{key} (line {line}): {length} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(long)
+    stale = [k for k in LONG_FUNCTIONS_ALLOWED
+             if not any(f"{_rel(p)}:{n}" == k and n_lines > MAX_FUNCTION_LINES
+                        for p in _sources() for n, _, n_lines in _function_lengths(p))]
+    assert not stale, f"allow-list entries that are no longer long (remove them): {stale}"
+
+
+PRODUCTION_CONFIGS = {
+    "raystudy.core.finetune": "FinetuneConfig",
+    "raystudy.distributed.train": "TrainResources",
+    "raystudy.distributed.plasticity": "PlasticityJob",
+    "raystudy.study.spec": "StudySpec",
+}
+TEST_ONLY_NAMES = ("fail_after_step", "crash_at_batch", "inject_failures")
+
+
+def _is_test_hook(field: str) -> bool:
+    return field in TEST_ONLY_NAMES or "inject" in field or "crash" in field or "fail_after" in field
+
+
+def test_hook_names_are_recognised():
+    assert all(_is_test_hook(n) for n in (*TEST_ONLY_NAMES, "inject_nan", "crash_worker", "fail_after_eval"))
+    assert not any(_is_test_hook(n) for n in ("max_failures", "trial_retries", "worker_retries", "lr"))
+
+
+@pytest.mark.parametrize("module", sorted(PRODUCTION_CONFIGS))
+def test_no_test_only_field_in_production_configs(module):
+    cls = getattr(importlib.import_module(module), PRODUCTION_CONFIGS[module])
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert len(names) >= 3, f"{cls.__name__}: expected a dataclass with its fields, found {names}"
+    hooks = [n for n in names if _is_test_hook(n)]
+    assert not hooks, f"{module}.{cls.__name__} has test-only field(s) {hooks}: inject faults via raystudy.faults"
+
+
+URI_CHECK = re.compile(r"""['"]://['"]\s+(not\s+)?in\b""")
+RENAME_ALLOWED = {"raystudy/storage.py", "raystudy/data/store.py"}
+
+
+def _is_rename(call: ast.Call) -> bool:
+    """``os.replace/os.rename(a, b)``, ``shutil.move``, a file system's ``.move(a, b)`` or ``path.rename(p)``.
+
+    pandas' ``rename`` (a string label or ``columns=`` / ``index=``) is not a file rename.
+    """
+    func = call.func
+    if not isinstance(func, ast.Attribute):
+        return False
+    owner = func.value.id if isinstance(func.value, ast.Name) else None
+    if owner == "os" and func.attr in ("replace", "rename") or owner == "shutil" and func.attr == "move":
+        return True
+    if func.attr == "move" and len(call.args) == 2:
+        return True
+    return (func.attr == "rename" and len(call.args) == 1 and not call.keywords
+            and not (isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)))
+
+
+def _renames(source: str) -> list[int]:
+    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and _is_rename(n)]
+
+
+def test_patterns_find_what_they_should():
+    assert URI_CHECK.search('if "://" in str(path):') and URI_CHECK.search("'://' not in p")
+    found = _renames("os.replace(tmp, path)\ntmp.rename(out)\nshutil.move(a, b)\nfs.move(tmp, p)\n"
+                     "df.rename(columns={'a': 'b'})\ns.rename('ref')\nx.replace('a', 'b')\n")
+    assert found == [1, 2, 3, 4]
+
+
+def test_uri_checks_only_in_storage():
+    hits = []
+    for path in _sources():
+        if _rel(path) != "raystudy/storage.py":
+            hits += [f"{_rel(path)}:{i}: {line.strip()}"
+                     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                     if URI_CHECK.search(line.split("#", 1)[0])]
+    assert not hits, "use raystudy.storage.is_uri instead of a local '://' check:\n" + "\n".join(hits)
+
+
+def test_renames_only_in_storage():
+    hits = [f"{_rel(path)}:{line}" for path in _sources() if _rel(path) not in RENAME_ALLOWED
+            for line in _renames(path.read_text(encoding="utf-8"))]
+    assert not hits, "write through raystudy.storage (atomic_output / write_*_atomic):\n" + "\n".join(hits)
+
+
+# ------------------------------------------------------------------------------ layers
+
+FOUNDATION = ("vocab", "storage", "io", "faults")
+#: layer -> the layers it may import (docs/architecture.md, "Layers"); nothing imports upward.
+ALLOWED_IMPORTS = {
+    "foundation": {"foundation"},
+    "data": {"foundation", "data"},
+    "core": {"foundation", "data", "core"},
+    "analysis": {"foundation", "analysis"},
+    "distributed": {"foundation", "data", "core", "analysis", "distributed"},
+    "study": {"foundation", "data", "core", "analysis", "distributed", "study"},
+    "commands": {"foundation", "data", "core", "analysis", "distributed", "study", "commands", "cli"},
+    "cli": {"foundation", "commands", "distributed", "cli"},
+}
+#: layers that never import Ray; ``data`` imports it only inside the functions that stream through it.
+NO_RAY = {"foundation", "core", "analysis"}
+
+
+def _layer(module: str) -> str:
+    """``raystudy.core.plasticity`` -> ``core``; the package itself (``raystudy``) -> ``package``."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "package"
+    head = parts[1]
+    if head in FOUNDATION:
+        return "foundation"
+    return "cli" if head in ("cli", "__main__") else head
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """``(imported module, line, at module level?)`` of every import in ``path`` (relative ones resolved)."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    package = package.removesuffix(".__init__")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base == "raystudy":  # `from raystudy import storage`: the submodule
+                out += [(f"raystudy.{a.name}" if a.name != "__version__" else "raystudy", node.lineno,
+                         id(node) in top) for a in node.names]
+            else:
+                out.append((base, node.lineno, id(node) in top))
+    return out
+
+
+def test_import_resolution():
+    probe = PACKAGE / "core" / "plasticity.py"
+    found = {m for m, _, _ in _imports(probe)}
+    assert "raystudy.core.components" in found or "raystudy.vocab" in found, found
+    assert _layer("raystudy.io") == "foundation" and _layer("raystudy.core.finetune.loop") == "core"
+
+
+def test_layers_import_only_downward():
+    bad = []
+    for path in _sources():
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        layer = _layer(module.removesuffix(".__init__"))
+        if layer == "package":  # raystudy/__init__.py: the facade (load_study is resolved lazily)
+            continue
+        for imported, line, at_top in _imports(path):
+            root = imported.split(".")[0]
+            if root == "raystudy":
+                target = _layer(imported)
+                if target != "package" and target not in ALLOWED_IMPORTS[layer]:
+                    bad.append(f"{_rel(path)}:{line}: {layer} imports {imported} ({target})")
+            elif root == "ray" and (layer in NO_RAY or (layer == "data" and at_top)):
+                bad.append(f"{_rel(path)}:{line}: {layer} imports Ray" + (" at module level" if at_top else ""))
+    assert not bad, "imports against the layering of docs/architecture.md:\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------ docs/architecture.md
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+SCHEMA_BEGIN = "<!-- schemas: generated from raystudy.vocab by `python tests/test_code_shape.py` -->"
+SCHEMA_END = "<!-- schemas: end -->"
+
+
+def render_schemas() -> str:
+    """The table-schema section of docs/architecture.md, from :mod:`raystudy.vocab` alone."""
+    from raystudy import vocab
+
+    lines = [SCHEMA_BEGIN, "", "| table | required columns (Arrow type) |", "| --- | --- |"]
+    for table, schema in vocab.SCHEMAS.items():
+        cols = ", ".join(f"`{f.name}` {f.type}" for f in schema)
+        lines.append(f"| `{table}.parquet` | {cols} |")
+    lines.append(f"| a run's own `curves.parquet` | {', '.join(f'`{c}`' for c in vocab.RUN_CURVE_COLUMNS)} |")
+    lines.append("")
+    renamed = [f"`{t}.{old}` is read as `{new}`" for t, m in vocab.RENAMED_COLUMNS.items() for old, new in m.items()]
+    lines.append(f"Old column names still read: {'; '.join(renamed) or 'none'}.")
+    lines += ["", SCHEMA_END]
+    return "\n".join(lines)
+
+
+def test_architecture_doc_lists_the_schemas_of_vocab():
+    from raystudy import vocab
+
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    assert SCHEMA_BEGIN in text and SCHEMA_END in text, f"{ARCHITECTURE}: schema markers missing"
+    section = text[text.index(SCHEMA_BEGIN):text.index(SCHEMA_END) + len(SCHEMA_END)]
+    assert section == render_schemas(), "docs/architecture.md's schemas differ from raystudy.vocab: run " \
+                                        "`python tests/test_code_shape.py` and paste its output"
+    # Independently of the renderer: every table and column of vocab is named in the section.
+    for table, schema in vocab.SCHEMAS.items():
+        row = next(line for line in section.splitlines() if line.startswith(f"| `{table}.parquet`"))
+        assert [c.split("`")[1] for c in row.split("|")[2].split(", ")] == schema.names
+
+
+def test_architecture_doc_names_only_modules_that_exist():
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    paths = set(re.findall(r"`(raystudy/[\w/]+(?:\.py|/))`", text))
+    assert len(paths) > 20, "expected the doc to name the modules where concepts live"
+    missing = sorted(p for p in paths if not (PACKAGE.parent / p).exists())
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+if __name__ == "__main__":
+    print(render_schemas())
