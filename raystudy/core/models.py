@@ -159,18 +159,22 @@ def build_model(
     strict: bool = True,
     **kwargs,
 ) -> nn.Module:
-    """Create any timm model by name.
+    """Create any timm model by name, or a Hugging Face model with ``name="hf:<dir or hub id>"``.
 
+    ``hf:`` models are built by :func:`raystudy.core.hf.build_hf_model` from the directory's
+    ``config.json`` and its own weights (a hub id needs internet); ``weights=FILE`` then overrides them.
     ``pretrained=True`` uses timm's hub download (needs internet). ``weights=FILE`` loads a local
     ``.safetensors`` / PyTorch state dict (see :func:`load_weights`); for the original ``.npz`` files use
     ``pretrained=True`` with ``pretrained_cfg_overlay=dict(file=FILE)``, which timm reads offline. When
     ``num_classes`` differs from the checkpoint's, the head is newly initialised. Dropout and drop-path
     stay at timm's defaults for the architecture (zero for ViTs) unless passed in ``kwargs``.
     """
-    import timm
-
     if weights is not None and pretrained:
         raise ValueError("pass either pretrained=True (hub) or weights=FILE (local), not both")
+    if name.startswith("hf:"):
+        return _build_hf(name, num_classes=num_classes, weights=weights, img_size=img_size, strict=strict, **kwargs)
+    import timm
+
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r} (see timm.list_models())")
     if num_classes is not None:
@@ -178,6 +182,18 @@ def build_model(
     if img_size is not None:
         kwargs["img_size"] = img_size
     model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    if weights is not None:
+        load_weights(model, weights, strict=strict)
+    return model
+
+
+def _build_hf(name: str, *, num_classes, weights, img_size, strict: bool, **kwargs) -> nn.Module:
+    """The ``hf:`` branch of :func:`build_model` (text models take no ``img_size``)."""
+    from raystudy.core.hf import build_hf_model
+
+    if img_size is not None:
+        raise ValueError("img_size does not apply to a Hugging Face text model")
+    model = build_hf_model(name, num_classes=num_classes, pretrained=weights is None, **kwargs)
     if weights is not None:
         load_weights(model, weights, strict=strict)
     return model
