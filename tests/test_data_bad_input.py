@@ -64,13 +64,14 @@ def test_truncated_image_errors_then_skip_records_it(tmp_path, capsys):
 def test_garbage_and_missing_images(tmp_path):
     root = write_imagefolder(tmp_path / "tree")
     (root / "dog" / "005.jpg").write_bytes(b"this is not a jpeg at all")
-    with pytest.raises(StoreError, match=r"dog/005.jpg: unreadable image \(index 15\): UnidentifiedImageError"):
+    with pytest.raises(StoreError, match=r"dog/005.jpg: unreadable image \(index 15\): "
+                                         r"not a readable image \(UnidentifiedImageError"):
         prepare("imagefolder", root, tmp_path / "s")
     base = write_pets(tmp_path / "pets")
     stem = (base / "annotations" / "test.txt").read_text().split()[0]
     (base / "images" / f"{stem}.jpg").unlink()
     with pytest.raises(StoreError, match=rf"images/{stem}.jpg \(.*test.txt:1\): unreadable image \(index 25\): "
-                                         "FileNotFoundError"):
+                                         rf".*images/{stem}.jpg: cannot open image file \(No such file"):
         prepare("pets", base, tmp_path / "p")
     meta = prepare("pets", base, tmp_path / "p", on_bad_image="skip")
     assert meta["skipped"]["count"] == 1 and meta["skipped"]["items"][0]["index"] == 25

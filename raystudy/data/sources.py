@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .images import IMAGE_EXTENSIONS, ImageError, open_image, read_image_file
 from .splits import RULE, VTAB_TRAIN, VTAB_VAL, assign_splits, low_data_split
 from .store import StoreError, write_store
 
@@ -50,7 +51,6 @@ LOW_DATA = ("vtab1k",)
 POOLABLE = ("val", "test")
 #: Sources torchvision can download into the layout the readers expect (``--download``).
 TORCHVISION = {"cifar10": "CIFAR10", "cifar100": "CIFAR100", "flowers102": "Flowers102", "pets": "OxfordIIITPet"}
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 CIFAR10C_CORRUPTIONS = (
     "brightness", "contrast", "defocus_blur", "elastic_transform", "fog", "frost", "gaussian_blur",
@@ -99,19 +99,17 @@ def encode_png(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def validate_image(data: bytes | np.ndarray) -> tuple[bytes, bool]:
+def validate_image(data: bytes | np.ndarray, *, source: str = "image") -> tuple[bytes, bool]:
     """Fully decode ``data`` (PIL, truncation is an error) and return ``(bytes to store, re-encoded?)``.
 
     RGB/greyscale JPEG and PNG bytes are kept as they are; anything else becomes a PNG of its RGB pixels.
     Raises ``ValueError`` (or the decoder's error) for unreadable data.
     """
-    from PIL import Image
-
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 3 or data.shape[2] != 3 or 0 in data.shape:
             raise ValueError(f"expected a uint8 (H, W, 3) array, got {data.dtype} {data.shape}")
         return encode_png(data), False
-    with Image.open(io.BytesIO(data)) as im:
+    with open_image(data, source=source) as im:  # the one decoder's limits (raystudy.data.images)
         im.load()
         if im.format in ("JPEG", "PNG") and im.mode in ("RGB", "L"):
             return bytes(data), False
@@ -214,7 +212,9 @@ def _choose_splits(candidates: list[Candidate], split_name: str, pool: tuple[str
 def _load_image(c: Candidate):
     """``((bytes, re-encoded?), None)`` or ``(None, error message)`` for one candidate."""
     try:
-        return validate_image(c.load()), None
+        return validate_image(c.load(), source=c.ref), None
+    except ImageError as e:  # already names the file (c.ref), which the caller prefixes too
+        return None, str(e).removeprefix(f"{c.ref}: ")
     except Exception as e:  # any decoder error (OSError, SyntaxError, ValueError, ...) is a bad image
         return None, f"{type(e).__name__}: {e}"
 
@@ -408,7 +408,7 @@ def read_cifar10c(root, *, corruption: str | None, severity: int = 5) -> Listing
 
 
 def _file_loader(path: Path):
-    return lambda: path.read_bytes()
+    return lambda: read_image_file(path)
 
 
 def read_domainnet(root, *, domain: str | None) -> Listing:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raystudy.storage import write_json_atomic
+from raystudy.storage import check_path_name, write_json_atomic
 
 from .splits import SPLITS
 
@@ -183,6 +183,10 @@ def read_meta(store: str | os.PathLike) -> dict:
     for key in ("name", "num_classes", "counts", "checksum"):
         if key not in meta:
             raise StoreError(f"{path}: missing key {key!r}")
+    try:  # the name becomes file names (figures, tables): one path component, never "../.."
+        check_path_name(meta["name"], f"{path} 'name'")
+    except ValueError as e:
+        raise StoreError(str(e)) from e
     if not shard_paths(store):
         raise StoreError(f"{store}: no part-*.parquet shards")
     return meta
