@@ -12,14 +12,20 @@ Linear layers (FC1, FC2)
     In ``embedding`` mode FC2 acts on zero-lifted tokens ``[x_i, 0, ..., 0]``, so its bound there is the
     spectral norm of the first ``d`` input columns, ``||W_2[:, :d]||_2`` (column ``bound``);
     ``bound_hidden`` holds ``||W_2||_2`` for its real ``4d``-dimensional domain.
+    A gated MLP's FC1 is the stacked linear map ``x -> [W_g x ; W_x x]`` (:mod:`raystudy.core.components`):
+    the gating product ``act(W_g x) * W_x x`` comes *after* FC1, like GELU, so ``||[W_g; W_x]||_2`` is the
+    exact Lipschitz constant of the map whose rate is measured and the bound stays valid; FC2 (``fc2``
+    alone, after any norm inside the MLP) is linear on any input, so its bound holds too.
 Multi-head self-attention (MHA, Castin et al. 2024)
     ``B = sum_h ||O^h||_2 ||V^h||_2 sqrt(3n + (12n + 3) r^4 ||A^h||_2^2)`` with
     ``A^h = (Q^h)^T K^h / sqrt(k)``, ``Q^h, K^h, V^h in R^{k x d}`` the head's query/key/value maps,
     ``O^h in R^{d x k}`` its slice of the output projection, ``k = d / H`` the head dimension, ``n`` the
     sequence length, and ``r`` the token radius: the sequences lie in the ball where
     ``sqrt(mean_i ||x_i||^2) <= r``. Assumes the attention biases are zero (they are ignored) and no
-    query/key or output normalisation, no gating and no relative position bias (the bound
-    is NaN for such models, e.g. BEiT).
+    query/key or output normalisation, no gating, no relative position bias and no rotary position
+    embedding (the bound is NaN, with a warning, for such models: BEiT's relative bias, RoPE in EVA-02 and
+    DINOv3, which rotates queries and keys by a position-dependent angle so that ``A^h`` differs for every
+    pair of positions and prefix tokens are left unrotated; see ``Adapter.unbounded_components``).
 
 The bounds table has columns ``layer, component, bound`` plus ``bound_hidden``, ``radius``, ``seq_len``
 and ``sigma`` (the values they were computed with).
@@ -51,12 +57,20 @@ def layernorm_bound(ln: nn.Module, sigma: float) -> float:
     return g / sigma
 
 
+def _qkv_weights(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value weights ``(H k, d)`` each, from a fused ``qkv`` or separate ``q/k/v_proj``."""
+    if getattr(attn, "qkv", None) is not None:
+        w = attn.qkv.weight.detach()  # (3 H k, d): rows [Q; K; V]
+        return tuple(w.chunk(3, dim=0))
+    return tuple(getattr(attn, f"{a}_proj").weight.detach() for a in "qkv")
+
+
 def attention_heads(attn: nn.Module) -> list[dict[str, torch.Tensor]]:
-    """Per-head matrices ``Q, K, V`` (``(k, d)`` each) and ``O`` (``(d, k)``) of a timm ``Attention``."""
-    w = attn.qkv.weight.detach()  # (3d, d): rows [Q; K; V], head h at rows h*k:(h+1)*k of each
+    """Per-head matrices ``Q, K, V`` (``(k, d)`` each) and ``O`` (``(d, k)``) of a timm ``Attention``
+    (fused ``qkv``) or ``EvaAttention`` (fused, or separate ``q_proj`` / ``k_proj`` / ``v_proj``)."""
+    q, kk, v = _qkv_weights(attn)  # head h at rows h*k:(h+1)*k of each
     heads = attn.num_heads
-    k = w.shape[0] // 3 // heads
-    q, kk, v = w[:heads * k], w[heads * k: 2 * heads * k], w[2 * heads * k:]
+    k = q.shape[0] // heads
     o = attn.proj.weight.detach()  # (d, H k)
     return [
         {"Q": q[h * k:(h + 1) * k], "K": kk[h * k:(h + 1) * k], "V": v[h * k:(h + 1) * k],
@@ -65,13 +79,23 @@ def attention_heads(attn: nn.Module) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def attention_bound(attn: nn.Module, *, radius: float, seq_len: int) -> float:
-    """``sum_h ||O^h||_2 ||V^h||_2 sqrt(3n + (12n + 3) r^4 ||A^h||_2^2)``, ``A^h = Q^hT K^h / sqrt(k)``."""
+def _attention_extras(attn: nn.Module) -> list[str]:
+    """What an attention module has beyond plain multi-head attention (the bound's assumptions)."""
     extras = [a for a in ("q_norm", "k_norm", "norm") if not isinstance(getattr(attn, a, nn.Identity()), nn.Identity)]
     if getattr(attn, "relative_position_bias_table", None) is not None:
         extras.append("relative_position_bias_table")
-    if extras or getattr(attn, "gate", None) is not None:
-        warnings.warn(f"attention bound assumes plain multi-head attention (found {extras or 'a gate'}); "
+    if getattr(attn, "gate", None) is not None:
+        extras.append("gate")
+    if getattr(attn, "num_kv_heads", attn.num_heads) != attn.num_heads:
+        extras.append("grouped-query attention")
+    return extras
+
+
+def attention_bound(attn: nn.Module, *, radius: float, seq_len: int) -> float:
+    """``sum_h ||O^h||_2 ||V^h||_2 sqrt(3n + (12n + 3) r^4 ||A^h||_2^2)``, ``A^h = Q^hT K^h / sqrt(k)``."""
+    extras = _attention_extras(attn)
+    if extras:
+        warnings.warn(f"attention bound assumes plain multi-head attention (found {extras}); "
                       "reporting NaN", stacklevel=2)
         return math.nan
     total = 0.0
@@ -82,6 +106,18 @@ def attention_bound(attn: nn.Module, *, radius: float, seq_len: int) -> float:
         a2 = spectral_norm(a)
         total += spectral_norm(h["O"]) * spectral_norm(h["V"]) * math.sqrt(3 * n + (12 * n + 3) * r**4 * a2**2)
     return total
+
+
+def _block_bounds(b, *, radius: float, seq_len: int, sigma: float | None, skip) -> list[tuple[float, float]]:
+    """``(bound, bound_hidden)`` of one block's five components (``COMPONENTS`` order); NaN for ``skip``."""
+    d = b.FC1.in_features
+    ln1 = math.nan if sigma is None else layernorm_bound(b.LN1, sigma)
+    ln2 = math.nan if sigma is None else layernorm_bound(b.LN2, sigma)
+    mha = math.nan if "MHA" in skip else attention_bound(b.MHA, radius=radius, seq_len=seq_len)
+    fc1 = spectral_norm(b.FC1.weight)  # (h, d); a gated MLP's stacked [W_g; W_x]
+    fc2_lift, fc2 = spectral_norm(b.FC2.weight[:, :d]), spectral_norm(b.FC2.weight)
+    pairs = [(ln1, ln1), (mha, mha), (ln2, ln2), (fc1, fc1), (fc2_lift, fc2)]
+    return [(math.nan, math.nan) if c in skip else v for c, v in zip(COMPONENTS, pairs)]
 
 
 def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float | None = None) -> pd.DataFrame:
@@ -101,16 +137,15 @@ def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float 
         raise ValueError(f"radius and seq_len must be positive, got radius={radius}, seq_len={seq_len}")
     if sigma is not None and sigma <= 0:
         raise ValueError(f"sigma must be positive, got {sigma}")
+    adapter = get_adapter(model)
+    skip = adapter.unbounded_components()
+    for comp, why in skip.items():
+        warnings.warn(f"{comp} bound assumptions do not hold for {type(model).__name__} ({why}); reporting NaN",
+                      stacklevel=2)
     rows = []
-    for layer, b in enumerate(get_adapter(model).blocks()):
-        d = b.FC1.in_features
-        ln1 = math.nan if sigma is None else layernorm_bound(b.LN1, sigma)
-        ln2 = math.nan if sigma is None else layernorm_bound(b.LN2, sigma)
-        mha = attention_bound(b.MHA, radius=radius, seq_len=seq_len)
-        fc1 = spectral_norm(b.FC1.weight)
-        fc2_lift, fc2 = spectral_norm(b.FC2.weight[:, :d]), spectral_norm(b.FC2.weight)
-        for comp, bound, hidden in zip(COMPONENTS, (ln1, mha, ln2, fc1, fc2_lift), (ln1, mha, ln2, fc1, fc2)):
-            rows.append((layer, comp, bound, hidden))
+    for layer, b in enumerate(adapter.blocks()):
+        bounds = _block_bounds(b, radius=radius, seq_len=seq_len, sigma=sigma, skip=skip)
+        rows += [(layer, comp, bound, hidden) for comp, (bound, hidden) in zip(COMPONENTS, bounds)]
     df = pd.DataFrame(rows, columns=["layer", "component", "bound", "bound_hidden"])
     df["radius"] = float(radius)
     df["seq_len"] = int(seq_len)

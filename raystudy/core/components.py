@@ -14,15 +14,34 @@ themselves.
 Each supported architecture family has exactly one :class:`Adapter` that maps these names to modules and
 parameters. Unsupported models fail with :class:`UnsupportedModelError`, which lists the families.
 
-LayerScale (DINOv2-style ``ls1`` / ``ls2``, BEiT's ``gamma_1`` / ``gamma_2``) is *not* part of any
-component by default: the paper's components are the LayerNorms, the attention module and the two linear
-layers. Pass ``include_layerscale=True`` to :func:`trainable_parameters` to attach the first to MHA and
-the second to FC2 (the component whose output each one scales). Plasticity always measures the component without it.
+LayerScale (DINOv2-style ``ls1`` / ``ls2``, BEiT's and Eva's ``gamma_1`` / ``gamma_2``) is *not* part of
+any component by default: the paper's components are the LayerNorms, the attention module and the two
+linear layers. Pass ``include_layerscale=True`` to :func:`trainable_parameters` to attach the first to MHA
+and the second to FC2 (the component whose output each one scales). Plasticity always measures the
+component without it.
+
+Gated MLPs (SwiGLU / GLU, ``FC2(act(W_g x) * W_x x)``): FC1 is the input projection *including the gate*,
+the linear map ``x -> [W_g x ; W_x x]`` (``d -> 2h``; :class:`StackedLinear` where the two projections are
+separate modules, the fused ``fc1`` where they are one), FC2 the output projection ``h -> d``. The gating
+product ``act(W_g x) * W_x x`` belongs to no component, exactly like GELU between FC1 and FC2 of a plain
+MLP; so does a normalisation inside the MLP (EVA-02's ``mlp.norm`` applied to the gated activation before
+``fc2``): it is trained only by ``All``, and in ``hidden`` mode FC2's input is what ``fc2`` receives, i.e.
+the normalised activation.
+
+timm's Eva family (EVA-02, DINOv3; :class:`TimmEvaAdapter`): embedding stage = ``patch_embed``, the class
+and register tokens, the absolute position embedding where there is one (EVA-02; DINOv3 has none),
+``norm_pre``, exactly as ``Eva.forward_features`` before its blocks. Its positions are mostly the rotary
+embedding (RoPE) that ``Eva._pos_embed`` computes for the image's patch grid and every ``block.attn``
+applies to queries and keys (``rope=``): it is part of MHA's computation in both plasticity modes, so an
+MHA rate is that of attention *with* RoPE; it has no parameters. Components: ``norm1``, ``attn`` (incl.
+``q_norm`` / ``k_norm`` / ``norm`` / ``proj``), ``norm2``, FC1 as above (``mlp.fc1`` for GELU ``Mlp`` and the
+packed ``GluMlp``, ``[mlp.fc1_g; mlp.fc1_x]`` for ``SwiGLU``), ``mlp.fc2``; LayerScale ``gamma_1`` /
+``gamma_2``. Post-norm blocks (``use_post_norm``) and per-block mixed RoPE are not supported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,7 +58,13 @@ class BlockComponents:
     """The modules of one block, by component name.
 
     ``LN1``/``LN2`` map ``(B, n, d) -> (B, n, d)``; ``MHA`` maps ``(B, n, d) -> (B, n, d)``;
-    ``FC1`` is a linear ``d -> h`` and ``FC2`` a linear ``h -> d`` (``h = 4d`` in a standard ViT).
+    ``FC1`` is a linear ``d -> h`` and ``FC2`` a linear ``h -> d`` (``h = 4d`` in a standard ViT). FC1 and
+    FC2 only need ``weight`` ``(out, in)``, ``in_features`` and a forward: a view such as
+    :class:`StackedLinear` qualifies.
+
+    ``inputs`` maps a component that is such a view (never called by the model's forward) to a module the
+    forward *does* call with the component's input as first argument (a gated MLP's ``fc1_g``): ``hidden``
+    mode reads the component's input there. Components not listed are called themselves.
     """
 
     LN1: nn.Module
@@ -48,14 +73,45 @@ class BlockComponents:
     FC1: nn.Linear
     FC2: nn.Linear
     prefix: str  # parameter-name prefix of the block, e.g. "blocks.3."
-    names: dict[str, str]  # component -> module path relative to the block, e.g. {"MHA": "attn", ...}
+    # component -> module path(s) relative to the block, e.g. {"MHA": "attn", "FC1": ("mlp.fc1_g", "mlp.fc1_x")}
+    names: dict[str, str | tuple[str, ...]]
     layerscale: dict[str, str]  # component -> name (relative to the block) of the LayerScale scaling its output
     module: nn.Module  # the whole block: (B, n, d) -> (B, n, d)
+    inputs: dict[str, nn.Module] = field(default_factory=dict)  # view component -> module called with its input
 
     def __getitem__(self, component: str) -> nn.Module:
         if component not in COMPONENTS:
             raise KeyError(f"unknown component {component!r}; expected one of {COMPONENTS}")
         return getattr(self, component)
+
+    def input_module(self, component: str) -> nn.Module:
+        """The module the model's forward calls with ``component``'s input as first argument."""
+        return self.inputs.get(component, self[component])
+
+
+class StackedLinear(nn.Module):
+    """Several linear layers reading the same input, as one linear map ``x -> [W_1 x + b_1; ...; W_k x + b_k]``.
+
+    ``(..., d) -> (..., h_1 + ... + h_k)``. A view for the component registry (a gated MLP's FC1 =
+    ``[W_g; W_x]``): it holds the layers without registering them as submodules, so it adds no parameters
+    and the model's forward never calls it.
+    """
+
+    def __init__(self, *parts: nn.Linear):
+        super().__init__()
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("StackedLinear needs at least one nn.Linear, all with the same in_features")
+        self._parts = tuple(parts)  # a tuple: not registered as submodules
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The stacked weight ``(h_1 + ... + h_k, d)``."""
+        return torch.cat([p.weight for p in self._parts], dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self._parts], dim=-1)
 
 
 class Adapter:
@@ -79,6 +135,16 @@ class Adapter:
         """Embedding stage: ``(N, 3, H, W)`` images -> ``(N, n, d)`` tokens fed to the first block."""
         raise NotImplementedError
 
+    def check_inputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Validate a pair of input batches for :meth:`embed`; raises ``PlasticityInputError``.
+
+        Default: image batches ``(N, C, H, W)`` (:func:`raystudy.core.plasticity.check_pair_batches`);
+        text adapters check token-id batches ``(N, n)`` instead.
+        """
+        from raystudy.core.plasticity import check_pair_batches  # plasticity imports this module
+
+        check_pair_batches(x, y)
+
     def embedding_names(self) -> tuple[str, ...]:
         """Model attributes (modules or bare parameters) holding the parameters :meth:`embed` uses.
 
@@ -87,7 +153,18 @@ class Adapter:
         raise NotImplementedError
 
     def attention_kwargs(self) -> dict:
-        """Model-level keyword arguments every MHA call needs (e.g. a shared relative position bias)."""
+        """Model-level keyword arguments every MHA call needs (e.g. a shared relative position bias).
+
+        They may depend on the batch last passed to :meth:`embed` (Eva's rotary embedding follows the
+        image's patch grid): call :meth:`embed` first, on the same adapter.
+        """
+        return {}
+
+    def unbounded_components(self) -> dict[str, str]:
+        """Components whose upper bound's assumptions this model breaks, with the reason (e.g. RoPE in MHA).
+
+        :func:`raystudy.core.bounds.upper_bounds` reports their bound as NaN with a warning.
+        """
         return {}
 
     def run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -157,7 +234,8 @@ class _TimmPreNormAdapter(Adapter):
     """Shared part of the timm adapters: a ``blocks`` list of pre-norm ``Block``s, a model class to match.
 
     Subclasses set ``model_class`` (``"module:ClassName"``) and ``layerscale_attrs`` (the block attributes
-    scaling the MHA and FC2 outputs), and implement :meth:`embed` and :meth:`head_modules`.
+    scaling the MHA and FC2 outputs), and implement :meth:`embed` and :meth:`head_modules`; a family with
+    other blocks overrides :meth:`_block`. Every block is called with :meth:`attention_kwargs`.
     """
 
     model_class: str = ""
@@ -176,10 +254,19 @@ class _TimmPreNormAdapter(Adapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        self._blocks = [_pre_norm_block(model, i, blk, self.layerscale_attrs) for i, blk in enumerate(model.blocks)]
+        self._blocks = [self._block(i, blk) for i, blk in enumerate(model.blocks)]
+
+    def _block(self, i: int, blk: nn.Module) -> BlockComponents:
+        return _pre_norm_block(self.model, i, blk, self.layerscale_attrs)
 
     def blocks(self) -> list[BlockComponents]:
         return self._blocks
+
+    def run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        kwargs = self.attention_kwargs()
+        for b in self._blocks:
+            tokens = b.module(tokens, **kwargs)
+        return tokens
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,11 +339,99 @@ class TimmBeitAdapter(_TimmPreNormAdapter):
         rel = self.model.rel_pos_bias
         return {"shared_rel_pos_bias": rel() if rel is not None else None}
 
-    def run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
-        kwargs = self.attention_kwargs()
-        for b in self._blocks:
-            tokens = b.module(tokens, **kwargs)
-        return tokens
+    def head_modules(self) -> dict[str, nn.Module]:
+        return {"head.": self.model.head}
+
+
+# --------------------------------------------------------------------------------------------------
+# timm Eva family: EVA-02, DINOv3, ROPE-ViTs (rotary position embedding, registers, LayerScale, SwiGLU)
+# --------------------------------------------------------------------------------------------------
+
+_UNSET = object()
+
+
+def _eva_fc1(i: int, mlp: nn.Module) -> tuple[nn.Module, str | tuple[str, ...], dict[str, nn.Module]]:
+    """FC1 of an Eva MLP: ``(module, path(s) relative to the block, hidden-mode input module if a view)``.
+
+    ``Mlp`` (GELU) and ``GluMlp`` (SwiGLU with one fused ``fc1`` ``d -> 2h``, gate first): ``mlp.fc1``.
+    ``SwiGLU`` (separate ``fc1_g`` / ``fc1_x``, both ``d -> h``): the stacked map ``[W_g; W_x]``.
+    """
+    kind = type(mlp).__name__
+    if kind in ("Mlp", "GluMlp") and isinstance(getattr(mlp, "fc1", None), nn.Linear):
+        return mlp.fc1, "mlp.fc1", {}
+    if kind == "SwiGLU":
+        return StackedLinear(mlp.fc1_g, mlp.fc1_x), ("mlp.fc1_g", "mlp.fc1_x"), {"FC1": mlp.fc1_g}
+    raise UnsupportedModelError(f"block {i}: Eva MLP {kind} is not supported (expected Mlp, GluMlp or SwiGLU)")
+
+
+def _eva_block(model: nn.Module, i: int, blk: nn.Module) -> BlockComponents:
+    """Components of a timm pre-norm ``EvaBlock`` at ``blocks.{i}``: ``norm1, attn, norm2``, FC1 as in
+    :func:`_eva_fc1`, ``mlp.fc2``; LayerScale ``gamma_1`` / ``gamma_2`` (bare parameters) where present."""
+    if type(blk).__name__ != "EvaBlock":
+        raise UnsupportedModelError(
+            f"block {i} of {type(model).__name__} is a {type(blk).__name__}; the Eva adapter needs the pre-norm "
+            "`EvaBlock` (use_post_norm=False). Supported families: " + "; ".join(supported_families())
+        )
+    fc1, fc1_names, inputs = _eva_fc1(i, blk.mlp)
+    names = {"LN1": "norm1", "MHA": "attn", "LN2": "norm2", "FC1": fc1_names, "FC2": "mlp.fc2"}
+    layerscale = {c: a for c, a in (("MHA", "gamma_1"), ("FC2", "gamma_2")) if getattr(blk, a) is not None}
+    return BlockComponents(
+        LN1=blk.norm1, MHA=blk.attn, LN2=blk.norm2, FC1=fc1, FC2=blk.mlp.fc2, prefix=f"blocks.{i}.",
+        names=names, layerscale=layerscale, module=blk, inputs=inputs,
+    )
+
+
+@register_adapter
+class TimmEvaAdapter(_TimmPreNormAdapter):
+    """Eva: the rotary position embedding (RoPE) is computed once per batch by the embedding stage
+    (``Eva._pos_embed`` returns it next to the tokens) and passed to every ``block.attn`` as ``rope=``;
+    :meth:`attention_kwargs` returns the one of the batch last passed to :meth:`embed`."""
+
+    family = "timm-eva"
+    description = (
+        "timm Eva with pre-norm blocks: eva02_*, *_dinov3, vit_*_rope_* (rotary position embedding inside MHA, "
+        "register tokens, LayerScale gamma_1/gamma_2, SwiGLU/GLU MLPs; FC1 = the stacked input projections)"
+    )
+
+    model_class = "timm.models.eva:Eva"
+
+    def __init__(self, model: nn.Module):
+        if getattr(model, "rope_mixed", False):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} with rope_type='mixed' (a different learned RoPE per block) is not "
+                "supported: raystudy passes one rotary embedding to every block"
+            )
+        super().__init__(model)
+        self._rope = _UNSET
+
+    def _block(self, i: int, blk: nn.Module) -> BlockComponents:
+        return _eva_block(self.model, i, blk)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        # Exactly what Eva.forward_features applies before its blocks; the rope it returns is kept for them.
+        m = self.model
+        x, self._rope = m._pos_embed(m.patch_embed(images))
+        return m.norm_pre(x)
+
+    def embedding_names(self) -> tuple[str, ...]:
+        # patch_embed; cls/reg tokens (DINOv3 has 4 registers); pos_embed (EVA-02; None in DINOv3);
+        # norm_pre (use_pre_transformer_norm; Identity otherwise); rope: the rotary position embedding
+        # module, parameter-free for the supported rope types (buffers only).
+        return ("patch_embed", "cls_token", "reg_token", "pos_embed", "norm_pre", "rope")
+
+    def attention_kwargs(self) -> dict:
+        if self._rope is _UNSET:  # nothing embedded yet: the rope of an image at the model's own size
+            rope = self.model.rope
+            if rope is None:
+                return {"rope": None}
+            grid = None if getattr(rope, "feat_shape", None) is not None else self.model.patch_embed.grid_size
+            return {"rope": rope.get_embed(shape=grid)}
+        return {"rope": self._rope}
+
+    def unbounded_components(self) -> dict[str, str]:
+        if self.model.rope is None:
+            return {}
+        return {"MHA": "rotary position embedding (RoPE) inside attention"}
 
     def head_modules(self) -> dict[str, nn.Module]:
         return {"head.": self.model.head}
@@ -277,7 +452,8 @@ def _named(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Parameter]]
 def _component_names(adapter: Adapter, component: str, include_layerscale: bool) -> list[str]:
     names = []
     for b in adapter.blocks():
-        names.append(b.prefix + b.names[component])
+        paths = b.names[component]
+        names.extend(b.prefix + p for p in ((paths,) if isinstance(paths, str) else paths))
         if include_layerscale and component in b.layerscale:
             names.append(b.prefix + b.layerscale[component])  # a module, or a bare parameter (BEiT)
     return names
@@ -295,6 +471,10 @@ def embedding_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     * timm BEiT: ``patch_embed.*``, ``cls_token`` and ``pos_embed`` when the model has an absolute one
       (the pretrained ``beit_*`` / ``beitv2_*`` have none). Relative position biases are attention
       parameters (MHA, or only ``All`` for a shared ``rel_pos_bias``).
+    * timm Eva (EVA-02, DINOv3): ``patch_embed.*``, ``cls_token``, ``reg_token`` (DINOv3's 4 registers),
+      ``pos_embed`` where the model has an absolute one (EVA-02; DINOv3 has none), ``norm_pre.*`` where
+      present, and ``rope.*`` (no parameters for the supported rope types: the rotary embedding is fixed).
+      ``vit_small_patch16_dinov3``: 295,296 (16x16 conv, 3 -> 384, and bias) + 384 + 4 * 384 = 297,216.
     """
     return _named(model, list(get_adapter(model).embedding_names()))
 

@@ -23,7 +23,9 @@ Implementation (fast path)
 ``x`` and ``y`` go through the network as one batch of ``2N``; all reductions stay on the device and only
 the ``(N, L, 5)`` table of rates reaches the host. Exact algebraic shortcuts are used for the linear
 components: ``||W x + b - (W y + b)||_F = ||W (x - y)||_F`` (FC1 and FC2 on ``N`` differences instead of
-``2N`` inputs), and the zero-lifted FC2 only touches the first ``d`` input columns of its weight.
+``2N`` inputs, in both modes), and the zero-lifted FC2 only touches the first ``d`` input columns of its
+weight. A gated MLP's FC1 is the stacked map ``x -> [W_g x ; W_x x]`` (see
+:mod:`raystudy.core.components`), so ``W`` is ``[W_g; W_x]`` there; FC2 is lifted to its ``in_features``.
 Norms are computed in float32, also under the optional bf16 autocast.
 
 :mod:`raystudy.core.plasticity_reference` holds a deliberately literal implementation used by the tests: it
@@ -50,6 +52,8 @@ GROUP_KEYS = ("model", "dataset", "mode")
 #: ``plasticity`` schemas of :mod:`raystudy.vocab` without the run labels.
 RATE_COLUMNS = [c for c in columns("rates") if c not in GROUP_KEYS]
 SUMMARY_COLUMNS = [c for c in columns("plasticity") if c not in GROUP_KEYS]
+#: The linear components: their rate is ``||W (x - y)||_F / ||x - y||_F`` in both modes.
+LINEAR_COMPONENTS = ("FC1", "FC2")
 
 
 class PlasticityInputError(ValueError):
@@ -125,7 +129,8 @@ def pair_rates_tensor(
 
     Args:
         model: a supported model (see :func:`raystudy.core.components.get_adapter`); evaluated in eval mode.
-        x, y: image batches ``(N, 3, H, W)`` on the model's device; pair ``i`` is ``(x[i], y[i])``.
+        x, y: image batches ``(N, 3, H, W)`` (token-id batches ``(N, n)`` for a text model: whatever the
+            adapter's ``check_inputs`` accepts) on the model's device; pair ``i`` is ``(x[i], y[i])``.
         mode: ``"embedding"`` (paper) or ``"hidden"``.
         amp_dtype: e.g. ``torch.bfloat16`` to run the forward under autocast; norms stay float32.
 
@@ -136,7 +141,7 @@ def pair_rates_tensor(
     if mode not in MODES:
         raise PlasticityInputError(f"unknown mode {mode!r}; expected one of {MODES}")
     adapter = get_adapter(model)
-    check_pair_batches(x, y)
+    adapter.check_inputs(x, y)
     n = x.shape[0]
     blocks = adapter.blocks()
     rates = torch.empty(n, len(blocks), len(COMPONENTS), dtype=torch.float32, device=x.device)
@@ -163,31 +168,59 @@ def pair_rates_tensor(
 def _hidden_rates(adapter, z: torch.Tensor, n: int, rates: torch.Tensor) -> None:
     """Run the blocks on the stacked ``(2N, n, d)`` batch; forward hooks reduce each component on the fly.
 
-    Denominators are kept on the device and checked once at the end (no host sync per component).
+    LN1, MHA, LN2: ``||f(x) - f(y)||`` from the outputs. FC1, FC2 (linear): ``||W (x - y)||`` from the inputs
+    alone, read where the forward passes them (:meth:`BlockComponents.input_module`: a gated MLP's stacked
+    FC1 is never called itself). Denominators stay on the device and are checked once at the end.
     """
     dens = torch.empty_like(rates)
-    handles = []
+    handles, fired = [], set()
 
-    def hook(layer: int, c: int):
+    def on_output(layer: int, c: int):
         def fn(module, args, output):
+            fired.add((layer, c))
             dens[:, layer, c] = _half_diff_norm(args[0], n)
             rates[:, layer, c] = _half_diff_norm(output, n)
+
+        return fn
+
+    def on_input(layer: int, c: int, weight: torch.Tensor):
+        def fn(module, args):
+            fired.add((layer, c))
+            dx = args[0][:n].float() - args[0][n:].float()  # (N, n_tokens, in_features)
+            dens[:, layer, c] = _pair_norm(dx)
+            rates[:, layer, c] = _pair_norm(F.linear(dx, weight))
 
         return fn
 
     try:
         for layer, b in enumerate(adapter.blocks()):
             for c, name in enumerate(COMPONENTS):
-                handles.append(b[name].register_forward_hook(hook(layer, c)))
+                if name in LINEAR_COMPONENTS:
+                    hook = on_input(layer, c, b[name].weight)
+                    handles.append(b.input_module(name).register_forward_pre_hook(hook))
+                else:
+                    handles.append(b[name].register_forward_hook(on_output(layer, c)))
         adapter.run_blocks(z)
     finally:
         for h in handles:
             h.remove()
+    _check_fired(fired, rates.shape[1])
     zero = dens == 0
     if zero.any():
         _, layer, c = (int(v) for v in zero.nonzero()[0])
         _check_denominator(dens[:, layer, c], f"inputs to {COMPONENTS[c]} of block {layer}")
     rates /= dens
+
+
+def _check_fired(fired: set[tuple[int, int]], n_layers: int) -> None:
+    """Every component's hook ran: a module the forward never calls would leave its rates unset."""
+    missing = [(layer, c) for layer in range(n_layers) for c in range(len(COMPONENTS)) if (layer, c) not in fired]
+    if missing:
+        layer, c = missing[0]
+        raise RuntimeError(
+            f"{COMPONENTS[c]} of block {layer} was never called by the adapter's run_blocks: a component "
+            "that is a view needs BlockComponents.inputs to name the module the forward calls with its input"
+        )
 
 
 def rates_frame(rates: torch.Tensor | np.ndarray, *, pair_offset: int = 0) -> pd.DataFrame:
