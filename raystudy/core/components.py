@@ -193,6 +193,8 @@ def supported_families() -> list[str]:
 
 def get_adapter(model: nn.Module) -> Adapter:
     """The adapter for ``model``; raises :class:`UnsupportedModelError` listing the supported families."""
+    if type(model).__module__.startswith("transformers."):
+        import raystudy.core.hf  # noqa: F401  (registers the Hugging Face adapters; imports no transformers)
     for cls in _ADAPTERS:
         if cls.matches(model):
             return cls(model)
