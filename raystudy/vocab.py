@@ -38,6 +38,9 @@ STATUSES: tuple[str, ...] = ("ok", "diverged", "failed")
 FINAL_STATUSES: tuple[str, ...] = ("ok", "diverged")
 MODES: tuple[str, ...] = ("embedding", "hidden")
 SEARCHES: tuple[str, ...] = ("grid", "optuna")
+#: How plasticity pairs pretraining and downstream images: seeded random, or the i-th with the i-th
+#: (the authors' unshuffled loaders; :mod:`raystudy.distributed.pairing`).
+PAIRINGS: tuple[str, ...] = ("random", "sequential")
 
 _str, _int, _float = pa.string(), pa.int64(), pa.float64()
 

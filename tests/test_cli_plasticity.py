@@ -152,3 +152,60 @@ def test_plasticity_cli_with_stores_refuses_incomplete_flags(tmp_path, capsys):
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_plasticity_cli_local_sequential_pairs_in_order(tmp_path, weights):
+    """``--pairing sequential`` on local tensors: pair i is (x[i], y[i]); random pairing draws other pairs."""
+    model, path = weights
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 3, 32, 32, generator=gen), torch.randn(5, 3, 32, 32, generator=gen)
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "y.npy", y.numpy())
+    runs = {}
+    for pairing in ("sequential", "random"):
+        out = tmp_path / pairing
+        assert main(["plasticity", *MODEL, "--weights", path, "--x", str(tmp_path / "x.npy"), "--y",
+                     str(tmp_path / "y.npy"), "--pairs", "4", "--pairing", pairing, "--out", str(out)]) == 0
+        runs[pairing] = pd.read_parquet(out / "rates.parquet")
+    ref = pair_rates(model, x[:4], y[:4], mode="embedding")
+    got = runs["sequential"]
+    pd.testing.assert_frame_equal(got[["pair", "layer", "component"]], ref[["pair", "layer", "component"]])
+    np.testing.assert_allclose(got["rate"], ref["rate"], rtol=1e-5)
+    assert not np.allclose(runs["random"]["rate"], ref["rate"])
+
+
+def test_plasticity_cli_pairing_flags_reach_the_job(tmp_path, capsys):
+    from raystudy.cli import build_parser
+    from raystudy.commands.plasticity import pipeline_job
+
+    store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
+    argv = ["plasticity", *MODEL, "--pretrain", store, "--downstream", store, "--pairs", "4", "--out",
+            str(tmp_path / "o")]
+    job = pipeline_job(build_parser().parse_args(argv + ["--pairing", "sequential", "--pretrain-split", "all",
+                                                          "--radius", "19.4"]))
+    assert (job.pairing, job.pretrain_split, job.radius) == ("sequential", "all", 19.4)
+    job = pipeline_job(build_parser().parse_args(argv))
+    assert (job.pairing, job.pretrain_split, job.radius) == ("random", "test", None)
+    assert main(argv + ["--pretrain-split", "dev"]) == 2
+    assert "pretrain_split: unknown value 'dev'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: --pairing's choices are PAIRINGS
+        main(argv + ["--pairing", "zip"])
+    assert "invalid choice: 'zip' (choose from 'random', 'sequential')" in capsys.readouterr().err
+    local = ["plasticity", *MODEL, "--x", store, "--y", store, "--radius", "19.4", "--out", str(tmp_path / "l")]
+    assert main(local) == 2
+    assert "--radius and --pretrain-split apply to stores" in capsys.readouterr().err
+
+
+def test_bounds_cli_keeps_the_measured_radius_beside_a_fixed_one(tmp_path, weights):
+    from raystudy.core.bounds import measure_token_stats
+
+    model, path = weights
+    store = make_store(tmp_path / "s", n_per_split=(2, 2, 6))
+    out = tmp_path / "b"
+    assert main(["bounds", *MODEL, "--weights", path, "--images", store, "--radius", "19.4", "--out", str(out)]) == 0
+    got = pd.read_parquet(out / "bounds.parquet")
+    stats = measure_token_stats(model, _images(store, read_split(store, "test")["index"].to_numpy()))
+    assert (got["radius"] == 19.4).all() and abs(stats.radius - 19.4) > 1
+    np.testing.assert_allclose(got["radius_measured"], stats.radius, rtol=1e-5)
+    ref = _reference_bounds(model, 19.4, stats.seq_len, stats.sigma)
+    np.testing.assert_allclose(got["bound"], ref["bound"], rtol=1e-5)

@@ -142,10 +142,26 @@ def test_locate_split_points_at_the_rows_of_read_split(setup):
 
 
 def test_resolve_pretrain_split_falls_back_to_val(setup):
-    assert resolve_pretrain_split(setup["pre"], "test") == "val"
-    assert resolve_pretrain_split(setup["down"][0], "test") == "test"
+    assert resolve_pretrain_split(setup["pre"], "test") == ("val",)
+    assert resolve_pretrain_split(setup["down"][0], "test") == ("test",)
     with pytest.raises(StoreError, match="split 'val' is empty"):
         resolve_pretrain_split(setup["down"][1], "val")
+
+
+def test_locate_split_of_several_splits_keeps_store_order(setup):
+    """The rows of ``("val", "test")`` are those of either split, in the order the store holds them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raystudy.data.store import shard_paths
+
+    store = setup["down"][0]
+    rows = locate_split(store, ("val", "test"))
+    every = pa.concat_tables([pq.read_table(p, columns=["split", "index"]) for p in shard_paths(store)]).to_pandas()
+    expected = every[every.split.isin(["val", "test"])]["index"].tolist()
+    assert rows.index.tolist() == expected and len(rows) == 43 and rows.split == "val+test"
+    by_split = every[every.split == "val"]["index"].tolist() + every[every.split == "test"]["index"].tolist()
+    assert expected != by_split  # the store interleaves the splits: not one split after the other
 
 
 def test_streaming_moments_equal_summarize():

@@ -2,7 +2,10 @@
 
 The token radius ``r`` and the LayerNorm ``sigma`` are measured on embedded images (``--images``: an image
 folder, a ``.pt``/``.npy`` tensor or a prepared store), or given directly (``--radius``, ``--seq-len``,
-``--sigma``). Formulas and assumptions: :mod:`raystudy.core.bounds`.
+``--sigma``); a given value wins over the measured one. The paper fixes ``r = 19.4`` (measured by the
+authors on CIFAR-10): ``--radius 19.4 --images STORE`` computes the bounds at 19.4 and keeps the radius
+measured on STORE in the column ``radius_measured`` beside ``radius``. Formulas and assumptions:
+:mod:`raystudy.core.bounds`.
 """
 
 from __future__ import annotations
@@ -24,23 +27,25 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def token_stats(args, model) -> tuple[float | None, int | None, float | None]:
-    """``(radius, seq_len, sigma)``: the flags where given, else measured on ``--images`` (when given)."""
+def token_stats(args, model) -> tuple[float | None, int | None, float | None, float | None]:
+    """``(radius, seq_len, sigma, measured radius)``: the flags where given, else measured on ``--images``
+    (when given; the measured radius is ``None`` without images)."""
     from raystudy.commands.plasticity import load_images
     from raystudy.core.bounds import measure_token_stats
 
-    radius, seq_len, sigma = args.radius, args.seq_len, args.sigma
+    radius, seq_len, sigma, measured = args.radius, args.seq_len, args.sigma, None
     if args.images:
         x, name = load_images(args.images, model.patch_embed.img_size[0])
         stats = measure_token_stats(model, x)
         print(f"measured on {len(x)} images of {name}: r = {stats.radius:.4f} (max {stats.radius_max:.4f}), "
               f"sigma = {stats.sigma:.6f}, n = {stats.seq_len}")
+        measured = stats.radius
         radius = radius if radius is not None else stats.radius
         sigma = sigma if sigma is not None else stats.sigma
         seq_len = seq_len if seq_len is not None else stats.seq_len
     if seq_len is None:
         seq_len = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
-    return radius, seq_len, sigma
+    return radius, seq_len, sigma, measured
 
 
 def run(args) -> int:
@@ -49,11 +54,13 @@ def run(args) -> int:
     from raystudy.io import write_result
 
     model = _build(args).eval()
-    radius, seq_len, sigma = token_stats(args, model)
+    radius, seq_len, sigma, measured = token_stats(args, model)
     if radius is None:
         raise ValueError("give --images to measure the token radius, or --radius")
     table = upper_bounds(model, radius=radius, seq_len=seq_len, sigma=sigma)
     table.insert(0, "model", args.model)
+    if measured is not None:
+        table["radius_measured"] = measured
     path = write_result(table, Path(args.out), "bounds")
     wide = table.pivot_table(index="component", columns="layer", values="bound", sort=False)
     print(wide.to_string(float_format=lambda v: f"{v:.4g}"))

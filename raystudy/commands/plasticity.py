@@ -30,6 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
+    from raystudy.distributed.pairing import PAIRINGS
+
     p = sub.add_parser("plasticity", help="measure the plasticity of every component of every block",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -43,6 +45,11 @@ def register(sub) -> None:
                      help="prepared store of pretraining images")
     ray.add_argument("--downstream", "--downstream-stores", dest="downstream", nargs="+", metavar="STORE",
                      help="prepared downstream store(s)")
+    ray.add_argument("--pretrain-split", default="test", metavar="SPLIT",
+                     help="split(s) of the pretraining store: a split, a comma list (val,test) or 'all' (every "
+                          "row, e.g. the whole ImageNet validation set); default: test, else val")
+    ray.add_argument("--radius", type=float, default=None,
+                     help="fixed token radius r of the bounds (the paper's 19.4); default: measured")
     ray.add_argument("--workers", type=int, default=1, help="actor pool size")
     ray.add_argument("--cpus-per-worker", type=float, default=0.5, help="logical CPUs per actor")
     ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per actor (0: CPU)")
@@ -50,6 +57,10 @@ def register(sub) -> None:
     ray.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     p.add_argument("--pairs", type=int, default=None,
                    help="number of pairs (local default: all the smaller side has; required with stores)")
+    p.add_argument("--pairing", choices=PAIRINGS, default=PAIRINGS[0],
+                   help="random: seeded shuffle of each side; sequential: the i-th image of each side in store "
+                        "order (the authors' way; with stores, a short side starts over after its last full "
+                        "batch). Default: %(default)s")
     p.add_argument("--batch-size", type=int, default=32, help="pairs per forward pass")
     p.add_argument("--mode", choices=MODES, default=MODES[0], help="rate definition (default: %(default)s)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward (norms stay float32)")
@@ -116,13 +127,18 @@ def _derived_name(path: Path, name: str | None = None) -> str:
     return check_path_name(name if name is not None else path.name, f"dataset name of {path} (pass --dataset)")
 
 
-def paired(x, y, pairs: int | None, seed: int):
-    """Seeded shuffle of each side, then zip: pair ``i`` is ``(x[px[i]], y[py[i]])``."""
+def paired(x, y, pairs: int | None, seed: int, pairing: str = "random"):
+    """Pair ``i`` is ``(x[px[i]], y[py[i]])``: ``random``, a seeded shuffle of each side (``x``'s drawn first
+    from one ``numpy.random.default_rng(seed)``); ``sequential``, ``px = py = arange(n)`` (files in sorted
+    order, tensors and stores in their order). ``n`` is ``pairs`` (default: the smaller side), never more
+    than either side has."""
     import numpy as np
 
     n = min(len(x), len(y)) if pairs is None else pairs
     if n <= 0 or n > min(len(x), len(y)):
         raise ValueError(f"--pairs {pairs}: x has {len(x)} images and y {len(y)}; need 1 <= pairs <= both")
+    if pairing == "sequential":
+        return x[:n], y[:n]
     rng = np.random.default_rng(seed)
     px, py = rng.permutation(len(x))[:n], rng.permutation(len(y))[:n]
     return x[px], y[py]
@@ -133,6 +149,9 @@ def run(args) -> int:
         return run_pipeline(args)
     if not (args.x and args.y):
         raise ValueError("give --x and --y (local images) or --pretrain and --downstream (stores)")
+    if args.radius is not None or args.pretrain_split != "test":
+        raise ValueError("--radius and --pretrain-split apply to stores (--pretrain/--downstream); for the bounds "
+                         "of local images use `raystudy bounds --images PATH --radius R`")
     return run_local(args)
 
 
@@ -167,7 +186,7 @@ def run_local(args) -> int:
     size = model.patch_embed.img_size[0]
     x, _ = load_images(args.x, size)
     y, y_name = load_images(args.y, size)
-    x, y = paired(x, y, args.pairs, args.seed)
+    x, y = paired(x, y, args.pairs, args.seed, args.pairing)
     dataset = dataset or y_name
     amp = torch.bfloat16 if args.bf16 else None
     frames = []
@@ -209,6 +228,7 @@ def pipeline_job(args):
     job = PlasticityJob(
         model=args.model, weights=args.weights, model_kwargs=dict(args.model_kwargs), pretrain=args.pretrain,
         downstream=list(args.downstream), pairs=args.pairs, batch_size=args.batch_size, mode=args.mode,
+        pairing=args.pairing, pretrain_split=args.pretrain_split, radius=args.radius,
         workers=args.workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=args.cpus_per_worker,
         seed=args.seed, img_size=args.img_size, amp_bf16=args.bf16, out_dir=args.out,
     )
@@ -240,6 +260,7 @@ def run_pipeline(args) -> int:
     for dataset, rows in table.groupby("dataset", sort=False):
         print(f"\n{dataset} ({summary['datasets'][dataset]['n_pairs']} pairs):")
         print_table(rows)
-    print(f"\n{summary['n_pairs']} pairs in {summary['wall_s']:.1f} s; wrote rates, plasticity, pairs and bounds "
+    print(f"\n{summary['n_pairs']} pairs ({summary['pairing']} pairing) in {summary['wall_s']:.1f} s; "
+          "wrote rates, plasticity, pairs and bounds "
           f"tables and {len(summary['figures'])} figures in {summary['out_dir']}")
     return 0

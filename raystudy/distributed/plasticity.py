@@ -3,7 +3,8 @@
 One job measures one model against a pretraining store and any number of downstream stores, in one
 Ray Data pipeline (the actors start once and serve every dataset)::
 
-    pairs      seeded shuffle of each side's rows, pair by position (pair id = position)
+    pairs      each side's rows in seeded random order or in store order (``pairing``), paired by position
+               (pair id = position)
     gather     Ray tasks, one per source shard: copy the chosen encoded images into a pair-bucketed
                staging layout (each shard read once, sequentially)
     load       Ray Data map tasks: read one bucket of pairs (only its bytes), decode + eval transform
@@ -12,19 +13,44 @@ Ray Data pipeline (the actors start once and serve every dataset)::
     reduce     the driver streams the rates into ``rates.parquet`` (temporary file, renamed at the end)
                and into float64 running moments; ``plasticity.parquet`` comes from those moments
 
-Pairing (deterministic from ``seed``)
--------------------------------------
-The rows of each side's split are numbered in store order (shard by shard, row by row, as
-:func:`raystudy.data.store.read_split` returns them). For every downstream dataset, with a fresh
+Pairing (``pairing``)
+---------------------
+The rows of each side are numbered in store order (shard by shard, row by row, as
+:func:`raystudy.data.store.read_split` returns them; over several splits, the rows of any of them in that
+same order). The downstream side is each store's ``test`` split; the pretraining side is
+``pretrain_split``: one split (``"test"`` falls back to ``"val"`` when the store has no test rows), a list
+of splits, or ``"all"`` (every row: an ImageNet-1k validation store prepared with raystudy's 80/20 rule
+holds the 50,000 validation images across its train, val and test splits; ``"all"`` reads them all).
+Pair ``i`` is ``(pre[i], down[i])``, ``N = pairs`` pairs per downstream dataset, with positions:
+
+``random`` (default; deterministic from ``seed``). For every downstream dataset, with a fresh
 ``rng = numpy.random.default_rng(seed)``::
 
     pre  = rng.permutation(n_pre)[:N]      # pretraining side first ...
     down = rng.permutation(n_down)[:N]     # ... then the downstream side, from the same generator
 
-and pair ``i`` is ``(pre[i], down[i])``. Since the pretraining side is drawn first, every downstream
-dataset of a job is paired against the same ``N`` pretraining images. When a split has fewer than ``N``
-rows, further permutations are appended (``concat(rng.permutation(n), rng.permutation(n), ...)[:N]``),
-so every row is used ``floor(N/n)`` or ``ceil(N/n)`` times; a warning says so.
+When a side has fewer than ``N`` rows, further permutations are appended
+(``concat(rng.permutation(n), rng.permutation(n), ...)[:N]``), so every row is used ``floor(N/n)`` or
+``ceil(N/n)`` times.
+
+``sequential`` (the authors' way, ``apps/vit/analysis.py``: the first ``N`` ImageNet validation images
+against the first ``N`` downstream test images, both loaders unshuffled). Each side is read as the
+authors' ``DataLoader(shuffle=False, drop_last=True)`` of ``batch_size`` images, repeated by their
+``make_iterable``::
+
+    period = n - n % batch_size  (n when n < batch_size)    # the last incomplete batch is dropped
+    pre  = arange(N) % period_pre
+    down = arange(N) % period_down
+
+So a side with fewer than ``N`` rows starts over from its first row (the authors' loaders cycle; nothing
+is refused or clipped), and ``batch_size`` decides where: with the authors' batch size (64 for ViT-B/16,
+``apps/vit/scripts/analysis.sh``) the pairs are theirs. The store order of an ImageNet store prepared
+from the ``<wnid>/<file>`` folders is the authors' ``ImageFolder`` order (sorted by class folder, then
+file name), not the ``index`` order (the validation number).
+
+Either way every downstream dataset of a job is paired against the same pretraining positions, and a
+warning says when a side's rows are reused. ``pairs.parquet`` records, per pair, the stores' ``index`` of
+both images and the ``pairing``.
 
 Why a staging step
 ------------------
@@ -58,7 +84,9 @@ For the pairs of the first downstream dataset the actors also embed the pretrain
 token radius ``sqrt(mean_i ||x_i||^2)``, minimum per-token LayerNorm sigma and sequence length; the driver
 folds them into a :class:`raystudy.core.bounds.TokenStats`, and a :class:`BoundsThread` on the driver
 (started with the run, holding the model on the CPU) computes :func:`raystudy.core.bounds.upper_bounds`
-with them while the other datasets stream (``bounds.parquet``).
+with them while the other datasets stream (``bounds.parquet``). A fixed ``radius`` (the paper's
+``r = 19.4``, measured by the authors on CIFAR-10) replaces the measured one in the bounds; the table
+keeps both: ``radius`` (the one the bounds used) and ``radius_measured`` (on the pretraining images).
 
 Failures
 --------
@@ -93,12 +121,20 @@ import pyarrow.parquet as pq
 
 from raystudy import faults, storage
 from raystudy.data.splits import SPLITS
+from raystudy.distributed.pairing import (  # noqa: F401  (pair_positions: the random recipe, importable here)
+    PAIRINGS,
+    check_pretrain_split,
+    pair_positions,
+    positions,
+    split_names,
+)
 from raystudy.vocab import MODES, SCHEMAS, check_name
 
 log = logging.getLogger(__name__)
 
 RATES_SCHEMA = SCHEMAS["rates"]
-PAIRS_SCHEMA = SCHEMAS["pairs"]
+#: ``pairs.parquet``: the required columns, plus the recipe that paired them
+PAIRS_SCHEMA = SCHEMAS["pairs"].append(pa.field("pairing", pa.string()))
 #: Logical CPUs of one gather task (reads and writes bytes; several may share a core).
 GATHER_CPUS = 0.25
 #: Logical CPUs reserved by one load task (decode + transform). Kept small so that a load task always fits
@@ -127,16 +163,23 @@ class PlasticityJob:
             init, seeded from ``seed`` so that every worker holds the same model.
         model_kwargs: extra ``timm.create_model`` arguments (e.g. a tiny ViT's sizes).
         pretrain: prepared store of the pretraining side (``x``).
-        pretrain_split: its split; ``"test"`` falls back to ``"val"`` when the store has no test rows.
+        pretrain_split: its split; ``"test"`` falls back to ``"val"`` when the store has no test rows. Also
+            a list of splits, or ``"all"``: every row (an ImageNet validation store's 50,000 images, whatever
+            split each got); rows in store order either way.
         downstream: prepared stores of the downstream side (``y``); each one's ``test`` split is used.
         pairs: number of pairs ``N`` per downstream dataset.
-        batch_size: pairs per actor call (and per staging bucket).
+        pairing: one of :data:`PAIRINGS`: ``"random"`` (seeded shuffle of each side) or ``"sequential"``
+            (store order, the authors' way); see the module docstring.
+        batch_size: pairs per actor call (and per staging bucket); with ``sequential`` pairing, also where a
+            side with too few rows starts over (the authors' ``drop_last`` batches).
         mode: one of :data:`raystudy.vocab.MODES`: ``"embedding"`` (the paper's definition) or ``"hidden"``.
         workers: actors ``K`` in the pool, each holding the model once.
         gpus_per_worker: GPUs per actor (0: the model runs on the CPU); fractions share a GPU.
         cpus_per_worker: logical CPUs per actor. Fractional by default: Ray Data needs free CPUs for the
             tasks that feed the pool, and a pool that takes every CPU starves them (shared/NOTES.md).
-        seed: pairing seed (and the random init when ``weights`` is ``None``).
+        seed: seed of the ``random`` pairing (and of the random init when ``weights`` is ``None``).
+        radius: a fixed token radius ``r`` for the bounds (the paper's 19.4); ``None``: the radius measured
+            on the pretraining images. ``bounds.parquet`` holds both (``radius``, ``radius_measured``).
         img_size: evaluation transform size; ``None`` takes the model's input size.
         amp_bf16: run the forward passes under bfloat16 autocast (norms stay float32).
         out_dir: where the tables, figures and (temporarily) the staging files go.
@@ -153,14 +196,16 @@ class PlasticityJob:
     out_dir: str
     weights: str | None = None
     model_kwargs: dict = field(default_factory=dict)
-    pretrain_split: str = "test"
+    pretrain_split: str | list[str] = "test"
     pairs: int = 12800
+    pairing: str = "random"
     batch_size: int = 64
     mode: str = "embedding"
     workers: int = 1
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 0.5
     seed: int = 0
+    radius: float | None = None
     img_size: int | None = None
     amp_bf16: bool = False
     figures: bool = True
@@ -174,11 +219,14 @@ class PlasticityJob:
         self.downstream = [str(s) for s in self.downstream]
         self.pretrain, self.out_dir = str(self.pretrain), str(self.out_dir)
         self.model_kwargs = dict(self.model_kwargs or {})
+        if not isinstance(self.pretrain_split, str):
+            self.pretrain_split = [str(s) for s in self.pretrain_split]
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad parameter (``FileNotFoundError`` for the weights)."""
         check_name(self.mode, MODES, "plasticity job: mode")
-        check_name(self.pretrain_split, SPLITS, "plasticity job: pretrain_split")
+        check_name(self.pairing, PAIRINGS, "plasticity job: pairing")
+        check_pretrain_split(self.pretrain_split, "plasticity job: pretrain_split")
         for ok, msg in self._limits():
             if not ok:
                 raise ValueError(f"plasticity job: {msg}")
@@ -198,6 +246,8 @@ class PlasticityJob:
             (self.gpus_per_worker >= 0, f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}"),
             (self.cpus_per_worker > 0, f"cpus_per_worker must be > 0, got {self.cpus_per_worker}"),
             (self.img_size is None or self.img_size > 0, f"img_size must be positive, got {self.img_size}"),
+            (self.radius is None or (math.isfinite(self.radius) and self.radius > 0),
+             f"radius must be a positive number or None, got {self.radius}"),
             (self.loaders is None or self.loaders >= 1, f"loaders must be >= 1, got {self.loaders}"),
             (self.torch_threads is None or self.torch_threads >= 1,
              f"torch_threads must be >= 1, got {self.torch_threads}"),
@@ -210,8 +260,8 @@ class PlasticityJob:
 
 @dataclass(frozen=True)
 class SplitRows:
-    """Where the rows of one split live: row ``i`` of the split (store order) is row ``row[i]`` of shard
-    ``shards[shard[i]]`` and has the store's stable ``index[i]``."""
+    """Where the rows of one split (or of several, ``split`` = their names joined by ``+``) live: row ``i``
+    (store order) is row ``row[i]`` of shard ``shards[shard[i]]`` and has the store's stable ``index[i]``."""
 
     store: str
     name: str
@@ -225,8 +275,9 @@ class SplitRows:
         return int(self.shard.shape[0])
 
 
-def locate_split(store: str | os.PathLike, split: str) -> SplitRows:
-    """Read the ``split`` and ``index`` columns of every shard once and locate the split's rows.
+def locate_split(store: str | os.PathLike, split: str | tuple[str, ...]) -> SplitRows:
+    """Read the ``split`` and ``index`` columns of every shard once and locate the rows of ``split`` (one
+    name, or a tuple: the rows of any of them, in store order).
 
     Raises :class:`raystudy.data.store.StoreError` naming the store when it is not prepared or the
     split is empty, and ``ValueError`` naming its ``dataset.json`` when the name is not one path component
@@ -236,51 +287,45 @@ def locate_split(store: str | os.PathLike, split: str) -> SplitRows:
 
     meta = read_meta(store)
     name = storage.check_path_name(meta["name"], f"{storage.join(store, META_FILE)} 'name'")
+    splits = (split,) if isinstance(split, str) else tuple(split)
     paths = shard_paths(store)
     shard, row, index = [], [], []
     for i, p in enumerate(paths):
         t = pq.read_table(p, columns=["split", "index"], schema=SCHEMA)
-        rows = np.flatnonzero(pc.equal(t.column("split"), split).to_numpy(zero_copy_only=False))
+        rows = np.flatnonzero(pc.is_in(t.column("split"), pa.array(splits)).to_numpy(zero_copy_only=False))
         shard.append(np.full(rows.shape[0], i, dtype=np.int64))
         row.append(rows.astype(np.int64))
         index.append(t.column("index").to_numpy()[rows].astype(np.int64))
-    out = SplitRows(str(store), name, split, tuple(str(p) for p in paths),
+    out = SplitRows(str(store), name, "+".join(splits), tuple(str(p) for p in paths),
                     np.concatenate(shard), np.concatenate(row), np.concatenate(index))
     if len(out) == 0:
-        raise StoreError(f"{store}: split {split!r} is empty")
+        raise StoreError(f"{store}: split {out.split!r} is empty")
     return out
 
 
-def resolve_pretrain_split(store: str | os.PathLike, split: str = "test") -> str:
-    """``split`` if the store has rows there; ``"test"`` falls back to ``"val"`` when it has none."""
+def resolve_pretrain_split(store: str | os.PathLike, split: str | list[str] = "test") -> tuple[str, ...]:
+    """The splits of ``store`` that form the pretraining side (see :func:`split_names`): ``"all"`` -> those
+    holding rows; ``"test"`` falls back to ``("val",)`` when the store has no test rows. Raises
+    :class:`~raystudy.data.store.StoreError` naming the store when a named split (or every split) is empty.
+    """
     from raystudy.data.store import StoreError, read_meta
 
     counts = read_meta(store).get("counts", {})
-    if counts.get(split, 0) > 0:
-        return split
-    if split == "test" and counts.get("val", 0) > 0:
+    names = split_names(split)
+    if names == ("test",) and not counts.get("test") and counts.get("val"):
         log.info("%s has no test rows; using its val split as the pretraining side", store)
-        return "val"
-    raise StoreError(f"{store}: split {split!r} is empty" + (" and so is 'val'" if split == "test" else ""))
-
-
-def _draw(rng: np.random.Generator, n: int, count: int) -> np.ndarray:
-    """``count`` positions from a seeded shuffle of ``range(n)``, appending fresh shuffles when n < count."""
-    parts, have = [], 0
-    while have < count:
-        parts.append(rng.permutation(n))
-        have += n
-    return np.concatenate(parts)[:count].astype(np.int64)
-
-
-def pair_positions(n_pre: int, n_down: int, pairs: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row positions ``(pre, down)`` of pair ``0..pairs-1`` (see the module docstring for the recipe)."""
-    if n_pre < 1 or n_down < 1:
-        raise ValueError(f"both sides need rows, got {n_pre} pretraining and {n_down} downstream rows")
-    rng = np.random.default_rng(seed)
-    pre = _draw(rng, n_pre, pairs)
-    down = _draw(rng, n_down, pairs)
-    return pre, down
+        return ("val",)
+    if names == SPLITS:  # "all": every split that holds rows
+        names = tuple(n for n in names if counts.get(n))
+        if names:
+            return names
+        raise StoreError(f"{store}: the store holds no rows")
+    empty = [n for n in names if not counts.get(n)]
+    if empty:
+        what = f"split {empty[0]!r} is" if len(empty) == 1 else f"splits {empty} are"
+        also = " and so is 'val'" if names == ("test",) else ""
+        raise StoreError(f"{store}: {what} empty{also}")
+    return names
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -700,7 +745,7 @@ class PairPlan:
 
 
 def plan_pairs(job: PlasticityJob) -> PairPlan:
-    """Locate both sides' rows and draw every dataset's pairs (a warning when a side has fewer rows than pairs).
+    """Locate both sides' rows and pair them by ``job.pairing`` (a warning when a side's rows are reused).
 
     Raises ``ValueError`` when two downstream stores share a dataset name (their rates would mix).
     """
@@ -711,13 +756,20 @@ def plan_pairs(job: PlasticityJob) -> PairPlan:
     if dupes:
         raise ValueError(f"downstream stores share the dataset name(s) {dupes} (dataset.json 'name'); "
                          "their rows would be indistinguishable in rates.parquet")
-    positions = [pair_positions(len(pre), len(d), job.pairs, job.seed) for d in down]
-    for rows in [pre, *down]:
-        if len(rows) < job.pairs:
-            log.warning("%s (%s split) has %d rows for %d pairs: each image is used up to %d times",
-                        rows.store, rows.split, len(rows), job.pairs, math.ceil(job.pairs / len(rows)))
-    # the pretraining side is drawn first from the seed: the same pretraining images for every dataset
-    return PairPlan(pre, down, positions[0][0], [down_pos for _, down_pos in positions])
+    drawn = [positions(job.pairing, len(pre), len(d), job.pairs, seed=job.seed, batch_size=job.batch_size)
+             for d in down]
+    # either recipe gives every dataset the same pretraining positions
+    plan = PairPlan(pre, down, drawn[0][0], [down_pos for _, down_pos in drawn])
+    for rows, pos in [(pre, plan.pre_pos), *zip(down, plan.down_pos)]:
+        if reuse(pos) > 1:
+            log.warning("%s (%s) has %d rows for %d pairs: %s pairing uses %d of them, each up to %d times",
+                        rows.store, rows.split, len(rows), job.pairs, job.pairing, len(np.unique(pos)), reuse(pos))
+    return plan
+
+
+def reuse(pos: np.ndarray) -> int:
+    """How many pairs the most used row of a side serves."""
+    return int(np.bincount(pos).max())
 
 
 def actor_spec(job: PlasticityJob) -> dict:
@@ -827,7 +879,8 @@ class RateReducer:
         if self.moments[d].n == self.job.pairs:
             shutil.rmtree(self.stage / f"d{d}", ignore_errors=True)  # this dataset is done
             if d == STATS_DATASET:
-                self.bounds.submit(self.stats.radius, self.stats.seq_len, self.stats.sigma)
+                radius = self.stats.radius if self.job.radius is None else self.job.radius
+                self.bounds.submit(radius, self.stats.seq_len, self.stats.sigma)
 
     def check_complete(self) -> None:
         for name, m in zip(self.names, self.moments):
@@ -892,19 +945,23 @@ def plasticity_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -
 
 
 def pairs_table(job: PlasticityJob, plan: PairPlan) -> pa.Table:
-    """``pairs.parquet``: the stores' ``index`` of the pretraining and downstream image of every pair."""
+    """``pairs.parquet``: the stores' ``index`` of the pretraining and downstream image of every pair, and
+    the ``pairing`` that chose them."""
     return pa.concat_tables([pa.table({
         "dataset": pa.array([rows.name] * job.pairs, pa.string()),
         "pair": pa.array(np.arange(job.pairs), pa.int64()),
         "pretrain_index": pa.array(plan.pre.index[plan.pre_pos], pa.int64()),
         "downstream_index": pa.array(rows.index[pos], pa.int64()),
+        "pairing": pa.array([job.pairing] * job.pairs, pa.string()),
     }, schema=PAIRS_SCHEMA) for rows, pos in zip(plan.down, plan.down_pos)])
 
 
 def bounds_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -> pd.DataFrame:
-    """``bounds.parquet``: the bounds thread's table with the model and the token statistics it used."""
+    """``bounds.parquet``: the bounds thread's table with the model and the token statistics it used
+    (``radius``: the job's fixed radius if it has one, ``radius_measured``: the pretraining images')."""
     bounds = reducer.bounds.result()
     bounds.insert(0, "model", job.model)
+    bounds["radius_measured"] = reducer.stats.radius
     bounds["radius_max"] = reducer.stats.radius_max
     bounds["n_sequences"] = reducer.stats.count
     bounds["pretrain_dataset"] = plan.pre.name
@@ -928,11 +985,12 @@ def _summary(job: PlasticityJob, plan: PairPlan, reducer: RateReducer, *, wall: 
     return {
         "out_dir": str(Path(job.out_dir)), "wall_s": wall, "timing": reducer.timing,
         "pairs_per_s": done / wall if wall > 0 else math.nan, "n_pairs": done,
+        "pairing": job.pairing,
         "pretrain": {"store": pre.store, "name": pre.name, "split": pre.split, "rows": len(pre),
-                     "reuse": math.ceil(job.pairs / len(pre))},
+                     "reuse": reuse(plan.pre_pos)},
         "datasets": {rows.name: {"store": rows.store, "n_pairs": m.n, "downstream_rows": len(rows),
-                                 "downstream_reuse": math.ceil(job.pairs / len(rows))}
-                     for rows, m in zip(plan.down, reducer.moments)},
+                                 "downstream_reuse": reuse(pos)}
+                     for rows, m, pos in zip(plan.down, reducer.moments, plan.down_pos)},
         "token_stats": reducer.stats.as_dict(), "img_size": img_size, "job": asdict(job),
     }
 
@@ -976,8 +1034,8 @@ def combine_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike) 
     """Combine the tables of several runs (e.g. one per model) into ``out_dir``.
 
     ``plasticity`` and ``bounds`` are concatenated; ``rates`` is copied row group by row group into one file
-    (never all in memory); ``pairs`` comes from the first run (the pairs depend on the stores and the seed
-    only, and every run must agree: runs whose pairs differ raise ``ValueError``). All writes are atomic.
+    (never all in memory); ``pairs`` comes from the first run (the pairs depend on the stores, the pairing and the
+    seed only, and every run must agree: runs whose pairs differ raise ``ValueError``). All writes are atomic.
     Returns the paths written.
     """
     from raystudy.io import read_result, write_result

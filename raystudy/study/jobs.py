@@ -87,7 +87,8 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
     """The plasticity measurement of ``datasets`` (names among ``spec.datasets``) against the pretraining
     ``store`` (``None``: the spec's ``pretrain_store``): a
     :class:`~raystudy.distributed.plasticity.PlasticityJob` with the spec's model and the ``plasticity``
-    section's settings (pairs, batch_size, mode, seed, workers, ...: copied by name).
+    section's settings (pairs, pairing, pretrain_split, radius, batch_size, mode, seed, workers, ...: copied
+    by name).
     """
     from raystudy.distributed.plasticity import PlasticityJob
 

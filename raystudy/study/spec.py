@@ -84,13 +84,24 @@ class SpecError(ValueError):
 @dataclass
 class PlasticitySpec:
     """The plasticity measurement of every dataset against the pretraining store
-    (:class:`raystudy.distributed.plasticity.PlasticityJob`; same-named fields are copied into it)."""
+    (:class:`raystudy.distributed.plasticity.PlasticityJob`; same-named fields are copied into it).
+
+    ``pairing``: ``random`` (seeded shuffles) or ``sequential`` (store order, the authors' way: pair ``i`` is
+    the ``i``-th pretraining and ``i``-th downstream image, a side with too few rows starting over after its
+    last complete ``batch_size`` batch). ``pretrain_split``: the pretraining store's split, a list of splits,
+    or ``all`` (e.g. the whole ImageNet validation set of a store prepared with the 80/20 rule). ``radius``:
+    a fixed token radius for the bounds (the paper's 19.4); ``None``: the measured one. Changing any of
+    :attr:`StudySpec.PLASTICITY_FIELDS` of a study that measured plasticity is refused on resume.
+    """
 
     enabled: bool = True
     pairs: int = 12800
     batch_size: int = 256
     mode: str = "embedding"
-    seed: int = 0  # which pairs are drawn
+    pairing: str = "random"
+    pretrain_split: str | list[str] = "test"
+    radius: float | None = None
+    seed: int = 0  # which pairs the random pairing draws
     workers: int = 1
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
@@ -313,6 +324,8 @@ class StudySpec:
         for name in ("gpus_per_worker", "cpus_per_worker", "trial_driver_cpus"):
             setattr(self, name, _to_float(getattr(self, name), name))
         self.pretrain.lr = _to_float(self.pretrain.lr, "pretrain.lr")
+        if self.plasticity.radius is not None:
+            self.plasticity.radius = _to_float(self.plasticity.radius, "plasticity.radius")
         self._normalize_datasets()
         self.model_kwargs = dict(self.model_kwargs or {})
 
@@ -491,9 +504,18 @@ class StudySpec:
         p = self.plasticity
         if not p.enabled:
             return
+        from raystudy.distributed.pairing import PAIRINGS, check_pretrain_split
+
         _choice(p.mode, MODES, "plasticity.mode")
+        _choice(p.pairing, PAIRINGS, "plasticity.pairing")
+        try:
+            check_pretrain_split(p.pretrain_split, "plasticity.pretrain_split")
+        except ValueError as e:
+            raise SpecError(str(e)) from None
         for name in ("pairs", "batch_size", "workers"):
             _positive(getattr(p, name), f"plasticity.{name}")
+        if p.radius is not None and not (math.isfinite(p.radius) and p.radius > 0):
+            raise SpecError(f"plasticity.radius: {p.radius!r} must be a positive number (or null: measured)")
         if self.pretrain_store is None and not self.builtin_data:
             raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
 
@@ -593,13 +615,17 @@ class StudySpec:
         "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
         "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search",
     )
+    #: plasticity fields whose change alters which pairs (or bounds) a measured dataset's rows mean; with
+    #: ``sequential`` pairing ``batch_size`` too (where a short side starts over)
+    PLASTICITY_FIELDS: ClassVar[tuple[str, ...]] = ("pairing", "pairs", "mode", "seed", "pretrain_split", "radius")
     #: probe fields whose change alters what a finished probe means
     PROBE_FIELDS: ClassVar[tuple[str, ...]] = ("augment", "seed")
 
     def conflicts(self, stored: StudySpec) -> list[str]:
         """Fields in which this spec disagrees with the one a study directory was created with: the study's
         protocol, a dataset's store, a dataset's resolved protocol where either spec overrides it
-        (``datasets.clipart.steps: stored 20000, given 10000``), the probe's settings."""
+        (``datasets.clipart.steps: stored 20000, given 10000``), the probe's settings, and the plasticity
+        pairing when both specs measure plasticity (:attr:`PLASTICITY_FIELDS`)."""
         out = []
         for name in self.TRIAL_FIELDS:
             a, b = getattr(self, name), getattr(stored, name)
@@ -617,7 +643,17 @@ class StudySpec:
         if self.probe.enabled and stored.probe.enabled:
             out += [f"probe.{f}: stored {getattr(stored.probe, f)!r}, given {getattr(self.probe, f)!r}"
                     for f in self.PROBE_FIELDS if getattr(self.probe, f) != getattr(stored.probe, f)]
-        return out
+        return out + self._plasticity_conflicts(stored)
+
+    def _plasticity_conflicts(self, stored: StudySpec) -> list[str]:
+        """:attr:`PLASTICITY_FIELDS` (and ``batch_size`` under sequential pairing) that differ, when both
+        specs measure plasticity: the study's plasticity tables would mix two pairings."""
+        mine, theirs = self.plasticity, stored.plasticity
+        if not (mine.enabled and theirs.enabled):
+            return []
+        names = self.PLASTICITY_FIELDS + (("batch_size",) if "sequential" in (mine.pairing, theirs.pairing) else ())
+        return [f"plasticity.{f}: stored {getattr(theirs, f)!r}, given {getattr(mine, f)!r}"
+                for f in names if getattr(mine, f) != getattr(theirs, f)]
 
 
 def format_lr(lr: float) -> str:
