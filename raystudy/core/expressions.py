@@ -1,0 +1,491 @@
+"""Configuration expressions: what a finetuning trial trains, beyond the paper's seven names.
+
+Grammar (no whitespace; names are case-sensitive)::
+
+    expression  := budgeted | lora | combination
+    combination := term ('+' term)*
+    term        := NAME ('@' blocks)?             NAME: LN1 MHA LN2 FC1 FC2 Emb All Head; '@' after a component
+    blocks      := span (',' span)*
+    span        := INT ('-' INT)?                  inclusive and ascending: 8-11 is 8,9,10,11
+    budgeted    := ('auto' | 'random') ':' budget
+    budget      := NUMBER ('%' | 'k' | 'M')?       % of All's parameter count, or a count: 2M, 500k, 1234
+    lora        := 'lora:r=' INT (':' TARGET (',' TARGET)*)?
+
+Meaning (the classification head trains in every configuration and is never part of a selection here):
+
+* ``MHA`` the component in every block (as :func:`~raystudy.core.components.trainable_parameters`),
+  ``MHA@8-11`` in blocks 8 to 11 only, ``MHA+FC1`` the union; ``Emb``, ``All`` and ``Head`` as before.
+* ``auto:B`` the (component, block) *units* in decreasing order of measured plasticity, packed first-fit
+  into the budget ``B``: a unit that would overflow the budget is skipped and the next, less plastic ones
+  are still tried, so the selection never exceeds ``B`` and uses it as fully as the order allows.
+  Units whose plasticity is NaN are never chosen. ``random:B`` packs the same units the same way in a
+  random order drawn from the seed: the control that tells whether plasticity is what helps.
+* ``lora:r=8`` low-rank adapters (:mod:`raystudy.core.lora`) of rank 8 on every block's ``qkv`` and
+  ``proj`` (the attention's input and output projections); ``lora:r=8:qkv,fc1`` on other linear layers,
+  named relative to the block.
+
+:func:`canonical` spells an expression in one normalised way (terms in :data:`CONFIGURATIONS` order,
+terms of one name merged, blocks sorted with runs written as ranges, ``All`` absorbing everything, a
+redundant ``Head`` dropped, budgets as ``5%`` / ``2M`` / ``500k``, default LoRA targets omitted): trial ids
+and tables use it, and the paper's names are their own canonical spelling.
+
+The parser is hand-written recursive descent: the grammar has eight rules and one character of lookahead,
+and a parser library (lark, pyparsing) would add a dependency and still need our caret-style messages.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+from typing import NoReturn
+
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS
+
+#: The layers ``lora:r=<rank>`` adapts when no targets are given (sorted, as the tree stores them).
+DEFAULT_LORA_TARGETS: tuple[str, ...] = ("proj", "qkv")
+STRATEGIES: tuple[str, ...] = ("auto", "random")
+_MILLION, _THOUSAND = 1_000_000, 1_000
+
+
+class ExpressionError(ValueError):
+    """A configuration expression that does not parse; ``position`` indexes the offending character."""
+
+    def __init__(self, expression: str, position: int, message: str):
+        self.expression, self.position = expression, position
+        super().__init__(f"invalid configuration {expression!r}: {message} (position {position})\n"
+                         f"  {expression}\n  {' ' * position}^")
+
+
+# --------------------------------------------------------------------------------------------------
+# The tree
+# --------------------------------------------------------------------------------------------------
+
+
+def _spell_blocks(blocks: tuple[int, ...]) -> str:
+    """Sorted blocks with every run of two or more written as a range: ``(0, 2, 8, 9, 10)`` -> ``0,2,8-10``."""
+    parts, start = [], 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            first, last = blocks[start], blocks[i - 1]
+            parts.append(str(first) if first == last else f"{first}-{last}")
+            start = i
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One name of a combination; ``blocks`` sorted and unique, ``None`` for every block (or no blocks)."""
+
+    name: str
+    blocks: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        return self.name if self.blocks is None else f"{self.name}@{_spell_blocks(self.blocks)}"
+
+
+@dataclass(frozen=True)
+class Combination:
+    """The union of its terms' parameters, e.g. ``MHA@8-11+FC1``."""
+
+    terms: tuple[Term, ...]
+
+    def __str__(self) -> str:
+        return "+".join(str(t) for t in self.terms)
+
+    def normalised(self) -> Combination:
+        """The same selection spelled one way (see the module docstring)."""
+        if any(t.name == "All" for t in self.terms):
+            return Combination((Term("All"),))
+        merged: dict[str, set[int] | None] = {}
+        for t in self.terms:
+            if t.name == "Head":
+                continue
+            if t.blocks is None or (t.name in merged and merged[t.name] is None):
+                merged[t.name] = None
+            else:
+                merged[t.name] = merged.get(t.name, set()) | set(t.blocks)
+        if not merged:
+            return Combination((Term("Head"),))
+        names = sorted(merged, key=CONFIGURATIONS.index)
+        return Combination(tuple(Term(n, None if merged[n] is None else tuple(sorted(merged[n]))) for n in names))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A trainable-parameter budget: ``amount`` percent of ``All`` (``unit == "%"``) or parameters (``""``)."""
+
+    amount: float | int
+    unit: str
+
+    def parameters(self, total: int) -> int:
+        """The budget in parameters for a model whose ``All`` has ``total``: ``floor(total * amount / 100)``."""
+        if self.unit == "%":
+            return math.floor(total * Fraction(repr(float(self.amount))) / 100)
+        return int(self.amount)
+
+    def __str__(self) -> str:
+        if self.unit == "%":
+            return format(Decimal(repr(float(self.amount))).normalize(), "f") + "%"
+        n = int(self.amount)
+        for scale, suffix in ((_MILLION, "M"), (_THOUSAND, "k")):
+            if n % scale == 0:
+                return f"{n // scale}{suffix}"
+        return str(n)
+
+
+@dataclass(frozen=True)
+class Budgeted:
+    """``auto:B`` (by plasticity) or ``random:B`` (seeded random order): units packed into ``budget``."""
+
+    strategy: str
+    budget: Budget
+
+    def __str__(self) -> str:
+        return f"{self.strategy}:{self.budget}"
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """``lora:r=<rank>[:targets]``: low-rank adapters on the linear layers ``targets`` (sorted, unique)."""
+
+    rank: int
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+
+    def __str__(self) -> str:
+        tail = "" if self.targets == DEFAULT_LORA_TARGETS else ":" + ",".join(self.targets)
+        return f"lora:r={self.rank}{tail}"
+
+
+Expression = Combination | Budgeted | LoRA
+
+
+# --------------------------------------------------------------------------------------------------
+# The parser
+# --------------------------------------------------------------------------------------------------
+
+
+class _Parser:
+    """Recursive descent over ``text``; every method consumes what it parses and advances ``pos``."""
+
+    def __init__(self, text: str):
+        self.text, self.pos = text, 0
+
+    def fail(self, message: str, position: int | None = None) -> NoReturn:
+        raise ExpressionError(self.text, self.pos if position is None else position, message)
+
+    def found(self) -> str:
+        return repr(self.text[self.pos]) if self.pos < len(self.text) else "the end"
+
+    def accept(self, token: str) -> bool:
+        if self.text.startswith(token, self.pos):
+            self.pos += len(token)
+            return True
+        return False
+
+    def match(self, pattern: str) -> str | None:
+        m = re.compile(pattern).match(self.text, self.pos)
+        if m is None:
+            return None
+        self.pos = m.end()
+        return m.group()
+
+    def integer(self, what: str) -> int:
+        digits = self.match(r"\d+")
+        if digits is None:
+            self.fail(f"expected {what}, found {self.found()}")
+        return int(digits)
+
+    def expression(self) -> Expression:
+        start = self.pos
+        word = self.match(r"[a-z]+:")
+        if word is not None and word[:-1] in STRATEGIES:
+            result: Expression = Budgeted(word[:-1], self.budget())
+        elif word == "lora:":
+            result = self.lora()
+        else:
+            self.pos = start
+            result = self.combination()
+        if self.pos < len(self.text):
+            self.fail(f"unexpected {self.found()} after {self.text[start:self.pos]!r}")
+        return result
+
+    def combination(self) -> Combination:
+        terms = [self.term()]
+        while self.accept("+"):
+            terms.append(self.term())
+        return Combination(tuple(terms))
+
+    def term(self) -> Term:
+        start = self.pos
+        name = self.match(r"[A-Za-z_][A-Za-z0-9_]*")
+        if name is None:
+            self.fail(f"expected a configuration name, found {self.found()}")
+        if name not in CONFIGURATIONS:
+            self.fail(f"unknown name {name!r}; expected one of {', '.join(CONFIGURATIONS)}, "
+                      "auto:<budget>, random:<budget> or lora:r=<rank>", start)
+        if not self.accept("@"):
+            return Term(name)
+        if name not in COMPONENTS:
+            self.fail(f"{name} is not per block: '@' follows only {', '.join(COMPONENTS)}", self.pos - 1)
+        return Term(name, self.blocks())
+
+    def blocks(self) -> tuple[int, ...]:
+        chosen: set[int] = set()
+        while True:
+            first = last = self.integer("a block number")
+            if self.accept("-"):
+                at = self.pos
+                last = self.integer("the last block of the range")
+                if last < first:
+                    self.fail(f"the range {first}-{last} is descending", at)
+            chosen.update(range(first, last + 1))
+            if not self.accept(","):
+                return tuple(sorted(chosen))
+
+    def budget(self) -> Budget:
+        start = self.pos
+        number = self.match(r"\d+(\.\d+)?")
+        if number is None:
+            self.fail(f"expected a budget (5%, 2M, 500k or 1234), found {self.found()}")
+        if self.accept("%"):
+            if not 0 < Decimal(number) <= 100:
+                self.fail(f"a percentage must be in (0, 100], got {number}", start)
+            return Budget(float(number), "%")
+        count = Decimal(number) * (_MILLION if self.accept("M") else _THOUSAND if self.accept("k") else 1)
+        if count != int(count) or count < 1:
+            self.fail(f"{self.text[start:self.pos]} is not a positive whole number of parameters", start)
+        return Budget(int(count), "")
+
+    def lora(self) -> LoRA:
+        if not self.accept("r="):
+            self.fail(f"expected 'r=<rank>', found {self.found()}")
+        at = self.pos
+        rank = self.integer("the rank")
+        if rank < 1:
+            self.fail("the rank must be at least 1", at)
+        if not self.accept(":"):
+            return LoRA(rank)
+        targets = [self.target()]
+        while self.accept(","):
+            targets.append(self.target())
+        return LoRA(rank, tuple(sorted(set(targets))))
+
+    def target(self) -> str:
+        name = self.match(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+        if name is None:
+            self.fail(f"expected a layer name such as qkv, proj, fc1 or fc2, found {self.found()}")
+        return name
+
+
+def parse(expr: str | Expression) -> Expression:
+    """The tree of a configuration expression; raises :class:`ExpressionError` pointing at the bad character."""
+    if isinstance(expr, (Combination, Budgeted, LoRA)):
+        return expr
+    if not isinstance(expr, str):
+        raise TypeError(f"a configuration expression is a string, got {type(expr).__name__}")
+    return _Parser(expr).expression()
+
+
+def normalise(expr: str | Expression) -> Expression:
+    """The tree of :func:`canonical`."""
+    tree = parse(expr)
+    return tree.normalised() if isinstance(tree, Combination) else tree
+
+
+def canonical(expr: str | Expression) -> str:
+    """The one spelling of ``expr`` (see the module docstring): ``FC1+MHA@11,8-10`` -> ``MHA@8-11+FC1``."""
+    return str(normalise(expr))
+
+
+def is_configuration(expr: object) -> bool:
+    """Whether ``expr`` is a valid configuration expression."""
+    try:
+        parse(expr)  # type: ignore[arg-type]
+    except (ExpressionError, TypeError):
+        return False
+    return True
+
+
+def check_configuration(expr: str) -> str:
+    """``expr`` unchanged if it parses; else :class:`ExpressionError` (a ``ValueError``) with the caret."""
+    parse(expr)
+    return expr
+
+
+def path_safe(expr: str | Expression) -> str:
+    """:func:`canonical` with ``:`` -> ``_`` and ``%`` -> ``pct``, for directory names and URIs:
+    ``auto:5%`` -> ``auto_5pct``, ``lora:r=8:fc1,qkv`` -> ``lora_r=8_fc1,qkv``."""
+    return canonical(expr).replace(":", "_").replace("%", "pct")
+
+
+# --------------------------------------------------------------------------------------------------
+# Budgets: the order units are tried in, and first-fit packing
+# --------------------------------------------------------------------------------------------------
+
+Unit = tuple[str, int]  # (component, block)
+
+
+def plasticity_order(units: list[Unit], plasticity) -> list[Unit]:
+    """``units`` in decreasing plasticity (ties: lower block, then COMPONENTS order); NaN ones dropped.
+
+    ``plasticity``: a DataFrame with columns ``layer``, ``component``, ``plasticity`` holding one row per
+    unit for one dataset and mode (a ``plasticity.parquet`` filtered to them). Raises ``ValueError`` for
+    several rows of one unit or for a unit the table lacks.
+    """
+    missing_columns = {"layer", "component", "plasticity"} - set(plasticity.columns)
+    if missing_columns:
+        raise ValueError(f"plasticity table lacks the columns {sorted(missing_columns)}")
+    keys = list(zip(plasticity["component"], (int(x) for x in plasticity["layer"])))
+    if len(set(keys)) != len(keys):
+        raise ValueError("plasticity table has several rows for one (component, layer): filter it to one "
+                         "dataset and mode first")
+    value = dict(zip(keys, (float(x) for x in plasticity["plasticity"])))
+    missing = [u for u in units if u not in value]
+    if missing:
+        raise ValueError(f"plasticity table lacks {len(missing)} unit(s), e.g. {missing[:3]}")
+    measured = [u for u in units if not math.isnan(value[u])]
+    return sorted(measured, key=lambda u: (-value[u], u[1], COMPONENTS.index(u[0])))
+
+
+def random_order(units: list[Unit], seed: int) -> list[Unit]:
+    """``units`` in a random order that depends only on ``seed`` and ``units``."""
+    return random.Random(int(seed)).sample(sorted(units, key=lambda u: (u[1], COMPONENTS.index(u[0]))),
+                                           len(units))
+
+
+def first_fit(order: list[Unit], sizes: dict[Unit, int], budget: int) -> list[Unit]:
+    """The units of ``order`` taken in turn while they fit: a unit that would overflow ``budget`` is skipped
+    and later units are still tried. The chosen units' sizes sum to at most ``budget``."""
+    chosen, used = [], 0
+    for unit in order:
+        if used + sizes[unit] <= budget:
+            chosen.append(unit)
+            used += sizes[unit]
+    return chosen
+
+
+def units_expression(units: list[Unit]) -> Combination:
+    """The combination training exactly ``units``, normalised: ``[("MHA", 9), ("MHA", 8)]`` -> ``MHA@8-9``."""
+    return Combination(tuple(Term(c, (b,)) for c, b in units)).normalised()
+
+
+# --------------------------------------------------------------------------------------------------
+# Resolving an expression on a model
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Resolved:
+    """What an expression trains on one model (the head excluded, as in ``trainable_parameters``).
+
+    ``configuration``: the canonical expression; ``parameters``: ``(name, parameter)`` in
+    ``model.named_parameters()`` order; ``units``: the (component, block) units in the order they were
+    chosen (plasticity order for ``auto``; every unit a combination names, in depth order; empty for
+    ``Emb``/``All``/``Head`` alone and LoRA); ``chosen``: a canonical expression training exactly these
+    parameters (the units' combination for a budget, the configuration otherwise: record it in the trial
+    row); ``budget``: the budget in parameters (``None`` without one).
+    """
+
+    configuration: str
+    parameters: tuple
+    units: tuple[Unit, ...]
+    chosen: str
+    budget: int | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.parameters]
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for _, p in self.parameters)
+
+
+def unit_parameters(model, *, include_layerscale: bool = False) -> dict[Unit, list]:
+    """Every (component, block) unit of ``model`` -> its ``(name, parameter)`` list, in depth order."""
+    from raystudy.core.components import get_adapter, trainable_parameters
+
+    blocks = get_adapter(model).blocks()
+    out: dict[Unit, list] = {}
+    for i in range(len(blocks)):
+        for c in COMPONENTS:
+            out[(c, i)] = []
+    for c in COMPONENTS:
+        for name, p in trainable_parameters(model, c, include_layerscale=include_layerscale):
+            i = next(i for i, b in enumerate(blocks) if name.startswith(b.prefix))
+            out[(c, i)].append((name, p))
+    return out
+
+
+def _in_model_order(model, names: set[str]) -> tuple:
+    return tuple((n, p) for n, p in model.named_parameters() if n in names)
+
+
+def _resolve_combination(model, tree: Combination, include_layerscale: bool) -> tuple[tuple, tuple[Unit, ...]]:
+    """Parameters and units of a combination; ``ValueError`` for a block the model does not have."""
+    from raystudy.core.components import trainable_parameters
+
+    per_unit = unit_parameters(model, include_layerscale=include_layerscale)
+    depth = len(per_unit) // len(COMPONENTS)
+    names: set[str] = set()
+    units: list[Unit] = []
+    for term in tree.terms:
+        if term.name not in COMPONENTS:
+            names |= {n for n, _ in trainable_parameters(model, term.name, include_layerscale=include_layerscale)}
+            continue
+        outside = [b for b in term.blocks or () if b >= depth]
+        if outside:
+            raise ValueError(f"configuration {str(term)!r}: block(s) {outside} out of range; the model has "
+                             f"{depth} blocks (0-{depth - 1})")
+        units += [(term.name, b) for b in (range(depth) if term.blocks is None else term.blocks)]
+    for unit in units:
+        names |= {n for n, _ in per_unit[unit]}
+    return _in_model_order(model, names), tuple(sorted(units, key=lambda u: (u[1], COMPONENTS.index(u[0]))))
+
+
+def _resolve_budget(model, tree: Budgeted, plasticity, seed: int, include_layerscale: bool) -> Resolved:
+    """First-fit packing of the units into the budget, in plasticity or seeded random order."""
+    from raystudy.core.components import trainable_parameters
+
+    per_unit = unit_parameters(model, include_layerscale=include_layerscale)
+    sizes = {u: sum(p.numel() for _, p in ps) for u, ps in per_unit.items()}
+    total = sum(p.numel() for _, p in trainable_parameters(model, "All"))
+    budget = tree.budget.parameters(total)
+    if tree.strategy == "auto":
+        if plasticity is None:
+            raise ValueError(f"configuration {str(tree)!r} needs the dataset's plasticity table")
+        order = plasticity_order(list(per_unit), plasticity)
+    else:
+        order = random_order(list(per_unit), seed)
+    chosen = first_fit(order, sizes, budget)
+    if not chosen:
+        raise ValueError(f"configuration {str(tree)!r}: the budget of {budget:,} parameters is below the "
+                         f"smallest unit ({min(sizes[u] for u in order):,} parameters)")
+    names = {n for u in chosen for n, _ in per_unit[u]}
+    return Resolved(str(tree), _in_model_order(model, names), tuple(chosen), str(units_expression(chosen)), budget)
+
+
+def resolve(model, expr: str | Expression, *, plasticity=None, seed: int = 0,
+            include_layerscale: bool = False) -> Resolved:
+    """The parameters ``expr`` trains on ``model`` (head excluded; the caller adds it).
+
+    ``plasticity``: the dataset's plasticity table, needed by ``auto:B`` (see :func:`plasticity_order`);
+    ``seed``: the order of ``random:B`` and the initialisation of LoRA's ``A`` matrices.
+    **LoRA modifies ``model`` in place**: it wraps the target layers (:func:`raystudy.core.lora.apply_lora`),
+    so their weights are named ``...qkv.base_layer.weight`` from then on; the returned parameters are the
+    adapters' ``lora_A`` / ``lora_B``. A meta-device model gives the counts without memory.
+    """
+    tree = normalise(expr)
+    if isinstance(tree, Budgeted):
+        return _resolve_budget(model, tree, plasticity, seed, include_layerscale)
+    if isinstance(tree, LoRA):
+        from raystudy.core.lora import apply_lora
+
+        params = apply_lora(model, tree.rank, tree.targets, seed=seed)
+        return Resolved(str(tree), tuple(params), (), str(tree))
+    params, units = _resolve_combination(model, tree, include_layerscale)
+    return Resolved(str(tree), params, units, str(tree))
