@@ -1,8 +1,8 @@
 """``raystudy data prepare SOURCE --root DIR --out DIR`` and ``raystudy data info STORE``.
 
-Choices come from the data layer itself (:mod:`raystudy.data.sources`, :mod:`raystudy.data.synthetic`:
-numpy and pyarrow only, no torch or Ray). Flags follow the CLI convention (``--out``, ``--store``,
-``--seed``, ``--img-size``, ``--workers``); older spellings stay as aliases.
+Choices come from the data layer itself (:mod:`raystudy.data.sources`, :mod:`raystudy.data.synthetic`,
+:mod:`raystudy.data.text`: numpy and pyarrow only, no torch or Ray). Flags follow the CLI convention
+(``--out``, ``--store``, ``--seed``, ``--img-size``, ``--workers``); older spellings stay as aliases.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 
 from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES
 from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS
+from raystudy.data.text import TEXT_SOURCES, WIKITEXT_UNITS
 
 
 def register(subparsers) -> None:
@@ -25,7 +26,9 @@ def register(subparsers) -> None:
                     "(Parquet shards + dataset.json) at --out. For 'synthetic', --out is a folder that "
                     "receives one store per variant (pretrain, shift-color, shift-noise by default).",
     )
-    pp.add_argument("source", choices=SOURCES, help="source format")
+    pp.add_argument("source", choices=SOURCES + TEXT_SOURCES,
+                    help="source format (image benchmarks, synthetic, or the text sources "
+                         f"{', '.join(TEXT_SOURCES)})")
     pp.add_argument("--root", help="folder holding the downloaded files (not needed for synthetic)")
     pp.add_argument("--out", required=True, help="the store folder to write (replaced if it exists)")
     pp.add_argument("--name", help="dataset name in dataset.json (default: derived from the source)")
@@ -42,6 +45,24 @@ def register(subparsers) -> None:
                     help="unreadable images: stop with an error (default) or skip and record them")
     pp.add_argument("--rows-per-shard", type=int, default=2048, help="rows per Parquet shard (default 2048)")
     pp.add_argument("--workers", type=int, help="image decoding threads (default: CPU count, at most 8)")
+    _add_text_and_synthetic_flags(pp)
+    pp.set_defaults(func=cmd_prepare)
+
+    pi = sub.add_parser("info", help="print the summary of a prepared store")
+    pi.add_argument("store", nargs="?", help="store folder")
+    pi.add_argument("--store", dest="store_flag", metavar="STORE", help="the same, as a flag")
+    pi.add_argument("--verify", action="store_true",
+                    help="check every shard (readable, file hash, row counts per split and class against "
+                         "dataset.json) and recompute the checksum; fail naming the first mismatch")
+    pi.add_argument("--json", action="store_true", help="print dataset.json as JSON")
+    pi.set_defaults(func=cmd_info)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _add_text_and_synthetic_flags(pp: argparse.ArgumentParser) -> None:
+    txt = pp.add_argument_group("text")
+    txt.add_argument("--unit", choices=WIKITEXT_UNITS, default="document",
+                     help="wikitext103: one row per article (default) or per paragraph")
     syn = pp.add_argument_group("synthetic")
     syn.add_argument("--variant", action="append", choices=VARIANTS,
                      help=f"variant(s) to prepare (repeatable; default: {', '.join(DEFAULT_NAMES)})")
@@ -52,15 +73,6 @@ def register(subparsers) -> None:
     syn.add_argument("--img-size", "--size", dest="size", type=int, default=32,
                      help="image side in pixels (default 32)")
     syn.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    pp.set_defaults(func=cmd_prepare)
-
-    pi = sub.add_parser("info", help="print the summary of a prepared store")
-    pi.add_argument("store", nargs="?", help="store folder")
-    pi.add_argument("--store", dest="store_flag", metavar="STORE", help="the same, as a flag")
-    pi.add_argument("--verify", action="store_true", help="recompute the checksum and fail on a mismatch")
-    pi.add_argument("--json", action="store_true", help="print dataset.json as JSON")
-    pi.set_defaults(func=cmd_info)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -74,6 +86,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         )
         for path in paths.values():
             _print_summary(path)
+        return 0
+    if args.source in TEXT_SOURCES:
+        from raystudy.data.text import prepare_text
+
+        image_only = [flag for flag, given in (("--download", args.download), ("--low-data", args.low_data),
+                                               ("--pool", args.pool), ("--domain", args.domain),
+                                               ("--corruption", args.corruption)) if given]
+        if image_only:
+            raise ValueError(f"{', '.join(image_only)}: image-source option(s), not for the text source "
+                             f"{args.source!r}")
+
+        meta = prepare_text(args.source, args.root, args.out, name=args.name, unit=args.unit,
+                            rows_per_shard=args.rows_per_shard)
+        _print_summary(args.out, meta)
         return 0
     from raystudy.data.sources import prepare
 
@@ -92,15 +118,17 @@ def _print_summary(path, meta: dict | None = None) -> None:
     meta = meta or read_meta(path)
     counts = meta["counts"]
     skipped = meta.get("skipped") or {}
-    print(f"{meta['name']}  ({meta.get('source', '?')})  {path}")
+    text = meta.get("kind") == "text"
+    print(f"{meta['name']}  ({meta.get('source', '?')}{', text' if text else ''})  {path}")
     print(f"  classes: {meta['num_classes']}  ({', '.join(meta.get('classes', [])[:5])}"
           f"{', ...' if meta['num_classes'] > 5 else ''})")
     print(f"  rows: {meta.get('num_rows', sum(counts.values()))}  train {counts.get('train', 0)}  "
           f"val {counts.get('val', 0)}  test {counts.get('test', 0)}  shards {len(meta.get('shards', []))}")
     if meta.get("low_data"):
         print(f"  low-data: {meta['low_data']['variant']}")
-    print(f"  skipped images: {skipped.get('count', 0)}"
-          + (f"  (indices {[s['index'] for s in skipped.get('items', [])][:10]})" if skipped.get("count") else ""))
+    if not text:
+        print(f"  skipped images: {skipped.get('count', 0)}"
+              + (f"  (indices {[s['index'] for s in skipped.get('items', [])][:10]})" if skipped.get("count") else ""))
     print(f"  checksum: {meta['checksum']}")
 
 
@@ -116,5 +144,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         _print_summary(args.store, meta)
         if args.verify:
-            print("  checksum verified")
+            print(f"  checksum verified; {len(meta.get('shards', []))} shard(s) readable and unchanged, rows per "
+                  "split and class match dataset.json")
     return 0
