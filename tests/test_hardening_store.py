@@ -179,3 +179,18 @@ def test_item6_dataset_json_not_an_object(tmp_path):
     (Path(store) / META_FILE).write_text("[1, 2]")
     with pytest.raises(StoreError, match=r"dataset.json: expected a JSON object, got list"):
         read_meta(store)
+
+
+def test_item6_truncated_shard_stops_the_study_before_launch(tmp_path):
+    """A study whose store has a truncated shard is refused by its file check, before any trial launches."""
+    import os
+
+    from raystudy.study.spec import SpecError, StudySpec
+
+    store = make_store(tmp_path / "tiny")
+    shard = next((tmp_path / "tiny").glob("part-*.parquet"))
+    os.truncate(shard, shard.stat().st_size - 50)
+    spec = StudySpec(name="t", out=str(tmp_path / "out"), datasets={"tiny": store}, weights=None)
+    with pytest.raises(SpecError, match=r"datasets.tiny: store not usable: .*part-\d+\.parquet: truncated or corrupt"):
+        spec.check_files(weights=False)
+    assert not (tmp_path / "out").exists()

@@ -16,7 +16,9 @@ import importlib
 _EXPORTS = {
     "SOURCES": "sources", "prepare": "sources",
     "SPLITS": "store", "StoreError": "store", "read_meta": "store", "read_split": "store",
-    "shard_paths": "store", "verify_store": "store",
+    "shard_paths": "store", "verify_store": "store", "check_store": "store",
+    "TEXT_SOURCES": "text", "prepare_text": "text",
+    "load_tokenizer": "text_stream", "sample_windows": "text_stream", "token_windows": "text_stream",
     "StoreDataset": "stream", "iter_batches_local": "stream", "load_tensors": "stream", "open_split": "stream",
     "DEFAULT_NAMES": "synthetic", "prepare_default": "synthetic",
 }

@@ -547,16 +547,16 @@ class StudySpec:
     def check_files(self, *, weights: bool | None = None) -> None:
         """Every store and the weights file exist. ``weights=None`` checks the weights file unless
         pretraining will produce it."""
-        from raystudy.data.store import StoreError, read_meta
+        from raystudy.data.store import StoreError, check_store
 
         for name, path in self.dataset_stores().items():
             try:
-                read_meta(path)
+                check_store(path)  # footers and row counts against dataset.json: a truncated shard stops here
             except StoreError as e:
                 raise SpecError(f"datasets.{name}: store not usable: {e}") from None
         if self.pretrain_store is not None and (self.plasticity.enabled or self.pretrain.enabled):
             try:
-                read_meta(self.pretrain_store_path())
+                check_store(self.pretrain_store_path())
             except StoreError as e:
                 raise SpecError(f"pretrain_store: store not usable: {e}") from None
         if weights is None:
