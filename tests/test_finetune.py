@@ -62,6 +62,11 @@ def test_defaults_are_the_papers_protocol():
     assert cfg.warmup == 2000  # 20% of 10,000, the paper's 2000 warmup steps
     assert FinetuneConfig(steps=2500).warmup == 500  # low-data variant keeps the fraction
     assert not cfg.amp_bf16 and not cfg.train_final_norm
+    # speed settings (issue 13): precision by device, the uint8 cache, no compile unless asked
+    assert cfg.precision is None and cfg.data_path == "cache" and not cfg.compile
+    assert cfg.resolved_precision("cpu") == "fp32" and cfg.resolved_precision("cuda") == "bf16"
+    assert FinetuneConfig(amp_bf16=True).precision == "bf16"  # the older spelling
+    assert FinetuneConfig(precision="fp32").resolved_precision("cuda") == "fp32"
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -71,6 +76,9 @@ def test_defaults_are_the_papers_protocol():
     (dict(model_kwargs=dict(img_size=64)), "img_size"),
     (dict(warmup_steps=99), "warmup_steps"),
     (dict(store=""), "store"),
+    (dict(precision="fp16"), "precision"),
+    (dict(amp_bf16=True, precision="fp32"), "amp_bf16"),
+    (dict(data_path="jpeg"), "data_path"),
 ])
 def test_validation_names_the_field(kw, field):
     base = dict(store="/somewhere", steps=10, img_size=32)
@@ -114,6 +122,8 @@ OLD_CONFIG_JSON = {  # a run's config.json as written before the protocol and th
 
 def test_an_old_config_json_still_loads():
     cfg, res = split_legacy(OLD_CONFIG_JSON)
+    assert (cfg.data_path, cfg.precision) == ("decode", "fp32")  # what such a run did
+    assert split_legacy({**OLD_CONFIG_JSON, "amp_bf16": True})[0].precision == "bf16"
     assert (cfg.configuration, cfg.optimizer, cfg.lr, cfg.steps, cfg.batch_size) == ("FC1", "adamw", 0.003, 8, 6)
     assert res == TrainResources(workers=2, gpus_per_worker=0.0, cpus_per_worker=2.0, max_failures=1,
                                  keep_checkpoints=3, cleanup_checkpoints=False)
@@ -300,11 +310,12 @@ class Killed(Exception):
     pass
 
 
-def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path):
+@pytest.mark.parametrize("data_path", ["cache", "decode"])
+def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_path):
     """Killed after its checkpoint at step 4, a resumed run reproduces the uninterrupted one bitwise and
-    restarts from the checkpointed optimizer, schedule and RNG state."""
+    restarts from the checkpointed optimizer, schedule and RNG state, on either data path."""
     kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=4,
-              shuffle=True, augment=True, batch_size=6)
+              shuffle=True, augment=True, batch_size=6, data_path=data_path)
     ref, ref_ft = train_local(tiny_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
 
     cfg = tiny_cfg(store, tmp_path / "run", **kw)
@@ -340,13 +351,20 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path):
     for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "trainable_params", "status"):
         assert summary[k] == ref[k]
     assert summary["num_restores"] == 1 and summary["restored_from_step"] == 4
+    assert (summary["data_path"], summary["precision"], summary["compile"]) == (data_path, "fp32", False)
+    assert saved["data"]["data_path"] == data_path
+    with pytest.raises(ValueError, match="data_path"):  # the other data path would see other crops
+        Finetuner(tiny_cfg(store, tmp_path / "run", **{**kw, "data_path": {"cache": "decode"}.get(data_path,
+                                                                                                  "cache")})
+                  ).load(ckdir / "step_00000004")
 
 
 def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
-    """A checkpoint written before the rename (its config says ``component``), with the run's old
-    config.json, resumes and ends where the uninterrupted run ends."""
+    """A checkpoint written before the rename (its config says ``component`` and has neither ``data_path``
+    nor ``precision``), with the run's old config.json, resumes on the decode path (the only one then) in
+    fp32 and ends where the uninterrupted run ends."""
     kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=4,
-              shuffle=True, augment=True, batch_size=6)
+              shuffle=True, augment=True, batch_size=6, data_path="decode", precision="fp32")
     ref, ref_ft = train_local(tiny_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
     cfg = tiny_cfg(store, tmp_path / "run", **kw)
     ckdir = tmp_path / "run" / "ckpt"
@@ -362,6 +380,7 @@ def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
     path = ckdir / "step_00000004" / "state.pt"
     state = torch.load(path, weights_only=True)
     state["config"]["component"] = state["config"].pop("configuration")
+    del state["config"]["data_path"], state["config"]["precision"]
     torch.save(state, path)
     old = dict(OLD_CONFIG_JSON, store=store, out_dir=str(tmp_path / "run"))
     old_cfg, _ = split_legacy(json.loads(json.dumps(old)))
@@ -472,6 +491,14 @@ def test_cli_builds_the_config(store, tmp_path):
         assert (cfg.configuration, cfg.optimizer, cfg.lr, cfg.seed, cfg.steps) == ("LN2", "adamw", 1e-4, 2, 7)
         assert cfg.model_kwargs == TINY and not cfg.shuffle and cfg.augment and cfg.out_dir == str(tmp_path)
         assert res == TrainResources(workers=2, cpus_per_worker=1.5, max_failures=2)
+    fast = config_from_args(build_parser().parse_args([*base, "--configuration", "LN2", "--bf16", "--compile",
+                                                       "--data-path", "decode", "--cache-dir", "/c"]))[0]
+    assert (fast.precision, fast.compile, fast.data_path, fast.cache_dir) == ("bf16", True, "decode", "/c")
+    assert (cfg.precision, cfg.compile, cfg.data_path, cfg.cache_dir) == (None, False, "cache", None)
+    from raystudy.commands import finetune as command
+    from raystudy.core.finetune.config import DATA_PATHS, PRECISIONS
+
+    assert (command.PRECISIONS, command.DATA_PATHS) == (PRECISIONS, DATA_PATHS)
     with pytest.raises(SystemExit):  # choices come from the vocabulary
         build_parser().parse_args([*base, "--configuration", "Attn"])
     bad = build_parser().parse_args(["finetune", "--store", store, "--out", str(tmp_path), "--model-kwargs", "{x"])

@@ -8,6 +8,11 @@ import sys
 
 from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS
 
+# raystudy.core.finetune.config's PRECISIONS and DATA_PATHS, spelled here so that building the parser imports
+# no torch (tests/test_finetune.py checks they agree); they belong in raystudy.vocab
+PRECISIONS = ("fp32", "bf16")
+DATA_PATHS = ("cache", "decode")
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -45,7 +50,15 @@ def register(subparsers) -> None:
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--num-classes", type=int, default=None, help="default: the store's")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; off for fidelity)")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="bf16: autocast with fp32 master weights; fp32: the paper's (fidelity checks); "
+                        "default: bf16 on GPUs, fp32 on CPUs")
+    p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="same as --precision bf16")
+    p.add_argument("--data-path", choices=DATA_PATHS, default="cache",
+                   help="cache: decode each image once into a uint8 cache and augment on the training device; "
+                        "decode: decode and augment every image on the CPU at every step")
+    p.add_argument("--cache-dir", default=None, help="root of the uint8 caches (default: STORE/cache)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training step (slow start)")
     p.add_argument("--train-final-norm", action="store_true", help="also train the norm after the last block")
     p.add_argument("--no-augment", action="store_true", help="eval transform on train images (no random crop/flip)")
     p.add_argument("--no-shuffle", action="store_true", help="train rows in store order every epoch")
@@ -76,7 +89,8 @@ def config_from_args(args: argparse.Namespace):
         store=args.store, configuration=args.configuration, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
         steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
         eval_period=args.eval_period, log_period=args.log_period, warmup_steps=args.warmup_steps,
-        img_size=args.img_size, num_classes=args.num_classes, amp_bf16=args.bf16,
+        img_size=args.img_size, num_classes=args.num_classes, precision=args.precision,
+        data_path=args.data_path, cache_dir=args.cache_dir, compile=args.compile,
         train_final_norm=args.train_final_norm, augment=not args.no_augment, shuffle=not args.no_shuffle,
         checkpoint_period=args.checkpoint_period, loader_workers=args.loader_workers, save_final=args.save_final,
         out_dir=args.out,

@@ -47,6 +47,7 @@ from raystudy.core.finetune import (
     Finetuner,
     TensorBoardLogger,
     build_finetune_model,
+    prepare_caches,
     run_summary,
     save_weights,
     select_for,
@@ -200,10 +201,14 @@ def _reporter(ft: Finetuner, tb: TensorBoardLogger | None, config: dict) -> Call
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         else:
             ray.train.report(metrics)
-        if fail_after is not None and ev.step == fail_after and not ft.restores and not ev.final:
+        marker = Path(ft.cfg.out_dir) / ".injected_failure"  # the first attempt failed (also before a checkpoint)
+        if fail_after is not None and ev.step == fail_after and not ft.restores and not ev.final \
+                and not marker.exists():
             # Every worker's report (and checkpoint) is queued before anyone dies, so the controller
             # registers this checkpoint before it sees the failure.
             ray.train.collective.barrier()
+            if ft.rank == 0:
+                marker.touch()
             raise InjectedFailure(f"injected failure after step {ev.step} (raystudy.faults fail_after_step)")
 
     return report
@@ -297,6 +302,61 @@ def failed_summary(cfg: FinetuneConfig, error: BaseException | str | None) -> di
                        error=message[:2000])
 
 
+# --- worker-group failures: a trace in the summary also when no checkpoint was restored (issue 15) ---
+
+#: the folder of a Ray Train run's storage where :class:`RecordFailures` writes one file per failure
+FAILURES_DIR = "failures"
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+class RecordFailures(UserCallback):
+    """One JSON file per worker-group failure (each failed rank's error, last line) in the run's storage,
+    ``<storage_path>/<name>/failures/``; runs in Ray Train's controller. A restart before the first
+    checkpoint restores nothing (``num_restores`` stays 0) but is counted by :func:`worker_failures`."""
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        from raystudy.storage import join, write_json_atomic
+
+        rc = run_context.run_config
+        if not rc.storage_path:
+            return
+        errors = {str(rank): _last_line(e) for rank, e in worker_exceptions.items()}
+        try:
+            write_json_atomic(join(rc.storage_path, rc.name, FAILURES_DIR, f"{time.time_ns()}.json"),
+                              {"time": time.time(), "errors": errors})
+        except OSError as e:  # a full disk must not take the controller down
+            log.warning("could not record a worker failure of %s: %s", rc.name, e)
+
+
+def worker_failures(run_config) -> dict:
+    """``{"worker_failures": n, "worker_failure_errors": [first error of each failure]}`` of the run whose
+    ``RunConfig`` is ``run_config`` (what :class:`RecordFailures` wrote, oldest first)."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    from raystudy.storage import filesystem, join, read_text
+
+    errors = []
+    if run_config.storage_path:
+        fs, folder = filesystem(join(run_config.storage_path, run_config.name, FAILURES_DIR))
+        if fs.get_file_info(folder).type == pafs.FileType.Directory:
+            for info in sorted(fs.get_file_info(pafs.FileSelector(folder)), key=lambda i: i.base_name):
+                try:
+                    record = json.loads(read_text(f"{folder}/{info.base_name}") or "{}")
+                    errors.append(next(iter(record["errors"].values()), ""))
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    errors.append("unreadable failure record")
+    return {"worker_failures": len(errors), "worker_failure_errors": errors}
+
+
+# --- end of worker-group failures ---
+
+
 class _QueueReports(UserCallback):
     """Puts worker 0's reports into a Ray queue (this callback runs in Ray Train's controller process, whose
     output does not reach the terminal)."""
@@ -347,10 +407,34 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     ``wall_seconds`` is the driver's wall time of ``fit()``, Ray Train start-up included. ``on_report``
     receives worker 0's metrics of every report while the run lives (``raystudy finetune`` prints them).
     """
-    from ray.train import TrainingFailedError
-
     resources = (resources or TrainResources()).validate(cfg.validate())
     t0 = time.perf_counter()
+    payload, error, result = None, None, None
+    try:
+        prepare_caches(cfg)  # the uint8 caches are decoded once here; every worker only verifies them
+    except Exception as e:  # a missing or unreadable store: recorded as the run's failure, as a worker's is
+        error = e
+        log.error("finetune run %s failed preparing its data: %s", cfg.out_dir, e)
+    if error is None:
+        payload, error, result = _fit(cfg, resources, run_config, [*(callbacks or []), RecordFailures()],
+                                      on_report)
+    if payload is not None:
+        summary, curves, restores = dict(payload["summary"]), payload["curves"], payload["restores"]
+    else:
+        summary, curves, restores = failed_summary(cfg, error), [], []
+    summary["wall_seconds"] = time.perf_counter() - t0
+    summary["workers"] = resources.workers
+    summary.update(worker_failures(_run_config(cfg, resources, run_config, [])))  # worker-group failures
+    write_outputs(cfg.out_dir, summary, curves, config=run_config_dict(cfg, resources), restores=restores)
+    if resources.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):
+        _delete_run_dir(result)
+    return summary
+
+
+def _fit(cfg: FinetuneConfig, resources: TrainResources, run_config, callbacks, on_report):
+    """Fit the run's trainer: ``(worker 0's payload or None, error or None, Ray's result or None)``."""
+    from ray.train import TrainingFailedError
+
     payload, error, result = None, None, None
     try:
         with forwarded_reports(on_report) as forward:
@@ -362,16 +446,7 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     except TrainingFailedError as e:
         error = e
         log.error("finetune run %s failed: %s", cfg.out_dir, e)
-    if payload is not None:
-        summary, curves, restores = dict(payload["summary"]), payload["curves"], payload["restores"]
-    else:
-        summary, curves, restores = failed_summary(cfg, error), [], []
-    summary["wall_seconds"] = time.perf_counter() - t0
-    summary["workers"] = resources.workers
-    write_outputs(cfg.out_dir, summary, curves, config=run_config_dict(cfg, resources), restores=restores)
-    if resources.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):
-        _delete_run_dir(result)
-    return summary
+    return payload, error, result
 
 
 def _delete_run_dir(result) -> None:

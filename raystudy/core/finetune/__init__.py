@@ -27,14 +27,18 @@ of the global batch's mean loss (:mod:`.step`): ``W`` workers with batch ``b`` c
 with batch ``W b`` computes, and a resumed run continues exactly.
 
 Modules: :mod:`.config` (the protocol, schedule, optimizer), :mod:`.selection` (model, head, freezing),
-:mod:`.data` (data order), :mod:`.step` (the step, evaluation, memory), :mod:`.state` (checkpoint files,
+:mod:`.data` (data order, the decode and cache data paths), :mod:`.augment` (batched augmentation on the
+training device), :mod:`.step` (the step, evaluation, memory), :mod:`.state` (checkpoint files,
 RNG, fingerprints), :mod:`.loop` (:class:`Finetuner`, :func:`train_local`), :mod:`.outputs` (summary,
 curves, TensorBoard, weights).
 """
 
 from raystudy.core.finetune.config import (
+    DATA_PATHS,
     HEAD_INITS,
+    LEGACY_DEFAULTS,
     MOVED_KEYS,
+    PRECISIONS,
     RENAMED_KEYS,
     RESUME_KEYS,
     WARMUP_FRACTION,
@@ -43,7 +47,17 @@ from raystudy.core.finetune.config import (
     make_scheduler,
     warmup_cosine,
 )
-from raystudy.core.finetune.data import MicroBatches, SplitData, epoch_permutation, global_batch
+from raystudy.core.finetune.data import (
+    CacheBatch,
+    CachedSplitData,
+    MicroBatches,
+    SplitData,
+    epoch_permutation,
+    global_batch,
+    open_split_data,
+    prepare_caches,
+    to_device,
+)
 from raystudy.core.finetune.loop import (
     Event,
     Finetuner,
@@ -69,6 +83,7 @@ from raystudy.core.finetune.outputs import (
 from raystudy.core.finetune.selection import (
     Selection,
     build_finetune_model,
+    enable_fused_attention,
     final_norm_parameters,
     reset_head,
     select_and_freeze,
@@ -91,11 +106,14 @@ from raystudy.core.finetune.step import (
     autocast,
     evaluate,
     measured_memory,
+    set_matmul_precision,
     train_step,
 )
 from raystudy.vocab import OPTIMIZERS, STATUSES
 
 __all__ = [
+    "DATA_PATHS", "LEGACY_DEFAULTS", "PRECISIONS", "CacheBatch", "CachedSplitData", "enable_fused_attention",
+    "open_split_data", "prepare_caches", "set_matmul_precision", "to_device",
     "CURVE_COLUMNS", "HEAD_INITS", "HPARAM_KEYS", "HPARAM_METRICS", "MEMORY_KEYS", "MOVED_KEYS", "OPTIMIZERS",
     "RENAMED_KEYS", "RESULT_DEFAULTS", "RESUME_KEYS", "RNG_FILE", "STATE_FILE", "STATUSES", "WARMUP_FRACTION",
     "Event", "FinetuneConfig", "Finetuner", "MicroBatches", "Selection", "SplitData", "StepResult",

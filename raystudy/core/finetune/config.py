@@ -28,10 +28,16 @@ RENAMED_KEYS = {"component": "configuration"}
 #: :mod:`raystudy.faults`). :meth:`FinetuneConfig.from_dict` ignores them.
 MOVED_KEYS = ("workers", "gpus_per_worker", "cpus_per_worker", "max_failures", "keep_checkpoints",
               "cleanup_checkpoints", "fail_after_step")
+#: Forward/backward precision: fp32 (the paper's; true fp32 matmuls) or bf16 autocast with fp32 master weights.
+PRECISIONS = ("fp32", "bf16")
+#: Where training images come from: the uint8 cache (decoded once) or JPEG/PNG decoding at every step.
+DATA_PATHS = ("cache", "decode")
+#: Values of fields that older ``config.json`` files lack: the settings of the only behaviour they knew.
+LEGACY_DEFAULTS = {"data_path": "decode"}
 #: Fields a checkpoint must agree on to be resumed (others, e.g. eval_period or the workers, may change).
 RESUME_KEYS = ("model", "configuration", "optimizer", "lr", "seed", "steps", "batch_size", "warmup_steps",
                "img_size", "augment", "shuffle", "train_final_norm", "include_layerscale", "momentum", "betas",
-               "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init")
+               "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init", "data_path", "precision")
 _POSITIVE_INTS = ("steps", "batch_size", "eval_period", "log_period", "eval_batch_size", "img_size")
 
 
@@ -47,6 +53,12 @@ class FinetuneConfig:
     instead (needs internet); with neither the backbone is random (tests). ``num_classes`` None takes the
     store's. ``warmup_steps`` None is 20% of ``steps``; ``checkpoint_period`` None equals ``eval_period``;
     ``0`` disables periodic checkpoints.
+
+    Speed settings: ``precision`` None picks bf16 on CUDA and fp32 elsewhere (``amp_bf16=True``, the older
+    spelling, means ``precision="bf16"``); ``compile`` wraps the training forward/backward in
+    ``torch.compile``; ``data_path`` ``cache`` (default) reads uint8 rows of a per-store cache under
+    ``cache_dir`` (None: ``STORE/cache``) and augments on the training device, ``decode`` decodes every
+    image at every step (the data path before the cache; older ``config.json`` files load with it).
     """
 
     model: str = "vit_base_patch16_224"
@@ -64,7 +76,11 @@ class FinetuneConfig:
     weights: str | None = None
     pretrained: bool = False
     num_classes: int | None = None
-    amp_bf16: bool = False
+    amp_bf16: bool = False  # the older spelling of precision="bf16"
+    precision: str | None = None  # "fp32" | "bf16"; None: bf16 on CUDA, fp32 elsewhere
+    compile: bool = False  # torch.compile the training model (slow start; off by default)
+    data_path: str = "cache"  # "cache" | "decode"
+    cache_dir: str | None = None  # root of the uint8 caches (None: STORE/cache)
     train_final_norm: bool = False
     augment: bool = True
     shuffle: bool = True
@@ -87,6 +103,8 @@ class FinetuneConfig:
         if isinstance(self.betas, list):
             self.betas = tuple(self.betas)
         self.model_kwargs = dict(self.model_kwargs or {})
+        if self.amp_bf16 and self.precision is None:
+            self.precision = "bf16"
 
     def validate(self) -> FinetuneConfig:
         """Raise ``ValueError`` naming the first offending field; returns ``self``."""
@@ -123,6 +141,12 @@ class FinetuneConfig:
             yield "img_size", f"differs from model_kwargs['img_size']={self.model_kwargs['img_size']}; set both alike"
         if "num_classes" in self.model_kwargs:
             yield "model_kwargs", "num_classes belongs in FinetuneConfig.num_classes (None: from the store)"
+        if self.precision is not None and self.precision not in PRECISIONS:
+            yield "precision", f"expected one of {list(PRECISIONS)} (or None: bf16 on CUDA, fp32 elsewhere)"
+        if self.amp_bf16 and self.precision != "bf16":
+            yield "amp_bf16", f"contradicts precision={self.precision!r}"
+        if self.data_path not in DATA_PATHS:
+            yield "data_path", f"expected one of {list(DATA_PATHS)}"
         if not self.store:
             yield "store", "a prepared store directory is required"
 
@@ -130,6 +154,10 @@ class FinetuneConfig:
     def warmup(self) -> int:
         """Warmup steps actually used: ``warmup_steps`` or ``round(0.2 * steps)``."""
         return self.warmup_steps if self.warmup_steps is not None else int(round(WARMUP_FRACTION * self.steps))
+
+    def resolved_precision(self, device: torch.device | str) -> str:
+        """``precision``, or bf16 on a CUDA ``device`` and fp32 elsewhere."""
+        return self.precision or ("bf16" if torch.device(device).type == "cuda" else "fp32")
 
     @property
     def ckpt_period(self) -> int:
@@ -143,8 +171,10 @@ class FinetuneConfig:
     @classmethod
     def from_dict(cls, d: dict) -> FinetuneConfig:
         """The config of ``d`` (e.g. a run's ``config.json``); the keys of older files are accepted:
-        :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored."""
-        d = dict(d)
+        :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored, missing :data:`LEGACY_DEFAULTS` and
+        ``precision`` (``amp_bf16``'s value) filled in with what such a file's run did."""
+        d = {**LEGACY_DEFAULTS, **d}
+        d.setdefault("precision", "bf16" if d.get("amp_bf16") else "fp32")
         for old, new in RENAMED_KEYS.items():
             if old in d:
                 d.setdefault(new, d.pop(old))
@@ -170,12 +200,21 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: FinetuneConfig) -> torch.optim.Optimizer:
-    """SGD (momentum ``cfg.momentum``, no Nesterov) or AdamW (``cfg.betas``), weight decay ``cfg.weight_decay``."""
+def make_optimizer(params: list[torch.nn.Parameter], cfg: FinetuneConfig, *,
+                   fused: bool | None = None) -> torch.optim.Optimizer:
+    """SGD (momentum ``cfg.momentum``, no Nesterov) or AdamW (``cfg.betas``), weight decay ``cfg.weight_decay``.
+
+    ``fused`` None: the fused CUDA kernels when every parameter is on a CUDA device (one launch per step
+    instead of several per tensor), PyTorch's default (foreach) otherwise.
+    """
+    if fused is None:
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    fused = fused or None  # None (not False) keeps PyTorch's foreach default
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                                 fused=fused)
     raise ValueError(f"FinetuneConfig.optimizer={cfg.optimizer!r}: expected one of {list(OPTIMIZERS)}")
 
 

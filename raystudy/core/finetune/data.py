@@ -6,16 +6,28 @@ takes the contiguous slice ``[r B/W, (r+1) B/W)`` of every global batch, and aug
 image by ``(seed, e, index)`` (:func:`raystudy.data.transforms.sample_seed`). Hence ``W`` workers with batch
 ``b`` see exactly the images of one worker with batch ``W b``, and a resumed run sees exactly the images it
 would have seen.
+
+Two data paths (``FinetuneConfig.data_path``) read the same rows in the same order:
+
+* ``decode`` (:class:`SplitData`): every step decodes and transforms the encoded images on the CPU
+  (torchvision's ``RandomResizedCrop`` of the original image, seeded per image);
+* ``cache`` (:class:`CachedSplitData`): the rows are read as uint8 from the split's cache
+  (:mod:`raystudy.data.cache`, decoded once) with their crop boxes and flips drawn from the same per-image
+  seeds (:func:`~raystudy.core.finetune.augment.sample_crops`); :func:`to_device` crops, resizes and
+  normalises the batch on the training device. Without augmentation, and for evaluation, both paths give
+  the same tensors (the cache holds the eval transform's own uint8 pixels).
 """
 
 from __future__ import annotations
 
 import os
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from raystudy.core.finetune.augment import augment, sample_crops, to_float
 from raystudy.core.finetune.config import FinetuneConfig
 
 
@@ -80,16 +92,104 @@ class SplitData:
                                        indices=self.indices[rows[m]].tolist())
         return x, torch.from_numpy(self.labels[rows].copy())
 
+    batch = load  # the decode path's batches are float tensors already (see :func:`to_device`)
+
+
+class CacheBatch(NamedTuple):
+    """A batch of the cache path before it reaches the device: uint8 rows plus their augmentation."""
+
+    images: torch.Tensor  # (B, 3, S, S) uint8 stored images
+    labels: torch.Tensor  # (B,) int64
+    boxes: torch.Tensor | None  # (B, 4) int64 crop boxes (top, left, h, w) in the stored image; None: no crop
+    flips: torch.Tensor | None  # (B,) bool horizontal flips (None with boxes None)
+
+
+class CachedSplitData:
+    """One split read from its uint8 cache (:class:`raystudy.data.cache.ImageCache`).
+
+    ``crop=True`` (training with augmentation) opens the ``crop`` kind (stored side ``8/7 size``) and
+    batches carry per-image crop boxes and flips; ``crop=False`` opens the ``eval`` kind (the eval
+    transform's pixels at ``size``) and batches need only scaling and normalising.
+    """
+
+    def __init__(self, store: str | os.PathLike, split: str, *, size: int, crop: bool, root: str | None = None):
+        from raystudy.data.cache import ImageCache
+
+        self.store, self.split, self.size, self.crop = str(store), split, size, crop
+        self.cache = ImageCache(store, split, kind="crop" if crop else "eval", size=size, root=root)
+        self.labels, self.indices = self.cache.labels, self.cache.indices
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, rows: np.ndarray, *, size: int, train: bool, seed: int = 0,
+              epochs: np.ndarray | None = None) -> CacheBatch:
+        """The :class:`CacheBatch` of ``rows``; ``train`` draws each image's crop and flip from its seed
+        ``sample_seed(seed, epoch, index)`` (requires ``crop=True``)."""
+        from raystudy.data.transforms import sample_seed
+
+        if size != self.size or train != self.crop:
+            raise ValueError(f"{self.split} cache opened for size={self.size}, crop={self.crop}; asked for "
+                             f"size={size}, train={train}")
+        rows = np.asarray(rows, dtype=np.int64)
+        images, labels = torch.from_numpy(self.cache.read(rows)), torch.from_numpy(self.labels[rows].copy())
+        if not train:
+            return CacheBatch(images, labels, None, None)
+        epochs = np.zeros(len(rows), np.int64) if epochs is None else np.asarray(epochs)
+        seeds = np.array([sample_seed(seed, int(e), int(i)) for e, i in zip(epochs, self.indices[rows])],
+                         dtype=np.uint64)
+        boxes, flips = sample_crops(seeds, self.cache.side, self.cache.side)
+        return CacheBatch(images, labels, torch.from_numpy(boxes), torch.from_numpy(flips))
+
+    def load(self, rows: np.ndarray, *, size: int, train: bool, seed: int = 0,
+             epochs: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, 3, size, size)`` float32 images and ``(B,)`` labels on the CPU (as :meth:`SplitData.load`)."""
+        return to_device(self.batch(rows, size=size, train=train, seed=seed, epochs=epochs), torch.device("cpu"),
+                         size=size)
+
+
+def to_device(batch, device: torch.device, *, size: int,
+              channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` on ``device``: a decode-path ``(x, y)`` is moved; a :class:`CacheBatch` is moved as uint8
+    and augmented (:func:`~raystudy.core.finetune.augment.augment`) or only normalised there.
+    ``x`` ``(B, 3, size, size)`` float32, in channels-last memory order when asked."""
+    if isinstance(batch, CacheBatch):
+        images = batch.images.to(device, non_blocking=True)
+        x = to_float(images) if batch.boxes is None else augment(images, batch.boxes, batch.flips, size)
+        y = batch.labels.to(device, non_blocking=True)
+    else:
+        x, y = (t.to(device, non_blocking=True) for t in batch)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y
+
+
+def open_split_data(cfg: FinetuneConfig, split: str) -> SplitData | CachedSplitData:
+    """The data of ``split`` on ``cfg.data_path``: the train split cropped when ``cfg.augment``."""
+    if cfg.data_path == "decode":
+        return SplitData(cfg.store, split)
+    return CachedSplitData(cfg.store, split, size=cfg.img_size, crop=split == "train" and cfg.augment,
+                           root=cfg.cache_dir)
+
+
+def prepare_caches(cfg: FinetuneConfig) -> None:
+    """Build (or verify and repair) the caches a run on the cache path reads, before its workers start."""
+    if cfg.data_path == "cache":
+        for split in ("train", "val", "test"):
+            open_split_data(cfg, split)
+
 
 class MicroBatches(torch.utils.data.Dataset):
-    """Map-style dataset whose item ``k`` is the ``k``-th micro-batch of worker ``rank`` (of ``world_size``)
-    from ``start_step`` on, so that a ``DataLoader`` with processes prefetches them in order.
+    """Map-style dataset whose item ``k`` is the ``k``-th micro-batch (``(x, y)`` or a :class:`CacheBatch`)
+    of worker ``rank`` (of ``world_size``) from ``start_step`` on, so that a ``DataLoader`` with processes
+    prefetches them in order.
 
     The worker's share of a step is ``batch_size / world_size`` images, cut into micro-batches of at most
     ``cfg.micro_batch_size``.
     """
 
-    def __init__(self, data: SplitData, cfg: FinetuneConfig, rank: int, start_step: int, world_size: int = 1):
+    def __init__(self, data: SplitData | CachedSplitData, cfg: FinetuneConfig, rank: int, start_step: int,
+                 world_size: int = 1):
         self.data, self.cfg, self.rank, self.start = data, cfg, rank, start_step
         self.share = cfg.batch_size // world_size
         m = cfg.micro_batch_size or self.share
@@ -98,10 +198,11 @@ class MicroBatches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return (self.cfg.steps - self.start) * len(self.bounds)
 
-    def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, k: int):
         step, j = divmod(k, len(self.bounds))
         cfg = self.cfg
         rows, epochs = global_batch(self.start + step, n=len(self.data), batch_size=cfg.batch_size, seed=cfg.seed,
                                     shuffle=cfg.shuffle)
         lo, hi = (self.rank * self.share + b for b in self.bounds[j])
-        return self.data.load(rows[lo:hi], size=cfg.img_size, train=cfg.augment, seed=cfg.seed, epochs=epochs[lo:hi])
+        return self.data.batch(rows[lo:hi], size=cfg.img_size, train=cfg.augment, seed=cfg.seed,
+                               epochs=epochs[lo:hi])

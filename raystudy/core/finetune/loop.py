@@ -17,14 +17,14 @@ from torch import nn
 
 from raystudy.core.components import get_adapter
 from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
-from raystudy.core.finetune.data import MicroBatches, SplitData
+from raystudy.core.finetune.data import CachedSplitData, MicroBatches, SplitData, open_split_data, to_device
 from raystudy.core.finetune.outputs import (
     TensorBoardLogger,
     run_summary,
     save_safetensors,
     write_outputs,
 )
-from raystudy.core.finetune.selection import build_finetune_model, select_for
+from raystudy.core.finetune.selection import build_finetune_model, enable_fused_attention, select_for
 from raystudy.core.finetune.state import (
     fingerprint,
     read_state,
@@ -33,7 +33,14 @@ from raystudy.core.finetune.state import (
     rng_state,
     write_checkpoint,
 )
-from raystudy.core.finetune.step import StepResult, analytic_memory, evaluate, measured_memory, train_step
+from raystudy.core.finetune.step import (
+    StepResult,
+    analytic_memory,
+    evaluate,
+    measured_memory,
+    set_matmul_precision,
+    train_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +131,11 @@ class Finetuner:
     Single-process use needs nothing else. A distributed worker passes its ``rank`` of ``world_size``, the
     ``device``, ``wrap`` (e.g. DDP) and ``all_reduce`` (in-place-free sum over workers of a tensor); each
     worker then processes ``share = batch_size / world_size`` images per step.
+
+    On CUDA the run uses ``cfg``'s precision (default bf16 autocast; TF32 for what stays float32), fused
+    optimizer kernels, channels-last inputs and weights (the patch embedding convolution) and, with
+    ``cfg.compile``, ``torch.compile``; timm attention always runs through SDPA. Frozen parameters have
+    ``requires_grad=False`` and never get a gradient buffer.
     """
 
     def __init__(self, cfg: FinetuneConfig, *, rank: int = 0, world_size: int = 1,
@@ -140,17 +152,13 @@ class Finetuner:
         self.all_reduce = all_reduce
         self.meta = read_meta(cfg.store)
         self.num_classes = cfg.num_classes or int(self.meta["num_classes"])
-        self.model = build_finetune_model(cfg, self.num_classes)
-        get_adapter(self.model)  # fails early, listing the supported families
-        self.selection = select_for(self.model, cfg)
-        self.model.to(self.device)
-        self.net = wrap(self.model) if wrap is not None else self.model  # forward/backward go through this
-        self.trainable = [p for _, p in self.selection.trainable]
-        self.group = [p for _, p in self.selection.group]
-        self.optimizer = make_optimizer(self.trainable, cfg)
+        self.precision = cfg.resolved_precision(self.device)
+        self.channels_last = self.device.type == "cuda"
+        self._build_model(wrap)
+        self.optimizer = make_optimizer(self.trainable, cfg)  # fused kernels on CUDA
         self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.train_data = SplitData(cfg.store, "train")
-        self._eval_data: dict[str, SplitData] = {}
+        self.train_data = open_split_data(cfg, "train")
+        self._eval_data: dict[str, SplitData | CachedSplitData] = {}
         self._eval_cache: dict[str, list] = {}
         # the run's progress and results (all of it is checkpointed, see state_dict)
         self.step, self.status, self.diverged_step = 0, "ok", None
@@ -162,6 +170,22 @@ class Finetuner:
         self.restores: list[dict] = []
         self.train_seconds = 0.0
         self.images_per_s = self.cpu_ms_per_image = self.test_acc = float("nan")
+
+    def _build_model(self, wrap: Callable[[nn.Module], nn.Module] | None) -> None:
+        """The model on the device with its selection frozen, :attr:`net` (wrapped, compiled) for training."""
+        set_matmul_precision(self.device, self.precision)
+        self.model = build_finetune_model(self.cfg, self.num_classes)
+        get_adapter(self.model)  # fails early, listing the supported families
+        enable_fused_attention(self.model)
+        self.selection = select_for(self.model, self.cfg)
+        self.model.to(self.device)
+        if self.channels_last:
+            self.model.to(memory_format=torch.channels_last)  # only 4-d weights change: the patch embedding
+        self.net = wrap(self.model) if wrap is not None else self.model  # forward/backward go through this
+        if self.cfg.compile:
+            self.net = torch.compile(self.net)
+        self.trainable = [p for _, p in self.selection.trainable]
+        self.group = [p for _, p in self.selection.group]
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -177,7 +201,7 @@ class Finetuner:
         for micro in self._train_batches():
             res = train_step(self.net, self.optimizer, self.scheduler, micro, share=self.share,
                              trainable=self.trainable, group=self.group, clip_norm=cfg.clip_norm,
-                             all_reduce=self.all_reduce, world_size=self.world_size, amp_bf16=cfg.amp_bf16)
+                             all_reduce=self.all_reduce, world_size=self.world_size, precision=self.precision)
             self.step += 1
             meter.step_done()
             bar.update(1)
@@ -263,7 +287,8 @@ class Finetuner:
             final_train_loss=self.curves[-1]["train_loss"] if self.curves else nan,
             images_per_s=self.images_per_s, cpu_ms_per_image=self.cpu_ms_per_image, workers=self.world_size,
             num_classes=self.num_classes, num_restores=len(self.restores),
-            restored_from_step=self.restores[-1]["step"] if self.restores else None, **self.memory,
+            restored_from_step=self.restores[-1]["step"] if self.restores else None, precision=self.precision,
+            compile=self.cfg.compile, **self.memory,
         )
 
     # ---- data ---------------------------------------------------------------------------------------
@@ -279,33 +304,38 @@ class Finetuner:
                                                   pin_memory=self.device.type == "cuda"))
         else:
             it = (ds[k] for k in range(len(ds)))
+        put = self._to_device
         for _ in range(self.cfg.steps - self.step):
-            yield [next(it) for _ in ds.bounds]
+            yield [put(next(it)) for _ in ds.bounds]
+
+    def _to_device(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_device(batch, self.device, size=self.cfg.img_size, channels_last=self.channels_last)
 
     def _eval_batches(self, split: str):
-        """This worker's contiguous share of ``split`` in batches (decoded once and cached if small)."""
+        """This worker's contiguous share of ``split`` in batches of ``eval_batch_size`` on the device. The
+        decode path keeps decoded tensors in memory when small; the cache path reads its uint8 rows again."""
         if split in self._eval_cache:
-            yield from self._eval_cache[split]
+            yield from (self._to_device(b) for b in self._eval_cache[split])
             return
         if split not in self._eval_data:
-            self._eval_data[split] = SplitData(self.cfg.store, split)
+            self._eval_data[split] = open_split_data(self.cfg, split)
         data = self._eval_data[split]
         rows = np.array_split(np.arange(len(data)), self.world_size)[self.rank]
         per_image = 3 * self.cfg.img_size ** 2 * 4
-        cache = len(rows) * per_image <= self.cfg.eval_cache_mb * 2 ** 20
+        cache = isinstance(data, SplitData) and len(rows) * per_image <= self.cfg.eval_cache_mb * 2 ** 20
         out = []
         for i in range(0, len(rows), self.cfg.eval_batch_size):
-            b = data.load(rows[i:i + self.cfg.eval_batch_size], size=self.cfg.img_size, train=False)
+            b = data.batch(rows[i:i + self.cfg.eval_batch_size], size=self.cfg.img_size, train=False)
             if cache:
                 out.append(b)
-            yield b
+            yield self._to_device(b)
         if cache:
             self._eval_cache[split] = out
 
     def evaluate(self, split: str) -> tuple[float, float]:
         """Mean loss and accuracy on ``split`` over all workers (each evaluates its slice; sums all-reduced)."""
         loss_sum, correct, count = evaluate(self.model, self._eval_batches(split), device=self.device,
-                                            amp_bf16=self.cfg.amp_bf16)
+                                            precision=self.precision)
         if self.all_reduce is not None and self.world_size > 1:
             t = self.all_reduce(torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=self.device))
             loss_sum, correct, count = float(t[0]), float(t[1]), float(t[2])
@@ -328,7 +358,8 @@ class Finetuner:
         seen = self.step * self.cfg.batch_size
         return {"step": self.step, "samples_seen": seen, "epoch": seen // n, "position_in_epoch": seen % n,
                 "train_rows": n, "seed": self.cfg.seed, "batch_size": self.cfg.batch_size,
-                "shuffle": self.cfg.shuffle, "augment": self.cfg.augment, "checksum": self.meta.get("checksum")}
+                "shuffle": self.cfg.shuffle, "augment": self.cfg.augment, "data_path": self.cfg.data_path,
+                "checksum": self.meta.get("checksum")}
 
     def state_dict(self) -> dict:
         """Everything needed to resume exactly, except RNG states (per worker, :meth:`save`)."""

@@ -31,7 +31,7 @@ RESULT_DEFAULTS: dict = {
     "final_val_loss": _nan, "final_val_acc": _nan, "wall_seconds": _nan, "train_seconds": _nan,
     "steps_completed": None, "diverged_step": None, "final_train_loss": _nan, "images_per_s": _nan,
     "cpu_ms_per_image": _nan, "workers": None, "num_classes": None, "num_restores": None,
-    "restored_from_step": None, **dict.fromkeys(MEMORY_KEYS),
+    "restored_from_step": None, "precision": None, "compile": None, **dict.fromkeys(MEMORY_KEYS),
 }
 #: The hyperparameters of a run in its TensorBoard HParams record, and the metrics recorded with them.
 HPARAM_KEYS = ("configuration", "optimizer", "lr", "seed", "steps", "batch_size", "model", "model_kwargs")
@@ -42,7 +42,8 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     """A run's summary: its protocol (configuration, optimizer, lr, seed, steps, batch_size, model, ...),
     then every key of :data:`RESULT_DEFAULTS` (``results`` or the default) and ``error`` when given.
 
-    The ``trials.parquet`` columns less trial_id, dataset and model, plus throughput, memory and restores.
+    The ``trials.parquet`` columns less trial_id, dataset and model, plus throughput, memory and restores,
+    the data path, the precision the run used (``fp32`` | ``bf16``) and whether it was compiled.
     """
     unknown = set(results) - set(RESULT_DEFAULTS) - {"error"}
     if unknown:
@@ -51,6 +52,7 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
         "configuration": cfg.configuration, "optimizer": cfg.optimizer, "lr": float(cfg.lr), "seed": cfg.seed,
         "steps": cfg.steps, "batch_size": cfg.batch_size, "warmup_steps": cfg.warmup, "model_name": cfg.model,
         "model_kwargs": dict(cfg.model_kwargs), "img_size": cfg.img_size, "train_final_norm": cfg.train_final_norm,
+        "data_path": cfg.data_path,
     }
     return {**protocol, **RESULT_DEFAULTS, **results}
 

@@ -99,3 +99,14 @@ def select_for(model: nn.Module, cfg: FinetuneConfig) -> Selection:
     """:func:`select_and_freeze` with the options of ``cfg``."""
     return select_and_freeze(model, cfg.configuration, train_final_norm=cfg.train_final_norm,
                              include_layerscale=cfg.include_layerscale)
+
+
+def enable_fused_attention(model: nn.Module) -> int:
+    """Switch every timm attention module of ``model`` to ``F.scaled_dot_product_attention`` (its
+    ``fused_attn`` flag; timm turns it off under ``TIMM_FUSED_ATTN=0``); returns how many there are."""
+    count = 0
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = True
+            count += 1
+    return count

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raystudy.core.finetune.config import RENAMED_KEYS, RESUME_KEYS, FinetuneConfig
+from raystudy.core.finetune.config import LEGACY_DEFAULTS, RENAMED_KEYS, RESUME_KEYS, FinetuneConfig
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,29 @@ def write_checkpoint(directory: str | os.PathLike, state: dict | None, *, rank: 
     torch.save(rng_state(device), directory / RNG_FILE.format(rank=rank))
 
 
+def checkpoint_problem(directory: str | os.PathLike) -> str | None:
+    """Why the checkpoint folder ``directory`` cannot be resumed from, or ``None`` when it is whole.
+
+    Every ``*.pt`` file must be a complete archive (``torch.save`` writes a zip whose entries carry CRCs,
+    all checked here: a file cut short by a full disk or a killed writer fails), and rank 0's
+    ``state.pt`` must be there.
+    """
+    import zipfile
+
+    directory = Path(directory)
+    if not (directory / STATE_FILE).is_file():
+        return f"checkpoint {directory} has no {STATE_FILE}"
+    for path in sorted(directory.glob("*.pt")):
+        try:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+        except (OSError, zipfile.BadZipFile, EOFError) as e:
+            return f"checkpoint file {path} is unreadable (truncated or corrupt: {e})"
+        if bad is not None:
+            return f"checkpoint file {path} is corrupt (entry {bad} fails its CRC)"
+    return None
+
+
 def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows: int,
                checksum: str | None) -> dict:
     """The run state of a checkpoint, checked to belong to ``cfg`` on a store with ``train_rows`` train
@@ -111,12 +134,18 @@ def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows:
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"checkpoint file {path} is unreadable (truncated or corrupt): {e}") from e
     saved = dict(state["config"])
     for old, new in RENAMED_KEYS.items():
         if old in saved:
             saved.setdefault(new, saved.pop(old))
     mine = resume_config(cfg)
+    for k, v in LEGACY_DEFAULTS.items():  # a checkpoint older than the field ran its only behaviour
+        saved.setdefault(k, v)
+    saved.setdefault("precision", mine["precision"])  # older checkpoints did not record it
     changed = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
     if changed:
         raise ValueError(f"checkpoint {directory} belongs to another run: (checkpoint, now) differ for {changed}")

@@ -33,6 +33,17 @@ def autocast(device: torch.device, enabled: bool):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+def set_matmul_precision(device: torch.device, precision: str) -> None:
+    """On CUDA: TF32 tensor cores for the float32 matmuls and convolutions of a ``bf16`` run (what autocast
+    leaves in float32), full-precision float32 for an ``fp32`` run (the fidelity setting). Process-wide;
+    nothing to do on the CPU."""
+    if device.type != "cuda":
+        return
+    tf32 = precision == "bf16"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
 def _total_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
@@ -50,7 +61,7 @@ def train_step(
     clip_norm: float | None = 1.0,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
-    amp_bf16: bool = False,
+    precision: str = "fp32",
 ) -> StepResult:
     """Forward/backward over this worker's micro-batches, clip, step the optimizer and the schedule.
 
@@ -59,6 +70,8 @@ def train_step(
     last micro-batch (earlier ones run under ``no_sync``). ``all_reduce`` (sum over workers) makes the
     reported loss the global mean, identical on every worker, so all workers agree on divergence.
     Gradient norms are measured after the DDP average and before clipping to ``clip_norm``.
+    ``precision="bf16"``: the forward under bf16 autocast (weights, gradients and the loss stay float32).
+    Micro-batches ``(x, y)``: ``x`` ``(b, 3, H, W)`` float32, ``y`` ``(b,)`` int64, on any device.
     """
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -69,7 +82,7 @@ def train_step(
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync = contextlib.nullcontext() if i == last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            with autocast(device, amp_bf16):
+            with autocast(device, precision == "bf16"):
                 logits = model(x)
             loss = F.cross_entropy(logits.float(), y, reduction="sum") / share
             loss.backward()
@@ -88,15 +101,16 @@ def train_step(
     return StepResult(loss=loss_v, grad_norm=gn, component_grad_norm=cgn, lr=lr, finite=finite)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device,
-             amp_bf16: bool = False) -> tuple[float, int, int]:
-    """Sum of cross-entropy, number correct and number of images over ``batches`` of ``(x, y)``."""
+             precision: str = "fp32") -> tuple[float, int, int]:
+    """Sum of cross-entropy, number correct and number of images over ``batches`` of ``(x, y)`` (``x``
+    ``(B, 3, H, W)``, ``y`` ``(B,)``), in inference mode (no autograd records, no version counters)."""
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for x, y in batches:
         x, y = x.to(device), y.to(device)
-        with autocast(device, amp_bf16):
+        with autocast(device, precision == "bf16"):
             logits = model(x)
         loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
         correct += int((logits.argmax(dim=1) == y).sum())
