@@ -38,6 +38,10 @@ STATUSES: tuple[str, ...] = ("ok", "diverged", "failed")
 FINAL_STATUSES: tuple[str, ...] = ("ok", "diverged")
 MODES: tuple[str, ...] = ("embedding", "hidden")
 SEARCHES: tuple[str, ...] = ("grid", "optuna")
+#: Forward/backward precision of a trial: fp32 (the paper's) or bf16 autocast with fp32 master weights.
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+#: How a trial reads images: a checksummed uint8 cache augmented on the device, or decode every step.
+DATA_PATHS: tuple[str, ...] = ("cache", "decode")
 #: How plasticity pairs pretraining and downstream images: seeded random, or the i-th with the i-th
 #: (the authors' unshuffled loaders; :mod:`raystudy.distributed.pairing`).
 PAIRINGS: tuple[str, ...] = ("random", "sequential")

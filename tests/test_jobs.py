@@ -21,7 +21,8 @@ FINETUNE = {
     "steps": "steps", "batch_size": "batch_size", "eval_period": "eval_period", "warmup_steps": "warmup_steps",
     "augment": "augment", "shuffle": "shuffle", "checkpoint_period": "checkpoint_period",
     "amp_bf16": "amp_bf16", "train_final_norm": "train_final_norm", "log_period": "log_period",
-    "micro_batch_size": "micro_batch_size",
+    "micro_batch_size": "micro_batch_size", "precision": "precision", "data_path": "data_path",
+    "compile": "compile", "cache_dir": "cache_dir",
 }
 #: spec field -> TrainResources field (the Ray Train workers of a run)
 RESOURCES = {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
@@ -58,7 +59,8 @@ SPEC = dict(
     weights="/w/vit.safetensors", img_size=96, configurations=["MHA"], optimizers={"sgd": [0.1]}, seeds=[0],
     steps=321, batch_size=48, eval_period=40, warmup_steps=17, log_period=7, micro_batch_size=8,
     augment=False, shuffle=False,
-    checkpoint_period=80, amp_bf16=True, train_final_norm=True,
+    checkpoint_period=80, amp_bf16=True, train_final_norm=True, precision="bf16", data_path="decode",
+    compile=True, cache_dir="/caches",
     workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
                     cpus_per_worker=1.5, torch_threads=3, pairing="sequential", pretrain_split=["val", "test"],

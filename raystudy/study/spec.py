@@ -58,7 +58,17 @@ import pyarrow.fs as pafs
 import yaml
 
 from raystudy import storage
-from raystudy.vocab import BASELINES, COMPONENTS, CONFIGURATIONS, MODES, OPTIMIZERS, SEARCHES, check_name
+from raystudy.vocab import (
+    BASELINES,
+    COMPONENTS,
+    CONFIGURATIONS,
+    DATA_PATHS,
+    MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    SEARCHES,
+    check_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +102,9 @@ class PlasticitySpec:
     or ``all`` (e.g. the whole ImageNet validation set of a store prepared with the 80/20 rule). ``radius``:
     a fixed token radius for the bounds (the paper's 19.4); ``None``: the measured one. Changing any of
     :attr:`StudySpec.PLASTICITY_FIELDS` of a study that measured plasticity is refused on resume.
+    ``seq_len`` and ``tokenizer``: a text model (``model: hf:...``) on text stores, whose pairs are windows of
+    ``seq_len`` tokens cut with ``tokenizer`` (default: the model folder's ``tokenizer.json``); see
+    :mod:`raystudy.distributed.text_pairs`.
     """
 
     enabled: bool = True
@@ -106,6 +119,8 @@ class PlasticitySpec:
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
     torch_threads: int | None = None  # intra-op threads per CPU actor (None: the node's cores / workers)
+    seq_len: int | None = None  # text models: tokens per window
+    tokenizer: str | None = None  # text models: tokenizer.json (None: the model folder's)
 
 
 @dataclass
@@ -214,8 +229,12 @@ class StudySpec:
     augment: bool = True
     shuffle: bool = True
     checkpoint_period: int = 1000
-    amp_bf16: bool = False
+    amp_bf16: bool = False  # the older spelling of precision: bf16
     train_final_norm: bool = False
+    precision: str | None = None  # fp32 | bf16; None: bf16 on GPUs, fp32 on CPUs (recorded in every trial row)
+    data_path: str = "cache"  # cache: decode once into a uint8 cache, augment on the device; decode: every step
+    compile: bool = False  # torch.compile the training step (minutes of start-up per trial)
+    cache_dir: str | None = None  # root of the uint8 caches (None: beside each store)
 
     # resources: each trial is one Ray Train run of `workers_per_trial` workers
     workers_per_trial: int = 1
@@ -452,6 +471,13 @@ class StudySpec:
             raise SpecError(f"warmup_steps: {self.warmup_steps} must lie in [0, steps={self.steps})")
         if self.micro_batch_size is not None:
             _positive(self.micro_batch_size, "micro_batch_size")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise SpecError(f"precision: unknown value {self.precision!r}; expected one of {list(PRECISIONS)} "
+                            "(or null: bf16 on GPUs, fp32 on CPUs)")
+        if self.amp_bf16 and self.precision not in (None, "bf16"):
+            raise SpecError(f"amp_bf16: true contradicts precision: {self.precision}")
+        if self.data_path not in DATA_PATHS:
+            raise SpecError(f"data_path: unknown value {self.data_path!r}; expected one of {list(DATA_PATHS)}")
 
     def _check_dataset_overrides(self) -> None:
         """Each dataset's overrides, named ``datasets.<name>.<field>``; the resolved warmup lies before the
@@ -617,7 +643,8 @@ class StudySpec:
     )
     #: plasticity fields whose change alters which pairs (or bounds) a measured dataset's rows mean; with
     #: ``sequential`` pairing ``batch_size`` too (where a short side starts over)
-    PLASTICITY_FIELDS: ClassVar[tuple[str, ...]] = ("pairing", "pairs", "mode", "seed", "pretrain_split", "radius")
+    PLASTICITY_FIELDS: ClassVar[tuple[str, ...]] = ("pairing", "pairs", "mode", "seed", "pretrain_split", "radius",
+                                                    "seq_len")
     #: probe fields whose change alters what a finished probe means
     PROBE_FIELDS: ClassVar[tuple[str, ...]] = ("augment", "seed")
 
