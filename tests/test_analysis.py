@@ -37,8 +37,10 @@ def _trial_row(tid: int, model: str, ds: str, di: int, opt: str, config: str, li
     acc = float(np.clip(0.55 + 0.05 * di + ACC_SHIFT[config] + 0.01 * li * (config != "Head")
                         + rng.normal(0, 0.02), 0.01, 0.99))
     status = "ok"
-    if failures and tid % 37 == 0:
+    if failures and tid % 74 == 0:  # diverged before its first evaluation: no accuracy to count
         status, acc = "diverged", float("nan")
+    elif failures and tid % 37 == 0:  # diverged later: the test accuracy of its best checkpoint before that
+        status = "diverged"
     elif failures and tid % 53 == 0:
         status, acc = "failed", 0.999
     row = dict(trial_id=f"t{tid:04d}", dataset=ds, model=model, configuration=config, optimizer=opt, lr=lr,
@@ -64,20 +66,45 @@ def _write_trials_table(path: Path, rows: list[dict], *, old: bool) -> None:
     if old:  # the old column name, so not through io.write_result (it requires today's names)
         write_parquet_atomic(path / "trials.parquet", df)
         return
-    for c in ("trainable_params", "best_val_step"):  # int64 with nulls, as the schema says
+    for c in ("trainable_params", "best_val_step", "steps", "batch_size"):  # int64 with nulls, as the schema says
         df[c] = df[c].astype("Int64")
     write_result(df, path, "trials")
 
 
+def _curve_rows(row: dict, config: str, lr: float, rng) -> list[dict]:
+    """The logged steps of one run; a diverged run stops halfway."""
+    acc, last = row["test_acc"], 100 if row["status"] == "ok" else 50
+    return [dict(trial_id=row["trial_id"], step=step, lr=lr, train_loss=2.0 / (1 + step),
+                 grad_norm=PLASTICITY.get(config, 1.0) * (1 + rng.uniform()) / (1 + step / 50),
+                 val_loss=(2.0 - acc) / (1 + step / 30) if step % 20 == 0 else np.nan,
+                 val_acc=acc if step % 20 == 0 else np.nan) for step in range(0, last, 10)]
+
+
+def _probe_rows(models, datasets, rng) -> list[dict]:
+    """One linear-probe row per model and dataset, as ``raystudy.core.probe.probe_row`` writes it."""
+    rows = []
+    for model in models:
+        for di, ds in enumerate(datasets):
+            rows.append(dict(trial_id=f"{ds}-LP-s0", dataset=ds, model=model, configuration="LP", optimizer=None,
+                             lr=np.nan, seed=0, steps=None, batch_size=None, trainable_params=(10 + 10 * di) * 49,
+                             status="ok", best_val_acc=np.nan, best_val_step=None,
+                             test_acc=float(0.5 + 0.05 * di + rng.normal(0, 0.01)), final_val_loss=np.nan,
+                             wall_seconds=float(rng.uniform(1, 3))))
+    return rows
+
+
 def make_study(path: Path, *, seed: int = 0, plasticity: bool = True, bounds: bool = True, curves: bool = True,
                rates: bool = False, memory: bool = True, head: bool = True, failures: bool = True,
-               datasets=DATASETS, models=("vit_tiny",), old: bool = False) -> Path:
+               datasets=DATASETS, models=("vit_tiny",), old: bool = False, probe: bool = False,
+               adamw_datasets=None, adamw_seeds=None) -> Path:
     """Write a synthetic study directory (tables as in ``raystudy.vocab.SCHEMAS``); returns its path.
 
-    Accuracies are random around a per-dataset level plus a configuration shift; some trials diverge or
-    fail (with a deliberately high ``test_acc`` on failed ones, which must never be counted). ``old``:
-    trials.parquet as older studies wrote it (``component`` column, ``-1`` for a failed trial's counts);
-    every random draw is the same, so an old and a new study of the same ``seed`` hold the same trials.
+    Accuracies are random around a per-dataset level plus a configuration shift; some trials diverge (most
+    after an evaluation, with the accuracy of their best checkpoint; some before any) or fail (with a
+    deliberately high ``test_acc`` on failed ones, which must never be counted). ``old``: trials.parquet as
+    older studies wrote it (``component`` column, ``-1`` for a failed trial's counts); every random draw is
+    the same, so an old and a new study of the same ``seed`` hold the same trials. ``probe``: add one ``LP``
+    row per model and dataset. ``adamw_datasets`` / ``adamw_seeds``: run AdamW only there (default: all).
     """
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True, exist_ok=True)
@@ -86,26 +113,31 @@ def make_study(path: Path, *, seed: int = 0, plasticity: bool = True, bounds: bo
     for model in models:
         for di, ds in enumerate(datasets):
             for opt, lrs in LRS.items():
+                if opt == "adamw" and adamw_datasets is not None and ds not in adamw_datasets:
+                    continue
                 for config in CONFIGS:
                     if config == "Head" and not head:
                         continue
                     for li, lr in enumerate(lrs):
                         for s in SEEDS:
+                            if opt == "adamw" and adamw_seeds is not None and s not in adamw_seeds:
+                                continue
                             tid += 1
                             row = _trial_row(tid, model, ds, di, opt, config, li, lr, s, rng, memory=memory,
                                              failures=failures, old=old)
                             rows.append(row)
-                            if curves and row["status"] == "ok":
-                                acc = row["test_acc"]
-                                for step in range(0, 100, 10):
-                                    curve_rows.append(dict(
-                                        trial_id=row["trial_id"], step=step, lr=lr, train_loss=2.0 / (1 + step),
-                                        grad_norm=PLASTICITY.get(config, 1.0) * (1 + rng.uniform()) / (1 + step / 50),
-                                        val_loss=(2.0 - acc) / (1 + step / 30) if step % 20 == 0 else np.nan,
-                                        val_acc=acc if step % 20 == 0 else np.nan))
+                            if curves and not math.isnan(row["test_acc"]) and row["status"] != "failed":
+                                curve_rows += _curve_rows(row, config, lr, rng)
+    if probe:
+        rows += _probe_rows(models, datasets, rng)
     _write_trials_table(path, rows, old=old)
     if curves:
         write_result(pd.DataFrame(curve_rows), path, "curves")
+    _write_plasticity(path, rng, models, datasets, plasticity=plasticity, rates=rates, bounds=bounds)
+    return path
+
+
+def _write_plasticity(path: Path, rng, models, datasets, *, plasticity: bool, rates: bool, bounds: bool) -> None:
     if plasticity or rates:
         prow, rrow = [], []
         for model in models:
@@ -127,7 +159,6 @@ def make_study(path: Path, *, seed: int = 0, plasticity: bool = True, bounds: bo
                      radius=19.4, seq_len=17) for model in models for layer in range(4)
                 for comp, base in PLASTICITY.items()]
         write_result(pd.DataFrame(brow), path, "bounds")
-    return path
 
 
 # ---------------------------------------------------------------- independent expectations (plain loops)
@@ -137,21 +168,31 @@ def raw_trials(path: Path) -> list[dict]:
     return pd.read_parquet(path / "trials.parquet").rename(columns={"component": "configuration"}).to_dict("records")
 
 
+def is_counted(t: dict) -> bool:
+    """The paper's rule: an ok run, or a diverged one with the accuracy of its checkpoint before the divergence."""
+    return t["status"] in ("ok", "diverged") and not math.isnan(t["test_acc"]) and t["configuration"] != "LP"
+
+
 def sweeps(trials: list[dict]) -> dict:
-    """(model, dataset, optimizer, configuration) -> {lr: {seed: acc}} over ok trials only."""
+    """(model, dataset, optimizer, configuration) -> {lr: {seed: acc}} over counted trials."""
     out: dict = defaultdict(lambda: defaultdict(dict))
     for t in trials:
-        if t["status"] == "ok":
+        if is_counted(t):
             out[(t["model"], t["dataset"], t["optimizer"], t["configuration"])][t["lr"]][t["seed"]] = t["test_acc"]
     return out
 
 
-def sample_std(values) -> float:
+def diverged_runs(trials: list[dict]) -> set:
+    """(model, dataset, optimizer, configuration, lr, seed) of the counted diverged runs."""
+    return {(t["model"], t["dataset"], t["optimizer"], t["configuration"], t["lr"], t["seed"]) for t in trials
+            if is_counted(t) and t["status"] == "diverged"}
+
+
+def pop_std(values) -> float:
+    """The population standard deviation (divide by n, the paper's ``numpy.std``), by a plain loop."""
     v = list(values)
-    if len(v) < 2:
-        return float("nan")
     m = sum(v) / len(v)
-    return math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+    return math.sqrt(sum((x - m) ** 2 for x in v) / len(v))
 
 
 def mean(values) -> float:
@@ -167,7 +208,7 @@ def expected_best(trials) -> dict:
         for lr in sorted(by_lr):
             m = mean(by_lr[lr].values())
             if best is None or m > best[1]:
-                best = (lr, m, sample_std(by_lr[lr].values()), len(by_lr[lr]))
+                best = (lr, m, pop_std(by_lr[lr].values()), len(by_lr[lr]))
         out[key] = best
     return out
 
@@ -206,8 +247,8 @@ def study(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_every_table_written_as_csv_and_markdown(study):
     d, tables = study
-    assert list(tables) == ["best_lr", "lr_grid", "overall", "relative_gain", "wilcoxon", "stability", "ranking",
-                            "cost"]
+    assert list(tables) == ["best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability",
+                            "ranking", "cost"]
     for name, df in tables.items():
         csv = pd.read_csv(d / "analysis" / f"{name}.csv")
         assert list(csv.columns) == list(df.columns), name
@@ -221,15 +262,18 @@ def test_every_table_written_as_csv_and_markdown(study):
 def test_best_lr_matches_loops(study):
     d, tables = study
     t = tables["best_lr"]
-    assert list(t.columns) == ["dataset", "optimizer", "configuration", "lr", "mean", "std", "n_seeds"]
+    assert list(t.columns) == ["dataset", "optimizer", "configuration", "lr", "mean", "std", "n_seeds", "n_diverged"]
     exp = expected_best(raw_trials(d))
+    div = diverged_runs(raw_trials(d))
     assert len(t) == len(exp) == len(DATASETS) * len(LRS) * len(CONFIGS)
     got = by_key(t, ["dataset", "optimizer", "configuration"])
     for (_model, ds, opt, comp), (lr, m, s, n) in exp.items():
         r = got[(ds, opt, comp)]
         assert r["lr"] == lr and r["n_seeds"] == n
         assert r["mean"] == pytest.approx(m, abs=1e-12)
-        assert r["std"] == pytest.approx(s, abs=1e-12, nan_ok=True)
+        assert r["std"] == pytest.approx(s, abs=1e-12)
+        assert r["n_diverged"] == sum((_model, ds, opt, comp, lr, seed) in div for seed in SEEDS)
+    assert t["n_diverged"].sum() > 0  # some best-lr means do count a diverged run
     # Rows in configuration order within each dataset/optimizer; CSV keeps fractions.
     assert list(t["configuration"][:7]) == list(CONFIGS)
     assert t["mean"].between(0, 1).all()
@@ -238,16 +282,18 @@ def test_best_lr_matches_loops(study):
 def test_failed_trials_never_counted(study):
     d, tables = study
     trials = raw_trials(d)
-    bad = [t for t in trials if t["status"] != "ok"]
+    bad = [t for t in trials if not is_counted(t)]
     assert {t["status"] for t in bad} == {"diverged", "failed"}
     # A failed trial carries test_acc 0.999: counting it would push some mean above every ok accuracy.
     assert tables["stability"]["max"].max() < 0.999
     assert tables["lr_grid"]["n_trials"].sum() == len(trials) - len(bad)
+    n_div = sum(t["status"] == "diverged" for t in trials if is_counted(t))
+    assert tables["lr_grid"]["n_diverged"].sum() == n_div > 0  # diverged runs with an evaluation count
     md = (d / "analysis" / "best_lr.md").read_text()
-    n_div = sum(t["status"] == "diverged" for t in bad)
+    n_early = sum(t["status"] == "diverged" for t in bad)
     n_fail = sum(t["status"] == "failed" for t in bad)
     assert f"{len(bad)} of {len(trials)} trials excluded" in md
-    assert f"{n_div} diverged" in md and f"{n_fail} failed" in md
+    assert f"{n_early} diverged before any evaluation" in md and f"{n_fail} status failed" in md
     excluded = pd.read_csv(d / "analysis" / "excluded.csv")
     assert sorted(excluded["trial_id"]) == sorted(t["trial_id"] for t in bad)
 
@@ -255,13 +301,14 @@ def test_failed_trials_never_counted(study):
 def test_lr_grid_matches_loops(study):
     d, tables = study
     t = tables["lr_grid"]
-    assert list(t.columns) == ["dataset", "optimizer", "configuration", "mean", "std", "n_lrs", "n_trials"]
+    assert list(t.columns) == ["dataset", "optimizer", "configuration", "mean", "std", "n_lrs", "n_trials",
+                               "n_diverged"]
     got = by_key(t, ["dataset", "optimizer", "configuration"])
     for (_model, ds, opt, comp), by_lr in sweeps(raw_trials(d)).items():
         means = [mean(by_lr[lr].values()) for lr in sorted(by_lr)]
         r = got[(ds, opt, comp)]
         assert r["mean"] == pytest.approx(mean(means), abs=1e-12)
-        assert r["std"] == pytest.approx(sample_std(means), abs=1e-12)
+        assert r["std"] == pytest.approx(pop_std(means), abs=1e-12)
         assert r["n_lrs"] == len(by_lr)
         assert r["n_trials"] == sum(len(v) for v in by_lr.values())
 
@@ -269,7 +316,8 @@ def test_lr_grid_matches_loops(study):
 def test_overall_matches_loops(study):
     d, tables = study
     t = tables["overall"]
-    assert list(t.columns) == ["optimizer", "configuration", "mean", "std", "n_datasets", "lr_grid_mean", "lr_grid_std"]
+    assert list(t.columns) == ["optimizer", "configuration", "mean", "std", "n_datasets", "n_diverged", "lr_grid_mean",
+                               "lr_grid_std"]
     best = expected_best(raw_trials(d))
     sw = sweeps(raw_trials(d))
     got = by_key(t, ["optimizer", "configuration"])
@@ -282,10 +330,10 @@ def test_overall_matches_loops(study):
                 by_lr = sw[("vit_tiny", ds, opt, comp)]
                 seed_means = [mean(by_lr[lr].values()) for lr in by_lr]
                 grid_means.append(mean(seed_means))
-                grid_stds.append(sample_std(seed_means))
+                grid_stds.append(pop_std(seed_means))
             r = got[(opt, comp)]
             assert r["mean"] == pytest.approx(mean(accs), abs=1e-12)
-            assert r["std"] == pytest.approx(sample_std(accs), abs=1e-12)
+            assert r["std"] == pytest.approx(pop_std(accs), abs=1e-12)
             assert r["n_datasets"] == len(DATASETS)
             assert r["lr_grid_mean"] == pytest.approx(mean(grid_means), abs=1e-12)
             assert r["lr_grid_std"] == pytest.approx(mean(grid_stds), abs=1e-12)
@@ -304,7 +352,7 @@ def test_relative_gain_matches_loops(study):
                 acc, head = best[("vit_tiny", ds, opt, comp)][1], best[("vit_tiny", ds, opt, "Head")][1]
                 r = got[(ds, opt, comp)]
                 assert r["accuracy"] == pytest.approx(acc, abs=1e-12)
-                assert r["head_accuracy"] == pytest.approx(head, abs=1e-12)
+                assert r["reference_accuracy"] == pytest.approx(head, abs=1e-12) and r["reference"] == "Head"
                 assert r["relative_gain"] == pytest.approx((acc - head) / head, abs=1e-12)
                 gains.append((acc - head) / head)
                 accs.append(acc)
@@ -312,7 +360,7 @@ def test_relative_gain_matches_loops(study):
             r = got[("overall", opt, comp)]
             assert r["relative_gain"] == pytest.approx(mean(gains), abs=1e-12)
             assert r["accuracy"] == pytest.approx(mean(accs), abs=1e-12)
-            assert r["head_accuracy"] == pytest.approx(mean(heads), abs=1e-12)
+            assert r["reference_accuracy"] == pytest.approx(mean(heads), abs=1e-12)
     assert list(t["dataset"])[-1] == "overall"
 
 
@@ -352,7 +400,7 @@ def test_wilcoxon_two_sided_and_dataset_seed_pairs(tmp_path):
     trials = raw_trials(d)
     best = expected_best(trials)
     acc = {(t_["dataset"], t_["optimizer"], t_["configuration"], t_["lr"], t_["seed"]): t_["test_acc"]
-           for t_ in trials if t_["status"] == "ok"}
+           for t_ in trials if is_counted(t_)}
     got = by_key(t, ["optimizer", "other"])
     for opt in LRS:
         for other in CONFIGS:
@@ -379,17 +427,17 @@ def test_stability_matches_loops(study):
     d, tables = study
     t = tables["stability"]
     assert list(t.columns) == ["dataset", "optimizer", "configuration", "mean", "std", "min", "max", "range",
-                               "n_trials"]
+                               "n_trials", "n_diverged"]
     got = by_key(t, ["dataset", "optimizer", "configuration"])
     per = defaultdict(list)
     for (_model, ds, opt, comp), by_lr in sweeps(raw_trials(d)).items():
         v = [a for seeds in by_lr.values() for a in seeds.values()]
         r = got[(ds, opt, comp)]
-        assert r["std"] == pytest.approx(sample_std(v), abs=1e-12)
+        assert r["std"] == pytest.approx(pop_std(v), abs=1e-12)
         assert r["range"] == pytest.approx(max(v) - min(v), abs=1e-12)
         assert (r["min"], r["max"], r["n_trials"]) == (min(v), max(v), len(v))
         assert r["mean"] == pytest.approx(mean(v), abs=1e-12)
-        per[(opt, comp)].append((sample_std(v), max(v) - min(v), len(v)))
+        per[(opt, comp)].append((pop_std(v), max(v) - min(v), len(v)))
     for (opt, comp), vals in per.items():
         r = got[("overall", opt, comp)]
         assert r["std"] == pytest.approx(mean(v[0] for v in vals), abs=1e-12)
@@ -479,7 +527,7 @@ def test_cost_matches_loops(study):
             for column in ("trainable_params", "optimizer_memory_bytes", "grad_memory_bytes"):
                 assert r[column] == median_recorded(mine, column), column
             assert r["wall_seconds"] == pytest.approx(mean(x["wall_seconds"] for x in ok), abs=1e-9)
-            assert r["wall_seconds_std"] == pytest.approx(sample_std(x["wall_seconds"] for x in ok), abs=1e-9)
+            assert r["wall_seconds_std"] == pytest.approx(pop_std(x["wall_seconds"] for x in ok), abs=1e-9)
             assert r["total_wall_seconds"] == pytest.approx(
                 sum(x["wall_seconds"] for x in mine if not math.isnan(x["wall_seconds"])), abs=1e-9)
             assert r["images_per_s"] == pytest.approx(mean(x["images_per_s"] for x in ok), abs=1e-9)
@@ -491,17 +539,25 @@ def test_cost_matches_loops(study):
 def test_markdown_shows_percent_and_marks_best(study):
     d, _ = study
     best = expected_best(raw_trials(d))
+    div = diverged_runs(raw_trials(d))
     md = (d / "analysis" / "best_lr.md").read_text()
     sgd_block = md.split("## optimizer: sgd")[1]
-    line = next(line for line in sgd_block.splitlines() if line.startswith("| cifar10 |"))
-    cells = {}
-    for config in CONFIGS:  # "mean ± std (lr 1e-2)" in percent, lr as mantissa e exponent
-        lr, m, s, _n = best[("vit_tiny", "cifar10", "sgd", config)]
-        mant, exp = f"{lr:e}".split("e")
-        cells[config] = f"{100 * m:.1f} ± {100 * s:.1f}"
-        assert f"{cells[config]} (lr {float(mant):g}e{int(exp)})" in line.replace("**", ""), config
-    top = max(COMPONENTS, key=lambda c: best[("vit_tiny", "cifar10", "sgd", c)][1])
-    assert line.count("**") == 2 and f"**{cells[top]}**" in line  # bold: the best of the five components
+    marked = 0
+    for line in sgd_block.splitlines():
+        if not line.startswith("| ") or line.startswith("| dataset"):
+            continue
+        ds = line.split(" | ")[0][2:]
+        cells = {}
+        for config in CONFIGS:  # "mean ± std [‡] (lr 1e-2)" in percent, lr as mantissa e exponent
+            lr, m, s, _n = best[("vit_tiny", ds, "sgd", config)]
+            mant, exp = f"{lr:e}".split("e")
+            mark = " ‡" if any(("vit_tiny", ds, "sgd", config, lr, seed) in div for seed in SEEDS) else ""
+            marked += bool(mark)
+            cells[config] = f"{100 * m:.1f} ± {100 * s:.1f}{mark}"
+            assert f"{cells[config]} (lr {float(mant):g}e{int(exp)})" in line.replace("**", ""), config
+        top = max(COMPONENTS, key=lambda c: best[("vit_tiny", ds, "sgd", c)][1])
+        assert line.count("**") == 2 and f"**{cells[top]}**" in line  # bold: the best of the five components
+    assert marked and "‡: includes diverged run(s)" in md and "ddof = 0" in md
     w = (d / "analysis" / "wilcoxon.md").read_text()
     assert "one-sided" in w and "paired over datasets" in w
 
@@ -519,11 +575,13 @@ def test_without_plasticity_parts_are_omitted_with_a_note(tmp_path):
     assert "ranking" not in tables and "relative_gain" not in tables
     assert not (d / "analysis" / "ranking.csv").exists()
     notes = (d / "analysis" / "notes.md").read_text()
-    assert "No plasticity.parquet" in notes and "No Head" in notes and "No curves.parquet" in notes
+    assert "No plasticity.parquet" in notes and "no Head trials" in notes and "No curves.parquet" in notes
     assert "excluded" not in (d / "analysis" / "best_lr.md").read_text()
     assert "grad_memory_bytes" not in tables["cost"].columns and "images_per_s" not in tables["cost"].columns
     figs = sorted(p.name for p in (d / "analysis" / "figures").iterdir())
-    assert figs == ["accuracy_distribution.png", "accuracy_distribution.svg"]
+    names = ("accuracy_distribution", "accuracy_fixed_lr_adamw", "accuracy_fixed_lr_sgd", "accuracy_vs_lr",
+             "best_accuracy", "accuracy_vs_params")
+    assert figs == sorted(f"{f}.{e}" for f in names for e in ("png", "svg"))
 
 
 def test_plasticity_only_study(tmp_path):
@@ -637,8 +695,8 @@ def test_old_study_directory_gives_the_same_tables(tmp_path):
     assert failed.any() and (raw.loc[failed, "trainable_params"] == -1).all()
     assert (raw.loc[failed, "best_val_step"] == -1).all()
     t_old, t_new = analyze(old, figures=False), analyze(new, figures=False)
-    assert list(t_old) == list(t_new) == ["best_lr", "lr_grid", "overall", "relative_gain", "wilcoxon", "stability",
-                                          "ranking", "cost"]
+    assert list(t_old) == list(t_new) == ["best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon",
+                                          "stability", "ranking", "cost"]
     for name in t_new:
         pd.testing.assert_frame_equal(t_old[name], t_new[name], obj=name)
         assert (old / "analysis" / f"{name}.md").read_text() == (new / "analysis" / f"{name}.md").read_text()
@@ -654,7 +712,7 @@ def paired_accuracies(trials: list[dict], opt: str, config: str, pair_by: str) -
     if pair_by == "dataset":
         return {ds: v[1] for (_m, ds, o, c), v in best.items() if (o, c) == (opt, config)}
     return {(t["dataset"], t["seed"]): t["test_acc"] for t in trials
-            if t["status"] == "ok" and (t["optimizer"], t["configuration"]) == (opt, config)
+            if is_counted(t) and (t["optimizer"], t["configuration"]) == (opt, config)
             and t["lr"] == best[(t["model"], t["dataset"], opt, config)][0]}
 
 
@@ -666,8 +724,8 @@ def test_cli_analyze_out_reference_and_pair_by(tmp_path, capsys):
     datasets = DATASETS[:5]
     d = make_study(tmp_path / "s", seed=5, plasticity=False, bounds=False, curves=False, datasets=datasets)
     trials = raw_trials(d)
-    written = [f"{n}.{e}" for n in ("best_lr", "lr_grid", "overall", "relative_gain", "wilcoxon", "stability",
-                                     "cost", "excluded") for e in ("csv", "md")] + ["notes.md"]
+    written = [f"{n}.{e}" for n in ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon",
+                                     "stability", "cost", "excluded") for e in ("csv", "md")] + ["notes.md"]
     n_pairs = {}
     for ref, pair_by in (("LN2", "dataset"), ("FC1", "dataset_seed")):
         out = tmp_path / f"out-{ref}-{pair_by}"
@@ -717,8 +775,10 @@ def test_cli_analyze_and_report_write_every_figure(tmp_path, capsys):
     assert main(["report", str(d)]) == 0
     path = Path(capsys.readouterr().out.strip().splitlines()[-1])
     assert path == d / "analysis" / "report.html" and path.stat().st_size > 50_000
-    figs = ["plasticity_depth", "plasticity_distribution", "bounds", "accuracy_distribution", "relative_gain"]
+    figs = ["plasticity_depth", "plasticity_distribution", "bounds", "accuracy_distribution", "relative_gain",
+            "accuracy_fixed_lr_adamw", "accuracy_fixed_lr_sgd", "accuracy_vs_lr", "best_accuracy", "accuracy_vs_params"]
     figs += [f"curves_{ds}_{opt}" for ds in DATASETS[:2] for opt in ("adamw", "sgd")]
+    figs += [f"curves_all_{ds}_{opt}" for ds in DATASETS[:2] for opt in ("adamw", "sgd")]
     assert sorted(p.name for p in (d / "analysis" / "figures").iterdir()) == sorted(
         f"{f}.{ext}" for f in figs for ext in ("png", "svg"))
     for f in figs:

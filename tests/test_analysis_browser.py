@@ -183,10 +183,13 @@ def test_report_renders_in_headless_chromium(tmp_path, browser):
     assert browser.problems() == []
     assert state["imagesOk"] == "true"
     figures = sorted(p.stem for p in (d / "analysis" / "figures").glob("*.png"))
-    assert sorted(name for name, _, _ in state["images"]) == figures and len(figures) == 9
+    # plasticity (3), accuracy (distribution, fixed lr x 2 optimizers, vs lr, best, vs params), relative gain,
+    # and per dataset and optimizer the best-run and every-run curves (2 x 2 x 2)
+    assert sorted(name for name, _, _ in state["images"]) == figures and len(figures) == 3 + 6 + 1 + 8
     assert all(w > 600 and h > 300 for _, w, h in state["images"])
     names = [name for name, _, _ in state["tables"]]
-    for t in ("best_lr", "lr_grid", "overall", "relative_gain", "wilcoxon", "stability", "ranking", "cost"):
+    for t in ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking",
+              "cost"):
         assert t in names
     assert all(rows > 0 and width > 200 for _, rows, width in state["tables"])
     assert state["headings"] == ["Summary", "Notes", "Tables", "Figures"]

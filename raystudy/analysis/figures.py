@@ -317,13 +317,13 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
     return save_figure(fig, path_stem)
 
 
-def plot_accuracy_distribution(trials_ok: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+def plot_accuracy_distribution(counted: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Test accuracy over learning rates x seeds per configuration, one panel per dataset (and optimizer).
 
     A violin (when it has spread) with quartiles and median per configuration, and every trial as a dot.
     """
-    _require(trials_ok, ["dataset", "configuration", "test_acc"], "trials")
-    panels, constant = _facets(trials_ok, ("model", "optimizer", "dataset"))
+    _require(counted, ["dataset", "configuration", "test_acc"], "trials")
+    panels, constant = _facets(counted, ("model", "optimizer", "dataset"))
     fig, axes = _grid(len(panels), width=5.0, height=3.6)
     rng = np.random.default_rng(0)
     for ax, (name, rows) in zip(axes, panels):
@@ -340,10 +340,10 @@ def plot_accuracy_distribution(trials_ok: pd.DataFrame, path_stem: str | Path, *
     return save_figure(fig, path_stem)
 
 
-def best_runs(trials_ok: pd.DataFrame) -> pd.DataFrame:
+def best_runs(counted: pd.DataFrame) -> pd.DataFrame:
     """The ok trial with the highest test accuracy per model, dataset, optimizer and configuration
     (ties: the first ``trial_id``)."""
-    t = trials_ok.sort_values(["test_acc", "trial_id"], ascending=[False, True], kind="stable")
+    t = counted.sort_values(["test_acc", "trial_id"], ascending=[False, True], kind="stable")
     return t.drop_duplicates(["model", "dataset", "optimizer", "configuration"]).reset_index(drop=True)
 
 
@@ -382,34 +382,45 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path,
     return save_figure(fig, path_stem)
 
 
+def grouped_bars(ax, rows: pd.DataFrame, value: str, *, err: str | None = None, scale: float = 100.0) -> None:
+    """Grouped bars on ``ax``: x = dataset (``overall`` last, after a dotted line), one bar per configuration
+    (TRIALS_CONFIGURATIONS order, its colour) of ``scale * rows[value]``, error bars ``scale * rows[err]``."""
+    datasets = list(dict.fromkeys(sorted(rows["dataset"].astype(str), key=lambda d: (d == "overall", d))))
+    configs = _ordered(rows["configuration"].unique())
+    width = 0.8 / max(len(configs), 1)
+    x = np.arange(len(datasets))
+    for k, config in enumerate(configs):
+        r = rows[rows["configuration"] == config]
+        r = r.set_index(r["dataset"].astype(str))
+        y = [scale * float(r[value].get(d, np.nan)) for d in datasets]
+        yerr = [scale * float(r[err].get(d, np.nan)) for d in datasets] if err else None
+        ax.bar(x + (k - (len(configs) - 1) / 2) * width, y, width, yerr=yerr, color=_color(config), label=config,
+               edgecolor="white", linewidth=0.5, error_kw=dict(lw=0.8, capsize=1.5, ecolor="#333333"))
+    if "overall" in datasets and len(datasets) > 1:
+        ax.axvline(len(datasets) - 1.5, color="grey", lw=0.8, ls=":")
+    tilt = len(datasets) > 4
+    ax.set_xticks(x, datasets, rotation=30 if tilt else 0, ha="right" if tilt else "center")
+    ax.grid(axis="y", alpha=0.3)
+
+
 def plot_relative_gain(relative_gain: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Grouped bars of the relative gain over linear probing, per dataset (and overall), per configuration.
 
-    ``relative_gain`` as written by the analysis (``dataset, configuration, relative_gain`` fractions; rows with
-    ``dataset == "overall"`` last); one panel per optimizer (and model).
+    ``relative_gain`` as written by the analysis (``dataset, configuration, relative_gain`` fractions, and
+    ``reference``: ``LP`` or ``Head``; rows with ``dataset == "overall"`` last); one panel per optimizer (and
+    model).
     """
     _require(relative_gain, ["dataset", "configuration", "relative_gain"], "relative_gain")
     panels, constant = _facets(relative_gain, ("model", "optimizer"))
     n_ds = relative_gain["dataset"].nunique()
+    ref = relative_gain["reference"].iloc[0] if "reference" in relative_gain.columns else "Head"
     fig, axes = _grid(len(panels), width=max(5.5, 0.75 * n_ds + 2.5), height=3.8, max_cols=1 if n_ds > 5 else 2)
     for ax, (name, rows) in zip(axes, panels):
-        datasets = list(dict.fromkeys(sorted(rows["dataset"].astype(str), key=lambda d: (d == "overall", d))))
-        configs = _ordered(rows["configuration"].unique())
-        width = 0.8 / max(len(configs), 1)
-        for k, config in enumerate(configs):
-            r = rows[rows["configuration"] == config].set_index("dataset")["relative_gain"]
-            y = [100 * float(r.get(d, np.nan)) for d in datasets]
-            ax.bar(np.arange(len(datasets)) + (k - (len(configs) - 1) / 2) * width, y, width, color=_color(config),
-                   label=config, edgecolor="white", linewidth=0.5)
+        grouped_bars(ax, rows, "relative_gain")
         ax.axhline(0, color="black", lw=0.8)
-        if "overall" in datasets and len(datasets) > 1:
-            ax.axvline(len(datasets) - 1.5, color="grey", lw=0.8, ls=":")
-        ax.set_xticks(np.arange(len(datasets)), datasets, rotation=30 if len(datasets) > 4 else 0, ha="right"
-                      if len(datasets) > 4 else "center")
-        ax.set_ylabel("gain over linear probing (%)")
-        ax.grid(axis="y", alpha=0.3)
+        ax.set_ylabel(f"gain over {ref} (%)")
         if name:
             ax.set_title(name)
     _legend(fig, axes, "configuration")
-    _title(fig, title or "Relative gain over linear probing (Head)", constant)
+    _title(fig, title or f"Relative gain over linear probing ({ref})", constant)
     return save_figure(fig, path_stem)

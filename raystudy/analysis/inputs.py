@@ -6,6 +6,12 @@ values the analysis relies on. Every problem raises :class:`raystudy.io.TableErr
 column and, where it helps, the offending rows. Absent optional tables are ``None`` and reported in
 ``notes``; an absent ``trials`` *and* ``plasticity`` is an error (nothing to analyse). ``trials.parquet``
 of an older study (its ``configuration`` column still called ``component``) is read as today's.
+
+Which trials count (as the paper's authors count them): a trial whose status is ``ok`` or ``diverged``
+and that has a ``test_acc``. A diverged run keeps the test accuracy of its best-validation checkpoint
+before the divergence (the tables flag it, ``n_diverged``); a diverged run that never reached an
+evaluation, and every ``failed`` trial, is excluded. Linear-probe rows (configuration ``LP``, written
+once per dataset by the probe, no optimizer or learning rate) are kept apart in ``probes``.
 """
 
 from __future__ import annotations
@@ -16,19 +22,27 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from raystudy.io import TableError, read_result, table_path
-from raystudy.vocab import COMPONENTS, CONFIGURATIONS, STATUSES, check_name
+from raystudy.vocab import COMPONENTS, FINAL_STATUSES, LINEAR_PROBE, STATUSES, TRIALS_CONFIGURATIONS, check_name
 
-#: The one status whose trials enter the accuracy statistics.
-OK = check_name("ok", STATUSES, "status")
+#: A run that diverged: counted with its pre-divergence best-validation test accuracy, and flagged.
+DIVERGED = check_name("diverged", STATUSES, "status")
+#: The statuses whose trials enter the accuracy statistics (when they have a test accuracy).
+COUNTED = FINAL_STATUSES
 
 
 @dataclass
 class StudyInputs:
-    """The tables of one study directory; ``trials_ok`` holds the trials with ``status == "ok"``."""
+    """The tables of one study directory.
+
+    ``counted``: the finetuning trials that enter the accuracy statistics (status ok or diverged, with a
+    test accuracy; column ``diverged`` marks the latter); ``probes``: the counted linear-probe (``LP``) rows;
+    ``excluded``: every other trial row.
+    """
 
     study_dir: str
     trials: pd.DataFrame | None = None
-    trials_ok: pd.DataFrame | None = None
+    counted: pd.DataFrame | None = None
+    probes: pd.DataFrame | None = None
     excluded: pd.DataFrame | None = None
     curves: pd.DataFrame | None = None
     plasticity: pd.DataFrame | None = None
@@ -80,41 +94,59 @@ def _no_nulls(df: pd.DataFrame, columns: list[str], path: str, id_column: str | 
             raise _fail(path, c, f"missing value(s) at {_rows(df, bad, id_column)}")
 
 
-def _check_ok_trials(ok: pd.DataFrame, path: str) -> None:
-    """Ok trials need their keys, a ``test_acc`` fraction, a positive lr, and no key twice."""
-    _no_nulls(ok, ["model", "dataset", "optimizer", "lr", "seed", "test_acc"], path, "trial_id")
-    bad = (ok["test_acc"] < 0) | (ok["test_acc"] > 1)
+def _check_range(df: pd.DataFrame, path: str) -> None:
+    bad = (df["test_acc"] < 0) | (df["test_acc"] > 1)
     if bad.any():
         raise _fail(path, "test_acc", f"accuracies must be fractions in [0, 1]; out of range at "
-                                      f"{_rows(ok, bad, 'trial_id')}")
-    bad = ok["lr"] <= 0
+                                      f"{_rows(df, bad, 'trial_id')}")
+
+
+def _check_counted(counted: pd.DataFrame, path: str) -> None:
+    """Counted trials need their keys, a ``test_acc`` fraction, a positive lr, and no key twice."""
+    _no_nulls(counted, ["model", "dataset", "optimizer", "lr", "seed", "test_acc"], path, "trial_id")
+    _check_range(counted, path)
+    bad = counted["lr"] <= 0
     if bad.any():
-        raise _fail(path, "lr", f"non-positive learning rate at {_rows(ok, bad, 'trial_id')}")
+        raise _fail(path, "lr", f"non-positive learning rate at {_rows(counted, bad, 'trial_id')}")
     key = ["model", "dataset", "optimizer", "configuration", "lr", "seed"]
-    dup = ok.duplicated(key, keep=False)
+    dup = counted.duplicated(key, keep=False)
     if dup.any():
-        raise _fail(path, "seed", f"ok trials repeat the same {key} at {_rows(ok, dup, 'trial_id')}")
+        raise _fail(path, "seed", f"counted trials repeat the same {key} at {_rows(counted, dup, 'trial_id')}")
 
 
-def validate_trials(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Check ``trials`` and split it into (ok trials, excluded trials).
+def _check_probes(probes: pd.DataFrame, path: str) -> None:
+    """Probe rows need model, dataset and ``test_acc`` (no optimizer or lr), one per model, dataset and seed."""
+    _no_nulls(probes, ["model", "dataset", "test_acc"], path, "trial_id")
+    _check_range(probes, path)
+    dup = probes.duplicated(["model", "dataset", "seed"], keep=False)
+    if dup.any():
+        raise _fail(path, "seed", f"{LINEAR_PROBE} rows repeat the same model, dataset and seed at "
+                                  f"{_rows(probes, dup, 'trial_id')}")
 
-    Every row needs a known ``configuration``; ``status`` other than ``ok`` (missing included) excludes a
-    trial from the accuracy statistics. Ok trials need ``dataset, optimizer, lr, seed`` and a ``test_acc``
-    in [0, 1] (a fraction, not a percentage), and no two ok trials may share model, dataset, optimizer,
-    configuration, lr and seed (it would count a run twice).
+
+def validate_trials(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Check ``trials`` and split it into (counted trials, probe rows, excluded trials).
+
+    Every row needs a known ``configuration`` (``TRIALS_CONFIGURATIONS``: ``LP`` included). A row counts
+    when its status is ok or diverged and it has a ``test_acc``; the others (failed, missing status, or
+    diverged before any evaluation) are excluded. Counted trials need ``dataset, optimizer, lr, seed`` and a
+    ``test_acc`` in [0, 1] (a fraction, not a percentage), and no two may share model, dataset, optimizer,
+    configuration, lr and seed (it would count a run twice). Counted ``LP`` rows go to the probes.
     """
     _not_empty(trials, path)
     df = trials.reset_index(drop=True).copy()
-    _known(df, "configuration", CONFIGURATIONS, path)
+    _known(df, "configuration", TRIALS_CONFIGURATIONS, path)
     for c in ("lr", "test_acc", "wall_seconds", "trainable_params"):
         df[c] = _numeric(df, c, path)
     status = df["status"].astype("string").fillna("missing")
     df["status"] = status.astype(object)
-    ok = df[status == OK].copy()
-    excluded = df[status != OK].copy()
-    _check_ok_trials(ok, path)
-    return ok.reset_index(drop=True), excluded.reset_index(drop=True)
+    df["diverged"] = (status == DIVERGED).to_numpy()
+    keep = (status.isin(COUNTED) & df["test_acc"].notna()).to_numpy()
+    probe = (df["configuration"] == LINEAR_PROBE).to_numpy()
+    counted, probes = df[keep & ~probe].copy(), df[keep & probe].copy()
+    _check_counted(counted, path)
+    _check_probes(probes, path)
+    return tuple(x.reset_index(drop=True) for x in (counted, probes, df[~keep].copy()))
 
 
 def validate_plasticity(df: pd.DataFrame, path: str) -> pd.DataFrame:
@@ -178,7 +210,7 @@ def load_study(study_dir: str | os.PathLike) -> StudyInputs:
     trials = read_result(inputs.study_dir, "trials", required=False)
     if trials is not None:
         inputs.trials = trials
-        inputs.trials_ok, inputs.excluded = validate_trials(trials, inputs.path("trials"))
+        inputs.counted, inputs.probes, inputs.excluded = validate_trials(trials, inputs.path("trials"))
     else:
         inputs.notes.append("No trials.parquet: the finetuning tables and figures are omitted.")
     plasticity = read_result(inputs.study_dir, "plasticity", required=False)

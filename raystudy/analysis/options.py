@@ -1,11 +1,13 @@
 """The options of an analysis (which configuration the tests compare against, how they pair), checked once.
 
+The reference may be any configuration a trials table holds, the linear probe ``LP`` included.
+
 Imports only :mod:`raystudy.vocab`, so the CLI can offer these choices without loading pandas or scipy.
 """
 
 from __future__ import annotations
 
-from raystudy.vocab import CONFIGURATIONS, check_name
+from raystudy.vocab import TRIALS_CONFIGURATIONS, check_name
 
 #: ``scipy.stats.wilcoxon`` alternatives; ``"greater"``: the reference configuration is better.
 ALTERNATIVES: tuple[str, ...] = ("greater", "two-sided", "less")
@@ -19,6 +21,6 @@ DEFAULT_PAIR_BY = "dataset"
 
 def check_options(reference: str, alternative: str, pair_by: str) -> None:
     """Reject unknown option values with a ``ValueError`` naming the parameter and the choices."""
-    check_name(reference, CONFIGURATIONS, "reference")
+    check_name(reference, TRIALS_CONFIGURATIONS, "reference")
     check_name(alternative, ALTERNATIVES, "alternative")
     check_name(pair_by, PAIR_BY, "pair_by")

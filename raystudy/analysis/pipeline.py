@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from raystudy import storage
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
+from raystudy.analysis import sweep_figures as SF
 from raystudy.analysis.inputs import StudyInputs, load_study
 from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE, check_options
 from raystudy.analysis.stats import ranking_table, wilcoxon_table
@@ -28,15 +29,18 @@ from raystudy.analysis.tables import (
     best_lr_table,
     cost_table,
     lr_grid_table,
+    optimizer_table,
     overall_table,
     relative_gain_table,
+    shared_subset,
     stability_table,
 )
+from raystudy.vocab import LINEAR_PROBE
 
 log = logging.getLogger(__name__)
 
 #: Every table the analysis can write, in report order.
-TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "wilcoxon", "stability", "ranking", "cost")
+TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking", "cost")
 
 
 @dataclass
@@ -74,16 +78,42 @@ def _slug(*parts) -> str:
     return "_".join(re.sub(r"[^A-Za-z0-9.+-]+", "-", str(p)).strip("-") for p in parts if str(p))
 
 
+def _gain_notes(gain: pd.DataFrame | None, inputs: StudyInputs, notes: list[str]) -> None:
+    """Say which baseline the relative gain uses, and when it is omitted."""
+    if gain is None:
+        notes.append(f"No {LINEAR_PROBE} (linear probe) rows and no Head trials: the relative-gain table and "
+                     "figure are omitted.")
+    elif gain["reference"].iloc[0] != LINEAR_PROBE:
+        notes.append(f"No {LINEAR_PROBE} (linear probe) rows: the relative gain uses Head (an SGD-trained "
+                     "classifier on the frozen backbone) as its reference instead of the authors' linear probe.")
+    else:
+        missing = sorted(set(inputs.counted["dataset"]) - set(inputs.probes["dataset"]))
+        if missing:
+            notes.append(f"No {LINEAR_PROBE} row for dataset(s) {missing}: left out of the relative gain.")
+
+
+def _subset_notes(tables: dict, counted: pd.DataFrame, notes: list[str]) -> None:
+    if "optimizers" not in tables and counted["optimizer"].nunique() > 1:
+        notes.append("No dataset and seed on which every optimizer ran: the optimizer comparison is omitted.")
+    counts = tables["overall"].groupby("optimizer")["n_datasets"].agg(["min", "max"])
+    for opt, r in counts.iterrows():
+        if r["min"] != r["max"]:
+            notes.append(f"{opt}: not every configuration has counted trials on every dataset "
+                         f"({r['min']}–{r['max']} datasets); overall means cover different datasets.")
+
+
 def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **options) -> dict:
-    """The tables built on the ok trials' accuracies (every one but ``cost``); omitted ones noted."""
-    tables = {"best_lr": best_lr_table(ok), "lr_grid": lr_grid_table(ok)}
+    """The tables built on the counted trials' accuracies (every one but ``cost``); omitted ones noted."""
+    tables = {"best_lr": best_lr_table(ok, inputs.probes), "lr_grid": lr_grid_table(ok)}
     tables["overall"] = overall_table(tables["best_lr"], tables["lr_grid"], ok)
     gain = relative_gain_table(tables["best_lr"], ok)
+    _gain_notes(gain, inputs, notes)
     if gain is not None:
         tables["relative_gain"] = gain
-    else:
-        notes.append("No Head (linear probing) trials: the relative-gain table and figure are omitted.")
-    wilcoxon = wilcoxon_table(tables["best_lr"], ok, **options)
+    optimizers = optimizer_table(ok)
+    if optimizers is not None:
+        tables["optimizers"] = optimizers
+    wilcoxon = wilcoxon_table(tables["best_lr"], ok, probes=inputs.probes, **options)
     if len(wilcoxon):
         tables["wilcoxon"] = wilcoxon
     else:
@@ -94,11 +124,7 @@ def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **
         ranking = ranking_table(inputs.plasticity, tables["best_lr"], ok, notes)
         if ranking is not None:
             tables["ranking"] = ranking
-    counts = tables["overall"].groupby("optimizer")["n_datasets"].agg(["min", "max"])
-    for opt, r in counts.iterrows():
-        if r["min"] != r["max"]:
-            notes.append(f"{opt}: not every configuration has ok trials on every dataset "
-                         f"({r['min']}–{r['max']} datasets); overall means cover different datasets.")
+    _subset_notes(tables, ok, notes)
     return tables
 
 
@@ -110,12 +136,12 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
     notes = notes if notes is not None else []
     if inputs.trials is None:
         return {}
-    ok = inputs.trials_ok
+    ok = inputs.counted
     if ok is None or ok.empty:
-        notes.append("No trial has status ok: the accuracy tables and figures are omitted.")
-        return {"cost": cost_table(inputs.trials, inputs.trials.iloc[0:0])}
+        notes.append("No trial has a counted test accuracy: the accuracy tables and figures are omitted.")
+        return {"cost": cost_table(inputs.trials, inputs.trials.iloc[0:0], inputs.probes)}
     tables = _accuracy_tables(ok, inputs, notes, reference=reference, alternative=alternative, pair_by=pair_by)
-    tables["cost"] = cost_table(inputs.trials, ok)
+    tables["cost"] = cost_table(inputs.trials, ok, inputs.probes)
     return {k: tables[k] for k in TABLES if k in tables}
 
 
@@ -129,6 +155,8 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
             r = R.render_wilcoxon(df, alternative=alternative, pair_by=pair_by, reference=reference)
         elif name == "cost":
             r = R.render_cost(df, inputs.trials)
+        elif name == "optimizers":
+            r = R.render_optimizers(df, shared_subset(inputs.counted))
         else:
             r = getattr(R, f"render_{name}")(df)
         if footnote and name != "cost":
@@ -164,37 +192,87 @@ def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
     return jobs
 
 
-def _curve_figures(ok: pd.DataFrame, curves: pd.DataFrame, notes: list[str]) -> list[FigureJob]:
-    """One gradient-norm / validation-loss figure per (model,) dataset and optimizer: its best runs."""
-    runs = F.best_runs(ok)
+def _swept_runs(inputs: StudyInputs) -> pd.DataFrame:
+    """The finetuning runs that may have curves: counted trials and diverged ones without an evaluation."""
+    ex = inputs.excluded
+    late = ex[ex["diverged"]] if ex is not None and len(ex) else None
+    return pd.concat([inputs.counted, late], ignore_index=True) if late is not None else inputs.counted
+
+
+def _curve_figures(inputs: StudyInputs, curves: pd.DataFrame, notes: list[str]) -> list[FigureJob]:
+    """Per (model,) dataset and optimizer: the best run of each configuration (Fig. 5, middle and right) and
+    every run of the sweep (Figs. 21-58)."""
+    best, runs = F.best_runs(inputs.counted), _swept_runs(inputs)
     many_models = runs["model"].nunique() > 1
     jobs = []
     for (model, ds, opt), rr in runs.groupby(["model", "dataset", "optimizer"], sort=True):
         if not set(rr["trial_id"]) & set(curves["trial_id"]):
-            notes.append(f"curves.parquet has no rows for the best runs on {ds} / {opt}.")
+            notes.append(f"curves.parquet has no rows for the runs on {ds} / {opt}.")
             continue
         label = f"{model} · {ds} · {opt}" if many_models else f"{ds} · {opt}"
-        stem = _slug("curves", model, ds, opt) if many_models else _slug("curves", ds, opt)
-        jobs.append((stem, f"Gradient norm and validation loss — {label}",
-                     f"Best run (highest test accuracy) of each configuration on {label}.",
-                     lambda s, rr=rr, label=label: F.plot_curves(curves, rr, s, title=label)))
+        parts = (model, ds, opt) if many_models else (ds, opt)
+        bb = best[(best["model"] == model) & (best["dataset"] == ds) & (best["optimizer"] == opt)]
+        if len(bb):
+            jobs.append((_slug("curves", *parts), f"Gradient norm and validation loss — {label}",
+                         f"Best run (highest test accuracy) of each configuration on {label}.",
+                         lambda s, bb=bb, label=label: F.plot_curves(curves, bb, s, title=label)))
+        jobs.append((_slug("curves", "all", *parts), f"Every run: gradient norm and validation loss — {label}",
+                     f"Every learning rate and seed on {label} (the paper's Figs. 21-58): a panel per "
+                     "configuration, colour = learning rate, line style = seed, x = diverged run.",
+                     lambda s, rr=rr, label=label: SF.plot_sweep_curves(curves, rr, s, title=label)))
+    return jobs
+
+
+def _fixed_lr_figures(ok: pd.DataFrame) -> list[FigureJob]:
+    """The fixed-lr view of Fig. 5 (left), one figure per (model,) optimizer."""
+    many_models = ok["model"].nunique() > 1
+    jobs = []
+    for (model, opt), rows in ok.groupby(["model", "optimizer"], sort=True):
+        parts = (model, opt) if many_models else (opt,)
+        label = " · ".join(map(str, parts))
+        jobs.append(("accuracy_fixed_lr_" + _slug(*parts), f"Test accuracy at each fixed learning rate — {label}",
+                     "Every seed's test accuracy per configuration (dot; x: diverged, counted with its "
+                     "pre-divergence best-validation accuracy) and the mean over seeds (bar), one panel per "
+                     "dataset and learning rate.",
+                     lambda s, rows=rows: SF.plot_accuracy_fixed_lr(rows, s)))
+    return jobs
+
+
+def _accuracy_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame]) -> list[FigureJob]:
+    ok, probes = inputs.counted, inputs.probes
+    jobs = [("accuracy_distribution", "Test accuracy over learning rates × seeds",
+             "Every counted trial of each configuration (dots) with its distribution (Fig. 5, left).",
+             lambda s: F.plot_accuracy_distribution(ok, s))]
+    jobs += _fixed_lr_figures(ok)
+    jobs.append(("accuracy_vs_lr", "Test accuracy against the learning rate",
+                 "Mean over seeds per configuration and learning rate, ± std over seeds (ddof 0, band); x: an lr "
+                 "with a diverged run; dashed: the linear probe.", lambda s: SF.plot_accuracy_vs_lr(ok, s, probes)))
+    best = tables["best_lr"]
+    jobs.append(("best_accuracy", "Best accuracy per dataset",
+                 "Best-lr test accuracy per dataset and configuration, ± std over seeds (ddof 0) (the paper's "
+                 "Fig. 19).", lambda s: SF.plot_best_accuracy(best, s)))
+    overall, cost = tables["overall"], tables["cost"]
+    if cost["trainable_params"].notna().any():
+        jobs.append(("accuracy_vs_params", "Accuracy against trainable parameters",
+                     "Best-lr test accuracy (mean over datasets ± std over datasets, ddof 0) against each "
+                     "configuration's median number of trainable parameters.",
+                     lambda s: SF.plot_accuracy_vs_params(overall, cost, s)))
     return jobs
 
 
 def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: list[str]) -> list[FigureJob]:
-    ok = inputs.trials_ok
+    ok = inputs.counted
     if ok is None or not len(ok):
         return []
-    jobs = [("accuracy_distribution", "Test accuracy over learning rates × seeds",
-             "Every ok trial of each configuration (dots) with its distribution.",
-             lambda s: F.plot_accuracy_distribution(ok, s))]
+    jobs = _accuracy_figures(inputs, tables)
     if "relative_gain" in tables:
         g = tables["relative_gain"]
+        ref = g["reference"].iloc[0]
         jobs.append(("relative_gain", "Relative gain over linear probing",
-                     "(acc − acc_Head) / acc_Head of the best-lr accuracies, per dataset and overall.",
+                     f"(acc − acc_{ref}) / acc_{ref} of the best-lr accuracies, per dataset and overall.",
                      lambda s: F.plot_relative_gain(g, s)))
     if inputs.curves is not None:
-        jobs += _curve_figures(ok, inputs.curves, notes)
+        jobs += _curve_figures(inputs, inputs.curves, notes)
     return jobs
 
 
@@ -269,8 +347,8 @@ def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
             out_dir: str | os.PathLike | None = None, figures: bool = True) -> dict[str, pd.DataFrame]:
     """Analyse a study directory; write tables (CSV + Markdown) and figures under ``<study_dir>/analysis``.
 
-    Returns the tables by name (``best_lr, lr_grid, overall, relative_gain, wilcoxon, stability, ranking,
-    cost``; the ones the inputs do not allow are absent and explained in ``analysis/notes.md``).
+    Returns the tables by name (``best_lr, lr_grid, overall, relative_gain, optimizers, wilcoxon, stability,
+    ranking, cost``; the ones the inputs do not allow are absent and explained in ``analysis/notes.md``).
     ``reference``: the configuration the Wilcoxon tests compare against; ``alternative``: ``"greater"``
     (the reference is better), ``"two-sided"`` or ``"less"``; ``pair_by``: ``"dataset"`` (best-lr means)
     or ``"dataset_seed"``. ``out_dir``: another folder or URI for the outputs.

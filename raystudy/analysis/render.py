@@ -2,9 +2,12 @@
 
 The CSV files keep fractions and full precision; here accuracies are shown in percent with one decimal,
 the best of the five components in bold (per dataset and optimizer, as in the paper), and every table
-carries its caption and footnotes. :class:`Rendered` holds one table as cell strings so the Markdown and
-the HTML show exactly the same content. (Hand-written: pandas' ``to_markdown`` needs ``tabulate``, which
-this project does not install, and ``Styler`` would add jinja2 for little gain.)
+carries its caption and footnotes. Every "mean ± std" is a population standard deviation (``ddof=0``, as
+the paper's authors compute it); a value computed from diverged runs (counted with the test accuracy of
+their best-validation checkpoint before the divergence) carries the mark :data:`DIVERGED_MARK`.
+:class:`Rendered` holds one table as cell strings so the Markdown and the HTML show exactly the same
+content. (Hand-written: pandas' ``to_markdown`` needs ``tabulate``, which this project does not install,
+and ``Styler`` would add jinja2 for little gain.)
 """
 
 from __future__ import annotations
@@ -17,7 +20,15 @@ import pandas as pd
 
 from raystudy.analysis.figures import _fmt_lr
 from raystudy.analysis.tables import OVERALL, best_component, recorded_counts
-from raystudy.vocab import CONFIGURATIONS
+from raystudy.vocab import LINEAR_PROBE, TRIALS_CONFIGURATIONS
+
+#: Appended to a cell whose value includes diverged runs.
+DIVERGED_MARK = " ‡"
+#: The footnote of a table with :data:`DIVERGED_MARK` cells.
+DIVERGED_NOTE = ("‡: includes diverged run(s), counted with the test accuracy of their best-validation "
+                 "checkpoint before the divergence (column n_diverged in the CSV).")
+#: How every table states its spreads.
+STD_NOTE = "std: population standard deviation (ddof = 0, numpy's default, as the paper's authors compute it)."
 
 
 @dataclass
@@ -155,7 +166,19 @@ def fmt_seconds(x) -> str:
 
 def _configs(names) -> list[str]:
     names = set(names)
-    return [c for c in CONFIGURATIONS if c in names]
+    return [c for c in TRIALS_CONFIGURATIONS if c in names]
+
+
+def _mark(r) -> str:
+    """:data:`DIVERGED_MARK` when the row ``r`` counts diverged runs."""
+    n = r.get("n_diverged", 0)
+    return DIVERGED_MARK if _finite(n) and n > 0 else ""
+
+
+def _notes(t: pd.DataFrame, *notes: str) -> list[str]:
+    """``notes`` plus the std note, plus the diverged note when ``t`` counts diverged runs."""
+    diverged = "n_diverged" in t.columns and (t["n_diverged"].fillna(0) > 0).any()
+    return [*notes, STD_NOTE, *([DIVERGED_NOTE] if diverged else [])]
 
 
 def _groups(df: pd.DataFrame, keys: list[str]):
@@ -196,20 +219,46 @@ def _best_mask(df: pd.DataFrame, value: str, *, lowest: bool = False) -> pd.Seri
     return best_component(tmp)
 
 
+def _best_lr_cell(r) -> tuple[str, str]:
+    """``("90.8 ± 0.2", "lr 1e-2")``; one seed: the mean alone; ``LP``: "linear probe" as the detail."""
+    value = pm(r["mean"], r["std"]) if r["n_seeds"] > 1 else pct(r["mean"])
+    detail = "linear probe" if r["configuration"] == LINEAR_PROBE else f"lr {fmt_lr(r['lr'])}"
+    return value + _mark(r), detail
+
+
 def render_best_lr(t: pd.DataFrame) -> Rendered:
-    blocks = _wide(t, lambda r: (pm(r["mean"], r["std"]), f"lr {fmt_lr(r['lr'])}"), bold=best_component(t))
+    blocks = _wide(t, _best_lr_cell, bold=best_component(t))
     return Rendered("best_lr", "Best learning rate per dataset and configuration",
                     "Test accuracy (%) at the learning rate with the highest mean over seeds: mean ± std over "
-                    "seeds, the learning rate in parentheses (the paper's full results table).", blocks,
-                    ["Bold: the best of the five components (LN1, MHA, LN2, FC1, FC2) for the dataset."])
+                    "seeds, the learning rate in parentheses (the paper's Table 8; LP: the linear probe, fit "
+                    "once per dataset).", blocks,
+                    _notes(t, "Bold: the best of the five components (LN1, MHA, LN2, FC1, FC2) for the dataset."))
 
 
 def render_lr_grid(t: pd.DataFrame) -> Rendered:
-    blocks = _wide(t, lambda r: pm(r["mean"], r["std"]), bold=best_component(t))
+    blocks = _wide(t, lambda r: pm(r["mean"], r["std"]) + _mark(r), bold=best_component(t))
     return Rendered("lr_grid", "Accuracy over the learning-rate grid",
-                    "Test accuracy (%): mean ± std over learning rates of the mean over seeds (the paper's "
-                    "Adam-vs-SGD and low-data tables), one block per optimizer.", blocks,
-                    ["Bold: the best of the five components for the dataset."])
+                    "Test accuracy (%): mean ± std over learning rates of the mean over seeds, one block per "
+                    "optimizer.", blocks, _notes(t, "Bold: the best of the five components for the dataset."))
+
+
+def _subset_text(subset: pd.DataFrame) -> str:
+    """``"datasets cifar100, clipart; seeds 0"`` (per model when the subset holds several)."""
+    parts = []
+    for model, g in subset.groupby("model", sort=True):
+        head = f"{model}: " if subset["model"].nunique() > 1 else ""
+        parts.append(f"{head}datasets {', '.join(sorted(map(str, g['dataset'].unique())))}; seeds "
+                     f"{', '.join(str(s) for s in sorted(g['seed'].unique()))}")
+    return " — ".join(parts)
+
+
+def render_optimizers(t: pd.DataFrame, subset: pd.DataFrame) -> Rendered:
+    blocks = _wide(t, lambda r: pm(r["mean"], r["std"]) + _mark(r), bold=best_component(t))
+    return Rendered("optimizers", "Optimizers compared on the runs they share",
+                    "Test accuracy (%) over the learning-rate grid: mean ± std over every learning rate and "
+                    "seed (the paper's Tables 2 and 10), computed only where every optimizer ran: "
+                    f"{_subset_text(subset)}. The overall row averages the means and the stds over datasets.",
+                    blocks, _notes(t, "Bold: the best of the five components for the dataset and optimizer."))
 
 
 def render_overall(t: pd.DataFrame, wilcoxon: pd.DataFrame | None = None, reference: str = "MHA") -> Rendered:
@@ -226,15 +275,15 @@ def render_overall(t: pd.DataFrame, wilcoxon: pd.DataFrame | None = None, refere
         rows, bold = [], set()
         for i, (idx, r) in enumerate(g.iterrows()):
             mark = " †" if (r.get("model"), r["optimizer"], r["configuration"]) in sig else ""
-            rows.append([r["optimizer"], r["configuration"], pct(r["mean"]) + mark, pct(r["std"]),
+            rows.append([r["optimizer"], r["configuration"], pct(r["mean"]) + mark + _mark(r), pct(r["std"]),
                          pm(r["lr_grid_mean"], r["lr_grid_std"]), str(int(r["n_datasets"]))])
             if mask.loc[idx]:
                 bold.add((i, 2))
         blocks.append(Block(heading, ["optimizer", "configuration", "best-lr accuracy (%)", "std over datasets",
                                       "lr-grid accuracy (%)", "datasets"], rows, bold))
-    notes = ["Best-lr accuracy: mean over datasets of the best-lr mean accuracy; lr-grid accuracy: mean over "
-             "datasets of the lr-grid mean ± the mean over datasets of the std across learning rates.",
-             "Bold: the best of the five components per optimizer."]
+    notes = _notes(t, "Best-lr accuracy: mean over datasets of the best-lr mean accuracy; lr-grid accuracy: mean "
+                      "over datasets of the lr-grid mean ± the mean over datasets of the std across learning rates.",
+                   "Bold: the best of the five components per optimizer.")
     if sig:
         notes.append(f"†: significantly different from {reference} (Wilcoxon signed-rank test, 5%).")
     return Rendered("overall", "Overall accuracy (mean over datasets)",
@@ -245,10 +294,14 @@ def render_relative_gain(t: pd.DataFrame) -> Rendered:
     def cell(r):
         return f"{100 * r['relative_gain']:+.1f}%" if _finite(r["relative_gain"]) else "–"
     blocks = _wide(t, cell, bold=_best_mask(t, "relative_gain"))
+    ref = t["reference"].iloc[0]
+    what = ("the linear probe (LP: logistic regression on the frozen backbone's mean-pooled last-block features, "
+            "fit once per dataset)" if ref == LINEAR_PROBE else "Head (a trained classifier on the frozen backbone; "
+            "no linear-probe rows in this study)")
     return Rendered("relative_gain", "Relative gain over linear probing",
-                    "Percentage improvement of the best-lr accuracy over the Head (linear probing) accuracy, "
-                    "(acc − acc_Head) / acc_Head, per dataset; the overall row averages the per-dataset gains.",
-                    blocks, ["Bold: the largest gain among the five components."])
+                    f"Percentage improvement of the best-lr accuracy over {what}, (acc − acc_{ref}) / acc_{ref}, "
+                    "per dataset (the paper's Table 8 and Fig. 2, right); the overall row averages the "
+                    "per-dataset gains.", blocks, ["Bold: the largest gain among the five components."])
 
 
 def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, reference: str) -> Rendered:
@@ -272,11 +325,12 @@ def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, referenc
 
 
 def render_stability(t: pd.DataFrame) -> Rendered:
-    blocks = _wide(t, lambda r: f"{pct(r['std'])} / {pct(r['range'])}", bold=_best_mask(t, "std", lowest=True))
+    blocks = _wide(t, lambda r: f"{pct(r['std'])} / {pct(r['range'])}{_mark(r)}",
+                   bold=_best_mask(t, "std", lowest=True))
     return Rendered("stability", "Stability over learning rates × seeds",
                     "Std / range (max − min) of test accuracy (percentage points) over every learning rate and "
                     "seed; the overall row averages over datasets.", blocks,
-                    ["Bold: the smallest std among the five components."])
+                    _notes(t, "Bold: the smallest std among the five components."))
 
 
 def render_ranking(t: pd.DataFrame) -> Rendered:
@@ -325,7 +379,7 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
 def _params_spread(trials: pd.DataFrame) -> str:
     """A note on the configurations whose trainable-parameter count varies across trials ("" if none)."""
     p = trials.assign(p=recorded_counts(trials["trainable_params"])).groupby("configuration")["p"]
-    spread = p.agg(["min", "max"]).reindex([c for c in CONFIGURATIONS if c in p.groups]).dropna()
+    spread = p.agg(["min", "max"]).reindex([c for c in TRIALS_CONFIGURATIONS if c in p.groups]).dropna()
     varied = spread[spread["min"] != spread["max"]]
     if not len(varied):
         return ""
@@ -333,17 +387,23 @@ def _params_spread(trials: pd.DataFrame) -> str:
         f"{c} {fmt_count(r['min'])}–{fmt_count(r['max'])}" for c, r in varied.iterrows()) + "."
 
 
+def _exclusion_reason(r) -> str:
+    return "diverged before any evaluation" if r["status"] == "diverged" else f"status {r['status']}"
+
+
 def render_excluded(excluded: pd.DataFrame) -> Rendered:
     cols = [c for c in ("trial_id", "dataset", "optimizer", "configuration", "lr", "seed", "status") if c in excluded]
     rows = [[fmt_lr(r[c]) if c == "lr" else str(r[c]) for c in cols] for _, r in excluded.iterrows()]
     return Rendered("excluded", "Trials excluded from the accuracy statistics",
-                    "Every trial whose status is not ok.", [Block("", cols, rows)])
+                    "Every trial without a test accuracy to count: failed (or no status), or diverged before its "
+                    "first evaluation. Diverged runs with an evaluation are counted, not listed here.",
+                    [Block("", cols, rows)])
 
 
 def excluded_footnote(n_total: int, excluded: pd.DataFrame) -> str:
-    """``"3 of 90 trials excluded from accuracy statistics (2 diverged, 1 failed)."``"""
-    counts = excluded["status"].value_counts()
+    """``"3 of 90 trials excluded from the accuracy statistics (2 status failed, 1 diverged before any
+    evaluation); listed in excluded.csv."``"""
+    counts = excluded.apply(_exclusion_reason, axis=1).value_counts()
     detail = ", ".join(f"{n} {s}" for s, n in counts.items())
-    return (f"{len(excluded)} of {n_total} trials excluded from the accuracy statistics (status not ok: "
-            f"{detail}); listed in excluded.csv.")
-
+    return (f"{len(excluded)} of {n_total} trials excluded from the accuracy statistics ({detail}); listed in "
+            "excluded.csv.")

@@ -18,26 +18,31 @@ from raystudy.analysis.options import (
     check_options,
 )
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models
-from raystudy.vocab import COMPONENTS, CONFIGURATIONS
+from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 ALPHA = 0.05
 
 
-def paired_samples(best_lr: pd.DataFrame, trials_ok: pd.DataFrame, pair_by: str) -> pd.DataFrame:
+def paired_samples(best_lr: pd.DataFrame, counted: pd.DataFrame, pair_by: str,
+                   probes: pd.DataFrame | None = None) -> pd.DataFrame:
     """One accuracy per (model, optimizer, configuration, pair): the unit the test pairs on.
 
     ``pair_by="dataset"``: the pair is the dataset, the value the best-lr mean over seeds.
     ``pair_by="dataset_seed"``: the pair is (dataset, seed), the value the seed's accuracy at its
-    configuration's best learning rate on that dataset.
+    configuration's best learning rate on that dataset (``LP``: the probe of that seed, for every optimizer).
     """
-    b = _with_model(best_lr, trials_ok)
+    b = _with_model(best_lr, counted)
+    cols = ["model", "optimizer", "configuration", "pair", "acc"]
     if pair_by == "dataset":
         pairs = b.assign(pair=b["dataset"].astype(str))
-        return pairs[["model", "optimizer", "configuration", "pair", "mean"]].rename(columns={"mean": "acc"})
+        return pairs.rename(columns={"mean": "acc"})[cols]
     key = ["model", "dataset", "optimizer", "configuration", "lr"]
-    runs = trials_ok.merge(b[key], on=key, how="inner")
+    runs = counted.merge(b[b["configuration"] != LINEAR_PROBE][key], on=key, how="inner")
+    if probes is not None and len(probes):
+        lp = b[b["configuration"] == LINEAR_PROBE][["model", "dataset", "optimizer"]]
+        runs = pd.concat([runs, probes.drop(columns=["optimizer"]).merge(lp, on=["model", "dataset"])])
     runs = runs.assign(pair=runs["dataset"].astype(str) + " / seed " + runs["seed"].astype(str))
-    return runs[["model", "optimizer", "configuration", "pair", "test_acc"]].rename(columns={"test_acc": "acc"})
+    return runs.rename(columns={"test_acc": "acc"})[cols]
 
 
 def signed_rank_test(ref: pd.Series, other: pd.Series, alternative: str) -> tuple[float, float, int]:
@@ -55,9 +60,9 @@ def signed_rank_test(ref: pd.Series, other: pd.Series, alternative: str) -> tupl
     return float(res.statistic), float(res.pvalue), len(joined)
 
 
-def wilcoxon_table(best_lr: pd.DataFrame, trials_ok: pd.DataFrame, *, reference: str = DEFAULT_REFERENCE,
+def wilcoxon_table(best_lr: pd.DataFrame, counted: pd.DataFrame, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-                   alpha: float = ALPHA) -> pd.DataFrame:
+                   alpha: float = ALPHA, probes: pd.DataFrame | None = None) -> pd.DataFrame:
     """Wilcoxon signed-rank tests of ``reference`` against every other configuration.
 
     For each optimizer and each other configuration ``c``: pairs ``(a_ref[p], a_c[p])`` over the pairs
@@ -67,18 +72,18 @@ def wilcoxon_table(best_lr: pd.DataFrame, trials_ok: pd.DataFrame, *, reference:
     other, statistic, p_value, n_pairs, significant``.
     """
     check_options(reference, alternative, pair_by)
-    samples = paired_samples(best_lr, trials_ok, pair_by)
+    samples = paired_samples(best_lr, counted, pair_by, probes)
     rows = []
     for (model, opt), grp in samples.groupby(["model", "optimizer"], sort=True):
         acc = {c: g.set_index("pair")["acc"] for c, g in grp.groupby("configuration", sort=False)}
         if reference not in acc:
             continue
-        for other in [c for c in CONFIGURATIONS if c != reference and c in acc]:
+        for other in [c for c in TRIALS_CONFIGURATIONS if c != reference and c in acc]:
             stat, p, n = signed_rank_test(acc[reference], acc[other], alternative)
             rows.append(dict(model=model, optimizer=opt, reference=reference, other=other, statistic=stat,
                              p_value=p, n_pairs=n, significant=bool(p < alpha)))
     cols = ["optimizer", "reference", "other", "statistic", "p_value", "n_pairs", "significant"]
-    return finish(pd.DataFrame(rows, columns=["model"] + cols), cols, n_models(trials_ok))
+    return finish(pd.DataFrame(rows, columns=["model"] + cols), cols, n_models(counted))
 
 
 def _order_string(values: pd.Series) -> str:
@@ -164,7 +169,7 @@ def _ranking_rows(pm: pd.DataFrame, bo: pd.DataFrame, **keys) -> list[dict]:
     return rows
 
 
-def ranking_table(plasticity: pd.DataFrame, best_lr: pd.DataFrame, trials_ok: pd.DataFrame,
+def ranking_table(plasticity: pd.DataFrame, best_lr: pd.DataFrame, counted: pd.DataFrame,
                   notes: list[str] | None = None) -> pd.DataFrame | None:
     """Agreement between each dataset's plasticity ranking and its accuracy ranking of the five components.
 
@@ -178,7 +183,7 @@ def ranking_table(plasticity: pd.DataFrame, best_lr: pd.DataFrame, trials_ok: pd
     model, on dataset alone (noted). ``None`` when no dataset is in both tables.
     """
     notes = notes if notes is not None else []
-    b = _with_model(best_lr, trials_ok)
+    b = _with_model(best_lr, counted)
     # Only the five one-component configurations have a plasticity to compare with.
     b = b[b["configuration"].isin(COMPONENTS)].rename(columns={"configuration": "component"})
     plast = plasticity.groupby(["model", "dataset", "mode", "component"], sort=False)["plasticity"].mean()
@@ -193,4 +198,4 @@ def ranking_table(plasticity: pd.DataFrame, best_lr: pd.DataFrame, trials_ok: pd
         return None
     cols = ["dataset", "optimizer", "mode", "spearman", "spearman_p", "kendall", "kendall_p", "n_components",
             "plasticity_ranking", "accuracy_ranking"]
-    return finish(pd.DataFrame(rows), cols, n_models(trials_ok))
+    return finish(pd.DataFrame(rows), cols, n_models(counted))

@@ -1,13 +1,17 @@
 """The study's accuracy and cost tables, as pure functions of validated DataFrames.
 
-All functions take the *ok* trials (``status == "ok"``, see :mod:`raystudy.analysis.inputs`); accuracies
-stay fractions in [0, 1]. Every table is computed per ``model`` internally; :func:`finish` drops that
-column when the study holds a single model, so a one-model study gets exactly the documented columns.
-Rows are ordered by model, dataset, optimizer and configuration (``CONFIGURATIONS`` order).
+All functions take the *counted* trials (see :mod:`raystudy.analysis.inputs`: status ok, or diverged with
+the test accuracy of its best-validation checkpoint before the divergence; column ``diverged`` flags
+those) and, where the linear probe enters, its ``LP`` rows (``probes``); accuracies stay fractions in
+[0, 1]. Every table is computed per ``model`` internally; :func:`finish` drops that column when the study
+holds a single model, so a one-model study gets exactly the documented columns. Rows are ordered by model,
+dataset, optimizer and configuration (``TRIALS_CONFIGURATIONS`` order: ``LP`` after ``Head``).
 
 Notation: ``a[d, o, c, l, s]`` is the test accuracy of the trial on dataset ``d`` with optimizer ``o``,
-configuration ``c``, learning rate ``l`` and seed ``s``; ``std`` is always the sample standard deviation
-(``ddof=1``; NaN for a single value).
+configuration ``c``, learning rate ``l`` and seed ``s``. Every ``std`` is the **population** standard
+deviation (``ddof=0``: ``sqrt(mean((x - mean(x))**2))``, 0 for a single value), as the paper's authors
+compute it (``numpy.std`` default); see :func:`population_std`. ``n_diverged`` counts the diverged runs
+behind a value.
 """
 
 from __future__ import annotations
@@ -15,12 +19,21 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from raystudy.vocab import COMPONENTS, CONFIGURATIONS
+from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 #: Key of a learning-rate sweep: one (model, dataset, optimizer, configuration).
 SWEEP = ["model", "dataset", "optimizer", "configuration"]
 #: Label of the rows that aggregate over datasets.
 OVERALL = "overall"
+#: Delta degrees of freedom of every spread the analysis reports (the paper's ``numpy.std`` default).
+DDOF = 0
+
+
+def population_std(values) -> float:
+    """``sqrt(mean((x - mean(x))**2))`` of the non-NaN ``values`` (``ddof=0``; 0 for one value, NaN for none)."""
+    v = np.asarray(values, dtype=float)
+    v = v[~np.isnan(v)]
+    return float(np.std(v, ddof=DDOF)) if v.size else float("nan")
 
 
 def order(df: pd.DataFrame) -> pd.DataFrame:
@@ -31,7 +44,7 @@ def order(df: pd.DataFrame) -> pd.DataFrame:
             continue
         cols.append(c)
         if c in ("configuration", "other", "reference"):
-            rank = {n: i for i, n in enumerate(CONFIGURATIONS)}
+            rank = {n: i for i, n in enumerate(TRIALS_CONFIGURATIONS)}
             keys.append(df[c].map(lambda v, r=rank: r.get(v, len(r))))
         elif c == "dataset":
             keys.append(df[c].map(lambda v: (v == OVERALL, str(v))))
@@ -50,25 +63,53 @@ def finish(df: pd.DataFrame, columns: list[str], n_models: int) -> pd.DataFrame:
     return order(df)[cols]
 
 
-def n_models(trials_ok: pd.DataFrame) -> int:
-    return int(trials_ok["model"].nunique())
+def n_models(counted: pd.DataFrame) -> int:
+    return int(counted["model"].nunique())
 
 
-def seed_means(trials_ok: pd.DataFrame) -> pd.DataFrame:
-    """Per sweep and lr: ``mean = mean_s a[d,o,c,l,s]``, ``std`` over seeds and ``n_seeds``."""
-    g = trials_ok.groupby(SWEEP + ["lr"], sort=False)["test_acc"]
-    return g.agg(mean="mean", std="std", n_seeds="count").reset_index()
+def _diverged(df: pd.DataFrame) -> pd.Series:
+    """The ``diverged`` flags of ``df`` as 0/1 (all 0 when the column is absent)."""
+    if "diverged" not in df.columns:
+        return pd.Series(0, index=df.index)
+    return df["diverged"].fillna(False).astype(bool).astype(int)
 
 
-def best_lr_table(trials_ok: pd.DataFrame) -> pd.DataFrame:
-    """The paper's full results table: for each dataset x configuration the best learning rate.
+def seed_means(counted: pd.DataFrame) -> pd.DataFrame:
+    """Per sweep and lr: ``mean = mean_s a[d,o,c,l,s]``, ``std`` over seeds (ddof 0), ``n_seeds`` and
+    ``n_diverged``."""
+    g = counted.assign(n_diverged=_diverged(counted)).groupby(SWEEP + ["lr"], sort=False)
+    out = g["test_acc"].agg(mean="mean", std=population_std, n_seeds="count")
+    return out.join(g["n_diverged"].sum()).reset_index()
+
+
+def probe_rows(probes: pd.DataFrame | None, counted: pd.DataFrame) -> pd.DataFrame:
+    """The linear probe as best-lr rows: per model and dataset the mean and std (ddof 0) over probe seeds,
+    repeated for every optimizer the dataset's trials used (the probe has no optimizer and no lr)."""
+    cols = SWEEP + ["lr", "mean", "std", "n_seeds", "n_diverged"]
+    if probes is None or probes.empty:
+        return pd.DataFrame(columns=cols)
+    p = probes.groupby(["model", "dataset"], sort=False)["test_acc"].agg(
+        mean="mean", std=population_std, n_seeds="count").reset_index()
+    opts = counted[["model", "dataset", "optimizer"]].drop_duplicates()
+    rows = p.merge(opts, on=["model", "dataset"], how="inner")
+    return rows.assign(configuration=LINEAR_PROBE, lr=np.nan, n_diverged=0)[cols]
+
+
+def best_lr_table(counted: pd.DataFrame, probes: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The paper's full results table (Table 8): for each dataset x configuration the best learning rate.
 
     ``lr* = argmax_l mean_s a[d,o,c,l,s]`` (ties: the smaller lr); columns ``dataset, optimizer,
-    configuration, lr, mean, std, n_seeds`` give ``lr*`` and the mean and std over seeds at ``lr*``.
+    configuration, lr, mean, std, n_seeds, n_diverged`` give ``lr*``, the mean and std (ddof 0) over seeds
+    at ``lr*``, and how many of those seeds' runs diverged. ``LP`` rows (:func:`probe_rows`, lr NaN) are
+    added when ``probes`` has rows.
     """
-    sm = seed_means(trials_ok).sort_values(SWEEP + ["lr"], kind="stable")
+    sm = seed_means(counted).sort_values(SWEEP + ["lr"], kind="stable")
     best = sm.loc[sm.groupby(SWEEP, sort=False)["mean"].idxmax()]
-    return finish(best, ["dataset", "optimizer", "configuration", "lr", "mean", "std", "n_seeds"], n_models(trials_ok))
+    lp = probe_rows(probes, counted)
+    if len(lp):
+        best = pd.concat([best, lp.astype(best.dtypes.to_dict())], ignore_index=True)
+    return finish(best, ["dataset", "optimizer", "configuration", "lr", "mean", "std", "n_seeds", "n_diverged"],
+                  n_models(counted))
 
 
 def best_component(best_lr: pd.DataFrame) -> pd.Series:
@@ -82,82 +123,135 @@ def best_component(best_lr: pd.DataFrame) -> pd.Series:
     return mask
 
 
-def lr_grid_table(trials_ok: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std over the learning-rate grid, seeds averaged first (the paper's Adam/SGD tables).
+def lr_grid_table(counted: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std over the learning-rate grid, seeds averaged first.
 
-    ``m_l = mean_s a[d,o,c,l,s]``; ``mean = mean_l m_l``, ``std = std_l m_l``; ``n_lrs`` learning rates with
-    at least one ok trial and ``n_trials`` ok trials in the sweep.
+    ``m_l = mean_s a[d,o,c,l,s]``; ``mean = mean_l m_l``, ``std = std_l m_l`` (ddof 0); ``n_lrs`` learning
+    rates with at least one counted trial, ``n_trials`` counted trials in the sweep, ``n_diverged`` of them
+    diverged.
     """
-    sm = seed_means(trials_ok)
+    sm = seed_means(counted)
     g = sm.groupby(SWEEP, sort=False)
-    out = g["mean"].agg(["mean", "std"]).join(g["lr"].count().rename("n_lrs")).join(
-        g["n_seeds"].sum().rename("n_trials")).reset_index()
-    return finish(out, ["dataset", "optimizer", "configuration", "mean", "std", "n_lrs", "n_trials"],
-                  n_models(trials_ok))
+    out = g["mean"].agg(mean="mean", std=population_std).join(g["lr"].count().rename("n_lrs")).join(
+        g["n_seeds"].sum().rename("n_trials")).join(g["n_diverged"].sum()).reset_index()
+    return finish(out, ["dataset", "optimizer", "configuration", "mean", "std", "n_lrs", "n_trials", "n_diverged"],
+                  n_models(counted))
 
 
-def _with_model(table: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.DataFrame:
+def _with_model(table: pd.DataFrame, counted: pd.DataFrame) -> pd.DataFrame:
     """``table`` with its ``model`` column restored when :func:`finish` dropped it (one-model study)."""
     if "model" in table.columns:
         return table
-    return table.assign(model=trials_ok["model"].iloc[0])
+    return table.assign(model=counted["model"].iloc[0])
 
 
-def overall_table(best_lr: pd.DataFrame, lr_grid: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.DataFrame:
+def overall_table(best_lr: pd.DataFrame, lr_grid: pd.DataFrame, counted: pd.DataFrame) -> pd.DataFrame:
     """Mean over datasets per configuration (the paper's Table 1).
 
-    ``mean``/``std``: mean and std over datasets of the best-lr accuracy; ``n_datasets``: datasets with an
-    ok trial; ``lr_grid_mean``: mean over datasets of the lr-grid mean; ``lr_grid_std``: mean over datasets
-    of the lr-grid std (the typical spread across learning rates).
+    ``mean``/``std``: mean and std (ddof 0) over datasets of the best-lr accuracy; ``n_datasets``: datasets
+    with a counted trial; ``n_diverged``: diverged runs behind those best-lr accuracies; ``lr_grid_mean``:
+    mean over datasets of the lr-grid mean; ``lr_grid_std``: mean over datasets of the lr-grid std (the
+    typical spread across learning rates; NaN for ``LP``, which has no lr grid).
     """
-    b = _with_model(best_lr, trials_ok)
-    g = _with_model(lr_grid, trials_ok)
+    b = _with_model(best_lr, counted)
+    g = _with_model(lr_grid, counted)
     key = ["model", "optimizer", "configuration"]
-    out = b.groupby(key, sort=False)["mean"].agg(mean="mean", std="std", n_datasets="count")
+    bg = b.groupby(key, sort=False)
+    out = bg["mean"].agg(mean="mean", std=population_std, n_datasets="count").join(bg["n_diverged"].sum())
     grid = g.groupby(key, sort=False).agg(lr_grid_mean=("mean", "mean"), lr_grid_std=("std", "mean"))
     out = out.join(grid).reset_index()
-    return finish(out, ["optimizer", "configuration", "mean", "std", "n_datasets", "lr_grid_mean", "lr_grid_std"],
-                  n_models(trials_ok))
+    return finish(out, ["optimizer", "configuration", "mean", "std", "n_datasets", "n_diverged", "lr_grid_mean",
+                        "lr_grid_std"], n_models(counted))
 
 
-def relative_gain_table(best_lr: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.DataFrame | None:
-    """Improvement of each configuration over linear probing: ``(acc_c - acc_Head) / acc_Head``.
+def gain_reference(best_lr: pd.DataFrame) -> str | None:
+    """The relative gain's baseline: ``LP`` (the authors' linear probe) when ``best_lr`` has probe rows,
+    else ``Head`` (a trained classifier) when it has Head rows, else ``None``."""
+    names = set(best_lr["configuration"])
+    return next((c for c in (LINEAR_PROBE, "Head") if c in names), None)
 
-    ``acc`` is the best-lr mean accuracy. Per dataset and, in rows with ``dataset == "overall"``, the mean
-    over datasets of ``accuracy``, ``head_accuracy`` and ``relative_gain`` (the mean of the per-dataset
-    gains). ``None`` when no dataset has ``Head`` trials.
+
+def relative_gain_table(best_lr: pd.DataFrame, counted: pd.DataFrame) -> pd.DataFrame | None:
+    """Improvement of each configuration over linear probing (Table 8): ``(acc_c - acc_ref) / acc_ref``.
+
+    ``acc`` is the best-lr mean accuracy; ``ref`` is :func:`gain_reference` (``LP``, else ``Head``), named in
+    column ``reference``. Per dataset and, in rows with ``dataset == "overall"``, the mean over datasets of
+    ``accuracy``, ``reference_accuracy`` and ``relative_gain`` (the mean of the per-dataset gains, as the
+    authors average them). Datasets without the reference are left out. ``None`` without a reference.
     """
-    b = _with_model(best_lr, trials_ok)
-    key = ["model", "dataset", "optimizer"]
-    head = b[b["configuration"] == "Head"][key + ["mean"]].rename(columns={"mean": "head_accuracy"})
-    if head.empty:
+    b = _with_model(best_lr, counted)
+    ref = gain_reference(b)
+    if ref is None:
         return None
-    rows = b[b["configuration"] != "Head"].merge(head, on=key, how="inner").rename(columns={"mean": "accuracy"})
+    key = ["model", "dataset", "optimizer"]
+    base = b[b["configuration"] == ref][key + ["mean"]].rename(columns={"mean": "reference_accuracy"})
+    rows = b[b["configuration"] != ref].merge(base, on=key, how="inner").rename(columns={"mean": "accuracy"})
     if rows.empty:
         return None
-    rows["relative_gain"] = (rows["accuracy"] - rows["head_accuracy"]) / rows["head_accuracy"]
+    rows["relative_gain"] = (rows["accuracy"] - rows["reference_accuracy"]) / rows["reference_accuracy"]
     overall = rows.groupby(["model", "optimizer", "configuration"], sort=False)[
-        ["accuracy", "head_accuracy", "relative_gain"]].mean().reset_index().assign(dataset=OVERALL)
-    out = pd.concat([rows, overall], ignore_index=True)
-    return finish(out, ["dataset", "optimizer", "configuration", "accuracy", "head_accuracy", "relative_gain"],
-                  n_models(trials_ok))
+        ["accuracy", "reference_accuracy", "relative_gain"]].mean().reset_index().assign(dataset=OVERALL)
+    out = pd.concat([rows, overall], ignore_index=True).assign(reference=ref)
+    return finish(out, ["dataset", "optimizer", "configuration", "reference", "accuracy", "reference_accuracy",
+                        "relative_gain"], n_models(counted))
 
 
-def stability_table(trials_ok: pd.DataFrame) -> pd.DataFrame:
+def _spread_rows(counted: pd.DataFrame) -> pd.DataFrame:
+    """Per sweep, over every counted trial (lrs x seeds pooled): mean, std (ddof 0), min, max, range, counts."""
+    g = counted.assign(n_diverged=_diverged(counted)).groupby(SWEEP, sort=False)
+    per = g["test_acc"].agg(mean="mean", std=population_std, min="min", max="max", n_trials="count")
+    per = per.join(g["lr"].nunique().rename("n_lrs")).join(g["seed"].nunique().rename("n_seeds"))
+    per = per.join(g["n_diverged"].sum()).reset_index()
+    per["range"] = per["max"] - per["min"]
+    return per
+
+
+def stability_table(counted: pd.DataFrame) -> pd.DataFrame:
     """Spread of test accuracy over learning rates x seeds per dataset x configuration.
 
-    Over every ok trial of a sweep: ``mean``, ``std``, ``min``, ``max``, ``range = max - min`` and
-    ``n_trials``. Rows with ``dataset == "overall"`` average each statistic over datasets (``n_trials``:
-    the sum).
+    Over every counted trial of a sweep: ``mean``, ``std`` (ddof 0), ``min``, ``max``, ``range = max - min``,
+    ``n_trials`` and ``n_diverged``. Rows with ``dataset == "overall"`` average each statistic over datasets
+    (``n_trials``, ``n_diverged``: the sum).
     """
-    g = trials_ok.groupby(SWEEP, sort=False)["test_acc"]
-    per = g.agg(mean="mean", std="std", min="min", max="max", n_trials="count").reset_index()
-    per["range"] = per["max"] - per["min"]
+    per = _spread_rows(counted)
     stats = ["mean", "std", "min", "max", "range"]
     og = per.groupby(["model", "optimizer", "configuration"], sort=False)
-    overall = og[stats].mean().join(og["n_trials"].sum()).reset_index().assign(dataset=OVERALL)
+    overall = og[stats].mean().join(og[["n_trials", "n_diverged"]].sum()).reset_index().assign(dataset=OVERALL)
     out = pd.concat([per, overall], ignore_index=True)
-    return finish(out, ["dataset", "optimizer", "configuration"] + stats + ["n_trials"], n_models(trials_ok))
+    return finish(out, ["dataset", "optimizer", "configuration"] + stats + ["n_trials", "n_diverged"],
+                  n_models(counted))
+
+
+def shared_subset(counted: pd.DataFrame) -> pd.DataFrame:
+    """The (model, dataset, seed) triples on which every optimizer of the model has counted trials."""
+    runs = counted[["model", "dataset", "seed", "optimizer"]].drop_duplicates()
+    n_opt = counted.groupby("model")["optimizer"].nunique().rename("n_opt")
+    per = runs.groupby(["model", "dataset", "seed"])["optimizer"].nunique().rename("n").reset_index()
+    per = per.merge(n_opt, left_on="model", right_index=True)
+    return per[per["n"] == per["n_opt"]][["model", "dataset", "seed"]].reset_index(drop=True)
+
+
+def optimizer_table(counted: pd.DataFrame) -> pd.DataFrame | None:
+    """The optimizers side by side on the subset every one of them ran (the paper's Tables 2 and 10).
+
+    Trials restricted to the (dataset, seed) pairs of :func:`shared_subset`; per dataset x optimizer x
+    configuration, as the authors' ``ablation.py``: ``mean`` and ``std`` (ddof 0) of the test accuracy over
+    the learning-rate grid x seeds pooled (with one seed: the std across learning rates), ``n_lrs``,
+    ``n_seeds``, ``n_trials``, ``n_diverged``. Rows with ``dataset == "overall"`` average ``mean`` and
+    ``std`` over the datasets (counts summed). ``None`` unless the study has two optimizers sharing a subset.
+    """
+    if counted.groupby("model")["optimizer"].nunique().max() < 2:
+        return None
+    subset = shared_subset(counted)
+    if subset.empty:
+        return None
+    per = _spread_rows(counted.merge(subset, on=["model", "dataset", "seed"], how="inner"))
+    og = per.groupby(["model", "optimizer", "configuration"], sort=False)
+    overall = og[["mean", "std"]].mean().join(og[["n_trials", "n_diverged"]].sum())
+    overall = overall.join(og[["n_lrs", "n_seeds"]].max()).reset_index().assign(dataset=OVERALL)
+    out = pd.concat([per, overall], ignore_index=True)
+    return finish(out, ["dataset", "optimizer", "configuration", "mean", "std", "n_lrs", "n_seeds", "n_trials",
+                        "n_diverged"], n_models(counted))
 
 
 #: Optional memory columns of ``trials.parquet`` (written by the finetuning run summary).
@@ -170,19 +264,34 @@ def recorded_counts(values: pd.Series) -> pd.Series:
     return v.where(v > 0)
 
 
-def cost_table(trials: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.DataFrame:
+#: The optimizer cell of the linear probe's cost row (it is fit by scikit-learn, not by a study optimizer).
+NO_OPTIMIZER = "–"
+
+
+def _run_costs(counted: pd.DataFrame, probes: pd.DataFrame | None) -> pd.DataFrame:
+    """The runs whose time is a run's cost: counted trials that did not diverge (a diverged run stops
+    early), and the probe rows."""
+    runs = counted[_diverged(counted) == 0]
+    if probes is not None and len(probes):
+        runs = pd.concat([runs, probes.assign(optimizer=NO_OPTIMIZER)], ignore_index=True)
+    return runs.assign(wall_seconds=pd.to_numeric(runs["wall_seconds"], errors="coerce"))
+
+
+def cost_table(trials: pd.DataFrame, counted: pd.DataFrame, probes: pd.DataFrame | None = None) -> pd.DataFrame:
     """Cost per configuration and optimizer.
 
     ``trainable_params`` and the memory columns are medians over the configuration's trials that recorded
     them: a failed trial records null there (studies written before nulls recorded ``-1``; any value <= 0
     counts as missing). They vary only with the classifier head, i.e. the number of classes of a dataset.
-    ``wall_seconds`` and ``wall_seconds_std`` are the mean and std per ok trial; ``total_wall_seconds`` sums
-    every trial with a recorded time, failed ones included (the compute actually spent); ``n_trials`` counts
-    all trials. ``grad_memory_bytes`` / ``optimizer_memory_bytes`` appear only when ``trials.parquet`` has
-    them (with at least one value), and ``images_per_s`` (mean training throughput per ok trial) likewise.
+    ``wall_seconds`` and ``wall_seconds_std`` (ddof 0) are the mean and std per completed run (status ok;
+    diverged runs stop early); ``total_wall_seconds`` sums every trial with a recorded time, failed ones
+    included (the compute actually spent); ``n_trials`` counts all trials. ``grad_memory_bytes`` /
+    ``optimizer_memory_bytes`` appear only when ``trials.parquet`` has them (with at least one value), and
+    ``images_per_s`` (mean training throughput per completed run) likewise. The ``LP`` row's optimizer is
+    :data:`NO_OPTIMIZER`.
     """
     key = ["model", "optimizer", "configuration"]
-    df = trials.copy()
+    df = trials.assign(optimizer=trials["optimizer"].where(trials["configuration"] != LINEAR_PROBE, NO_OPTIMIZER))
     mem = [c for c in MEMORY_COLUMNS if c in df.columns and recorded_counts(df[c]).notna().any()]
     for c in ["trainable_params", *mem]:
         df[c] = recorded_counts(df[c])
@@ -191,8 +300,9 @@ def cost_table(trials: pd.DataFrame, trials_ok: pd.DataFrame) -> pd.DataFrame:
     out = g[["trainable_params", *mem]].median()
     out = out.join(g["wall_seconds"].sum(min_count=1).rename("total_wall_seconds"))
     out = out.join(g["trial_id"].count().rename("n_trials"))
-    ok = trials_ok.assign(wall_seconds=pd.to_numeric(trials_ok["wall_seconds"], errors="coerce"))
-    out = out.join(ok.groupby(key, sort=False)["wall_seconds"].agg(wall_seconds="mean", wall_seconds_std="std"))
+    ok = _run_costs(counted, probes)
+    out = out.join(ok.groupby(key, sort=False)["wall_seconds"].agg(wall_seconds="mean",
+                                                                   wall_seconds_std=population_std))
     speed = "images_per_s" in ok.columns and pd.to_numeric(ok["images_per_s"], errors="coerce").notna().any()
     if speed:
         ok = ok.assign(images_per_s=pd.to_numeric(ok["images_per_s"], errors="coerce"))

@@ -11,16 +11,16 @@ from raystudy.analysis.options import (
     DEFAULT_REFERENCE,
     PAIR_BY,
 )
-from raystudy.vocab import CONFIGURATIONS
+from raystudy.vocab import TRIALS_CONFIGURATIONS
 
 
 def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("study_dir", metavar="DIR", help="study directory holding trials.parquet, plasticity.parquet, ...")
     p.add_argument("--out", default=None, metavar="OUT",
                    help="output folder or URI (default: DIR/analysis)")
-    p.add_argument("--reference", default=DEFAULT_REFERENCE, choices=CONFIGURATIONS, metavar="CONFIGURATION",
+    p.add_argument("--reference", default=DEFAULT_REFERENCE, choices=TRIALS_CONFIGURATIONS, metavar="CONFIGURATION",
                    help="configuration the Wilcoxon tests compare against every other one "
-                        f"({', '.join(CONFIGURATIONS)}; default: {DEFAULT_REFERENCE})")
+                        f"({', '.join(TRIALS_CONFIGURATIONS)}; LP: the linear probe; default: {DEFAULT_REFERENCE})")
     p.add_argument("--alternative", default=DEFAULT_ALTERNATIVE, choices=ALTERNATIVES,
                    help=f"Wilcoxon alternative: 'greater' = the reference is better (default: {DEFAULT_ALTERNATIVE})")
     p.add_argument("--pair-by", default=DEFAULT_PAIR_BY, choices=PAIR_BY,
@@ -31,8 +31,9 @@ def _options(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="write the study's tables (CSV + Markdown) and figures (PNG + SVG)",
                               description="Read the Parquet tables of a study directory (never Ray) and write "
-                                          "best_lr, lr_grid, overall, relative_gain, wilcoxon, stability, ranking "
-                                          "and cost tables plus figures to DIR/analysis/ (or --out).")
+                                          "best_lr, lr_grid, overall, relative_gain, optimizers, wilcoxon, "
+                                          "stability, ranking and cost tables plus figures to DIR/analysis/ "
+                                          "(or --out).")
     _options(p)
     p.add_argument("--no-figures", action="store_true", help="tables only")
     p.set_defaults(func=run_analyze)

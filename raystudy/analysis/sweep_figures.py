@@ -1,0 +1,289 @@
+"""Figures of the finetuning sweeps: every run's curves, accuracy at each fixed lr, against lr, per dataset
+and against the number of trainable parameters (the paper's Figs. 5, 19 and 21-58).
+
+Same conventions as :mod:`raystudy.analysis.figures` (Agg canvas, PNG + SVG, one colour per configuration).
+Accuracies come in as fractions and are drawn in percent; every spread is the population standard
+deviation (``ddof=0``, :func:`raystudy.analysis.tables.population_std`). A diverged run (counted with the
+test accuracy of its best-validation checkpoint before the divergence) is drawn as a black ``x``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from raystudy.analysis.figures import (
+    MARKERS,
+    _color,
+    _facets,
+    _fmt_lr,
+    _grid,
+    _legend,
+    _needs_log,
+    _ordered,
+    _require,
+    _title,
+    grouped_bars,
+    save_figure,
+)
+from raystudy.analysis.tables import population_std
+from raystudy.vocab import LINEAR_PROBE
+
+#: Line style of the k-th seed of a sweep (cycled).
+SEED_STYLES = ("-", "--", ":", "-.")
+#: How a diverged run is marked in every figure of this module.
+DIVERGED_STYLE = dict(marker="x", color="black", s=28, linewidths=1.2, zorder=5)
+
+
+def _lr_colors(lrs) -> dict[float, tuple]:
+    """One viridis colour per learning rate, small (dark) to large (light)."""
+    lrs = sorted(set(float(x) for x in lrs))
+    cmap = matplotlib.colormaps["viridis"]
+    return {lr: cmap(0.85 * i / max(len(lrs) - 1, 1)) for i, lr in enumerate(lrs)}
+
+
+def _is_diverged(runs: pd.DataFrame) -> pd.Series:
+    if "diverged" in runs.columns:
+        return runs["diverged"].fillna(False).astype(bool)
+    return (runs["status"] == "diverged") if "status" in runs.columns else pd.Series(False, index=runs.index)
+
+
+def _curve_legend(fig: Figure, colors: dict, seeds: list) -> None:
+    handles = [Line2D([], [], color=c, lw=2, label=f"lr {_fmt_lr(lr)}") for lr, c in colors.items()]
+    handles += [Line2D([], [], color="black", lw=1.2, ls=SEED_STYLES[i % len(SEED_STYLES)], label=f"seed {s}")
+                for i, s in enumerate(seeds)]
+    handles.append(Line2D([], [], color="black", marker="x", lw=0, label="diverged"))
+    fig.legend(handles=handles, loc="outside right center", frameon=False, title="run")
+
+
+def _curve_panel(ax, curves: pd.DataFrame, runs: pd.DataFrame, col: str, colors: dict, seeds: list) -> bool:
+    """Every run of one configuration on ``ax``: one line per (lr, seed); True when something was drawn."""
+    drawn = False
+    for r, diverged in zip(runs.itertuples(), _is_diverged(runs)):
+        c = curves[curves["trial_id"] == r.trial_id].dropna(subset=[col]).sort_values("step")
+        if c.empty:
+            continue
+        style = SEED_STYLES[seeds.index(r.seed) % len(SEED_STYLES)]
+        ax.plot(c["step"], c[col], color=colors[float(r.lr)], ls=style, lw=1.2)
+        if diverged:
+            ax.scatter(c["step"].iloc[-1:], c[col].iloc[-1:], **DIVERGED_STYLE)
+        drawn = True
+    return drawn
+
+
+#: Configuration panels per row of the every-run curves figure (more wrap onto further rows).
+CURVE_COLUMNS = 4
+#: The two quantities of a curves figure, with their axis labels.
+CURVE_QUANTITIES = (("grad_norm", "gradient norm"), ("val_loss", "validation loss"))
+
+
+def _curve_axes(n_configs: int) -> tuple[Figure, list[list]]:
+    """Per configuration its two axes (gradient norm above validation loss), wrapping after CURVE_COLUMNS;
+    every gradient-norm axis shares one y axis, every validation-loss axis another."""
+    cols = min(n_configs, CURVE_COLUMNS)
+    blocks = int(np.ceil(n_configs / cols))
+    fig = Figure(figsize=(3.6 * cols + 1.6, 5.0 * blocks + 0.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.subplots(2 * blocks, cols, squeeze=False, sharex=True)
+    pairs = [[grid[2 * (i // cols), i % cols], grid[2 * (i // cols) + 1, i % cols]] for i in range(n_configs)]
+    for i in range(n_configs, blocks * cols):
+        grid[2 * (i // cols), i % cols].set_visible(False)
+        grid[2 * (i // cols) + 1, i % cols].set_visible(False)
+    for k in (0, 1):
+        for pair in pairs[1:]:
+            pair[k].sharey(pairs[0][k])
+    return fig, pairs
+
+
+def plot_sweep_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path, *,
+                      title: str = "") -> list[Path]:
+    """Gradient norm (upper panel) and validation loss (lower panel) of every run of one sweep (Figs. 21-58).
+
+    ``runs``: the trials of one model, dataset and optimizer (``trial_id, configuration, lr, seed``, and
+    ``diverged`` or ``status``); ``curves`` follows ``curves.parquet``. A pair of panels per configuration
+    (at most CURVE_COLUMNS per row), each quantity on one y axis shared by every configuration (so the
+    components' scales compare); one line per (lr, seed): colour = lr, line style = seed; a diverged run ends
+    in a black ``x``. Log axis when a quantity spans more than LOG_RATIO.
+    """
+    _require(curves, ["trial_id", "step", "grad_norm", "val_loss"], "curves")
+    _require(runs, ["trial_id", "configuration", "lr", "seed"], "runs")
+    mine = curves[curves["trial_id"].isin(set(runs["trial_id"]))]
+    configs = _ordered(runs["configuration"].unique())
+    colors, seeds = _lr_colors(runs["lr"]), sorted(runs["seed"].unique())
+    fig, pairs = _curve_axes(len(configs))
+    for config, pair in zip(configs, pairs):
+        for ax, (col, label) in zip(pair, CURVE_QUANTITIES):
+            if not _curve_panel(ax, mine, runs[runs["configuration"] == config], col, colors, seeds):
+                ax.text(0.5, 0.5, f"no {label}", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.set_ylabel(label, fontsize=9)
+        pair[0].set_title(config, color=_color(config), fontweight="bold")
+        pair[1].set_xlabel("step")
+        pair[1].tick_params(labelbottom=True)
+    for k, (col, _label) in enumerate(CURVE_QUANTITIES):
+        if _needs_log(mine[col].to_numpy()):
+            pairs[0][k].set_yscale("log")
+    _curve_legend(fig, colors, seeds)
+    if title:
+        fig.suptitle(title, fontsize=13)
+    return save_figure(fig, path_stem)
+
+
+def _seed_points(ax, rows: pd.DataFrame, configs: list[str]) -> None:
+    """Per configuration at x = its position: every seed's accuracy (dot, ``x`` when diverged) and the mean."""
+    rng = np.random.default_rng(0)
+    for pos, config in enumerate(configs):
+        r = rows[rows["configuration"] == config]
+        if r.empty:
+            continue
+        acc, div = 100 * r["test_acc"].to_numpy(float), _is_diverged(r).to_numpy()
+        x = pos + rng.uniform(-0.12, 0.12, acc.size)
+        ax.scatter(x[~div], acc[~div], s=14, color=_color(config), edgecolor="black", linewidth=0.3, zorder=3)
+        ax.scatter(x[div], acc[div], **DIVERGED_STYLE)
+        ax.hlines(acc.mean(), pos - 0.3, pos + 0.3, color=_color(config), lw=2.2, zorder=2)
+
+
+def _row_limits(rows: pd.DataFrame) -> tuple[float, float]:
+    acc = 100 * rows["test_acc"].to_numpy(float)
+    pad = max(0.5, 0.08 * (acc.max() - acc.min()))
+    return acc.min() - pad, acc.max() + pad
+
+
+def plot_accuracy_fixed_lr(counted: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+    """Test accuracy per configuration at each fixed learning rate (the fixed-lr view of Fig. 5, left).
+
+    One row of panels per (model, optimizer, dataset), one panel per learning rate of that dataset's grid
+    (ascending), sharing the row's y range; in a panel every seed's accuracy per configuration (dot; black
+    ``x`` when the run diverged) and the mean over seeds (bar).
+    """
+    _require(counted, ["dataset", "configuration", "lr", "seed", "test_acc"], "trials")
+    rows_, constant = _facets(counted, ("model", "optimizer", "dataset"))
+    n_cols = int(max(r["lr"].nunique() for _, r in rows_))
+    configs = _ordered(counted["configuration"].unique())
+    fig = Figure(figsize=(0.42 * len(configs) * n_cols + 2.5, 2.6 * len(rows_) + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(rows_), n_cols, squeeze=False)
+    for ax_row, (name, rows) in zip(axes, rows_):
+        lrs = sorted(rows["lr"].unique())
+        for ax, lr in zip(ax_row, lrs):
+            _seed_points(ax, rows[rows["lr"] == lr], configs)
+            ax.set_ylim(*_row_limits(rows))
+            ax.set_xticks(range(len(configs)), configs, fontsize=7, rotation=90)
+            ax.set_title(f"{name + ' · ' if name else ''}lr {_fmt_lr(lr)}", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+        ax_row[0].set_ylabel("test accuracy (%)")
+        for ax in ax_row[len(lrs):]:
+            ax.set_visible(False)
+    _title(fig, title or "Test accuracy at each fixed learning rate", constant)
+    return save_figure(fig, path_stem)
+
+
+def _lr_lines(ax, rows: pd.DataFrame) -> None:
+    """Mean over seeds (line) +- std (band, ddof 0) against lr per configuration; ``x`` where runs diverged."""
+    for config in _ordered(rows["configuration"].unique()):
+        r = rows[rows["configuration"] == config].assign(div=lambda d: _is_diverged(d).astype(int))
+        g = r.groupby("lr")
+        m = g["test_acc"].mean() * 100
+        sd = g["test_acc"].agg(population_std) * 100
+        ax.plot(m.index, m.to_numpy(), color=_color(config), marker=MARKERS.get(config, "o"), ms=4, lw=1.6,
+                label=config)
+        ax.fill_between(m.index, m - sd, m + sd, color=_color(config), alpha=0.15, lw=0)
+        hit = (g["div"].sum() > 0).to_numpy()
+        if hit.any():
+            ax.scatter(m.index[hit], m.to_numpy()[hit], **DIVERGED_STYLE)
+
+
+def plot_accuracy_vs_lr(counted: pd.DataFrame, path_stem: str | Path, probes: pd.DataFrame | None = None, *,
+                        title: str = "") -> list[Path]:
+    """Test accuracy against the learning rate per configuration, one panel per (model, optimizer, dataset).
+
+    Line: mean over seeds at each lr; band: +- the std over seeds (ddof 0); black ``x``: an lr whose seeds
+    include a diverged run. The linear probe (``probes``, no lr) is a dashed horizontal line. Log lr axis.
+    """
+    _require(counted, ["dataset", "configuration", "lr", "test_acc"], "trials")
+    panels, constant = _facets(counted, ("model", "optimizer", "dataset"))
+    fig, axes = _grid(len(panels), width=4.4, height=3.3, max_cols=4)
+    for ax, (name, rows) in zip(axes, panels):
+        _lr_lines(ax, rows)
+        if probes is not None and len(probes):
+            lp = probes[probes["dataset"] == rows["dataset"].iloc[0]]
+            if "model" in lp.columns:
+                lp = lp[lp["model"] == rows["model"].iloc[0]]
+            if len(lp):
+                ax.axhline(100 * lp["test_acc"].mean(), color=_color(LINEAR_PROBE), ls="--", lw=1.4,
+                           label=LINEAR_PROBE)
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3, which="both")
+        if name:
+            ax.set_title(name, fontsize=10)
+    _legend(fig, axes, "configuration")
+    _title(fig, title or "Test accuracy against the learning rate", constant)
+    return save_figure(fig, path_stem)
+
+
+def plot_best_accuracy(best_lr: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+    """Best-lr accuracy per dataset and configuration as grouped bars (the paper's Fig. 19).
+
+    ``best_lr`` as written by the analysis (``dataset, configuration, mean, std``; ``LP`` rows included):
+    bar = mean over seeds at the best lr, error bar = std over seeds (ddof 0); one panel per optimizer.
+    """
+    _require(best_lr, ["dataset", "configuration", "mean", "std"], "best_lr")
+    panels, constant = _facets(best_lr, ("model", "optimizer"))
+    n_ds = best_lr["dataset"].nunique()
+    fig, axes = _grid(len(panels), width=max(5.5, 0.9 * n_ds + 2.5), height=3.8, max_cols=1 if n_ds > 5 else 2)
+    for ax, (name, rows) in zip(axes, panels):
+        grouped_bars(ax, rows, "mean", err="std")
+        low = 100 * (rows["mean"] - rows["std"].fillna(0)).min()
+        ax.set_ylim(max(0.0, 10 * np.floor(low / 10) - 10), 100)
+        ax.set_ylabel("best-lr test accuracy (%)")
+        if name:
+            ax.set_title(name)
+    _legend(fig, axes, "configuration")
+    _title(fig, title or "Best accuracy per dataset", constant)
+    return save_figure(fig, path_stem)
+
+
+def _params_by_configuration(cost: pd.DataFrame) -> pd.DataFrame:
+    """Median trainable parameters per (model,) configuration over optimizers (they do not change them)."""
+    keys = [k for k in ("model", "configuration") if k in cost.columns]
+    return cost.groupby(keys, sort=False)["trainable_params"].median().reset_index()
+
+
+def plot_accuracy_vs_params(overall: pd.DataFrame, cost: pd.DataFrame, path_stem: str | Path, *,
+                            title: str = "") -> list[Path]:
+    """Best-lr accuracy (mean over datasets, +- std over datasets, ddof 0) against trainable parameters.
+
+    ``overall`` and ``cost`` as written by the analysis; one point per configuration (its colour and
+    marker, labelled) at the configuration's median trainable-parameter count (log axis); one panel per
+    optimizer (and model).
+    """
+    _require(overall, ["optimizer", "configuration", "mean", "std"], "overall")
+    _require(cost, ["configuration", "trainable_params"], "cost")
+    keys = [k for k in ("model", "configuration") if k in overall.columns and k in cost.columns]
+    data = overall.merge(_params_by_configuration(cost), on=keys, how="inner").dropna(subset=["trainable_params"])
+    _require(data, ["trainable_params"], "overall x cost")
+    panels, constant = _facets(data, ("model", "optimizer"))
+    fig, axes = _grid(len(panels), width=5.4, height=4.0)
+    for ax, (name, rows) in zip(axes, panels):
+        for r in rows.itertuples():
+            ax.errorbar(r.trainable_params, 100 * r.mean, yerr=100 * r.std, color=_color(r.configuration),
+                        marker=MARKERS.get(r.configuration, "o"), ms=7, capsize=2, lw=1, label=r.configuration)
+            ax.annotate(r.configuration, (r.trainable_params, 100 * r.mean), textcoords="offset points",
+                        xytext=(5, 4), fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("trainable parameters (log scale)")
+        ax.set_ylabel("best-lr test accuracy (%), mean over datasets")
+        ax.grid(alpha=0.3, which="both")
+        if name:
+            ax.set_title(name)
+    _legend(fig, axes, "configuration")
+    _title(fig, title or "Accuracy against trainable parameters", constant)
+    return save_figure(fig, path_stem)
