@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS
+from raystudy.vocab import OPTIMIZERS
 
 # raystudy.core.finetune.config's PRECISIONS and DATA_PATHS, spelled here so that building the parser imports
 # no torch (tests/test_finetune.py checks they agree); they belong in raystudy.vocab
@@ -16,7 +16,7 @@ DATA_PATHS = ("cache", "decode")
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "finetune", help="finetune one configuration (a component, Emb, All or Head) on Ray Train",
+        "finetune", help="finetune one configuration (a component, a combination, LoRA, ...) on Ray Train",
         description="One run of the paper's protocol: freeze everything but the configuration's component (in "
                     "every block) and a new head, train with SGD (momentum 0.9) or AdamW, cosine schedule with "
                     "linear warmup, clipping at norm 1, global batch 512 over K DDP workers; evaluate on val "
@@ -34,7 +34,11 @@ def register(subparsers) -> None:
     p.add_argument("--model-kwargs", default="{}", metavar="JSON",
                    help='extra timm.create_model arguments, e.g. \'{"depth": 3, "embed_dim": 48}\'')
     p.add_argument("--configuration", "--component", "--config", dest="configuration", default="MHA",
-                   choices=CONFIGURATIONS, help="what to train (a component in every block, All or Head)")
+                   type=configuration_arg, metavar="EXPR",
+                   help="what to train: a component in every block (LN1 MHA LN2 FC1 FC2), Emb, All or Head; "
+                        "unions and blocks (MHA+FC1, MHA@8-11, FC1@0,2,4); random:<budget> (5%%, 2M, 500k); "
+                        "lora:r=<rank>[:targets]. auto:<budget> needs a study's plasticity table "
+                        "(raystudy study)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=1e-2, help="learning rate as used (AdamW: the caller scales)")
     p.add_argument("--seed", type=int, default=0)
@@ -71,6 +75,16 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
+
+
+def configuration_arg(text: str) -> str:
+    """``text`` if it is a configuration expression; else argparse's error with the caret message."""
+    from raystudy.core.expressions import ExpressionError, check_configuration
+
+    try:
+        return check_configuration(text)
+    except ExpressionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def config_from_args(args: argparse.Namespace):

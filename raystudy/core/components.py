@@ -207,6 +207,11 @@ def get_adapter(model: nn.Module) -> Adapter:
 _PRE_NORM_NAMES = {"LN1": "norm1", "MHA": "attn", "LN2": "norm2", "FC1": "mlp.fc1", "FC2": "mlp.fc2"}
 
 
+def _is_linear(module: nn.Module | None) -> bool:
+    """An ``nn.Linear``, or a wrapper of one (a peft LoRA layer: ``base_layer``, see :mod:`raystudy.core.lora`)."""
+    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+
+
 def _pre_norm_block(model: nn.Module, i: int, blk: nn.Module, layerscale: dict[str, str]) -> BlockComponents:
     """Components of a timm pre-norm ``Block`` (``norm1, attn, norm2, mlp.fc1, mlp.fc2``) at ``blocks.{i}``.
 
@@ -215,8 +220,7 @@ def _pre_norm_block(model: nn.Module, i: int, blk: nn.Module, layerscale: dict[s
     """
     missing = [a for a in ("norm1", "attn", "norm2", "mlp") if not hasattr(blk, a)]
     mlp = getattr(blk, "mlp", None)
-    if not missing and not (isinstance(getattr(mlp, "fc1", None), nn.Linear)
-                            and isinstance(getattr(mlp, "fc2", None), nn.Linear)):
+    if not missing and not (_is_linear(getattr(mlp, "fc1", None)) and _is_linear(getattr(mlp, "fc2", None))):
         missing.append("mlp.fc1/mlp.fc2 as nn.Linear")
     if missing or type(blk).__name__ != "Block":
         raise UnsupportedModelError(

@@ -50,20 +50,69 @@ def train_resources(spec: StudySpec):
                           max_failures=spec.worker_retries)
 
 
-def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str):
+def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, plasticity=None):
     """The finetuning run of one grid point (``dataset``, ``configuration``, ``optimizer``, ``lr``,
     ``seed``; see :func:`raystudy.study.spec.grid_point`): ``(FinetuneConfig, TrainResources)``.
 
     The spec's protocol fields (batch_size, augment, ...), then the dataset's resolved protocol (steps,
     eval_period, warmup_steps, log_period: its overrides, else the study's; see
     :meth:`~raystudy.study.spec.StudySpec.protocol`), then the point's axes are copied by name; the
-    dataset becomes its store path.
+    dataset becomes its store path. A budget (``auto:B``, ``random:B``) is resolved here, once per trial,
+    into the config's ``selection`` (:func:`budget_selection`); ``plasticity`` (the study's plasticity table,
+    default: read from the study directory when ``auto:B`` needs it) is for tests and callers holding it.
     """
     from raystudy.core.finetune import FinetuneConfig
 
     fields = by_name(FinetuneConfig, spec, spec.protocol(point["dataset"]), point)
     cfg = FinetuneConfig(**fields, store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir))
+    cfg.selection = budget_selection(spec, cfg, point["dataset"], plasticity)
     return cfg, train_resources(spec)
+
+
+def budget_selection(spec: StudySpec, cfg, dataset: str, plasticity=None) -> str | None:
+    """The units an ``auto:B`` / ``random:B`` configuration of ``cfg`` trains on ``dataset``, as a canonical
+    combination (``MHA@10-11+FC1@11``); ``None`` for any other configuration.
+
+    Resolved on a meta-device model (counts without memory) with ``cfg.seed`` (``random:B``'s order) and,
+    for ``auto:B``, the rows of ``dataset`` and the spec's plasticity mode in ``plasticity`` (default: the
+    study's ``plasticity.parquet``, measured before any trial runs).
+    """
+    from raystudy.core.expressions import Budgeted, normalise, resolve
+
+    tree = normalise(cfg.configuration)
+    if not isinstance(tree, Budgeted):
+        return None
+    table = None
+    if tree.strategy == "auto":
+        table = plasticity_of(spec, dataset, plasticity)
+    return resolve(_meta_model(cfg), tree, plasticity=table, seed=cfg.seed,
+                   include_layerscale=cfg.include_layerscale).chosen
+
+
+def plasticity_of(spec: StudySpec, dataset: str, plasticity=None):
+    """The plasticity rows of ``dataset`` in the spec's mode (``plasticity`` or the study's table);
+    ``ValueError`` when there are none."""
+    from raystudy.io import read_result
+
+    table = plasticity if plasticity is not None else read_result(spec.out, "plasticity", required=False)
+    if table is not None:
+        table = table[(table["dataset"] == dataset) & (table["mode"] == spec.plasticity.mode)]
+    if table is None or table.empty:
+        raise ValueError(f"an auto:<budget> configuration needs the plasticity of dataset {dataset!r} "
+                         f"(mode {spec.plasticity.mode!r}); the study measures it when plasticity is enabled")
+    return table
+
+
+def _meta_model(cfg):
+    """``cfg``'s model on the meta device (shapes only; no weights are read)."""
+    import torch
+
+    from raystudy.core.models import build_model
+
+    kwargs = dict(cfg.model_kwargs)
+    kwargs.pop("img_size", None)
+    with torch.device("meta"):
+        return build_model(cfg.model, img_size=cfg.img_size, **kwargs)
 
 
 def pretrain_job(spec: StudySpec, out_dir: str):
@@ -87,13 +136,16 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
     """The plasticity measurement of ``datasets`` (names among ``spec.datasets``) against the pretraining
     ``store`` (``None``: the spec's ``pretrain_store``): a
     :class:`~raystudy.distributed.plasticity.PlasticityJob` with the spec's model and the ``plasticity``
-    section's settings (pairs, pairing, pretrain_split, radius, batch_size, mode, seed, workers, ...: copied
-    by name).
+    section's settings (pairs, pairing, pretrain_split, radius, batch_size, mode, seed, workers, seq_len,
+    tokenizer, ...: copied by name); a text model (``hf:...``) gets no ``img_size``.
     """
     from raystudy.distributed.plasticity import PlasticityJob
+    from raystudy.distributed.text_pairs import is_text_model
 
     names = [datasets] if isinstance(datasets, str) else list(datasets)
     model = {k: getattr(spec, k) for k in MODEL_FIELDS}
+    if is_text_model(spec.model):
+        model["img_size"] = None  # a text model's pairs are token windows (plasticity.seq_len)
     fields = by_name(PlasticityJob, model, spec.plasticity)
     return PlasticityJob(
         **fields, pretrain=store if store is not None else spec.pretrain_store_path(),

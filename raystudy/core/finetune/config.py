@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS
+from raystudy.core.expressions import Budgeted, Combination, ExpressionError, parse
+from raystudy.vocab import OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ DATA_PATHS = ("cache", "decode")
 #: Values of fields that older ``config.json`` files lack: the settings of the only behaviour they knew.
 LEGACY_DEFAULTS = {"data_path": "decode"}
 #: Fields a checkpoint must agree on to be resumed (others, e.g. eval_period or the workers, may change).
-RESUME_KEYS = ("model", "configuration", "optimizer", "lr", "seed", "steps", "batch_size", "warmup_steps",
+RESUME_KEYS = ("model", "configuration", "selection", "optimizer", "lr", "seed", "steps", "batch_size", "warmup_steps",
                "img_size", "augment", "shuffle", "train_final_norm", "include_layerscale", "momentum", "betas",
                "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init", "data_path", "precision")
 _POSITIVE_INTS = ("steps", "batch_size", "eval_period", "log_period", "eval_batch_size", "img_size")
@@ -59,11 +60,19 @@ class FinetuneConfig:
     ``torch.compile``; ``data_path`` ``cache`` (default) reads uint8 rows of a per-store cache under
     ``cache_dir`` (None: ``STORE/cache``) and augments on the training device, ``decode`` decodes every
     image at every step (the data path before the cache; older ``config.json`` files load with it).
+
+    ``configuration`` is a configuration expression (:mod:`raystudy.core.expressions`: ``MHA``,
+    ``MHA@8-11+FC1``, ``auto:5%``, ``random:2M``, ``lora:r=8``). ``selection`` is the combination a budget
+    (``auto:B`` / ``random:B``) was resolved to, e.g. ``MHA@10-11+FC1@11``: the run trains exactly it, so
+    that workers need no plasticity table and a resumed run trains what the first attempt did
+    (:func:`raystudy.study.jobs.finetune_job` resolves it once per trial). ``auto:B`` requires it;
+    ``random:B`` without it resolves its units from ``seed``.
     """
 
     model: str = "vit_base_patch16_224"
     store: str = ""
     configuration: str = "MHA"
+    selection: str | None = None  # auto:/random: only: the units they were resolved to (see the docstring)
     optimizer: str = "sgd"
     lr: float = 1e-2
     seed: int = 0
@@ -112,9 +121,33 @@ class FinetuneConfig:
             raise ValueError(f"FinetuneConfig.{name}={getattr(self, name)!r}: {why}")
         return self
 
+    def _configuration_problems(self) -> Iterator[tuple[str, str]]:
+        """``configuration`` parses; ``selection`` is a combination, given with a budget only (and with
+        ``auto:B``, which cannot be resolved without the dataset's plasticity table)."""
+        try:
+            tree = parse(self.configuration)
+        except (ExpressionError, TypeError) as e:
+            yield "configuration", str(e)
+            return
+        budgeted = isinstance(tree, Budgeted)
+        if self.selection is None:
+            if budgeted and tree.strategy == "auto":
+                yield "configuration", ("auto:<budget> needs `selection`, the units it resolves to from the "
+                                        "dataset's plasticity table (raystudy.study.jobs.finetune_job sets it)")
+            return
+        if not budgeted:
+            yield "selection", f"only an auto:/random: configuration has a selection, not {self.configuration!r}"
+            return
+        try:
+            ok = isinstance(parse(self.selection), Combination)
+        except (ExpressionError, TypeError) as e:
+            yield "selection", str(e)
+            return
+        if not ok:
+            yield "selection", "expected a combination of units such as MHA@10-11+FC1@11"
+
     def _problems(self) -> Iterator[tuple[str, str]]:
-        if self.configuration not in CONFIGURATIONS:
-            yield "configuration", f"expected one of {list(CONFIGURATIONS)}"
+        yield from self._configuration_problems()
         if self.optimizer not in OPTIMIZERS:
             yield "optimizer", f"expected one of {list(OPTIMIZERS)}"
         if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):

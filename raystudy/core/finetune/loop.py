@@ -264,15 +264,39 @@ class Finetuner:
                        "optimizer_memory_bytes_analytic": analytic["optimizer_bytes"]}
 
     def _test_best(self) -> float:
-        """Test accuracy of the best-validation state (NaN when no evaluation happened); the final
-        trainable state is put back afterwards."""
+        """Test accuracy of the best-validation state (NaN when no evaluation happened), of the merged model
+        for LoRA (:func:`raystudy.core.lora.merge`); the final trainable state is put back afterwards."""
         if self.best_state is None:
             return float("nan")
-        final = self.trainable_state()
-        self._set_trainable(self.best_state)
-        _, acc = self.evaluate("test")
-        self._set_trainable(final)
+        with self.trainable_set_to(self.best_state):
+            _, acc = self.evaluate("test", self.merged_model() if self.lora else None)
         return acc
+
+    @property
+    def lora(self) -> bool:
+        """Whether the configuration is ``lora:...`` (the model holds adapters)."""
+        from raystudy.core.expressions import LoRA, parse
+
+        return isinstance(parse(self.cfg.configuration), LoRA)
+
+    def merged_model(self) -> nn.Module:
+        """The model as a plain timm model: a copy with LoRA's adapters merged, or the model itself."""
+        from raystudy.core.lora import merge
+
+        return merge(self.model) if self.lora else self.model
+
+    def exported_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A trainable ``state`` under the names of a plain timm model. Without LoRA it is ``state``; with
+        LoRA, each adapted layer's ``lora_A`` / ``lora_B`` pair becomes its merged weight ``<layer>.weight``
+        (``W + (alpha / r) B A``), next to the head (and final norm): loaded over the pretrained model
+        (``strict=False``) it gives the trained model."""
+        if not self.lora:
+            return state
+        layers = {n.split(".lora_A.")[0] for n in state if ".lora_A." in n}
+        with self.trainable_set_to(state):
+            merged = self.merged_model().state_dict()
+        plain = {n: t for n, t in state.items() if ".lora_" not in n}
+        return {**plain, **{f"{layer}.weight": merged[f"{layer}.weight"].detach().cpu() for layer in sorted(layers)}}
 
     def summary(self) -> dict:
         """The run's result (:func:`raystudy.core.finetune.outputs.run_summary`)."""
@@ -288,7 +312,7 @@ class Finetuner:
             images_per_s=self.images_per_s, cpu_ms_per_image=self.cpu_ms_per_image, workers=self.world_size,
             num_classes=self.num_classes, num_restores=len(self.restores),
             restored_from_step=self.restores[-1]["step"] if self.restores else None, precision=self.precision,
-            compile=self.cfg.compile, **self.memory,
+            compile=self.cfg.compile, units=self.selection.chosen, **self.memory,
         )
 
     # ---- data ---------------------------------------------------------------------------------------
@@ -332,10 +356,11 @@ class Finetuner:
         if cache:
             self._eval_cache[split] = out
 
-    def evaluate(self, split: str) -> tuple[float, float]:
-        """Mean loss and accuracy on ``split`` over all workers (each evaluates its slice; sums all-reduced)."""
-        loss_sum, correct, count = evaluate(self.model, self._eval_batches(split), device=self.device,
-                                            precision=self.precision)
+    def evaluate(self, split: str, model: nn.Module | None = None) -> tuple[float, float]:
+        """Mean loss and accuracy of ``model`` (default: the run's) on ``split`` over all workers (each
+        evaluates its slice; sums all-reduced)."""
+        loss_sum, correct, count = evaluate(model if model is not None else self.model, self._eval_batches(split),
+                                            device=self.device, precision=self.precision)
         if self.all_reduce is not None and self.world_size > 1:
             t = self.all_reduce(torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=self.device))
             loss_sum, correct, count = float(t[0]), float(t[1]), float(t[2])
@@ -346,6 +371,16 @@ class Finetuner:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Trainable parameters (selection + head [+ final norm]) by name, detached CPU copies."""
         return {n: p.detach().cpu().clone() for n, p in self.selection.trainable}
+
+    @contextlib.contextmanager
+    def trainable_set_to(self, state: dict[str, torch.Tensor]) -> Iterator[None]:
+        """The trainable parameters hold ``state`` inside the block and their current values again after."""
+        current = self.trainable_state()
+        self._set_trainable(state)
+        try:
+            yield
+        finally:
+            self._set_trainable(current)
 
     def _set_trainable(self, state: dict[str, torch.Tensor]) -> None:
         params = dict(self.selection.trainable)
@@ -449,11 +484,12 @@ def train_local(cfg: FinetuneConfig, *, checkpoint_dir: str | os.PathLike | None
 
 def save_weights(ft: Finetuner) -> None:
     """``best_trainable.safetensors`` (the best-validation trainable state, when there was an evaluation)
-    and, with ``save_final``, ``final_model.safetensors`` (the whole final model) in the run's ``out_dir``."""
+    and, with ``save_final``, ``final_model.safetensors`` (the whole final model) in the run's ``out_dir``;
+    both under a plain timm model's names (LoRA merged: :meth:`Finetuner.exported_state`)."""
     from raystudy.storage import join
 
     if ft.best_state is not None:
-        save_safetensors(ft.best_state, join(ft.cfg.out_dir, "best_trainable.safetensors"))
+        save_safetensors(ft.exported_state(ft.best_state), join(ft.cfg.out_dir, "best_trainable.safetensors"))
     if ft.cfg.save_final:
-        save_safetensors(ft.model.state_dict(), join(ft.cfg.out_dir, "final_model.safetensors"))
+        save_safetensors(ft.merged_model().state_dict(), join(ft.cfg.out_dir, "final_model.safetensors"))
 

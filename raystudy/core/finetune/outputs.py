@@ -31,7 +31,7 @@ RESULT_DEFAULTS: dict = {
     "final_val_loss": _nan, "final_val_acc": _nan, "wall_seconds": _nan, "train_seconds": _nan,
     "steps_completed": None, "diverged_step": None, "final_train_loss": _nan, "images_per_s": _nan,
     "cpu_ms_per_image": _nan, "workers": None, "num_classes": None, "num_restores": None,
-    "restored_from_step": None, "precision": None, "compile": None, **dict.fromkeys(MEMORY_KEYS),
+    "restored_from_step": None, "precision": None, "compile": None, "units": None, **dict.fromkeys(MEMORY_KEYS),
 }
 #: The hyperparameters of a run in its TensorBoard HParams record, and the metrics recorded with them.
 HPARAM_KEYS = ("configuration", "optimizer", "lr", "seed", "steps", "batch_size", "model", "model_kwargs")
@@ -44,6 +44,9 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
 
     The ``trials.parquet`` columns less trial_id, dataset and model, plus throughput, memory and restores,
     the data path, the precision the run used (``fp32`` | ``bf16``) and whether it was compiled.
+    ``units`` is the canonical expression of what the run trained (:attr:`Selection.chosen`: a budget's
+    units, the configuration otherwise); without a result it is known from ``cfg`` except for a
+    ``random:B`` resolved by the run itself (then None).
     """
     unknown = set(results) - set(RESULT_DEFAULTS) - {"error"}
     if unknown:
@@ -54,7 +57,21 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
         "model_kwargs": dict(cfg.model_kwargs), "img_size": cfg.img_size, "train_final_norm": cfg.train_final_norm,
         "data_path": cfg.data_path,
     }
-    return {**protocol, **RESULT_DEFAULTS, **results}
+    return {**protocol, **RESULT_DEFAULTS, "units": _known_units(cfg), **results}
+
+
+def _known_units(cfg: FinetuneConfig) -> str | None:
+    """What ``cfg`` trains when known without a model: its ``selection``, else a configuration that is not a
+    budget, canonically spelled."""
+    from raystudy.core.expressions import Budgeted, canonical, normalise
+
+    try:
+        if cfg.selection is not None:
+            return canonical(cfg.selection)
+        tree = normalise(cfg.configuration)
+    except ValueError:  # an invalid config's failure summary
+        return None
+    return None if isinstance(tree, Budgeted) else str(tree)
 
 
 def run_hparams(summary: dict) -> dict:

@@ -1,4 +1,9 @@
-"""The model of a run and which of its parameters train: a fresh head, the configuration's selection."""
+"""The model of a run and which of its parameters train: a fresh head, the configuration's selection.
+
+A configuration is any expression of :mod:`raystudy.core.expressions` (``MHA``, ``MHA@8-11+FC1``,
+``auto:5%``, ``random:2M``, ``lora:r=8``); ``lora:`` injects its adapters into the model in place when the
+selection is made, so :func:`select_and_freeze` is called once per model, before it moves to its device.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raystudy.core.components import head_parameters, trainable_parameters
+from raystudy.core.components import head_parameters
+from raystudy.core.expressions import resolve
 from raystudy.core.finetune.config import FinetuneConfig
 
 
@@ -52,16 +58,20 @@ def final_norm_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 class Selection:
     """Which parameters a configuration trains, by role.
 
-    ``component``: the configuration's selection (:func:`trainable_parameters`; empty for ``Head``);
-    ``head``: the classifier; ``extra``: the final norm when ``train_final_norm``. ``trainable`` is their
-    union in ``model.named_parameters()`` order. ``group`` is the set whose gradient norm is logged as
-    ``component_grad_norm``: the component selection, or the head for ``Head``.
+    ``component``: the configuration's selection (:func:`raystudy.core.expressions.resolve`: a union of
+    components and blocks, a budget's units, LoRA's adapters; empty for ``Head``); ``head``: the
+    classifier; ``extra``: the final norm when ``train_final_norm``. ``trainable`` is their union in
+    ``model.named_parameters()`` order. ``group`` is the set whose gradient norm is logged as
+    ``component_grad_norm``: the component selection, or the head for ``Head``. ``chosen``: the canonical
+    expression training exactly ``component`` (for ``auto:B`` / ``random:B`` the units it picked, e.g.
+    ``MHA@10-11+FC1@11``; the configuration itself otherwise).
     """
 
     component: list[tuple[str, nn.Parameter]]
     head: list[tuple[str, nn.Parameter]]
     extra: list[tuple[str, nn.Parameter]]
     trainable: list[tuple[str, nn.Parameter]]
+    chosen: str = ""
 
     @property
     def group(self) -> list[tuple[str, nn.Parameter]]:
@@ -77,11 +87,18 @@ class Selection:
 
 
 def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm: bool = False,
-                      include_layerscale: bool = False) -> Selection:
+                      include_layerscale: bool = False, plasticity=None, seed: int = 0) -> Selection:
     """Set ``requires_grad`` so that exactly the configuration's selection, the head (and the final norm
-    if asked) are trainable; return the :class:`Selection`."""
-    component = trainable_parameters(model, configuration, include_layerscale=include_layerscale)
-    head = head_parameters(model)
+    if asked) are trainable; return the :class:`Selection`.
+
+    ``configuration``: a configuration expression; ``plasticity`` (the dataset's table, for ``auto:B``) and
+    ``seed`` (``random:B``'s order, LoRA's initialisation) go to :func:`~raystudy.core.expressions.resolve`.
+    A ``lora:`` configuration injects its adapters into ``model`` here, in place.
+    """
+    head = head_parameters(model)  # before LoRA wraps any layer
+    resolved = resolve(model, configuration, plasticity=plasticity, seed=seed,
+                       include_layerscale=include_layerscale)
+    component = list(resolved.parameters)
     chosen = {n for n, _ in component} | {n for n, _ in head}
     extra = []
     if train_final_norm:
@@ -92,13 +109,14 @@ def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm:
         p.requires_grad_(n in chosen)
         if n in chosen:
             trainable.append((n, p))
-    return Selection(component=component, head=head, extra=extra, trainable=trainable)
+    return Selection(component=component, head=head, extra=extra, trainable=trainable, chosen=resolved.chosen)
 
 
-def select_for(model: nn.Module, cfg: FinetuneConfig) -> Selection:
-    """:func:`select_and_freeze` with the options of ``cfg``."""
-    return select_and_freeze(model, cfg.configuration, train_final_norm=cfg.train_final_norm,
-                             include_layerscale=cfg.include_layerscale)
+def select_for(model: nn.Module, cfg: FinetuneConfig, *, plasticity=None) -> Selection:
+    """:func:`select_and_freeze` with the options of ``cfg``: its ``selection`` (the units a budget was
+    resolved to, see :class:`FinetuneConfig`) when set, else its ``configuration`` seeded by ``cfg.seed``."""
+    return select_and_freeze(model, cfg.selection or cfg.configuration, train_final_norm=cfg.train_final_norm,
+                             include_layerscale=cfg.include_layerscale, plasticity=plasticity, seed=cfg.seed)
 
 
 def enable_fused_attention(model: nn.Module) -> int:
