@@ -31,7 +31,7 @@ RESOURCES = {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker
 PLASTICITY = {"pairs": "pairs", "batch_size": "batch_size", "mode": "mode", "seed": "seed", "workers": "workers",
               "gpus_per_worker": "gpus_per_worker", "cpus_per_worker": "cpus_per_worker",
               "torch_threads": "torch_threads", "pairing": "pairing", "pretrain_split": "pretrain_split",
-              "radius": "radius"}
+              "radius": "radius", "seq_len": "seq_len", "tokenizer": "tokenizer"}
 #: pretrain section field -> FinetuneConfig field of the pretraining run
 PRETRAIN = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "optimizer": "optimizer",
             "warmup_steps": "warmup_steps", "seed": "seed", "augment": "augment"}
@@ -64,7 +64,7 @@ SPEC = dict(
     workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
                     cpus_per_worker=1.5, torch_threads=3, pairing="sequential", pretrain_split=["val", "test"],
-                    radius=2.5),
+                    radius=2.5, seq_len=12, tokenizer="tok.json"),
     pretrain=dict(enabled=True, steps=77, batch_size=16, lr=5e-4, optimizer="adamw", warmup_steps=7, seed=5,
                   augment=False),
     probe=dict(enabled=True, augment=False, seed=13, batch_size=20, workers=6, gpus_per_worker=0.5,

@@ -2,10 +2,13 @@
 
 The token radius ``r`` and the LayerNorm ``sigma`` are measured on embedded images (``--images``: an image
 folder, a ``.pt``/``.npy`` tensor or a prepared store), or given directly (``--radius``, ``--seq-len``,
-``--sigma``); a given value wins over the measured one. The paper fixes ``r = 19.4`` (measured by the
-authors on CIFAR-10): ``--radius 19.4 --images STORE`` computes the bounds at 19.4 and keeps the radius
-measured on STORE in the column ``radius_measured`` beside ``radius``. Formulas and assumptions:
-:mod:`raystudy.core.bounds`.
+``--sigma``); a given value wins over the measured one. A text model (``--model hf:DIR``) is measured on
+the windows of ``--seq-len`` tokens of a text store (``--images STORE``: its test split, else val; at most
+``--max-windows``, in store order), cut with the model's ``tokenizer.json`` (or ``--tokenizer``).
+
+The paper fixes ``r = 19.4`` (measured by the authors on CIFAR-10): ``--radius 19.4 --images STORE``
+computes the bounds at 19.4 and keeps the radius measured on STORE in the column ``radius_measured``
+beside ``radius``. Formulas and assumptions: :mod:`raystudy.core.bounds`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("--radius", type=float, help="token radius r (instead of measuring it)")
     p.add_argument("--seq-len", type=int, help="sequence length n (default: measured, else the model's)")
     p.add_argument("--sigma", type=float, help="LayerNorm per-token std lower bound (instead of measuring it)")
+    p.add_argument("--max-windows", type=int, default=1024, metavar="N",
+                   help="text models: token windows of --images to measure on (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -32,12 +37,16 @@ def token_stats(args, model) -> tuple[float | None, int | None, float | None, fl
     (when given; the measured radius is ``None`` without images)."""
     from raystudy.commands.plasticity import load_images
     from raystudy.core.bounds import measure_token_stats
+    from raystudy.distributed.text_pairs import is_text_model
 
     radius, seq_len, sigma, measured = args.radius, args.seq_len, args.sigma, None
+    text = is_text_model(args.model)
+    if text and seq_len is None:
+        raise ValueError(f"--model {args.model} is a text model: give --seq-len (tokens per window)")
     if args.images:
-        x, name = load_images(args.images, model.patch_embed.img_size[0])
+        x, name = text_windows(args, seq_len) if text else load_images(args.images, model.patch_embed.img_size[0])
         stats = measure_token_stats(model, x)
-        print(f"measured on {len(x)} images of {name}: r = {stats.radius:.4f} (max {stats.radius_max:.4f}), "
+        print(f"measured on {len(x)} sequences of {name}: r = {stats.radius:.4f} (max {stats.radius_max:.4f}), "
               f"sigma = {stats.sigma:.6f}, n = {stats.seq_len}")
         measured = stats.radius
         radius = radius if radius is not None else stats.radius
@@ -46,6 +55,25 @@ def token_stats(args, model) -> tuple[float | None, int | None, float | None, fl
     if seq_len is None:
         seq_len = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 0)
     return radius, seq_len, sigma, measured
+
+
+def text_windows(args, seq_len: int):
+    """The first ``--max-windows`` windows of ``seq_len`` tokens (store order) of the text store ``--images``
+    (its test split, else val): ``(LongTensor (m, seq_len), store name)``."""
+    import torch
+
+    from raystudy.data.store import read_meta, store_kind
+    from raystudy.data.text_stream import load_tokenizer
+    from raystudy.distributed.plasticity import store_name
+    from raystudy.distributed.text_pairs import locate_windows, tokenizer_path
+
+    meta = read_meta(args.images)
+    if store_kind(meta) != "text":
+        raise ValueError(f"{args.images} is not a text store but {args.model} is a text model")
+    split = "test" if meta.get("counts", {}).get("test") else "val"
+    tokenizer = load_tokenizer(tokenizer_path(args.model, args.tokenizer))
+    rows = locate_windows(str(args.images), store_name(args.images, meta), (split,), tokenizer, seq_len)
+    return torch.from_numpy(rows.ids[:args.max_windows].astype("int64")), rows.name
 
 
 def run(args) -> int:

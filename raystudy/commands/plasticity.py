@@ -5,6 +5,14 @@ in sorted order), a tensor file (``.pt`` / ``.pth`` / ``.npy``, shape ``(N, 3, H
 preprocessed, read without running pickled code, NaN/inf refused), or a prepared store (its ``test``
 split, ``val`` when it has no test images). Stores (``--pretrain STORE --downstream STORE ...``) run the
 distributed Ray Data pipeline.
+
+Text: a Hugging Face text model (``--model hf:DIR``, a folder with ``config.json``, weights and
+``tokenizer.json``) on text stores (``kind: text``) through the same pipeline: each side of a pair is a
+window of ``--seq-len`` tokens cut with the model's tokenizer (``--tokenizer FILE`` to use another
+``tokenizer.json``), e.g.::
+
+    raystudy plasticity --model hf:path/to/minilm --pretrain data/agnews --downstream data/wikitext103 \
+        --seq-len 64 --pairs 1024 --out results/minilm
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from raystudy.vocab import COMPONENTS, MODES
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model flags shared by ``plasticity`` and ``bounds`` (the names every sub-command uses)."""
-    p.add_argument("--model", required=True, help="timm model name, e.g. vit_base_patch16_224")
+    p.add_argument("--model", required=True,
+                   help="timm model name (e.g. vit_base_patch16_224), or hf:DIR for a Hugging Face text model")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="text models: the tokenizer.json (default: the one in the hf: model's folder)")
     p.add_argument("--weights", default=None, metavar="FILE", help="local .safetensors / PyTorch state dict")
     p.add_argument("--pretrained", action="store_true", help="download timm's weights (needs internet)")
     p.add_argument("--model-kwargs", default="{}", type=json.loads, metavar="JSON",
@@ -48,6 +59,8 @@ def register(sub) -> None:
     ray.add_argument("--pretrain-split", default="test", metavar="SPLIT",
                      help="split(s) of the pretraining store: a split, a comma list (val,test) or 'all' (every "
                           "row, e.g. the whole ImageNet validation set); default: test, else val")
+    ray.add_argument("--seq-len", type=int, default=None, metavar="N",
+                     help="text stores: tokens per window (each side of a pair is one window)")
     ray.add_argument("--radius", type=float, default=None,
                      help="fixed token radius r of the bounds (the paper's 19.4); default: measured")
     ray.add_argument("--workers", type=int, default=1, help="actor pool size")
@@ -145,10 +158,15 @@ def paired(x, y, pairs: int | None, seed: int, pairing: str = "random"):
 
 
 def run(args) -> int:
+    from raystudy.distributed.text_pairs import is_text_model
+
     if args.pretrain or args.downstream:
         return run_pipeline(args)
     if not (args.x and args.y):
         raise ValueError("give --x and --y (local images) or --pretrain and --downstream (stores)")
+    if is_text_model(args.model):
+        raise ValueError(f"--model {args.model} is a text model: measure it on text stores with --pretrain STORE "
+                         "--downstream STORE --seq-len N")
     if args.radius is not None or args.pretrain_split != "test":
         raise ValueError("--radius and --pretrain-split apply to stores (--pretrain/--downstream); for the bounds "
                          "of local images use `raystudy bounds --images PATH --radius R`")
@@ -161,13 +179,14 @@ def _build(args):
     import torch
 
     from raystudy.core.models import build_model
+    from raystudy.distributed.text_pairs import model_build_name
 
     kwargs = dict(args.model_kwargs)
     img_size = args.img_size or kwargs.pop("img_size", None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        return build_model(args.model, weights=args.weights, pretrained=args.pretrained, img_size=img_size,
-                           **kwargs)
+        return build_model(model_build_name(args.model), weights=args.weights, pretrained=args.pretrained,
+                           img_size=img_size, **kwargs)
 
 
 def run_local(args) -> int:
@@ -230,7 +249,8 @@ def pipeline_job(args):
         downstream=list(args.downstream), pairs=args.pairs, batch_size=args.batch_size, mode=args.mode,
         pairing=args.pairing, pretrain_split=args.pretrain_split, radius=args.radius,
         workers=args.workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=args.cpus_per_worker,
-        seed=args.seed, img_size=args.img_size, amp_bf16=args.bf16, out_dir=args.out,
+        seed=args.seed, img_size=args.img_size, amp_bf16=args.bf16, out_dir=args.out, seq_len=args.seq_len,
+        tokenizer=args.tokenizer,
     )
     job.validate()  # before Ray starts
     return job

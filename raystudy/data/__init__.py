@@ -17,7 +17,7 @@ _EXPORTS = {
     "SOURCES": "sources", "prepare": "sources",
     "SPLITS": "store", "StoreError": "store", "read_meta": "store", "read_split": "store",
     "shard_paths": "store", "verify_store": "store", "check_store": "store",
-    "TEXT_SOURCES": "text", "prepare_text": "text",
+    "TEXT_SOURCES": "text", "prepare_text": "text", "prepare_text_demo": "text_demo",
     "load_tokenizer": "text_stream", "sample_windows": "text_stream", "token_windows": "text_stream",
     "StoreDataset": "stream", "iter_batches_local": "stream", "load_tensors": "stream", "open_split": "stream",
     "DEFAULT_NAMES": "synthetic", "prepare_default": "synthetic",

@@ -52,6 +52,16 @@ Either way every downstream dataset of a job is paired against the same pretrain
 warning says when a side's rows are reused. ``pairs.parquet`` records, per pair, the stores' ``index`` of
 both images and the ``pairing``.
 
+Text
+----
+A text model (``model: hf:<dir>``) on text stores (``kind: text``): each side's rows are its windows of
+``seq_len`` tokens (the model's ``tokenizer.json``), in store order, and the pairing recipes above draw
+positions among windows; the driver stages the chosen windows (no gather tasks), the load tasks hand the
+actors ``(n, seq_len)`` int64 token ids, and everything downstream (rates, moments, tables, figures,
+bounds with the radius measured on the embedded tokens) is unchanged. ``pairs.parquet`` adds
+``pretrain_start`` and ``downstream_start``. Details: :mod:`raystudy.distributed.text_pairs`. A text store
+with an image model, or the reverse, raises naming the store and the model.
+
 Why a staging step
 ------------------
 The shuffled rows of a side are spread over all shards, and a Parquet shard can only be read a row group
@@ -128,6 +138,15 @@ from raystudy.distributed.pairing import (  # noqa: F401  (pair_positions: the r
     positions,
     split_names,
 )
+from raystudy.distributed.text_pairs import (
+    TextRows,
+    is_text_model,
+    locate_windows,
+    model_build_name,
+    stage_windows,
+    staged_ids,
+    tokenizer_path,
+)
 from raystudy.vocab import MODES, SCHEMAS, check_name
 
 log = logging.getLogger(__name__)
@@ -135,6 +154,9 @@ log = logging.getLogger(__name__)
 RATES_SCHEMA = SCHEMAS["rates"]
 #: ``pairs.parquet``: the required columns, plus the recipe that paired them
 PAIRS_SCHEMA = SCHEMAS["pairs"].append(pa.field("pairing", pa.string()))
+#: ``pairs.parquet`` of text stores: also the first token of each side's window
+TEXT_PAIRS_SCHEMA = PAIRS_SCHEMA.append(pa.field("pretrain_start", pa.int64())).append(
+    pa.field("downstream_start", pa.int64()))
 #: Logical CPUs of one gather task (reads and writes bytes; several may share a core).
 GATHER_CPUS = 0.25
 #: Logical CPUs reserved by one load task (decode + transform). Kept small so that a load task always fits
@@ -158,7 +180,9 @@ class PlasticityJob:
     Field names follow the ``raystudy plasticity`` flags (``--out`` is ``out_dir``).
 
     Attributes:
-        model: timm model name (e.g. ``vit_base_patch16_224.augreg_in21k``).
+        model: timm model name (e.g. ``vit_base_patch16_224.augreg_in21k``), or ``hf:<dir>`` for a Hugging
+            Face text model measured on text stores (``hf:<package>``: see
+            :mod:`raystudy.distributed.text_pairs`).
         weights: local weights file (``.safetensors`` or PyTorch state dict); ``None`` keeps the random
             init, seeded from ``seed`` so that every worker holds the same model.
         model_kwargs: extra ``timm.create_model`` arguments (e.g. a tiny ViT's sizes).
@@ -188,6 +212,8 @@ class PlasticityJob:
             the actors in the cluster (at least one). Each is a process with torch loaded (about 1 GB here).
         torch_threads: intra-op threads of a CPU actor; ``None``: its CPUs, ``max(1, int(cpus_per_worker))``.
         stage_dir: where the (fresh, temporary) staging directory is made; default ``out_dir``.
+        seq_len: text stores only: tokens ``n`` per window (each side of a pair is one window).
+        tokenizer: text stores only: the ``tokenizer.json`` (or its folder); default ``<model dir>/tokenizer.json``.
     """
 
     model: str
@@ -212,6 +238,8 @@ class PlasticityJob:
     loaders: int | None = None
     torch_threads: int | None = None
     stage_dir: str | None = None
+    seq_len: int | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.downstream, str | os.PathLike):
@@ -251,6 +279,11 @@ class PlasticityJob:
             (self.loaders is None or self.loaders >= 1, f"loaders must be >= 1, got {self.loaders}"),
             (self.torch_threads is None or self.torch_threads >= 1,
              f"torch_threads must be >= 1, got {self.torch_threads}"),
+            (self.seq_len is None or self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}"),
+            (not (is_text_model(self.model) and self.img_size),
+             f"img_size does not apply to the text model {self.model}"),
+            (self.seq_len is not None or not is_text_model(self.model),
+             f"the text model {self.model} needs seq_len (tokens per window)"),
         ]
 
 
@@ -283,15 +316,17 @@ def locate_split(store: str | os.PathLike, split: str | tuple[str, ...]) -> Spli
     split is empty, and ``ValueError`` naming its ``dataset.json`` when the name is not one path component
     (it names the dataset's figures).
     """
-    from raystudy.data.store import META_FILE, SCHEMA, StoreError, read_meta, shard_paths
+    from raystudy.data.store import SCHEMAS as STORE_SCHEMAS
+    from raystudy.data.store import StoreError, read_meta, shard_paths, store_kind
 
     meta = read_meta(store)
-    name = storage.check_path_name(meta["name"], f"{storage.join(store, META_FILE)} 'name'")
+    name = store_name(store, meta)
     splits = (split,) if isinstance(split, str) else tuple(split)
     paths = shard_paths(store)
+    schema = STORE_SCHEMAS[store_kind(meta)]
     shard, row, index = [], [], []
     for i, p in enumerate(paths):
-        t = pq.read_table(p, columns=["split", "index"], schema=SCHEMA)
+        t = pq.read_table(p, columns=["split", "index"], schema=schema)
         rows = np.flatnonzero(pc.is_in(t.column("split"), pa.array(splits)).to_numpy(zero_copy_only=False))
         shard.append(np.full(rows.shape[0], i, dtype=np.int64))
         row.append(rows.astype(np.int64))
@@ -301,6 +336,33 @@ def locate_split(store: str | os.PathLike, split: str | tuple[str, ...]) -> Spli
     if len(out) == 0:
         raise StoreError(f"{store}: split {out.split!r} is empty")
     return out
+
+
+def store_name(store: str | os.PathLike, meta: dict) -> str:
+    """The store's ``dataset.json`` name, checked to be one path component (it names figures)."""
+    from raystudy.data.store import META_FILE
+
+    return storage.check_path_name(meta["name"], f"{storage.join(store, META_FILE)} 'name'")
+
+
+def locate_side(job: PlasticityJob, store: str, split: str | tuple[str, ...], tokenizer) -> SplitRows | TextRows:
+    """One side's rows: the images of ``split`` (:func:`locate_split`) or, for a text store, its windows of
+    ``job.seq_len`` tokens (:func:`~raystudy.distributed.text_pairs.locate_windows`). Raises ``ValueError``
+    naming the store and the model when the store's kind does not fit the model."""
+    from raystudy.data.store import read_meta, store_kind
+
+    meta = read_meta(store)
+    kind, text_model = store_kind(meta), is_text_model(job.model)
+    if kind == "text" and not text_model:
+        raise ValueError(f"{store} is a text store but model {job.model} takes images; measure text with an "
+                         "hf:<dir> text model and seq_len")
+    if kind != "text" and text_model:
+        raise ValueError(f"{store} is an {kind} store but model {job.model} is a text model (token ids); give "
+                         "it text stores (kind: text)")
+    if kind != "text":
+        return locate_split(store, split)
+    splits = (split,) if isinstance(split, str) else tuple(split)
+    return locate_windows(str(store), store_name(store, meta), splits, tokenizer, int(job.seq_len))
 
 
 def resolve_pretrain_split(store: str | os.PathLike, split: str | list[str] = "test") -> tuple[str, ...]:
@@ -364,17 +426,26 @@ def _gather_shard(shard_path: str, rows: np.ndarray, pairs: np.ndarray, bucket_s
     return layout
 
 
-def _load_buckets(batch: dict, *, img_size: int) -> dict:
+def _side_array(t: pa.Table, img_size: int | None) -> np.ndarray:
+    """A staged bucket of one side as the model's input: token ids ``(m, n)`` int64 (text), else the
+    eval-transformed images ``(m, 3, S, S)`` float32."""
+    if "ids" in t.column_names:
+        return staged_ids(t)
+    from raystudy.data.transforms import transform_batch
+
+    return transform_batch(t.column("image").to_pylist(), train=False, size=img_size).numpy()
+
+
+def _load_buckets(batch: dict, *, img_size: int | None) -> dict:
     """Ray Data map step: read the staged bytes of each bucket in ``batch`` and decode + transform them.
 
     Input columns ``dataset, start, stop`` and ``pre_pieces, down_pieces`` (JSON lists of the
     ``[file, row_group]`` pieces that hold the bucket's pairs on each side). Output columns
-    ``dataset (n,)``, ``pair (n,)`` and ``x, y (n, 3, S, S)`` float32 (eval transform of the pretraining and
-    downstream image of each pair), in pair order.
+    ``dataset (n,)``, ``pair (n,)`` and ``x, y``: ``(n, 3, S, S)`` float32 (eval transform of the
+    pretraining and downstream image of each pair) or, for text, ``(n, seq_len)`` int64 token ids; in pair
+    order.
     """
     import torch
-
-    from raystudy.data.transforms import transform_batch
 
     torch.set_num_threads(1)
     out = {"dataset": [], "pair": [], "x": [], "y": []}
@@ -386,7 +457,7 @@ def _load_buckets(batch: dict, *, img_size: int) -> dict:
             if not np.array_equal(got, np.arange(start, stop)):
                 raise RuntimeError(f"staging is incomplete: {col} of dataset {d} hold pairs {got[:5].tolist()}... "
                                    f"instead of {start}..{stop - 1}")
-            out[side].append(transform_batch(t.column("image").to_pylist(), train=False, size=img_size).numpy())
+            out[side].append(_side_array(t, img_size))
         out["pair"].append(np.arange(start, stop, dtype=np.int64))
         out["dataset"].append(np.full(stop - start, d, dtype=np.int64))
     return {k: np.concatenate(v) for k, v in out.items()}
@@ -634,8 +705,11 @@ class _RatesWriter:
             self.buffer, self.buffered = [], 0
 
 
-def resolve_img_size(job: PlasticityJob) -> int:
-    """``job.img_size``, else ``model_kwargs["img_size"]``, else the model's own input size (224 if unknown)."""
+def resolve_img_size(job: PlasticityJob) -> int | None:
+    """``job.img_size``, else ``model_kwargs["img_size"]``, else the model's own input size (224 if unknown);
+    ``None`` for a text model (its inputs are token windows)."""
+    if is_text_model(job.model):
+        return None
     if job.img_size:
         return int(job.img_size)
     if job.model_kwargs.get("img_size"):
@@ -734,8 +808,8 @@ class PairPlan:
     and row ``down_pos[d][i]`` of ``down[d]``.
     """
 
-    pre: SplitRows
-    down: list[SplitRows]
+    pre: SplitRows | TextRows
+    down: list[SplitRows | TextRows]
     pre_pos: np.ndarray  # (N,) int64
     down_pos: list[np.ndarray]  # per dataset (N,) int64
 
@@ -743,14 +817,24 @@ class PairPlan:
     def names(self) -> list[str]:
         return [d.name for d in self.down]
 
+    @property
+    def text(self) -> bool:
+        """Whether the sides are token windows of text stores (else images)."""
+        return isinstance(self.pre, TextRows)
+
 
 def plan_pairs(job: PlasticityJob) -> PairPlan:
     """Locate both sides' rows and pair them by ``job.pairing`` (a warning when a side's rows are reused).
 
     Raises ``ValueError`` when two downstream stores share a dataset name (their rates would mix).
     """
-    pre = locate_split(job.pretrain, resolve_pretrain_split(job.pretrain, job.pretrain_split))
-    down = [locate_split(s, "test") for s in job.downstream]
+    tokenizer = None
+    if is_text_model(job.model):
+        from raystudy.data.text_stream import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_path(job.model, job.tokenizer))
+    pre = locate_side(job, job.pretrain, resolve_pretrain_split(job.pretrain, job.pretrain_split), tokenizer)
+    down = [locate_side(job, s, "test", tokenizer) for s in job.downstream]
     names = [d.name for d in down]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -775,20 +859,27 @@ def reuse(pos: np.ndarray) -> int:
 def actor_spec(job: PlasticityJob) -> dict:
     """What an actor (and the bounds thread) needs to build the model and compute, as a plain dict."""
     model_kwargs = dict(job.model_kwargs)
-    if job.img_size and "img_size" not in model_kwargs:
+    if job.img_size and "img_size" not in model_kwargs and not is_text_model(job.model):
         model_kwargs["img_size"] = job.img_size  # the model must accept the transformed images
-    return {"model": job.model, "weights": job.weights, "model_kwargs": model_kwargs, "seed": job.seed,
+    return {"model": model_build_name(job.model), "weights": job.weights, "model_kwargs": model_kwargs,
+            "seed": job.seed,
             "mode": job.mode, "amp_bf16": job.amp_bf16, "gpus": job.gpus_per_worker, "cpus": job.cpus_per_worker,
             "threads": job.torch_threads, "crash_marker": str(Path(job.out_dir) / _CRASH_MARKER),
             "stats_dataset": STATS_DATASET}
 
 
 def stage_pairs(ray, job: PlasticityJob, plan: PairPlan, stage: Path) -> list[dict[int, list[tuple[str, int]]]]:
-    """Gather the chosen images into ``stage``, one Ray task per source shard.
+    """Gather the chosen images into ``stage``, one Ray task per source shard (text: the driver writes the
+    chosen windows).
 
     Returns the bucket layout ``{bucket: [(file, row_group)]}`` of the pretraining side, then of each
     downstream dataset.
     """
+    if plan.text:  # token windows are small: the driver stages them itself
+        sides = [(plan.pre, plan.pre_pos, "pre"), *((r, p, f"d{d}") for d, (r, p) in
+                                                   enumerate(zip(plan.down, plan.down_pos)))]
+        return [stage_windows(rows, pos, job.batch_size, stage / tag / "windows.parquet")
+                for rows, pos, tag in sides]
     # a plain Ray task: Ray Core reruns it (3 times by default) when its worker process dies
     gather = ray.remote(num_cpus=GATHER_CPUS)(_gather_shard)
     staged = [_stage_side(gather, plan.pre, plan.pre_pos, job.batch_size, stage / "pre", "pre")]
@@ -805,8 +896,10 @@ def _bucket_items(job: PlasticityJob, layouts: list[dict]) -> list[dict]:
             for d, down in enumerate(layouts[1:]) for b in range(n_buckets)]
 
 
-def rate_pipeline(ray, job: PlasticityJob, layouts: list[dict], spec: dict, *, img_size: int, loaders: int):
-    """The Ray Data pipeline: bucket items -> load tasks (read, decode, transform) -> the actor pool."""
+def rate_pipeline(ray, job: PlasticityJob, layouts: list[dict], spec: dict, *, img_size: int | None,
+                  loaders: int):
+    """The Ray Data pipeline: bucket items -> load tasks (read, decode, transform; text: read the ids) -> the
+    actor pool."""
     items = _bucket_items(job, layouts)
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     ctx = ds.context
@@ -814,7 +907,8 @@ def rate_pipeline(ray, job: PlasticityJob, layouts: list[dict], spec: dict, *, i
     ctx.enable_progress_bars = False  # the tqdm bar of stream_rates counts pairs
     # Without a cap Ray Data lets the loaders run ahead of the actors until a fraction of the whole object
     # store is full; a budget of a few batches per actor keeps memory independent of the pair count.
-    batch_bytes = job.batch_size * 2 * 3 * img_size**2 * 4
+    pair_bytes = 2 * (job.seq_len or 0) * 8 if img_size is None else 2 * 3 * img_size**2 * 4
+    batch_bytes = job.batch_size * pair_bytes
     budget = max(_MIN_BUDGET, INFLIGHT_BATCHES * (job.workers + 1) * batch_bytes)
     ctx.execution_options.resource_limits = ray.data.ExecutionResources.for_limits(object_store_memory=budget)
     # Fault tolerance is Ray Data's default in 2.60: tasks retry and pool actors restart (and rerun the
@@ -904,7 +998,7 @@ def stream_rates(ds, reducer: RateReducer, *, t0: float, progress: bool = True) 
              timing["rates_s"], timing.get("first_rates_s", math.nan))
 
 
-def measure_rates(ray, job: PlasticityJob, plan: PairPlan, *, img_size: int, loaders: int, t0: float,
+def measure_rates(ray, job: PlasticityJob, plan: PairPlan, *, img_size: int | None, loaders: int, t0: float,
                   progress: bool = True) -> RateReducer:
     """Stage the pairs, stream them through the actors and reduce: ``rates.parquet`` is written, the moments
     and token statistics are in the returned reducer, and its bounds thread computes the bounds.
@@ -946,14 +1040,22 @@ def plasticity_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -
 
 def pairs_table(job: PlasticityJob, plan: PairPlan) -> pa.Table:
     """``pairs.parquet``: the stores' ``index`` of the pretraining and downstream image of every pair, and
-    the ``pairing`` that chose them."""
-    return pa.concat_tables([pa.table({
-        "dataset": pa.array([rows.name] * job.pairs, pa.string()),
-        "pair": pa.array(np.arange(job.pairs), pa.int64()),
-        "pretrain_index": pa.array(plan.pre.index[plan.pre_pos], pa.int64()),
-        "downstream_index": pa.array(rows.index[pos], pa.int64()),
-        "pairing": pa.array([job.pairing] * job.pairs, pa.string()),
-    }, schema=PAIRS_SCHEMA) for rows, pos in zip(plan.down, plan.down_pos)])
+    the ``pairing`` that chose them; for text, also each window's first token (``pretrain_start``,
+    ``downstream_start``: the window is tokens ``start .. start + seq_len - 1`` of text ``index``)."""
+    tables = []
+    for rows, pos in zip(plan.down, plan.down_pos):
+        columns = {
+            "dataset": pa.array([rows.name] * job.pairs, pa.string()),
+            "pair": pa.array(np.arange(job.pairs), pa.int64()),
+            "pretrain_index": pa.array(plan.pre.index[plan.pre_pos], pa.int64()),
+            "downstream_index": pa.array(rows.index[pos], pa.int64()),
+            "pairing": pa.array([job.pairing] * job.pairs, pa.string()),
+        }
+        if plan.text:
+            columns["pretrain_start"] = pa.array(plan.pre.start[plan.pre_pos], pa.int64())
+            columns["downstream_start"] = pa.array(rows.start[pos], pa.int64())
+        tables.append(pa.table(columns, schema=TEXT_PAIRS_SCHEMA if plan.text else PAIRS_SCHEMA))
+    return pa.concat_tables(tables)
 
 
 def bounds_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -> pd.DataFrame:
@@ -979,7 +1081,7 @@ def write_tables(job: PlasticityJob, plan: PairPlan, reducer: RateReducer, plast
             "bounds": write_result(bounds_frame(job, plan, reducer), out_dir, "bounds")}
 
 
-def _summary(job: PlasticityJob, plan: PairPlan, reducer: RateReducer, *, wall: float, img_size: int) -> dict:
+def _summary(job: PlasticityJob, plan: PairPlan, reducer: RateReducer, *, wall: float, img_size: int | None) -> dict:
     done = job.pairs * len(plan.down)
     pre = plan.pre
     return {

@@ -542,6 +542,10 @@ class StudySpec:
             _positive(getattr(p, name), f"plasticity.{name}")
         if p.radius is not None and not (math.isfinite(p.radius) and p.radius > 0):
             raise SpecError(f"plasticity.radius: {p.radius!r} must be a positive number (or null: measured)")
+        if p.seq_len is not None:
+            _positive(p.seq_len, "plasticity.seq_len")
+        if self.model.startswith("hf:") and p.seq_len is None:
+            raise SpecError(f"plasticity.seq_len: the text model {self.model} needs tokens per window")
         if self.pretrain_store is None and not self.builtin_data:
             raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
 
@@ -549,7 +553,7 @@ class StudySpec:
         """Pretraining settings, or (without pretraining) the weights file every job starts from."""
         t = self.pretrain
         if not t.enabled:
-            if self.weights is None:
+            if self.weights is None and not self.model.startswith("hf:"):  # an hf: folder holds its weights
                 raise SpecError(
                     "weights: a local weights file is required (or enable pretrain to train one); "
                     "a random-init model is not a pretrained model"
