@@ -87,6 +87,19 @@ def _known(df: pd.DataFrame, column: str, allowed: tuple[str, ...], path: str) -
         raise _fail(path, column, f"{what}; expected one of {list(allowed)}")
 
 
+def _known_configurations(df: pd.DataFrame, path: str) -> None:
+    """Every ``configuration`` is a name of :data:`TRIALS_CONFIGURATIONS` or a configuration expression
+    (``MHA+FC1``, ``MHA@8-11``, ``auto:5%``, ``lora:r=8``: :mod:`raystudy.core.expressions`)."""
+    from raystudy.core.expressions import is_configuration
+
+    values = df["configuration"].dropna().astype(str)
+    unknown = sorted(v for v in set(values) if v not in TRIALS_CONFIGURATIONS and not is_configuration(v))
+    if unknown or df["configuration"].isna().any():
+        what = f"unknown value(s) {unknown}" if unknown else "missing value(s)"
+        raise _fail(path, "configuration", f"{what}; expected one of {list(TRIALS_CONFIGURATIONS)} "
+                                           "or a configuration expression")
+
+
 def _no_nulls(df: pd.DataFrame, columns: list[str], path: str, id_column: str | None = None) -> None:
     for c in columns:
         bad = df[c].isna()
@@ -135,7 +148,7 @@ def validate_trials(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.D
     """
     _not_empty(trials, path)
     df = trials.reset_index(drop=True).copy()
-    _known(df, "configuration", TRIALS_CONFIGURATIONS, path)
+    _known_configurations(df, path)
     for c in ("lr", "test_acc", "wall_seconds", "trainable_params"):
         df[c] = _numeric(df, c, path)
     status = df["status"].astype("string").fillna("missing")

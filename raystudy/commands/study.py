@@ -36,6 +36,12 @@ def _name_list(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
+def _configuration_list(text: str) -> list[str]:
+    from raystudy.core.expressions import split_configurations
+
+    return split_configurations(text)
+
+
 def _json_mapping(text: str) -> dict:
     value = json.loads(text)
     if not isinstance(value, dict):
@@ -72,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-root", default=None, help="directory holding the prepared stores")
     p.add_argument("--datasets", default=None, help="comma-separated subset of the preset's datasets")
     p.add_argument("--configurations", "--configuration", "--config", "--component", "--components",
-                   dest="configurations", type=_name_list, default=None,
+                   dest="configurations", type=_configuration_list, default=None,
                    help=f"comma-separated, some of {','.join(CONFIGURATIONS)}; empty: plasticity only")
     p.add_argument("--seeds", "--seed", dest="seeds", type=_int_list, default=None,
                    help="comma-separated seeds of every run (a preset's per-dataset seeds are replaced)")

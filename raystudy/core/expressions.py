@@ -329,6 +329,24 @@ def path_safe(expr: str | Expression) -> str:
 Unit = tuple[str, int]  # (component, block)
 
 
+def split_configurations(text: str) -> list[str]:
+    """``"MHA, FC1@0,2,4, lora:r=8:fc1,qkv"`` -> ``["MHA", "FC1@0,2,4", "lora:r=8:fc1,qkv"]``.
+
+    A comma starts a new expression unless what follows continues a block list (a digit) or LoRA's targets
+    (a lower-case layer name that is not ``auto:``/``random:``/``lora:``).
+    """
+    out: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        continues = piece[0].isdigit() or (piece[0].islower() and not re.match(r"(auto|random|lora):", piece))
+        if out and continues:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
 def plasticity_order(units: list[Unit], plasticity) -> list[Unit]:
     """``units`` in decreasing plasticity (ties: lower block, then COMPONENTS order); NaN ones dropped.
 

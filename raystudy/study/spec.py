@@ -58,6 +58,7 @@ import pyarrow.fs as pafs
 import yaml
 
 from raystudy import storage
+from raystudy.core.expressions import split_configurations
 from raystudy.vocab import (
     BASELINES,
     COMPONENTS,
@@ -316,7 +317,9 @@ class StudySpec:
             target = _override_target(data, key)
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
-            elif parts in (["configurations"], ["tracking"]) and isinstance(value, str):
+            elif parts == ["configurations"] and isinstance(value, str):
+                value = split_configurations(value)
+            elif parts == ["tracking"] and isinstance(value, str):
                 value = _split_names(value)
             target[parts[-1]] = value
         return StudySpec.from_dict(data, where="overrides")
@@ -327,7 +330,7 @@ class StudySpec:
         if isinstance(self.seeds, int):
             self.seeds = [self.seeds]
         if isinstance(self.configurations, str):
-            self.configurations = _split_names(self.configurations)
+            self.configurations = split_configurations(self.configurations)
         if self.configurations is None:
             self.configurations = []
         if isinstance(self.tracking, str) or self.tracking is None:
@@ -433,6 +436,21 @@ class StudySpec:
             raise SpecError("model_kwargs: expected a mapping")
         _positive(self.img_size, "img_size")
 
+    def _check_configurations(self) -> None:
+        """Each configuration parses (a name, a union, a depth range, a budget or LoRA: the error points at
+        the offending character); no two spell the same selection; ``auto:`` needs the measured plasticity."""
+        from raystudy.core.expressions import Budgeted, ExpressionError, canonical, parse
+
+        for c in self.configurations:
+            try:
+                tree = parse(c)
+            except (ExpressionError, TypeError) as e:
+                raise SpecError(f"configurations: {e}") from None
+            if isinstance(tree, Budgeted) and tree.strategy == "auto" and not self.plasticity.enabled:
+                raise SpecError(f"configurations: {c} picks units by the study's measured plasticity: "
+                                "enable plasticity")
+        _unique([canonical(c) for c in self.configurations], "configurations")
+
     def _check_grid(self) -> None:
         """Configurations, optimizers with their lrs, seeds. No configuration: a plasticity-only study,
         whose optimizers and seeds may be empty (they span no trial). The study's optimizers may also be
@@ -442,9 +460,7 @@ class StudySpec:
         if not self.configurations and not self.plasticity.enabled:
             raise SpecError(f"configurations: at least one of {list(CONFIGURATIONS)} is required "
                             "(an empty list is a plasticity-only study: enable plasticity)")
-        for c in self.configurations:
-            _choice(c, CONFIGURATIONS, "configurations")
-        _unique(self.configurations, "configurations")
+        self._check_configurations()
         uses_study_optimizers = not self.datasets or any(
             self.dataset_overrides.get(d, DatasetOverrides()).optimizers is None for d in self.datasets)
         if self.configurations and uses_study_optimizers and not self.optimizers:
@@ -693,8 +709,11 @@ def format_lr(lr: float) -> str:
 
 
 def trial_id(dataset: str, configuration: str, optimizer: str, lr: float, seed: int) -> str:
-    """The stable id of a grid point, e.g. ``cifar10-MHA-sgd-lr0.01-s0``."""
-    return f"{dataset}-{configuration}-{optimizer}-lr{format_lr(lr)}-s{int(seed)}"
+    """The stable id of a grid point, e.g. ``cifar10-MHA-sgd-lr0.01-s0`` (an expression's canonical,
+    path-safe spelling: ``FC1+MHA`` and ``MHA+FC1`` are one trial, ``auto:5%`` becomes ``auto_5pct``)."""
+    from raystudy.core.expressions import path_safe
+
+    return f"{dataset}-{path_safe(configuration)}-{optimizer}-lr{format_lr(lr)}-s{int(seed)}"
 
 
 def grid_point(dataset: str, configuration: str, optimizer: str, lr: float, seed: int) -> dict[str, Any]:
