@@ -86,6 +86,18 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Any]:
         raise
 
 
+def move_aside(path: str | os.PathLike, tag: str) -> str:
+    """Rename the file or folder ``path`` to ``<path>.<tag>-<n>`` (the first free ``n`` from 1), so that
+    nothing reads it again and nothing is lost; returns the new path. One rename on a local file system."""
+    fs, p = filesystem(path)
+    n = 1
+    while exists(f"{path}.{tag}-{n}"):
+        n += 1
+    target = f"{path}.{tag}-{n}"
+    fs.move(p, filesystem(target)[1])
+    return target
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> str:
     """Write ``data`` to ``path`` through :func:`atomic_output`; returns ``path``."""
     with atomic_output(path) as f:

@@ -27,48 +27,109 @@ def failed_trial_row(spec: StudySpec, point: dict[str, Any], error: BaseExceptio
 
 
 class StudyCallback(tune.Callback):
-    """Ingest each finished trial into the study's tables and print progress (runs in the driver)."""
+    """Ingest each finished trial into the study's tables and print progress (runs in the driver).
+
+    A table rewrite that fails (a full disk) is reported once and does not stop the driver: the rows stay in
+    memory and the trial directories keep the truth (the next run rebuilds the tables from them). On a
+    full disk, :attr:`disk_full` says where it struck and :meth:`stopper` ends the launch.
+    """
 
     def __init__(self, spec: StudySpec, tables: ResultTables, progress: Progress):
         self.spec, self.tables, self.progress = spec, tables, progress
+        self.disk_full: str | None = None
+        self.write_failed = False
+
+    def stopper(self) -> tune.stopper.Stopper:
+        """A Tune stopper that ends the whole launch once the disk is full (every write would fail)."""
+        callback = self
+
+        class StopOnFullDisk(tune.stopper.Stopper):
+            def __call__(self, trial_id, result):
+                return False
+
+            def stop_all(self):
+                return callback.disk_full is not None
+
+        return StopOnFullDisk()
+
+    def _note_disk_full(self, where: str, error: BaseException | str) -> None:
+        from raystudy.study.tune import disk_full
+
+        if self.disk_full is None and disk_full(error):
+            self.disk_full = where
+
+    def _write(self) -> None:
+        try:
+            self.tables.write()
+        except OSError as e:
+            self._note_disk_full("writing trials.parquet", e)
+            if not self.write_failed:
+                self.progress.echo(f"[{self.progress.prefix}] could not write the study's tables in "
+                                   f"{self.spec.out} ({e}); they are rebuilt from the trial directories on "
+                                   "the next run")
+            self.write_failed = True
 
     def _ingest(self, point: dict) -> tuple[dict | None, str | None]:
         """The trial's row from its directory (``None`` if it wrote no summary) and why it has none."""
         try:
-            row = self.tables.ingest(point, self.spec.model, self.spec.model_kwargs)
+            row = self.tables.ingest(point, self.spec.model, self.spec.model_kwargs, write=False)
         except Exception as e:  # a malformed summary: recorded as failed, the study goes on
             return None, f"could not read the trial's summary: {e}"
         return row, None if row is not None else "the trial ended without writing summary.json"
 
-    def _record_failure(self, point: dict, error: str) -> dict:
-        row = failed_trial_row(self.spec, point, error)
-        self.tables.add(row)
-        return row
+    def _finish(self, trial, row: dict | None, error: str | None) -> None:
+        """Record the trial's row (a failed one with ``error`` when it has none of its own), with how many
+        times Tune restarted it, then write the tables and print its line."""
+        point = trial.config["point"]
+        if row is None:
+            row = failed_trial_row(self.spec, point, error)
+        row["trial_restarts"] = int(trial.run_metadata.num_failures)
+        self.tables.add(row, self.tables.curves.get(point["trial_id"]), write=False)
+        if row["status"] == "failed":
+            self._note_disk_full(f"trial {point['trial_id']}", row.get("error") or "")
+        self._write()
+        self.progress.trial_finished(point["trial_id"], row)
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.progress.running.add(trial.config["point"]["trial_id"])
 
     def on_trial_recover(self, iteration, trials, trial, **info):
         tid = trial.config["point"]["trial_id"]
-        self.progress.echo(f"[{self.progress.prefix}] retrying {tid} after a failure ({trial.error_file})")
+        self.progress.echo(f"[{self.progress.prefix}] retrying {tid} after a failure ({_error_line(trial)})")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        point = trial.config["point"]
-        row, why = self._ingest(point)
-        if row is None:
-            row = self._record_failure(point, why)
-        self.progress.trial_finished(point["trial_id"], row)
+        row, why = self._ingest(trial.config["point"])
+        self._finish(trial, row, why)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        point = trial.config["point"]
-        error = f"failed after {self.spec.trial_retries} retries; see {trial.error_file or trial.path}"
-        row, _ = self._ingest(point)  # the run's own failed summary (with its error) when it got that far
-        if row is None or row["status"] != "failed":
-            row = self._record_failure(point, error)
-        self.progress.trial_finished(point["trial_id"], row)
+        tid = trial.config["point"]["trial_id"]
+        error = (f"failed after {self.spec.trial_retries} retries: {_error_line(trial)}; see "
+                 f"{trial_dir(self.spec.out, tid)} and {trial.path}/error.txt")
+        self._note_disk_full(f"trial {tid}", _error_text(trial))
+        row, _ = self._ingest(trial.config["point"])  # the run's own failed summary (with its error)
+        self._finish(trial, row if row is not None and row["status"] == "failed" else None, error)
 
     def on_step(self, iteration, trials, **info):
         self.progress.tick()
+
+
+def _error_text(trial) -> str:
+    """A Tune trial's error (its exception and traceback) as text, ``""`` when there is none."""
+    try:
+        text = str(trial.get_error() or "")
+        if not text and getattr(trial, "error_file", None):  # not yet synced to storage (at a retry)
+            with open(trial.error_file, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        return text
+    except Exception:  # the error file may not be readable (a full disk)
+        return ""
+
+
+def _error_line(trial) -> str:
+    """The last line of a Tune trial's error (its exception), at most 300 characters; never a path of Ray's
+    temporary session folder."""
+    lines = [ln.strip() for ln in _error_text(trial).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "no error message"
 
 
 def tracking_callbacks(spec: StudySpec) -> list:

@@ -35,10 +35,11 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raystudy.io import read_result, write_result
-from raystudy.storage import exists, filesystem, join, read_text
+from raystudy.io import TableError, read_result, write_result
+from raystudy.storage import exists, filesystem, join, move_aside, read_text
 from raystudy.vocab import FINAL_STATUSES, SCHEMAS, STATUSES, columns
 
 #: columns every row has beyond the schema's: the model's constructor arguments (JSON, sorted keys)
@@ -51,6 +52,12 @@ SORT_KEYS = ["dataset", "configuration", "optimizer", "lr", "seed"]
 
 def trial_dir(study_dir: str, trial_id: str) -> str:
     return join(study_dir, "trials", trial_id)
+
+
+def quarantine(path: str) -> str:
+    """Move the file or folder ``path`` aside to ``<path>.corrupt-<n>`` (the first free ``n``, from 1) so
+    that nothing reads it again and nothing is lost; returns the new path."""
+    return move_aside(path, "corrupt")
 
 
 def read_trial_summary(study_dir: str, trial_id: str) -> dict[str, Any] | None:
@@ -70,6 +77,23 @@ def read_trial_curves(study_dir: str, trial_id: str) -> pd.DataFrame | None:
         return None
     fs, p = filesystem(path)
     return pq.read_table(p, filesystem=fs).to_pandas()
+
+
+def _point_of(study_dir: str, tid: str, datasets: list[str]) -> dict[str, Any] | None:
+    """The grid point of trial directory ``tid`` from its summary (configuration, optimizer, lr, seed) and
+    the one dataset of ``datasets`` whose trial id it is; ``None`` when there is none."""
+    from raystudy.study.spec import grid_point
+
+    s = read_trial_summary(study_dir, tid)
+    try:
+        values = (s.get("configuration") or s["component"], s["optimizer"], float(s["lr"]), int(s["seed"]))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    for dataset in datasets:
+        point = grid_point(dataset, *values)
+        if point["trial_id"] == tid:
+            return point
+    return None
 
 
 def trial_row(point: dict[str, Any], model: str, summary: dict[str, Any],
@@ -127,10 +151,12 @@ class ResultTables:
     succeeds on resume), so the table never holds duplicates.
     """
 
-    def __init__(self, study_dir: str):
+    def __init__(self, study_dir: str, *, repair: bool = False):
         self.study_dir = str(study_dir)
-        trials = read_result(self.study_dir, "trials", required=False)
-        curves = read_result(self.study_dir, "curves", required=False)
+        #: (corrupt table file, where it was moved) of a ``repair`` open: rebuild with :meth:`rebuild`
+        self.repaired: list[tuple[str, str]] = []
+        trials = self._read("trials", repair)
+        curves = self._read("curves", repair)
         self.rows: dict[str, dict[str, Any]] = {}
         self.int_columns: set[str] = set()  # integer columns of the file (pandas reads them as floats with nulls)
         if trials is not None:
@@ -142,6 +168,21 @@ class ResultTables:
         if curves is not None and len(curves):
             for tid, df in curves.groupby("trial_id", sort=False):
                 self.curves[tid] = df.reset_index(drop=True)
+
+    def _read(self, table: str, repair: bool) -> pd.DataFrame | None:
+        """The table, ``None`` if absent. An unreadable one (a torn or corrupted file) raises a
+        :class:`~raystudy.io.TableError` saying how to recover, or with ``repair`` is moved aside to
+        ``<table>.parquet.corrupt-<n>`` (recorded in :attr:`repaired`) and read as absent."""
+        try:
+            return read_result(self.study_dir, table, required=False)
+        except TableError as e:
+            if not repair:
+                raise TableError(f"{e}; the study's tables are rebuilt from its per-trial summaries "
+                                 f"(trials/<trial_id>/summary.json) when it runs again: raystudy study "
+                                 f"--resume {self.study_dir}") from None
+        path = join(self.study_dir, f"{table}.parquet")
+        self.repaired.append((path, quarantine(path)))
+        return None
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -232,6 +273,20 @@ class ResultTables:
         if picked:
             self.write()
         return picked
+
+    def rebuild(self, datasets: list[str], model: str, model_kwargs: dict[str, Any] | None = None) -> list[str]:
+        """Re-add every trial directory with a summary (``trials/<id>/summary.json`` and its curves) whose id
+        is a trial of one of ``datasets``, then rewrite both tables; returns the ids. How a corrupt table
+        of a :attr:`repaired` open is rebuilt (grid or Optuna: the ids come from the directories)."""
+        found = []
+        fs, p = filesystem(join(self.study_dir, "trials"))
+        if fs.get_file_info(p).type == pafs.FileType.Directory:
+            for info in fs.get_file_info(pafs.FileSelector(p)):
+                point = info.type == pafs.FileType.Directory and _point_of(self.study_dir, info.base_name, datasets)
+                if point and self.ingest(point, model, model_kwargs, write=False) is not None:
+                    found.append(point["trial_id"])
+        self.write()
+        return sorted(found)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -469,6 +469,7 @@ class StudySpec:
         if self.configurations and not self.seeds:
             raise SpecError("seeds: at least one seed is required")
         _unique(self.seeds, "seeds")
+        _check_seed_range(self.seeds, "seeds")
 
     def _check_datasets(self) -> None:
         if not self.datasets and not self.builtin_data:
@@ -842,6 +843,17 @@ def _check_seeds(seeds: list[int], where: str) -> None:
     if not seeds:
         raise SpecError(f"{where}: at least one seed is required")
     _unique(seeds, where)
+    _check_seed_range(seeds, where)
+
+
+#: the seeds every random generator of a run accepts (numpy's: ``np.random.seed`` refuses others)
+SEED_LIMIT = 2**32
+
+
+def _check_seed_range(seeds: list[int], where: str) -> None:
+    for seed in seeds:
+        if not 0 <= seed < SEED_LIMIT:
+            raise SpecError(f"{where}: seed {seed} must lie in [0, 2**32) (numpy's seed range)")
 
 
 def _override_target(data: dict[str, Any], key: str) -> dict[str, Any]:

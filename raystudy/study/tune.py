@@ -26,12 +26,16 @@ through :func:`raystudy.distributed.cluster.init_ray` (quiet unless ``verbose``)
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,12 +45,14 @@ import pyarrow.fs as pafs
 
 from raystudy.io import read_result, write_result
 from raystudy.storage import exists, filesystem, is_uri, join, read_text, upload_dir, write_text_atomic
+from raystudy.study.lock import StudyLock
 from raystudy.study.progress import Progress, fmt_seconds
 from raystudy.study.progress import echo as _echo
-from raystudy.study.results import ResultTables, trial_dir
+from raystudy.study.results import ResultTables, quarantine, trial_dir
 from raystudy.study.spec import SpecError, StudySpec, load_spec_file
 
-__all__ = ["Progress", "StudyOutcome", "load_study_spec", "restore_tuner", "run_study", "tune_experiments"]
+__all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_tuner", "run_study",
+           "tune_experiments"]
 
 log = logging.getLogger(__name__)
 
@@ -287,17 +293,25 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     progress = Progress(total=total, done_before=done_before, echo=echo, prefix=spec.name)
     param_space, tune_config, n = _search_setup(spec, tables, points)
     name = _next_launch_name(spec)
+    study_callback = StudyCallback(spec, tables, progress)
     run_config = tune.RunConfig(
         name=name, storage_path=join(spec.out, "tune"), verbose=1 if verbose else 0,
-        callbacks=[StudyCallback(spec, tables, progress), *tracking_callbacks(spec)],
+        callbacks=[study_callback, *tracking_callbacks(spec)], stop=study_callback.stopper(),
         failure_config=tune.FailureConfig(max_failures=spec.trial_retries),
     )
     if not verbose:
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's legacy reporter at verbose=0 prints nothing
     echo(f"[{spec.name}] launching {n} trial(s) as Tune experiment {join(spec.out, 'tune', name)}")
     tuner = tune.Tuner(_trainable(spec), param_space=param_space, tune_config=tune_config, run_config=run_config)
-    results = tuner.fit()
+    try:
+        results = tuner.fit()
+    except Exception:
+        if study_callback.disk_full:  # e.g. Tune reading back an error file the full disk left empty
+            raise StudyStorageError(disk_full_message(spec.out, f" ({study_callback.disk_full})")) from None
+        raise
     progress.show("launch finished")
+    if study_callback.disk_full:
+        raise StudyStorageError(disk_full_message(spec.out, f" ({study_callback.disk_full})"))
     return results
 
 
@@ -386,6 +400,134 @@ def measure_plasticity(spec: StudySpec, echo: Echo = _echo) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Guarding the study directory: full disks, corrupt Ray Train folders, SIGTERM
+# ----------------------------------------------------------------------------------------------------
+
+#: Ray Train's record of a run's checkpoints, in ``<out>/train/<trial_id>/`` (Ray writes it in place)
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+class StudyStorageError(ValueError):
+    """The study directory cannot be written (a full disk); one line naming it. A ``ValueError``, so every
+    command reports it without a traceback."""
+
+
+def disk_full(exc: BaseException | str | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from, or an error text) is a full disk (ENOSPC)."""
+    seen = 0
+    while isinstance(exc, BaseException) and seen < 20:
+        if getattr(exc, "errno", None) == errno.ENOSPC or disk_full(str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return isinstance(exc, str) and ("No space left on device" in exc or "[Errno 28]" in exc)
+
+
+def disk_full_message(study_dir: str, detail: str = "") -> str:
+    return (f"study directory {study_dir}: no space left on device (ENOSPC){detail}; make room and run the "
+            "same command again: finished trials are kept, unfinished ones resume from their checkpoints")
+
+
+@contextmanager
+def storage_errors(study_dir: str) -> Iterator[None]:
+    """Turn a full disk anywhere in the block into one :class:`StudyStorageError` naming ``study_dir``."""
+    try:
+        yield
+    except StudyStorageError:
+        raise
+    except Exception as e:
+        if disk_full(e):
+            raise StudyStorageError(disk_full_message(study_dir)) from None
+        raise
+
+
+class Terminated(SystemExit):
+    """Raised in the driver's main thread by SIGTERM, so that ``finally`` blocks run: Ray is shut down and
+    the study lock released."""
+
+
+@contextmanager
+def sigterm_exits(echo: Echo = _echo, prefix: str = "study") -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` (exit status 143) in the main thread.
+
+    Ray's own handler (installed by ``ray.init``) kills the local Ray processes from inside the signal
+    handler and exits; the driver then aborts half-way, without releasing what it holds.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        echo(f"[{prefix}] SIGTERM: stopping (run the same command again to resume)")
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_dir_problem(run_dir: str) -> str | None:
+    """Why Ray Train could not resume from ``run_dir`` (``<out>/train/<trial_id>``), or ``None``.
+
+    Checks Ray's checkpoint snapshot (readable JSON listing checkpoint folders; a full disk leaves it
+    empty, and Ray then fails every attempt with ``CheckpointManagerInitializationError``) and, on local
+    paths, every checkpoint it lists (:func:`raystudy.core.finetune.state.checkpoint_problem`).
+    """
+    from raystudy.core.finetune.state import checkpoint_problem
+
+    snapshot = join(run_dir, RAY_SNAPSHOT)
+    text = read_text(snapshot)
+    if text is None:
+        return None
+    try:
+        state = json.loads(text)
+        names = [r["checkpoint_dir_name"] for r in state["checkpoint_results"]]
+    except (ValueError, KeyError, TypeError):
+        return f"{snapshot} is unreadable ({len(text)} bytes: empty or truncated)"
+    for name in names:
+        folder = join(run_dir, name)
+        if not exists(folder):
+            return f"{snapshot} lists the checkpoint {folder}, which is missing"
+        problem = None if is_uri(folder) else checkpoint_problem(folder)
+        if problem:
+            return problem
+    return None
+
+
+def check_run_dirs(spec: StudySpec, done: set[str], echo: Echo = _echo) -> list[str]:
+    """Before a launch: move aside (``<run dir>.corrupt-<n>``) every Ray Train folder of an unfinished trial
+    that Ray could not resume from, so that the trial starts afresh instead of failing at every attempt;
+    returns the folders moved. Temporary files left by a killed writer in the study are removed."""
+    moved = []
+    for name in _subdirs(join(spec.out, "train")):
+        if name in done or ".corrupt-" in name:
+            continue
+        run_dir = join(spec.out, "train", name)
+        problem = run_dir_problem(run_dir)
+        if problem:
+            target = quarantine(run_dir)
+            echo(f"[{spec.name}] {name}: its checkpoints cannot be resumed from ({problem}); moved aside to "
+                 f"{target}, the trial starts from step 0")
+            moved.append(target)
+    if not is_uri(spec.out):
+        _remove_temporaries(spec.out, done)
+    return moved
+
+
+def _remove_temporaries(study_dir: str, done: set[str]) -> None:
+    """Delete ``.<name>.<hex>.tmp`` files of :func:`raystudy.storage.atomic_output` left by a killed writer
+    (in the study folder and the folders of unfinished trials; the lock keeps other writers out)."""
+    folders = [study_dir] + [os.path.join(study_dir, "trials", t) for t in _subdirs(join(study_dir, "trials"))
+                             if t not in done]
+    for folder in folders:
+        for entry in os.scandir(folder):
+            if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                os.remove(entry.path)
+
+
+# ----------------------------------------------------------------------------------------------------
 # The whole study
 # ----------------------------------------------------------------------------------------------------
 
@@ -459,6 +601,11 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
 def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> StudyPlan:
     """What is left to do, decided from the study directory alone; finished trials the tables missed (a
     killed driver) are picked up from their directories first."""
+    if tables.repaired:
+        rebuilt = tables.rebuild(list(spec.datasets), spec.model, spec.model_kwargs)
+        for path, moved in tables.repaired:
+            echo(f"[{spec.name}] {path} was unreadable (moved aside to {moved}); rebuilt the tables from the "
+                 f"summaries of {len(rebuilt)} trial(s) in {join(spec.out, 'trials')}")
     todo = plasticity_todo(spec)
     if spec.plasticity.enabled and not todo:
         echo(f"[{spec.name}] plasticity: all {len(spec.datasets)} dataset(s) already measured")
@@ -488,16 +635,23 @@ def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> Stu
 
 def execute(spec: StudySpec, tables: ResultTables, plan: StudyPlan, *, address: str | None, verbose: bool,
             echo: Echo = _echo) -> None:
-    """Run the plan on Ray (started here, and shut down after, unless it was running already)."""
+    """Run the plan on Ray (started here, and shut down after, unless it was running already). A local Ray
+    started here is watched by a reaper process that ends it if the driver is killed (SIGKILL)."""
     from raystudy.distributed.cluster import init_ray
+    from raystudy.distributed.reaper import start_reaper
 
+    local = not (address or os.environ.get("RAY_ADDRESS")) or address == "local"
     started = init_ray(address, verbose=verbose)
+    if started and local:
+        start_reaper()
     try:
-        if plan.plasticity:
-            measure_plasticity(spec, echo)
-        if plan.to_launch:
-            launch_trials(spec, tables, plan.points, total=plan.total, done_before=plan.total - plan.to_launch,
-                          echo=echo, verbose=verbose)
+        with sigterm_exits(echo, spec.name):  # again: ray.init installed its own SIGTERM handler
+            if plan.plasticity:
+                measure_plasticity(spec, echo)
+            if plan.to_launch:
+                check_run_dirs(spec, tables.done_ids(), echo)
+                launch_trials(spec, tables, plan.points, total=plan.total,
+                              done_before=plan.total - plan.to_launch, echo=echo, verbose=verbose)
     finally:
         if started:
             import ray
@@ -507,21 +661,27 @@ def execute(spec: StudySpec, tables: ResultTables, plan: StudyPlan, *, address: 
 
 def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = False,
               echo: Echo = _echo) -> StudyOutcome:
-    """Run (or continue) the study ``spec`` end to end; see the module docstring."""
+    """Run (or continue) the study ``spec`` end to end; see the module docstring. The study directory is
+    locked for the run (:class:`~raystudy.study.lock.StudyLock`); a full disk ends it with one
+    :class:`StudyStorageError` line; SIGTERM stops it cleanly (Ray shut down, lock released)."""
     t_start = time.monotonic()
-    spec = prepare_study(spec, echo)
-    tables = ResultTables(spec.out)
-    plan = plan_study(spec, tables, echo)
-    if plan.plasticity or plan.to_launch:
-        execute(spec, tables, plan, address=address, verbose=verbose, echo=echo)
-    outcome = StudyOutcome(study_dir=spec.out, total=plan.total, launched=plan.to_launch, counts=tables.counts())
-    if spec.analysis:
-        from raystudy.analysis import report
+    spec.validate(check_files=False)
+    out = spec.out if is_uri(spec.out) else os.path.abspath(spec.out)
+    with StudyLock(out, echo=echo), sigterm_exits(echo, spec.name), storage_errors(out):
+        spec = prepare_study(spec, echo)
+        tables = ResultTables(spec.out, repair=True)
+        plan = plan_study(spec, tables, echo)
+        if plan.plasticity or plan.to_launch:
+            execute(spec, tables, plan, address=address, verbose=verbose, echo=echo)
+        outcome = StudyOutcome(study_dir=spec.out, total=plan.total, launched=plan.to_launch,
+                               counts=tables.counts())
+        if spec.analysis:
+            from raystudy.analysis import report
 
-        t0 = time.monotonic()
-        outcome.report = str(report(spec.out))  # runs the analysis (tables, figures) and writes report.html
-        outcome.analysis_dir = join(spec.out, "analysis")
-        echo(f"[{spec.name}] analysis written in {fmt_seconds(time.monotonic() - t0)}")
+            t0 = time.monotonic()
+            outcome.report = str(report(spec.out))  # runs the analysis (tables, figures), writes report.html
+            outcome.analysis_dir = join(spec.out, "analysis")
+            echo(f"[{spec.name}] analysis written in {fmt_seconds(time.monotonic() - t0)}")
     outcome.wall_seconds = time.monotonic() - t_start
     print_summary(spec, outcome, echo)
     return outcome
