@@ -37,8 +37,18 @@ def setup_logging(verbose: bool) -> None:
     """raystudy's own messages at INFO (DEBUG with ``-v``); Ray's loggers at WARNING unless ``-v``."""
     from raystudy.distributed.cluster import quiet_ray_logs  # logging only, no Ray import
 
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LevelPrefix())
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     quiet_ray_logs(verbose)
+
+
+class _LevelPrefix(logging.Formatter):
+    """Progress messages (INFO) as plain lines; warnings and errors prefixed with their level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        return message if record.levelno == logging.INFO else f"{record.levelname} {message}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,7 +134,9 @@ def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any
     if ray.is_initialized():
         return False
     quiet_ray_logs(verbose)
-    address = address or os.environ.get("RAY_ADDRESS")
+    # "local", not None: Ray's None would join whatever instance last ran on this machine (another study,
+    # a test session), where the user asked for a fresh one; a cluster is always named (or RAY_ADDRESS).
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
     options: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose,
                                "logging_level": logging.INFO if verbose else logging.WARNING}
     if not address or address == "local":  # an instance of our own: no dashboard to serve
