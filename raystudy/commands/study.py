@@ -251,7 +251,8 @@ def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
     from raystudy.study.tune import run_study
 
     outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))
-    return 0 if outcome.counts.get("failed", 0) == 0 else 1
+    failed = outcome.counts.get("failed", 0) + outcome.probes.get("failed", 0)
+    return 0 if failed == 0 else 1
 
 
 def main(argv: list[str] | None = None, *, prog: str = "full_study.py", preset_prefix: str = "") -> int:

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from raystudy.io import TableError, read_result, write_result
 from raystudy.storage import exists, filesystem, join, move_aside, read_text
-from raystudy.vocab import FINAL_STATUSES, SCHEMAS, STATUSES, columns
+from raystudy.vocab import FINAL_STATUSES, LINEAR_PROBE, SCHEMAS, STATUSES, columns
 
 #: columns every row has beyond the schema's: the model's constructor arguments (JSON, sorted keys)
 TRIAL_EXTRAS = ("model_kwargs",)
@@ -193,10 +193,12 @@ class ResultTables:
     def done_ids(self) -> set[str]:
         return {tid for tid, r in self.rows.items() if r["status"] in FINAL_STATUSES}
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, *, probes: bool = False) -> dict[str, int]:
+        """Rows per status: of the finetuning trials, or (``probes=True``) of the linear probes (``LP``)."""
         out = dict.fromkeys(STATUSES, 0)
         for r in self.rows.values():
-            out[r["status"]] = out.get(r["status"], 0) + 1
+            if (r["configuration"] == LINEAR_PROBE) == probes:
+                out[r["status"]] = out.get(r["status"], 0) + 1
         return out
 
     def trials_frame(self) -> pd.DataFrame:

@@ -9,7 +9,9 @@
 2. :func:`plan_study`: what is left, from the study directory alone (no Ray needed to say "nothing");
 3. :func:`measure_plasticity`: the plasticity of every dataset not yet measured
    (:func:`raystudy.distributed.plasticity.run_plasticity`);
-4. :func:`launch_trials`: the finetuning grid through Ray Tune. Each Tune trial is a light driver
+4. :func:`raystudy.study.probes.run_probes`: the linear probe (``LP`` rows of ``trials.parquet``) of every
+   dataset not yet probed, when ``probe.enabled``;
+5. :func:`launch_trials`: the finetuning grid through Ray Tune. Each Tune trial is a light driver
    (``trial_driver_cpus``, :func:`run_trial`) that runs the Ray Train run of its grid point
    (:func:`raystudy.distributed.train.run_finetune`, ``RunConfig(name=trial_id,
    callbacks=[TuneReportCallback()])``) and waits for it. Only grid points without a final row (``ok`` or
@@ -17,7 +19,7 @@
    finished one launches nothing. The Ray Train run of a trial is named by its trial id, so a trial cut off
    by a killed driver restarts from its last checkpoint. A study with ``configurations: []`` has no trial:
    it measures plasticity only;
-5. the analysis (:func:`raystudy.analysis.report`).
+6. the analysis (:func:`raystudy.analysis.report`).
 
 In the driver, :class:`raystudy.study.callback.StudyCallback` rewrites the tables as each trial ends and
 prints one line per finished trial and a periodic summary (:mod:`raystudy.study.progress`). Ray starts
@@ -46,6 +48,7 @@ import pyarrow.fs as pafs
 from raystudy.io import read_result, write_result
 from raystudy.storage import exists, filesystem, is_uri, join, read_text, upload_dir, write_text_atomic
 from raystudy.study.lock import StudyLock
+from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Progress, fmt_seconds
 from raystudy.study.progress import echo as _echo
 from raystudy.study.results import ResultTables, quarantine, trial_dir
@@ -538,6 +541,7 @@ class StudyOutcome:
     total: int
     launched: int
     counts: dict
+    probes: dict = field(default_factory=dict)  # LP rows per status
     analysis_dir: str | None = None
     report: str | None = None
     wall_seconds: float = 0.0
@@ -545,14 +549,15 @@ class StudyOutcome:
 
 @dataclass
 class StudyPlan:
-    """What a run of the study still has to do: datasets to measure, grid points to launch (``None`` with
-    Optuna: its budget), how many trials that is, out of ``total``."""
+    """What a run of the study still has to do: datasets to measure, datasets to probe, grid points to launch
+    (``None`` with Optuna: its budget), how many trials that is, out of ``total``."""
 
     plasticity: list[str]
     points: list[dict] | None
     to_launch: int
     total: int
     retry: list[str] = field(default_factory=list)
+    probes: list[str] = field(default_factory=list)
 
 
 def check_weights_load(spec: StudySpec) -> None:
@@ -623,6 +628,9 @@ def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> Stu
         from raystudy.study.search import optuna_plan
 
         plan = StudyPlan(todo, None, sum(optuna_plan(spec, tables)[0].values()), total)
+    plan.probes = probe_todo(spec, tables)
+    if plan.probes:
+        echo(f"[{spec.name}] probes: {len(plan.probes)} of {len(spec.probe_datasets())} dataset(s) to fit")
     if plan.retry:
         more = " ..." if len(plan.retry) > 5 else ""
         echo(f"[{spec.name}] retrying {len(plan.retry)} failed trial(s): {plan.retry[:5]}{more}")
@@ -648,6 +656,8 @@ def execute(spec: StudySpec, tables: ResultTables, plan: StudyPlan, *, address: 
         with sigterm_exits(echo, spec.name):  # again: ray.init installed its own SIGTERM handler
             if plan.plasticity:
                 measure_plasticity(spec, echo)
+            if plan.probes:  # before the grid: the relative gain's reference exists even if the grid is cut off
+                run_probes(spec, tables, echo, address=address)
             if plan.to_launch:
                 check_run_dirs(spec, tables.done_ids(), echo)
                 launch_trials(spec, tables, plan.points, total=plan.total,
@@ -671,10 +681,10 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
         spec = prepare_study(spec, echo)
         tables = ResultTables(spec.out, repair=True)
         plan = plan_study(spec, tables, echo)
-        if plan.plasticity or plan.to_launch:
+        if plan.plasticity or plan.probes or plan.to_launch:
             execute(spec, tables, plan, address=address, verbose=verbose, echo=echo)
         outcome = StudyOutcome(study_dir=spec.out, total=plan.total, launched=plan.to_launch,
-                               counts=tables.counts())
+                               counts=tables.counts(), probes=tables.counts(probes=True))
         if spec.analysis:
             from raystudy.analysis import report
 
@@ -692,6 +702,9 @@ def print_summary(spec: StudySpec, o: StudyOutcome, echo: Echo = _echo) -> None:
     echo("")
     echo(f"Study {spec.name!r}: {c['ok'] + c['diverged']}/{o.total} trials done (ok {c['ok']}, diverged "
          f"{c['diverged']}, failed {c['failed']}); {o.launched} launched this time, {fmt_seconds(o.wall_seconds)}")
+    if spec.probe.enabled:
+        echo(f"  probes:      {o.probes['ok']}/{len(spec.probe_datasets())} fitted (failed {o.probes['failed']}) "
+             f"-> {join(o.study_dir, 'probes')}/<dataset>/probe.json")
     echo(f"  results:     {o.study_dir}/  (trials.parquet, curves.parquet, plasticity.parquet, bounds.parquet)")
     echo(f"  notebook:    raystudy.load_study({o.study_dir!r})")
     echo(f"  TensorBoard: tensorboard --logdir {join(o.study_dir, 'tb')}")
