@@ -99,6 +99,12 @@ def _headlines(res: AnalysisResult) -> list[str]:
     return lines
 
 
+def _configurations(values) -> list[str]:
+    """The paper's names in their order, then configuration expressions (``MHA+FC1``, ``auto:5%``) sorted."""
+    names = set(values.dropna().astype(str))
+    return [c for c in TRIALS_CONFIGURATIONS if c in names] + sorted(names - set(TRIALS_CONFIGURATIONS))
+
+
 def _summary(res: AnalysisResult) -> str:
     inp = res.inputs
     items = [("study directory", _e(res.study_dir))]
@@ -109,7 +115,7 @@ def _summary(res: AnalysisResult) -> str:
         n_div = sum(int(x["diverged"].sum()) for x in counted)
         items += [("models", _e(_join(sorted(t["model"].astype(str).unique())))),
                   ("datasets", _e(_join(sorted(t["dataset"].astype(str).unique())))),
-                  ("configurations", _e(_join([c for c in TRIALS_CONFIGURATIONS if c in set(t["configuration"])]))),
+                  ("configurations", _e(_join(_configurations(t["configuration"])))),
                   ("optimizers", _e(_join(sorted(t["optimizer"].dropna().astype(str).unique())))),
                   ("learning rates", _e(_join(f"{v:g}" for v in sorted(pd.to_numeric(t["lr"]).dropna().unique())))),
                   ("seeds", _e(_join(sorted(t["seed"].dropna().unique())))),

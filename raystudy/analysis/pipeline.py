@@ -19,6 +19,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from raystudy import storage
+from raystudy.analysis import beyond as B
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
 from raystudy.analysis import sweep_figures as SF
@@ -40,7 +41,8 @@ from raystudy.vocab import LINEAR_PROBE
 log = logging.getLogger(__name__)
 
 #: Every table the analysis can write, in report order.
-TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking", "cost")
+TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking",
+          *B.TABLES, "cost")
 
 
 @dataclass
@@ -125,6 +127,8 @@ def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **
         if ranking is not None:
             tables["ranking"] = ranking
     _subset_notes(tables, ok, notes)
+    if B.has_expressions(ok):  # configuration expressions: frontier, matched budgets, unit gains
+        tables.update(B.beyond_tables(tables["best_lr"], ok, inputs.plasticity, notes))
     return tables
 
 
@@ -157,6 +161,8 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
             r = R.render_cost(df, inputs.trials)
         elif name == "optimizers":
             r = R.render_optimizers(df, shared_subset(inputs.counted))
+        elif name in B.TABLES:
+            r = getattr(B, f"render_{name}")(df)
         else:
             r = getattr(R, f"render_{name}")(df)
         if footnote and name != "cost":
@@ -271,6 +277,8 @@ def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: 
         jobs.append(("relative_gain", "Relative gain over linear probing",
                      f"(acc − acc_{ref}) / acc_{ref} of the best-lr accuracies, per dataset and overall.",
                      lambda s: F.plot_relative_gain(g, s)))
+    if "frontier" in tables:
+        jobs += B.figure_jobs(tables["frontier"], _slug)
     if inputs.curves is not None:
         jobs += _curve_figures(inputs, inputs.curves, notes)
     return jobs
