@@ -165,8 +165,9 @@ def fmt_seconds(x) -> str:
 
 
 def _configs(names) -> list[str]:
+    """The vocabulary's configurations in its order, then configuration expressions (sorted)."""
     names = set(names)
-    return [c for c in TRIALS_CONFIGURATIONS if c in names]
+    return [c for c in TRIALS_CONFIGURATIONS if c in names] + sorted(names - set(TRIALS_CONFIGURATIONS))
 
 
 def _mark(r) -> str:
@@ -379,7 +380,7 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
 def _params_spread(trials: pd.DataFrame) -> str:
     """A note on the configurations whose trainable-parameter count varies across trials ("" if none)."""
     p = trials.assign(p=recorded_counts(trials["trainable_params"])).groupby("configuration")["p"]
-    spread = p.agg(["min", "max"]).reindex([c for c in TRIALS_CONFIGURATIONS if c in p.groups]).dropna()
+    spread = p.agg(["min", "max"]).reindex(_configs(p.groups)).dropna()
     varied = spread[spread["min"] != spread["max"]]
     if not len(varied):
         return ""
