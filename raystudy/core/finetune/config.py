@@ -31,14 +31,16 @@ MOVED_KEYS = ("workers", "gpus_per_worker", "cpus_per_worker", "max_failures", "
               "cleanup_checkpoints", "fail_after_step")
 #: Forward/backward precision: fp32 (the paper's; true fp32 matmuls) or bf16 autocast with fp32 master weights.
 PRECISIONS = ("fp32", "bf16")
-#: Where training images come from: the uint8 cache (decoded once) or JPEG/PNG decoding at every step.
+#: Where training images come from: the uint8 cache (decoded once) or JPEG/PNG decoding at every step
+#: (a text store has one data path whatever this says: :mod:`raystudy.core.finetune.text`).
 DATA_PATHS = ("cache", "decode")
 #: Values of fields that older ``config.json`` files lack: the settings of the only behaviour they knew.
 LEGACY_DEFAULTS = {"data_path": "decode"}
 #: Fields a checkpoint must agree on to be resumed (others, e.g. eval_period or the workers, may change).
 RESUME_KEYS = ("model", "configuration", "selection", "optimizer", "lr", "seed", "steps", "batch_size", "warmup_steps",
                "img_size", "augment", "shuffle", "train_final_norm", "include_layerscale", "momentum", "betas",
-               "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init", "data_path", "precision")
+               "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init", "data_path", "precision",
+               "seq_len", "tokenizer")
 _POSITIVE_INTS = ("steps", "batch_size", "eval_period", "log_period", "eval_batch_size", "img_size")
 
 
@@ -67,6 +69,13 @@ class FinetuneConfig:
     that workers need no plasticity table and a resumed run trains what the first attempt did
     (:func:`raystudy.study.jobs.finetune_job` resolves it once per trial). ``auto:B`` requires it;
     ``random:B`` without it resolves its units from ``seed``.
+
+    Text classifiers: ``model="hf:<dir>"`` (a Hugging Face BERT / GPT-2 / Llama family model, see
+    :mod:`raystudy.core.hf`) on a text store (``kind: text``) gets a sequence-classification head; each
+    text is tokenised by ``tokenizer`` (None: the model folder's ``tokenizer.json``) with the model's
+    special tokens, truncated and padded to ``seq_len`` tokens with an attention mask (None: the store's
+    longest text, at most the model's positions); see :mod:`raystudy.core.finetune.text`. ``img_size``,
+    ``augment`` and ``data_path`` do not apply to text.
     """
 
     model: str = "vit_base_patch16_224"
@@ -107,6 +116,8 @@ class FinetuneConfig:
     eval_cache_mb: int = 512  # decoded val/test tensors are cached per worker up to this size
     loader_workers: int = 0  # torch DataLoader processes decoding train batches ahead (0: in the loop)
     save_final: bool = False  # also write the final full model to out_dir/final_model.safetensors
+    seq_len: int | None = None  # text: tokens per text (None: the store's longest, capped at the model's)
+    tokenizer: str | None = None  # text: tokenizer.json (None: the model folder's)
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -157,6 +168,8 @@ class FinetuneConfig:
                 yield name, "must be an integer >= 1"
         if not isinstance(self.seed, int) or self.seed < 0:
             yield "seed", "must be a non-negative integer"
+        if self.seq_len is not None and not (isinstance(self.seq_len, int) and self.seq_len >= 2):
+            yield "seq_len", "must be None or an integer >= 2"
         if self.micro_batch_size is not None and not (isinstance(self.micro_batch_size, int)
                                                       and self.micro_batch_size >= 1):
             yield "micro_batch_size", "must be None or an integer >= 1"

@@ -16,6 +16,10 @@ Two data paths (``FinetuneConfig.data_path``) read the same rows in the same ord
   seeds (:func:`~raystudy.core.finetune.augment.sample_crops`); :func:`to_device` crops, resizes and
   normalises the batch on the training device. Without augmentation, and for evaluation, both paths give
   the same tensors (the cache holds the eval transform's own uint8 pixels).
+
+A text store (``kind: text``) has one data path whatever ``data_path`` says (:class:`~.text.TextSplitData`:
+texts tokenised once to ``seq_len`` tokens, no augmentation, no cache); :func:`open_split_data` picks it
+by the store's kind, and the data order above is the same.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from raystudy.core.finetune.augment import augment, sample_crops, to_float
 from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.finetune.text import TextBatch, TextSplitData, is_text_store, open_text_split
 
 
 @lru_cache(maxsize=8)
@@ -148,11 +153,14 @@ class CachedSplitData:
                          size=size)
 
 
-def to_device(batch, device: torch.device, *, size: int,
-              channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def to_device(batch, device: torch.device, *, size: int | None = None,
+              channels_last: bool = False) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
     """``(x, y)`` on ``device``: a decode-path ``(x, y)`` is moved; a :class:`CacheBatch` is moved as uint8
     and augmented (:func:`~raystudy.core.finetune.augment.augment`) or only normalised there.
-    ``x`` ``(B, 3, size, size)`` float32, in channels-last memory order when asked."""
+    ``x`` ``(B, 3, size, size)`` float32, in channels-last memory order when asked. A :class:`TextBatch`
+    gives ``x`` = the model's keyword inputs (``input_ids``, ``attention_mask``, each ``(B, n)`` int64)."""
+    if isinstance(batch, TextBatch):
+        return batch.inputs(device), batch.labels.to(device, non_blocking=True)
     if isinstance(batch, CacheBatch):
         images = batch.images.to(device, non_blocking=True)
         x = to_float(images) if batch.boxes is None else augment(images, batch.boxes, batch.flips, size)
@@ -164,8 +172,11 @@ def to_device(batch, device: torch.device, *, size: int,
     return x, y
 
 
-def open_split_data(cfg: FinetuneConfig, split: str) -> SplitData | CachedSplitData:
-    """The data of ``split`` on ``cfg.data_path``: the train split cropped when ``cfg.augment``."""
+def open_split_data(cfg: FinetuneConfig, split: str) -> SplitData | CachedSplitData | TextSplitData:
+    """The data of ``split``: a text store's tokenised texts (:func:`~.text.open_text_split`), else the
+    images on ``cfg.data_path``, the train split cropped when ``cfg.augment``."""
+    if is_text_store(cfg.store):
+        return open_text_split(cfg, split)
     if cfg.data_path == "decode":
         return SplitData(cfg.store, split)
     return CachedSplitData(cfg.store, split, size=cfg.img_size, crop=split == "train" and cfg.augment,
@@ -173,23 +184,24 @@ def open_split_data(cfg: FinetuneConfig, split: str) -> SplitData | CachedSplitD
 
 
 def prepare_caches(cfg: FinetuneConfig) -> None:
-    """Build (or verify and repair) the caches a run on the cache path reads, before its workers start."""
-    if cfg.data_path == "cache":
+    """Build (or verify and repair) the caches a run on the cache path reads, before its workers start
+    (a text store has none)."""
+    if cfg.data_path == "cache" and not is_text_store(cfg.store):
         for split in ("train", "val", "test"):
             open_split_data(cfg, split)
 
 
 class MicroBatches(torch.utils.data.Dataset):
-    """Map-style dataset whose item ``k`` is the ``k``-th micro-batch (``(x, y)`` or a :class:`CacheBatch`)
-    of worker ``rank`` (of ``world_size``) from ``start_step`` on, so that a ``DataLoader`` with processes
-    prefetches them in order.
+    """Map-style dataset whose item ``k`` is the ``k``-th micro-batch (``(x, y)``, a :class:`CacheBatch` or a
+    :class:`~.text.TextBatch`) of worker ``rank`` (of ``world_size``) from ``start_step`` on, so that a
+    ``DataLoader`` with processes prefetches them in order.
 
     The worker's share of a step is ``batch_size / world_size`` images, cut into micro-batches of at most
     ``cfg.micro_batch_size``.
     """
 
-    def __init__(self, data: SplitData | CachedSplitData, cfg: FinetuneConfig, rank: int, start_step: int,
-                 world_size: int = 1):
+    def __init__(self, data: SplitData | CachedSplitData | TextSplitData, cfg: FinetuneConfig, rank: int,
+                 start_step: int, world_size: int = 1):
         self.data, self.cfg, self.rank, self.start = data, cfg, rank, start_step
         self.share = cfg.batch_size // world_size
         m = cfg.micro_batch_size or self.share

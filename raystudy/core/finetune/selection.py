@@ -18,14 +18,16 @@ from raystudy.core.finetune.config import FinetuneConfig
 
 
 def build_finetune_model(cfg: FinetuneConfig, num_classes: int) -> nn.Module:
-    """The timm model with ``num_classes`` outputs and a freshly initialised head, seeded by ``cfg.seed``."""
+    """The model with ``num_classes`` outputs and a freshly initialised head, seeded by ``cfg.seed``: a timm
+    model, or for ``hf:<dir>`` a Hugging Face sequence classifier (its folder's weights, no ``img_size``)."""
     from raystudy.core.models import build_model
 
     torch.manual_seed(cfg.seed)
     kwargs = dict(cfg.model_kwargs)
     kwargs.pop("img_size", None)
-    model = build_model(cfg.model, num_classes=num_classes, pretrained=cfg.pretrained, weights=cfg.weights,
-                        img_size=cfg.img_size, **kwargs)
+    if not cfg.model.startswith("hf:"):
+        kwargs.update(pretrained=cfg.pretrained, img_size=cfg.img_size)
+    model = build_model(cfg.model, num_classes=num_classes, weights=cfg.weights, **kwargs)
     reset_head(model, seed=cfg.seed, mode=cfg.head_init)
     return model
 
@@ -48,8 +50,15 @@ def reset_head(model: nn.Module, *, seed: int, mode: str = "trunc_normal") -> No
 
 
 def final_norm_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The norm applied after the last block (timm: ``norm`` and ``fc_norm``), frozen unless configured."""
-    names = [n for n in ("norm", "fc_norm") if isinstance(getattr(model, n, None), nn.Module)]
+    """The norm applied after the last block, frozen unless configured: timm's ``norm`` and ``fc_norm``;
+    a Hugging Face model's ``ln_f`` (GPT-2) or ``norm`` (Llama) on its base model (post-LN BERT has none;
+    its pooler is trained by ``All`` only)."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        names = [n for n in ("norm", "fc_norm") if isinstance(getattr(model, n, None), nn.Module)]
+    else:
+        names = [f"{model.base_model_prefix}.{n}" for n in ("ln_f", "norm")
+                 if isinstance(getattr(base, n, None), nn.Module)]
     prefixes = tuple(f"{n}." for n in names)
     return [(n, p) for n, p in model.named_parameters() if prefixes and n.startswith(prefixes)]
 

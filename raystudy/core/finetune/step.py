@@ -3,13 +3,17 @@
 Each worker's loss is ``sum_i CE_i / (B/W)`` over its share of the global batch ``B``; DDP averages the
 gradients over the ``W`` workers, so the update uses the gradient of the mean loss over the global batch in
 every layout.
+
+A batch's ``x`` is an image tensor ``(b, 3, H, W)`` (timm models: ``model(x)``) or a text model's keyword
+inputs ``{"input_ids", "attention_mask"}`` (``model(**x)``); a Hugging Face model's output object gives
+its ``.logits`` (:func:`logits_of`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +48,20 @@ def set_matmul_precision(device: torch.device, precision: str) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
+def move(x: torch.Tensor | Mapping[str, torch.Tensor], device: torch.device):
+    """``x`` (a tensor or a mapping of tensors) on ``device``."""
+    if isinstance(x, Mapping):
+        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
+    return x.to(device, non_blocking=True)
+
+
+def logits_of(model: nn.Module, x: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``(b, classes)`` logits: ``model(x)`` of an image batch, ``model(**x)`` of a text model's keyword
+    inputs; an output object (Hugging Face's ``SequenceClassifierOutput``) gives its ``.logits``."""
+    out = model(**x) if isinstance(x, Mapping) else model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
 def _total_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
@@ -71,7 +89,8 @@ def train_step(
     reported loss the global mean, identical on every worker, so all workers agree on divergence.
     Gradient norms are measured after the DDP average and before clipping to ``clip_norm``.
     ``precision="bf16"``: the forward under bf16 autocast (weights, gradients and the loss stay float32).
-    Micro-batches ``(x, y)``: ``x`` ``(b, 3, H, W)`` float32, ``y`` ``(b,)`` int64, on any device.
+    Micro-batches ``(x, y)``: ``x`` ``(b, 3, H, W)`` float32 or a text model's keyword inputs (module
+    docstring), ``y`` ``(b,)`` int64, on any device.
     """
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -79,11 +98,11 @@ def train_step(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last = len(micro_batches) - 1
     for i, (x, y) in enumerate(micro_batches):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = move(x, device), y.to(device, non_blocking=True)
         sync = contextlib.nullcontext() if i == last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with autocast(device, precision == "bf16"):
-                logits = model(x)
+                logits = logits_of(model, x)
             loss = F.cross_entropy(logits.float(), y, reduction="sum") / share
             loss.backward()
         loss_sum += loss.detach().double()
@@ -104,14 +123,15 @@ def train_step(
 @torch.inference_mode()
 def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device,
              precision: str = "fp32") -> tuple[float, int, int]:
-    """Sum of cross-entropy, number correct and number of images over ``batches`` of ``(x, y)`` (``x``
-    ``(B, 3, H, W)``, ``y`` ``(B,)``), in inference mode (no autograd records, no version counters)."""
+    """Sum of cross-entropy, number correct and number of images (texts) over ``batches`` of ``(x, y)``
+    (``x`` ``(B, 3, H, W)`` or a text model's keyword inputs, ``y`` ``(B,)``), in inference mode (no autograd
+    records, no version counters)."""
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for x, y in batches:
-        x, y = x.to(device), y.to(device)
+        x, y = move(x, device), y.to(device)
         with autocast(device, precision == "bf16"):
-            logits = model(x)
+            logits = logits_of(model, x)
         loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
         correct += int((logits.argmax(dim=1) == y).sum())
         count += len(y)
