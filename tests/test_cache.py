@@ -1,19 +1,21 @@
-"""The uint8 image cache (raystudy.data.cache): layout, checksums, and corrupted shards detected and rebuilt."""
+"""The uint8 image cache (raystudy.data.cache): layout, checksums, and corrupted shards detected and rebuilt,
+in one process and as a Ray Data job (raystudy.distributed.cache)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_store
+from conftest import make_store, png_bytes
 
 from raystudy.data.cache import CacheError, ImageCache, cache_dir, ensure_cache, prepare_image, stored_size
-from raystudy.data.store import read_split
+from raystudy.data.store import SPLITS, StoreError, read_split, write_store
 
 
 @pytest.fixture
@@ -79,6 +81,17 @@ def test_a_cache_of_another_store_or_size_is_rebuilt(store, tmp_path):
         "stored"] == 24
 
 
+def test_stores_sharing_a_cache_root_keep_their_own_folders(store, tmp_path):
+    """A ``cache_dir`` given for a whole study holds every store's caches side by side."""
+    other = make_store(tmp_path / "other", n_per_split=(10, 4, 4), seed=1)
+    root = str(tmp_path / "shared")
+    a, b = (ensure_cache(s, "test", kind="eval", size=32, root=root)[0] for s in (store, other))
+    assert a != b and Path(a).parent.parent == Path(b).parent.parent == Path(root)
+    assert ensure_cache(store, "test", kind="eval", size=32, root=root)[0] == a
+    assert np.array_equal(ImageCache(store, "test", kind="eval", size=32, root=root).read(np.arange(4)),
+                          expected_rows(store, "test", "eval", 32))
+
+
 def test_a_rebuild_that_differs_from_the_manifest_is_never_used(store, monkeypatch, caplog):
     """A rebuilt shard must reproduce the manifest's checksum; if not (another decoder), the whole cache is
     built again, and a malformed build is refused."""
@@ -108,3 +121,76 @@ def test_eval_kind_holds_the_eval_transforms_pixels(store):
     images = read_split(store, "test", columns=["image"]).column("image").to_pylist()
     cached = torch.from_numpy(ImageCache(store, "test", kind="eval", size=32).read(np.arange(len(images))))
     assert torch.equal(to_float(cached), transform_batch(images, train=False, size=32))
+
+
+# ------------------------------------------------------------------------------ the Ray Data job
+
+KINDS_USED = ("crop", "eval", "eval")  # what a finetuning run with augmentation reads of train, val, test
+
+
+def interleaved_store(path) -> str:
+    """A store whose splits alternate within 5-row Parquet shards: cache shards of 4 rows straddle them."""
+    rng = np.random.default_rng(1)
+    splits = rng.permutation(["train"] * 10 + ["val"] * 4 + ["test"] * 4)
+    rows = [{"image": png_bytes(rng), "label": i % 3, "split": str(s), "index": 100 + i} for i, s in enumerate(splits)]
+    write_store(rows, path, name="mixed", source="test", classes=["a", "b", "c"], rows_per_shard=5)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ray_built(ray_session, tmp_path_factory):
+    from raystudy.distributed.cache import build_caches
+
+    tmp = tmp_path_factory.mktemp("ray-cache")
+    store, lines = interleaved_store(tmp / "store"), []
+    built = build_caches([store, store], SPLITS, KINDS_USED, 32, str(tmp / "ray"), cpus_per_task=0.5,
+                         rows_per_shard=4, echo=lines.append)
+    return store, str(tmp / "ray"), built, lines
+
+
+def shard_files(root: str) -> dict[str, os.stat_result]:
+    return {str(p): p.stat() for p in sorted(Path(root).glob("**/shard-*.u8"))}
+
+
+def test_the_ray_job_builds_the_same_bytes_as_one_process(ray_built, tmp_path):
+    store, root, built, lines = ray_built
+    folders = [cache_dir(store, s, k, 32, root) for s, k in zip(SPLITS, KINDS_USED)]
+    assert built == dict(zip(folders, [(0, 1, 2), (0,), (0,)])) and len(lines) == 3  # one line per cache
+    for split, kind, folder in zip(SPLITS, KINDS_USED, folders):
+        _, local = ensure_cache(store, split, kind=kind, size=32, root=str(tmp_path), rows_per_shard=4)
+        assert json.loads((Path(folder) / "manifest.json").read_text()) == local  # the same sha256s
+        for e in local["shards"]:
+            mine = Path(cache_dir(store, split, kind, 32, str(tmp_path))) / e["file"]
+            assert (Path(folder) / e["file"]).read_bytes() == mine.read_bytes()
+    rows = np.arange(10)  # independent: the images decoded one by one, in the split's order
+    assert np.array_equal(ImageCache(store, "train", kind="crop", size=32, root=root).read(rows),
+                          expected_rows(store, "train", "crop", 32))
+
+
+def test_the_ray_job_rebuilds_a_corrupted_shard_and_nothing_valid(ray_built):
+    from raystudy.distributed.cache import build_caches
+
+    store, root, _, _ = ray_built
+    train = Path(cache_dir(store, "train", "crop", 32, root))
+    shard = train / "shard-00001.u8"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:50] + bytes([good[50] ^ 0xFF]) + good[51:])  # same size: only the sha256 tells
+    before, lines = shard_files(root), []
+    assert len(before) == 5  # train 3, val 1, test 1
+    built = build_caches([store], SPLITS, KINDS_USED, 32, root, cpus_per_task=0.5, echo=lines.append)
+    after = shard_files(root)
+    assert built[str(train)] == (1,) and sum(map(len, built.values())) == 1
+    assert shard.read_bytes() == good and len(lines) == 1 and "shard(s) [1] rebuilt" in lines[0]
+    replaced = [p for p in before if (before[p].st_ino, before[p].st_mtime_ns) != (after[p].st_ino,
+                                                                                   after[p].st_mtime_ns)]
+    assert replaced == [str(shard)]  # an atomic write is a new file: every other shard was left alone
+    again = build_caches([store], SPLITS, KINDS_USED, 32, root, echo=lines.append)
+    assert set(again.values()) == {()} and len(lines) == 1 and shard_files(root) == after
+
+
+def test_a_missing_store_is_named(tmp_path):
+    from raystudy.distributed.cache import build_caches
+
+    missing = tmp_path / "no-such-store"
+    with pytest.raises(StoreError, match=f"{missing / 'dataset.json'} not found"):
+        build_caches([str(missing)], SPLITS, KINDS_USED, 32)

@@ -1,6 +1,7 @@
 """A uint8 image cache of a store split: every image decoded once, stored at a fixed resolution.
 
-Layout (default root ``STORE/cache``; one folder per split, kind and resolution)::
+Layout (default root ``STORE/cache``; one folder per split, kind and resolution; a root given for several
+stores, ``cache_dir``, holds one folder per store, ``ROOT/{name}-{checksum[:12]}/train-crop256/...``)::
 
     ROOT/train-crop256/           kind "crop": short side resized to S = round(8/7 size), center S x S
       manifest.json               version, store checksum, split, kind, size, stored, rows, shards (+ sha256)
@@ -12,18 +13,28 @@ training device (:mod:`raystudy.core.finetune.augment`); the ``eval`` kind holds
 the decode path's eval transform produces, so evaluation (and training without augmentation) sees the same
 tensors on both data paths. Labels and indices are read from the store itself (two small columns).
 
-Every file is written atomically through :mod:`raystudy.storage`, the manifest last. :func:`open_cache`
-checks every shard's size and SHA-256 against the manifest (once per process and file version) and
-rebuilds a missing, truncated or corrupted shard before it is used; a manifest of another store version,
-kind or resolution rebuilds the whole folder.
+Every file is written atomically through :mod:`raystudy.storage`, the manifest last. :func:`plan_cache`
+checks every shard's size and SHA-256 against the manifest (once per process and file version): a missing,
+truncated or corrupted shard is rebuilt before it is used; a manifest of another store version, kind or
+resolution rebuilds the whole folder. The work is split so that it can run anywhere:
+
+* :func:`build_shard` (store, split, kind, size, folder, shard) -> its manifest entry: decodes one shard's
+  rows (reading only the store shards that hold them) and writes the shard file;
+* :func:`finish_cache` (the caller, once every shard is in): checks and writes the manifest, or checks
+  that repaired shards reproduce it.
+
+:func:`ensure_cache` runs them in this process (the local fallback, and the check every reader makes);
+:func:`raystudy.distributed.cache.build_caches` runs the shards as a Ray Data job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -54,8 +65,15 @@ def stored_size(size: int, kind: str) -> int:
 
 
 def cache_dir(store: str | os.PathLike, split: str, kind: str, size: int, root: str | None = None) -> str:
-    """The folder of one cached split: ``ROOT/{split}-{kind}{stored side}`` (ROOT: ``STORE/cache``)."""
-    return join(root or join(store, "cache"), f"{split}-{kind}{stored_size(size, kind)}")
+    """The folder of one cached split: ``STORE/cache/{split}-{kind}{stored side}``, or with a ``root`` that
+    several stores share, ``ROOT/{store name}-{checksum[:12]}/{split}-{kind}{stored side}``."""
+    name = f"{split}-{kind}{stored_size(size, kind)}"
+    if root is None:
+        return join(store, "cache", name)
+    from raystudy.data.store import read_meta
+
+    meta = read_meta(store)
+    return join(root, f"{meta['name']}-{meta['checksum'][:12]}", name)
 
 
 def prepare_image(image: bytes | torch.Tensor, kind: str, size: int) -> torch.Tensor:
@@ -67,6 +85,12 @@ def prepare_image(image: bytes | torch.Tensor, kind: str, size: int) -> torch.Te
     side = stored_size(size, kind)
     x = TF.resize(decode(image), [side], antialias=True)
     return TF.center_crop(x, [side, side]).contiguous()
+
+
+def kind_of(split: str, augment: bool) -> str:
+    """The kind a finetuning run reads of ``split``: ``crop`` for the train split when it augments, else
+    ``eval`` (the eval transform's pixels; see :mod:`raystudy.core.finetune.data`)."""
+    return "crop" if split == "train" and augment else "eval"
 
 
 def _shard_array(images: list, kind: str, size: int) -> np.ndarray:
@@ -90,6 +114,69 @@ def _write_shard(path: str, array: np.ndarray) -> dict:
         f.write(data)
     return {"file": Path(path).name, "rows": len(array), "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@lru_cache(maxsize=16)
+def _split_layout(store: str, split: str, checksum: str) -> tuple[int, ...]:
+    """Rows of ``split`` in each store shard, in the store's order (read once per store version)."""
+    from raystudy.data.store import iter_split, shard_paths
+
+    return tuple(sum(len(b["split"]) for b in iter_split(store, split, columns=["split"], shards=[s],
+                                                          batch_size=1 << 16))
+                 for s in range(len(shard_paths(store))))
+
+
+@lru_cache(maxsize=1)
+def _shard_images(store: str, shard: int, split: str, checksum: str) -> list[bytes]:
+    """The encoded images of ``split`` in one store shard. The last one read is kept (consecutive cache
+    shards share their store shard); :func:`release_reads` frees it."""
+    from raystudy.data.store import iter_split
+
+    return [img for b in iter_split(store, split, columns=["image"], shards=[shard], batch_size=1 << 16)
+            for img in b["image"]]
+
+
+def release_reads() -> None:
+    """Forget the store shard :func:`read_images` keeps (call when a build is done)."""
+    _shard_images.cache_clear()
+
+
+def read_images(store: str | os.PathLike, split: str, lo: int, hi: int) -> list[bytes]:
+    """The encoded images of rows ``[lo, hi)`` of ``split`` (positions in :func:`read_split`'s order),
+    reading only the store shards that hold them."""
+    from raystudy.data.store import read_meta
+
+    meta = read_meta(store)
+    # the row checksum does not see how rows are cut into shards; the shard files' hashes do
+    store, checksum = str(store), "/".join([meta["checksum"], *(str(e.get("sha256")) for e in meta.get("shards", []))])
+    out: list[bytes] = []
+    start = 0
+    for s, n in enumerate(_split_layout(store, split, checksum)):
+        a, b = max(lo, start), min(hi, start + n)
+        if a < b:
+            out += _shard_images(store, s, split, checksum)[a - start:b - start]
+        start += n
+    if len(out) != max(hi - lo, 0):
+        raise CacheError(f"{store}: split {split!r} has {start} rows, asked for rows [{lo}, {hi})")
+    return out
+
+
+def build_shard(store: str | os.PathLike, split: str, kind: str, size: int, folder: str, shard: int,
+                rows_per_shard: int = ROWS_PER_SHARD) -> dict:
+    """Decode shard ``shard`` of a cache (rows ``[shard R, min((shard+1) R, rows))`` of ``split``, ``R =
+    rows_per_shard``) and write ``folder/shard-NNNNN.u8``; returns its manifest entry.
+
+    The whole of a shard's work, callable from any process that sees the store and ``folder``: the
+    caller gathers the entries and writes the manifest (:func:`finish_cache`).
+    """
+    from raystudy.data.store import read_meta
+
+    rows = int(read_meta(store)["counts"].get(split, 0))
+    lo, hi = shard * rows_per_shard, min((shard + 1) * rows_per_shard, rows)
+    if not 0 <= lo < hi:
+        raise CacheError(f"{folder}: no shard {shard} ({rows} rows, {rows_per_shard} per shard)")
+    array = _shard_array(read_images(store, split, lo, hi), kind, size)
+    return _write_shard(join(folder, f"shard-{shard:05d}.u8"), array)
 
 
 @lru_cache(maxsize=4096)
@@ -127,64 +214,103 @@ def _read_manifest(folder: str) -> dict | None:
         return None
 
 
-def _build(store, split: str, kind: str, size: int, folder: str, rows_per_shard: int,
-           which: list[int] | None = None) -> dict[int, dict]:
-    """Decode and write the shards numbered ``which`` (all when None): ``{shard: manifest entry}``."""
-    from raystudy.data.store import read_split
-
-    images = read_split(store, split, columns=["image"]).column("image").combine_chunks()
-    entries = {}
-    for s, lo in enumerate(range(0, len(images), rows_per_shard)):
-        if which is not None and s not in which:
-            continue
-        hi = min(lo + rows_per_shard, len(images))
-        array = _shard_array([images[i].as_py() for i in range(lo, hi)], kind, size)
-        entries[s] = _write_shard(join(folder, f"shard-{s:05d}.u8"), array)
-    return entries
-
-
 def _geometry_ok(manifest: dict) -> bool:
     """The manifest's shards cover its rows in order, each ``rows x 3 x S x S`` bytes."""
-    side, per, shards = manifest["stored"], manifest["rows_per_shard"], manifest["shards"]
-    rows = [min(per, manifest["rows"] - lo) for lo in range(0, manifest["rows"], per)]
-    return [e["rows"] for e in shards] == rows and all(e["bytes"] == e["rows"] * 3 * side * side for e in shards)
+    try:
+        side, per, shards = manifest["stored"], manifest["rows_per_shard"], manifest["shards"]
+        rows = [min(per, manifest["rows"] - lo) for lo in range(0, manifest["rows"], per)]
+        return [e["rows"] for e in shards] == rows and all(e["bytes"] == e["rows"] * 3 * side * side for e in shards)
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
-def _build_all(store, split: str, kind: str, size: int, folder: str, expected: dict, rows_per_shard: int) -> dict:
-    """Decode every shard and write the manifest last; :class:`CacheError` when the result is malformed."""
-    log.info("building the uint8 cache %s (%d images)", folder, expected["rows"])
-    entries = _build(store, split, kind, size, folder, rows_per_shard)
-    manifest = {**expected, "rows_per_shard": rows_per_shard, "shards": [entries[s] for s in sorted(entries)]}
+@dataclass(frozen=True)
+class CachePlan:
+    """What one cache needs (:func:`plan_cache`): the shards ``todo`` built, either every shard of a new
+    cache (``manifest`` None) or the bad shards of a valid cache, repaired against ``manifest``."""
+
+    store: str
+    split: str
+    kind: str
+    size: int
+    folder: str
+    expected: dict
+    rows_per_shard: int
+    manifest: dict | None
+    todo: tuple[int, ...]
+
+    def whole(self) -> CachePlan:
+        """The same cache built from scratch (every shard, a new manifest)."""
+        shards = range(-(-self.expected["rows"] // self.rows_per_shard))
+        return dataclasses.replace(self, manifest=None, todo=tuple(shards))
+
+    def build_local(self) -> dict[int, dict]:
+        """Build the ``todo`` shards in this process: ``{shard: manifest entry}``."""
+        try:
+            return {s: build_shard(self.store, self.split, self.kind, self.size, self.folder, s,
+                                   self.rows_per_shard) for s in self.todo}
+        finally:
+            release_reads()
+
+
+def plan_cache(store: str | os.PathLike, split: str, *, kind: str, size: int, root: str | None = None,
+               rows_per_shard: int = ROWS_PER_SHARD) -> CachePlan:
+    """Check the cache of ``split`` against the store and every shard against its manifest entry.
+
+    No manifest, or one of another store checksum, kind, size, version or shard geometry: every shard is to
+    be built (``rows_per_shard`` each). Otherwise the missing, truncated or corrupted shards (size,
+    SHA-256) are: none when the cache is valid.
+    """
+    folder = cache_dir(store, split, kind, size, root)
+    expected = _expected(store, split, kind, size)
+    manifest = _read_manifest(folder)
+    plan = CachePlan(str(store), split, kind, size, folder, expected, rows_per_shard, None, ())
+    if manifest is None or any(manifest.get(k) != v for k, v in expected.items()) or not _geometry_ok(manifest):
+        return plan.whole()
+    bad = tuple(s for s, e in enumerate(manifest["shards"]) if not shard_ok(join(folder, e["file"]), e))
+    if bad:
+        log.warning("uint8 cache %s: shard(s) %s missing or corrupted (size or sha256 mismatch); rebuilding",
+                    folder, list(bad))
+    return dataclasses.replace(plan, rows_per_shard=manifest["rows_per_shard"], manifest=manifest, todo=bad)
+
+
+def finish_cache(plan: CachePlan, entries: dict[int, dict]) -> dict | None:
+    """The cache's manifest once the plan's shards are built (``entries``: shard -> its entry).
+
+    A new cache's manifest is checked (every row, every byte) and written last, atomically. A repaired
+    shard must reproduce its manifest entry, SHA-256 included (decoding is deterministic): ``None`` when one
+    does not, and then the caller builds the cache whole, so that all shards come from one decoder.
+    """
+    if plan.manifest is not None:
+        return plan.manifest if all(entries[s] == plan.manifest["shards"][s] for s in plan.todo) else None
+    manifest = {**plan.expected, "rows_per_shard": plan.rows_per_shard,
+                "shards": [entries[s] for s in sorted(entries)]}
     if not _geometry_ok(manifest):
-        raise CacheError(f"{folder}: the built shards do not hold {expected['rows']} images of "
-                         f"3 x {expected['stored']} x {expected['stored']} bytes")
-    write_json_atomic(join(folder, MANIFEST), manifest)
+        side = plan.expected["stored"]
+        raise CacheError(f"{plan.folder}: the built shards do not hold {plan.expected['rows']} images of "
+                         f"3 x {side} x {side} bytes")
+    write_json_atomic(join(plan.folder, MANIFEST), manifest)
     return manifest
 
 
 def ensure_cache(store: str | os.PathLike, split: str, *, kind: str, size: int, root: str | None = None,
                  rows_per_shard: int = ROWS_PER_SHARD) -> tuple[str, dict]:
-    """The folder and manifest of a verified cache of ``split``, built or repaired first when needed.
+    """The folder and manifest of a verified cache of ``split``, built or repaired first in this process
+    when needed (:func:`plan_cache`, :func:`finish_cache`): no shard is ever used unverified.
 
-    No manifest, or one of another store checksum, kind, size, version or shard geometry: every shard is
-    built. Otherwise each shard is checked (size, SHA-256) and a bad one is decoded again from the store;
-    the rebuilt shard must reproduce the manifest's SHA-256 (decoding is deterministic), else the whole
-    cache is built again, so no shard is ever used unverified and all shards come from one decoder.
+    :func:`raystudy.distributed.cache.build_caches` does the same work as a Ray Data job.
     """
-    folder = cache_dir(store, split, kind, size, root)
-    expected = _expected(store, split, kind, size)
-    manifest = _read_manifest(folder)
-    if manifest is None or any(manifest.get(k) != v for k, v in expected.items()) or not _geometry_ok(manifest):
-        return folder, _build_all(store, split, kind, size, folder, expected, rows_per_shard)
-    bad = [s for s, e in enumerate(manifest["shards"]) if not shard_ok(join(folder, e["file"]), e)]
-    if bad:
-        log.warning("uint8 cache %s: shard(s) %s missing or corrupted (size or sha256 mismatch); rebuilding",
-                    folder, bad)
-        _build(store, split, kind, size, folder, manifest["rows_per_shard"], which=bad)
-        if any(not shard_ok(join(folder, manifest["shards"][s]["file"]), manifest["shards"][s]) for s in bad):
-            log.warning("uint8 cache %s: rebuilt shard(s) differ from the manifest; rebuilding it all", folder)
-            return folder, _build_all(store, split, kind, size, folder, expected, manifest["rows_per_shard"])
-    return folder, manifest
+    plan = plan_cache(store, split, kind=kind, size=size, root=root, rows_per_shard=rows_per_shard)
+    if plan.manifest is not None and not plan.todo:
+        return plan.folder, plan.manifest
+    if plan.manifest is None:
+        log.info("building the uint8 cache %s (%d images)", plan.folder, plan.expected["rows"])
+    manifest = finish_cache(plan, plan.build_local())
+    if manifest is None:
+        log.warning("uint8 cache %s: rebuilt shard(s) differ from the manifest; rebuilding it all", plan.folder)
+        plan = plan.whole()
+        manifest = finish_cache(plan, plan.build_local())
+    return plan.folder, manifest
 
 
 class ImageCache:

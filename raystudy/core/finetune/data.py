@@ -179,7 +179,9 @@ def open_split_data(cfg: FinetuneConfig, split: str) -> SplitData | CachedSplitD
         return open_text_split(cfg, split)
     if cfg.data_path == "decode":
         return SplitData(cfg.store, split)
-    return CachedSplitData(cfg.store, split, size=cfg.img_size, crop=split == "train" and cfg.augment,
+    from raystudy.data.cache import kind_of
+
+    return CachedSplitData(cfg.store, split, size=cfg.img_size, crop=kind_of(split, cfg.augment) == "crop",
                            root=cfg.cache_dir)
 
 
