@@ -163,6 +163,29 @@ def upload_dir(local: str | os.PathLike, uri: str) -> None:
                     destination_filesystem=fs)
 
 
+def subdirs(path: str | os.PathLike) -> list[str]:
+    """Names of the folders directly under ``path`` (local or URI), sorted; ``[]`` if it is none."""
+    fs, p = filesystem(path)
+    if fs.get_file_info(p).type != pafs.FileType.Directory:
+        return []
+    return sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(p)) if i.type == pafs.FileType.Directory)
+
+
+def download_dir(source: str | os.PathLike, local: str | os.PathLike) -> None:
+    """Copy the folder ``source`` (local or URI) into the local folder ``local``."""
+    fs, path = filesystem(source)
+    Path(local).mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(path, str(Path(local).absolute()), source_filesystem=fs,
+                    destination_filesystem=pafs.LocalFileSystem())
+
+
+def delete_dir(path: str | os.PathLike) -> None:
+    """Remove the folder ``path`` (local or URI) and everything in it; nothing when it does not exist."""
+    fs, p = filesystem(path)
+    if fs.get_file_info(p).type == pafs.FileType.Directory:
+        fs.delete_dir(p)
+
+
 #: The longest name accepted as one path component (most file systems allow 255 bytes; room for suffixes).
 MAX_NAME_LENGTH = 128
 

@@ -42,6 +42,10 @@ SEARCHES: tuple[str, ...] = ("grid", "optuna")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 #: How a trial reads images: a checksummed uint8 cache augmented on the device, or decode every step.
 DATA_PATHS: tuple[str, ...] = ("cache", "decode")
+#: Where a study trial trains: ``train`` a Ray Train worker group per trial (any number of workers, worker
+#: restarts from checkpoints); ``actor`` inside the trial's own Tune actor, reused from trial to trial (one
+#: worker; no per-trial worker-group start); ``auto``: ``actor`` for one worker per trial, else ``train``.
+EXECUTIONS: tuple[str, ...] = ("auto", "train", "actor")
 #: How plasticity pairs pretraining and downstream images: seeded random, or the i-th with the i-th
 #: (the authors' unshuffled loaders; :mod:`raystudy.distributed.pairing`).
 PAIRINGS: tuple[str, ...] = ("random", "sequential")

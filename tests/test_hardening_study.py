@@ -200,7 +200,7 @@ def locked_study(ray_session, builtin, tmp_path_factory):
     restarted by Ray Train; while it runs, a second driver is started on the same directory."""
     root = tmp_path_factory.mktemp("locked")
     out = root / "study"
-    spec = base_spec(builtin, out, name="locked", worker_retries=1)
+    spec = base_spec(builtin, out, name="locked", worker_retries=1, execution="train")  # Ray Train's restarts
     (root / "spec.yaml").write_text(yaml.safe_dump(spec))
     tid = trial_id("color", "LN1", "sgd", 0.1, 0)
     Path(os.environ[FAULTS_ENV]).write_text(json.dumps({"fail_after_step": {tid: 1}}))

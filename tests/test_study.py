@@ -1,6 +1,7 @@
-"""The study engine end to end on the built-in data: Ray Tune over Ray Train trials, tables, resume, divergence.
+"""The study engine end to end on the built-in data: Ray Tune trials, tables, resume, divergence.
 
-Four studies in all (Ray Train start-up dominates, ~20-30 s per trial on 2 cores):
+Trials train in their reused Tune actors (``execution: auto`` with one worker per trial); one study runs a
+grid point again as a Ray Train run (``execution: train``) and must give the same numbers. The studies:
 
 * a 2 configurations x 2 lrs x 1 seed grid, with plasticity and the analysis, run in-process; one trial's
   first attempt fails after its step-3 checkpoint (``raystudy.faults``) and is retried by Tune;
@@ -119,6 +120,24 @@ def test_failed_trial_is_retried_from_its_checkpoint(grid_study):
     assert trials.at[RETRIED, "num_restores"] == 1 and trials.at[RETRIED, "restored_from_step"] == 3
     assert (trials.drop(index=RETRIED).num_restores == 0).all()
     assert any(f"retrying {RETRIED}" in ln for ln in grid_study["lines"])
+
+
+def test_actor_and_ray_train_executions_give_the_same_numbers(ray_session, builtin, grid_study, tmp_path):
+    """One grid point of the grid study (trained in its reused Tune actor, the default for one worker per
+    trial) again as a Ray Train run (``execution: train``): the same numbers to the last bit."""
+    tid = trial_id("color", "MHA", "sgd", 0.03, 0)
+    spec = StudySpec.from_dict(base_spec(builtin, tmp_path / "study", name="train-exec", execution="train",
+                                         datasets={"color": "shift-color"}, configurations=["MHA"],
+                                         optimizers={"sgd": [0.03]}))
+    assert run_study(spec, echo=lambda _: None).counts["ok"] == 1
+    actor = read_result(grid_study["out"], "trials").set_index("trial_id").loc[tid]
+    train = read_result(str(tmp_path / "study"), "trials").set_index("trial_id").loc[tid]
+    assert (actor.execution, train.execution) == ("actor", "train")
+    for k in ("trainable_params", "best_val_acc", "best_val_step", "test_acc", "final_val_loss",
+              "final_train_loss", "steps_completed"):
+        assert actor[k] == train[k], k
+    # the actor trial deleted its checkpoints once it ended (cleanup), as a Ray Train run deletes its own
+    assert not (Path(grid_study["out"]) / "train" / tid).exists()
 
 
 def test_grid_study_curves_match_each_trial(grid_study):

@@ -103,6 +103,8 @@ def test_overrides_from_the_command_line():
     (["pretrain.enabled=true", "pretrain.lr=0"], "pretrain.lr"),
     (["trial_driver_cpus=0"], "trial_driver_cpus"),
     (["samples=0"], "samples"),
+    (["execution=threads"], "execution"),
+    (["execution=actor", "workers_per_trial=2"], "execution: actor trains one worker"),
     (["optimizers={lion: [0.01]}"], "optimizers"),
     (["optimizers={sgd: [0.01, -0.1]}"], "optimizers.sgd"),
     (["optimizers={sgd: [0]}"], "optimizers.sgd"),
@@ -120,6 +122,12 @@ def test_overrides_from_the_command_line():
 def test_bad_spec_is_rejected_naming_the_field(overrides, field):
     with pytest.raises(SpecError, match=field):
         _base().with_overrides(overrides).validate(check_files=False)
+
+
+def test_execution_auto_is_the_actor_for_one_worker_and_ray_train_for_more():
+    assert _base().trial_execution == "actor"
+    assert _base().with_overrides(["workers_per_trial=2"]).trial_execution == "train"
+    assert _base().with_overrides(["execution=train"]).trial_execution == "train"
 
 
 def test_plasticity_only_study_has_no_trials():

@@ -180,6 +180,24 @@ def _worker_finetuner(cfg: FinetuneConfig, resources: TrainResources) -> Finetun
     return ft
 
 
+#: a run's folder holds this file once its injected failure fired (the first attempt failed)
+INJECTED_MARKER = ".injected_failure"
+
+
+def failure_due(ft: Finetuner, ev: Event, fail_after: int | None) -> bool:
+    """Whether the test fault ``fail_after_step`` (:mod:`raystudy.faults`) fires at ``ev``: that step of the
+    run's first attempt (nothing restored yet, no failure fired before, also before a checkpoint)."""
+    return (fail_after is not None and ev.step == fail_after and not ft.restores and not ev.final
+            and not (Path(ft.cfg.out_dir) / INJECTED_MARKER).exists())
+
+
+def inject_failure(ft: Finetuner, ev: Event) -> None:
+    """Mark the run's first attempt as failed (rank 0) and raise :class:`InjectedFailure`."""
+    if ft.rank == 0:
+        (Path(ft.cfg.out_dir) / INJECTED_MARKER).touch()
+    raise InjectedFailure(f"injected failure after step {ev.step} (raystudy.faults fail_after_step)")
+
+
 def _reporter(ft: Finetuner, tb: TensorBoardLogger | None, config: dict) -> Callable[[Event], None]:
     """The loop's callback on a worker: TensorBoard (worker 0), ``ray.train.report`` with a checkpoint at
     checkpoint steps, and the test fault ``fail_after_step`` (first attempt only, after its checkpoint)."""
@@ -201,15 +219,11 @@ def _reporter(ft: Finetuner, tb: TensorBoardLogger | None, config: dict) -> Call
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
         else:
             ray.train.report(metrics)
-        marker = Path(ft.cfg.out_dir) / ".injected_failure"  # the first attempt failed (also before a checkpoint)
-        if fail_after is not None and ev.step == fail_after and not ft.restores and not ev.final \
-                and not marker.exists():
+        if failure_due(ft, ev, fail_after):
             # Every worker's report (and checkpoint) is queued before anyone dies, so the controller
             # registers this checkpoint before it sees the failure.
             ray.train.collective.barrier()
-            if ft.rank == 0:
-                marker.touch()
-            raise InjectedFailure(f"injected failure after step {ev.step} (raystudy.faults fail_after_step)")
+            inject_failure(ft, ev)
 
     return report
 
@@ -411,7 +425,7 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     t0 = time.perf_counter()
     payload, error, result = None, None, None
     try:
-        prepare_caches(cfg)  # the uint8 caches are decoded once here; every worker only verifies them
+        prepare_caches(cfg)  # verifies (or builds, outside a study) the uint8 caches; a study builds them first
     except Exception as e:  # a missing or unreadable store: recorded as the run's failure, as a worker's is
         error = e
         log.error("finetune run %s failed preparing its data: %s", cfg.out_dir, e)
@@ -424,6 +438,7 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
         summary, curves, restores = failed_summary(cfg, error), [], []
     summary["wall_seconds"] = time.perf_counter() - t0
     summary["workers"] = resources.workers
+    summary["execution"] = "train"
     summary.update(worker_failures(_run_config(cfg, resources, run_config, [])))  # worker-group failures
     write_outputs(cfg.out_dir, summary, curves, config=run_config_dict(cfg, resources), restores=restores)
     if resources.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):

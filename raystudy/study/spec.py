@@ -64,6 +64,7 @@ from raystudy.vocab import (
     COMPONENTS,
     CONFIGURATIONS,
     DATA_PATHS,
+    EXECUTIONS,
     MODES,
     OPTIMIZERS,
     PRECISIONS,
@@ -237,11 +238,13 @@ class StudySpec:
     compile: bool = False  # torch.compile the training step (minutes of start-up per trial)
     cache_dir: str | None = None  # root of the uint8 caches (None: beside each store)
 
-    # resources: each trial is one Ray Train run of `workers_per_trial` workers
+    # resources: each trial trains on `workers_per_trial` workers, where `execution` says (vocab.EXECUTIONS):
+    # a Ray Train worker group per trial (train), or the trial's own reused Tune actor (actor, one worker)
+    execution: str = "auto"
     workers_per_trial: int = 1
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
-    trial_driver_cpus: float = 0.01  # the Tune trial itself only waits on its Ray Train run
+    trial_driver_cpus: float = 0.01  # execution train: the Tune trial itself only waits on its Ray Train run
     max_concurrent_trials: int = 0  # 0: as many as the cluster's resources allow
     trial_retries: int = 1  # Tune re-runs a trial whose driver failed (FailureConfig.max_failures)
     worker_retries: int = 1  # Ray Train restarts dead workers from the last checkpoint
@@ -522,6 +525,10 @@ class StudySpec:
 
     def _check_resources(self) -> None:
         _positive(self.workers_per_trial, "workers_per_trial")
+        _choice(self.execution, EXECUTIONS, "execution")
+        if self.execution == "actor" and self.workers_per_trial != 1:
+            raise SpecError(f"execution: actor trains one worker per trial, not workers_per_trial="
+                            f"{self.workers_per_trial} (use execution: train or auto)")
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0 or self.trial_driver_cpus <= 0:
             raise SpecError(
                 "gpus_per_worker / cpus_per_worker must be >= 0 and trial_driver_cpus > 0 "
@@ -531,6 +538,14 @@ class StudySpec:
             raise SpecError(f"max_concurrent_trials: {self.max_concurrent_trials} must be >= 0 (0 = no limit)")
         if self.trial_retries < 0 or self.worker_retries < 0:
             raise SpecError("trial_retries / worker_retries must be >= 0")
+
+    @property
+    def trial_execution(self) -> str:
+        """Where each trial trains: ``execution``, with ``auto`` resolved (``actor`` for one worker per
+        trial, else ``train``)."""
+        if self.execution != "auto":
+            return self.execution
+        return "actor" if self.workers_per_trial == 1 else "train"
 
     def _check_search(self) -> None:
         _choice(self.search, SEARCHES, "search")

@@ -10,11 +10,14 @@
 3. :func:`measure_plasticity`: the plasticity of every dataset not yet measured
    (:func:`raystudy.distributed.plasticity.run_plasticity`);
 4. :func:`raystudy.study.probes.run_probes`: the linear probe (``LP`` rows of ``trials.parquet``) of every
-   dataset not yet probed, when ``probe.enabled``;
-5. :func:`launch_trials`: the finetuning grid through Ray Tune. Each Tune trial is a light driver
-   (``trial_driver_cpus``, :func:`run_trial`) that runs the Ray Train run of its grid point
-   (:func:`raystudy.distributed.train.run_finetune`, ``RunConfig(name=trial_id,
-   callbacks=[TuneReportCallback()])``) and waits for it. Only grid points without a final row (``ok`` or
+   dataset not yet probed, when ``probe.enabled``; then :func:`build_study_caches`: the uint8 caches the
+   trials read (``data_path: cache``), built or repaired once as a Ray Data job, verified when valid;
+5. :func:`launch_trials`: the finetuning grid through Ray Tune, one trial (:func:`run_trial`) per grid point.
+   Under ``execution: train`` a trial is a light driver (``trial_driver_cpus``) that runs the Ray Train run
+   of its grid point (:func:`raystudy.distributed.train.run_finetune`, ``RunConfig(name=trial_id,
+   callbacks=[TuneReportCallback()])``) and waits for it; under ``execution: actor`` (the default for one
+   worker per trial) the trial trains in its own Tune actor, which Tune reuses for the next trial
+   (:func:`raystudy.distributed.inprocess.run_in_process`). Only grid points without a final row (``ok`` or
    ``diverged``) in ``trials.parquet`` are launched, so an interrupted study resumes where it stopped and a
    finished one launches nothing. The Ray Train run of a trial is named by its trial id, so a trial cut off
    by a killed driver restarts from its last checkpoint. A study with ``configurations: []`` has no trial:
@@ -43,10 +46,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import pyarrow.fs as pafs
-
 from raystudy.io import read_result, write_result
-from raystudy.storage import exists, filesystem, is_uri, join, read_text, upload_dir, write_text_atomic
+from raystudy.storage import exists, is_uri, join, read_text, subdirs, upload_dir, write_text_atomic
 from raystudy.study.lock import StudyLock
 from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Progress, fmt_seconds
@@ -81,7 +82,10 @@ def resolve_paths(spec: StudySpec) -> StudySpec:
         weights = os.path.abspath(weights)
     if weights is None and spec.pretrain.enabled:
         weights = join(out, "pretrained", "model.safetensors")  # what the pretraining step writes
-    resolved = spec.with_overrides({"out": out, "data_root": data_root, "weights": weights})
+    cache_dir = spec.cache_dir
+    if cache_dir is not None and not is_uri(cache_dir):
+        cache_dir = os.path.abspath(cache_dir)
+    resolved = spec.with_overrides({"out": out, "data_root": data_root, "weights": weights, "cache_dir": cache_dir})
     resolved.datasets = resolved.dataset_stores()
     if resolved.pretrain_store is not None:
         resolved.pretrain_store = resolved.pretrain_store_path()
@@ -186,15 +190,29 @@ class TrialFailed(RuntimeError):
 
 
 def _finetune_point(spec: StudySpec, point: dict, run_dir: str) -> dict:
-    """The Ray Train run of one grid point into ``run_dir``; its summary (raises :class:`TrialFailed`)."""
-    import ray.train
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from raystudy.distributed.train import run_finetune
+    """The run of one grid point into ``run_dir``, where ``spec.trial_execution`` says; its summary (raises
+    :class:`TrialFailed` for a Ray Train run that failed)."""
     from raystudy.study.jobs import finetune_job
 
     tid = point["trial_id"]
     cfg, resources = finetune_job(spec, point, run_dir)
+    if spec.trial_execution == "actor":
+        from ray import tune
+
+        from raystudy.distributed.inprocess import run_in_process
+
+        # a failure raises: Tune's FailureConfig re-runs the trial, which resumes from its checkpoints
+        return run_in_process(cfg, resources, storage=join(spec.out, "train", tid), on_report=tune.report)
+    return _train_point(spec, tid, cfg, resources)
+
+
+def _train_point(spec: StudySpec, tid: str, cfg, resources) -> dict:
+    """The Ray Train run of one grid point (``RunConfig(name=trial_id)``: a re-run resumes its checkpoints)."""
+    import ray.train
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from raystudy.distributed.train import run_finetune
+
     run_config = ray.train.RunConfig(
         name=tid, storage_path=join(spec.out, "train"),
         failure_config=ray.train.FailureConfig(max_failures=spec.worker_retries),
@@ -235,11 +253,15 @@ def run_trial(config: dict, spec_dict: dict) -> None:
 
 
 def _trainable(spec: StudySpec):
+    """The Tune trainable of the spec's trials with its resources: a light driver (``trial_driver_cpus``)
+    waiting on a Ray Train run, or under ``execution: actor`` the worker's own CPUs and GPUs."""
     from ray import tune
 
-    return tune.with_resources(
-        tune.with_parameters(run_trial, spec_dict=spec.to_dict()), {"cpu": spec.trial_driver_cpus}
-    )
+    if spec.trial_execution == "actor":
+        resources = {"cpu": spec.cpus_per_worker or spec.trial_driver_cpus, "gpu": spec.gpus_per_worker}
+    else:
+        resources = {"cpu": spec.trial_driver_cpus}
+    return tune.with_resources(tune.with_parameters(run_trial, spec_dict=spec.to_dict()), resources)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -247,16 +269,8 @@ def _trainable(spec: StudySpec):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _subdirs(path: str) -> list[str]:
-    """Names of the directories directly under ``path`` (local or URI), sorted; ``[]`` if it is none."""
-    fs, p = filesystem(path)
-    if fs.get_file_info(p).type != pafs.FileType.Directory:
-        return []
-    return sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(p)) if i.type == pafs.FileType.Directory)
-
-
 def _next_launch_name(spec: StudySpec) -> str:
-    return f"{spec.name}-{len(_subdirs(join(spec.out, 'tune'))):03d}"
+    return f"{spec.name}-{len(subdirs(join(spec.out, 'tune'))):03d}"
 
 
 def _search_setup(spec: StudySpec, tables: ResultTables, points: list[dict] | None):
@@ -322,7 +336,7 @@ def tune_experiments(study_dir: str) -> list[str]:
     """The Tune experiment directories of a study, one per launch, oldest first (absolute paths or URIs:
     ``tune.Tuner.restore`` needs one or the other)."""
     root = join(study_dir if is_uri(study_dir) else os.path.abspath(study_dir), "tune")
-    return [join(root, name) for name in _subdirs(root)]
+    return [join(root, name) for name in subdirs(root)]
 
 
 def restore_tuner(experiment_path: str, spec: StudySpec | None = None):
@@ -391,7 +405,7 @@ def measure_plasticity(spec: StudySpec, echo: Echo = _echo) -> list[str]:
         echo(f"[{spec.name}] plasticity: all {len(spec.datasets)} dataset(s) already measured")
         return []
     rename = {read_meta(spec.datasets[d])["name"]: d for d in todo}
-    target = join(spec.out, "plasticity", f"run-{len(_subdirs(join(spec.out, 'plasticity'))):03d}")
+    target = join(spec.out, "plasticity", f"run-{len(subdirs(join(spec.out, 'plasticity'))):03d}")
     echo(f"[{spec.name}] plasticity of {todo}: {spec.plasticity.pairs} pairs each, "
          f"{spec.plasticity.workers} worker(s) -> {target}")
     t0 = time.monotonic()
@@ -400,6 +414,22 @@ def measure_plasticity(spec: StudySpec, echo: Echo = _echo) -> list[str]:
         _merge_plasticity(spec, run_dir, todo, rename)
     echo(f"[{spec.name}] plasticity done in {fmt_seconds(time.monotonic() - t0)}")
     return todo
+
+
+def build_study_caches(spec: StudySpec, points: list[dict] | None, echo: Echo = _echo) -> dict:
+    """Every uint8 cache the trials of ``points`` (``None``: of every dataset) will read, built or repaired
+    once as a Ray Data job before they launch (``data_path: cache``); a valid cache is only verified, and
+    each trial's ``prepare_caches`` then only verifies. One line per cache built, nothing otherwise."""
+    if spec.data_path != "cache":
+        return {}
+    from raystudy.data.cache import kind_of
+    from raystudy.data.store import SPLITS
+    from raystudy.distributed.cache import build_caches
+
+    names = list(spec.datasets) if points is None else sorted({p["dataset"] for p in points})
+    return build_caches([spec.store_path(spec.datasets[d]) for d in names], SPLITS,
+                        [kind_of(s, spec.augment) for s in SPLITS], spec.img_size, spec.cache_dir,
+                        echo=lambda line: echo(f"[{spec.name}] {line}"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -504,7 +534,7 @@ def check_run_dirs(spec: StudySpec, done: set[str], echo: Echo = _echo) -> list[
     that Ray could not resume from, so that the trial starts afresh instead of failing at every attempt;
     returns the folders moved. Temporary files left by a killed writer in the study are removed."""
     moved = []
-    for name in _subdirs(join(spec.out, "train")):
+    for name in subdirs(join(spec.out, "train")):
         if name in done or ".corrupt-" in name:
             continue
         run_dir = join(spec.out, "train", name)
@@ -522,7 +552,7 @@ def check_run_dirs(spec: StudySpec, done: set[str], echo: Echo = _echo) -> list[
 def _remove_temporaries(study_dir: str, done: set[str]) -> None:
     """Delete ``.<name>.<hex>.tmp`` files of :func:`raystudy.storage.atomic_output` left by a killed writer
     (in the study folder and the folders of unfinished trials; the lock keeps other writers out)."""
-    folders = [study_dir] + [os.path.join(study_dir, "trials", t) for t in _subdirs(join(study_dir, "trials"))
+    folders = [study_dir] + [os.path.join(study_dir, "trials", t) for t in subdirs(join(study_dir, "trials"))
                              if t not in done]
     for folder in folders:
         for entry in os.scandir(folder):
@@ -660,6 +690,7 @@ def execute(spec: StudySpec, tables: ResultTables, plan: StudyPlan, *, address: 
                 run_probes(spec, tables, echo, address=address)
             if plan.to_launch:
                 check_run_dirs(spec, tables.done_ids(), echo)
+                build_study_caches(spec, plan.points, echo)  # decoded once here, not in every trial's driver
                 launch_trials(spec, tables, plan.points, total=plan.total,
                               done_before=plan.total - plan.to_launch, echo=echo, verbose=verbose)
     finally:
