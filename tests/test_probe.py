@@ -92,12 +92,12 @@ def _cli(setup, out, *extra) -> dict:
 def _job(setup, **kw):
     from raystudy.distributed.probe import ProbeJob
 
-    fields = {"weights": setup["weights"], **kw}
-    return ProbeJob(store=setup["store"], model=MODEL, model_kwargs=TINY, seed=SEED, batch_size=16, **fields)
+    fields = {"weights": setup["weights"], "batch_size": 16, **kw}
+    return ProbeJob(store=setup["store"], model=MODEL, model_kwargs=TINY, seed=SEED, **fields)
 
 
 def test_local_cli_equals_an_independent_fit(setup, tmp_path, capsys):
-    got = _cli(setup, tmp_path / "local", "--local", "--no-augment")
+    got = _cli(setup, tmp_path / "local", "--local", "--no-augment", "--data-path", "decode", "--precision", "fp32")
     line = capsys.readouterr().out
     want = _independent_acc(setup)
     assert got["test_acc"] == want
@@ -106,7 +106,74 @@ def test_local_cli_equals_an_independent_fit(setup, tmp_path, capsys):
     assert got["classifier_params"] == 48 * 3 + 3
     assert got["features"]["block"] == 2 and got["features"]["transforms"]["train"] == "eval"
     assert (got["dataset"], got["model"], got["seed"]) == ("colours", MODEL, SEED)
-    assert f"test_acc {want:.4f}" in line and "48 train / 30 test" in line
+    assert f"test_acc {want:.4f}" in line and "48 train / 30 test" in line and "decode path, fp32" in line
+    assert (got["data_path"], got["precision"], got["batch_size"]) == ("decode", "fp32", 16)
+    assert got["job"]["data_path"] == "decode" and got["features"]["data_path"] == "decode"
+
+
+def test_cache_path_equals_decode_path_and_records_its_settings(setup):
+    """augment=False: the cache path feeds the model the decode path's tensors (the eval cache holds the eval
+    transform's uint8 pixels, made float by the same torchvision functions), so the features agree to float32
+    rounding (tolerance 1e-6; in practice bit for bit) and so does test_acc."""
+    from raystudy.core.probe import probe_row
+    from raystudy.distributed.probe import CACHE_BATCH, build_probe_model, features_local, model_spec, run_probe_job
+
+    decode, cache = _job(setup, augment=False, local=True, data_path="decode"), _job(setup, augment=False, local=True)
+    model = build_probe_model(model_spec(decode))
+    for split in ("train", "test"):
+        want = features_local(decode, model, split, train=False, img_size=32)
+        got = features_local(cache, model, split, train=False, img_size=32)
+        np.testing.assert_allclose(got[0], want[0], rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[2], want[2])
+    result = run_probe_job(_job(setup, augment=False, local=True, batch_size=None))
+    assert result["test_acc"] == _independent_acc(setup)
+    assert (result["data_path"], result["precision"], result["batch_size"]) == ("cache", "fp32", CACHE_BATCH)
+    assert result["job"]["data_path"] == "cache" and result["job"]["precision"] is None
+    assert (result["features"]["data_path"], result["features"]["precision"]) == ("cache", "fp32")
+    row = probe_row(result, "colours", MODEL, SEED)
+    assert (row["data_path"], row["precision"], row["test_acc"]) == ("cache", "fp32", result["test_acc"])
+
+
+def test_bf16_features_agree_with_fp32_on_cpu(setup):
+    """bf16 autocast (asked for; a CPU defaults to fp32) changes each L2-normalised feature by about 1e-3
+    (bfloat16 keeps 8 bits of mantissa): within 5e-3 of the float32 features, cosine > 0.9999."""
+    from raystudy.distributed.probe import build_probe_model, features_local, model_spec
+
+    job = _job(setup, augment=False, local=True, precision="bf16")
+    assert job.resolved_precision() == "bf16"
+    model = build_probe_model(model_spec(job))
+    fp32 = features_local(job, model, "test", train=False, img_size=32, precision="fp32")
+    bf16 = features_local(job, model, "test", train=False, img_size=32, precision="bf16")
+    diff = np.abs(bf16[0] - fp32[0]).max()
+    assert 0 < diff < 5e-3  # not equal: autocast did run the blocks in bfloat16
+    assert (bf16[0] * fp32[0]).sum(axis=1).min() > 0.9999
+    assert bf16[0].dtype == np.float32
+    if not torch.cuda.is_available():
+        assert _job(setup, local=True).resolved_precision() == "fp32"
+    assert _job(setup, gpus_per_worker=1.0).resolved_precision() == "bf16"  # Ray actors on GPUs
+    assert _job(setup, gpus_per_worker=1.0, precision="fp32").resolved_precision() == "fp32"
+
+
+def test_cache_path_augmentation_is_finetunings_seeded_crop(setup):
+    """augment=True on the cache path: each train image is the random resized crop + flip that finetuning's
+    cache path gives it at epoch 0 (CachedSplitData.load, the same per-image seeds), whatever the batch."""
+    from raystudy.core.finetune.data import CachedSplitData
+    from raystudy.core.probe import probe_features
+    from raystudy.distributed.probe import build_probe_model, features_local, model_spec
+
+    job = _job(setup, augment=True, local=True, batch_size=7)
+    model = build_probe_model(model_spec(job))
+    feats, _, index = features_local(job, model, "train", train=True, img_size=32)
+    data = CachedSplitData(setup["store"], "train", size=32, crop=True)
+    rows = np.argsort(data.indices)  # the probe's rows are sorted by index
+    x, _ = data.load(rows, size=32, train=True, seed=SEED)
+    np.testing.assert_array_equal(index, data.indices[rows])
+    np.testing.assert_allclose(feats, probe_features(model, x).numpy(), rtol=0, atol=1e-6)
+    plain = features_local(job, model, "train", train=False, img_size=32)
+    assert np.abs(plain[0] - feats).max() > 1e-2  # the augmentation did change the images
+    again = features_local(job, model, "train", train=True, img_size=32)
+    np.testing.assert_array_equal(again[0], feats)  # seeded: the same crops on every pass
 
 
 def test_core_features_equal_timm_modules(setup):
@@ -123,12 +190,18 @@ def test_core_features_equal_timm_modules(setup):
 
 @pytest.mark.slow
 def test_ray_pass_equals_local_and_augment_is_reproducible(ray_session, setup, tmp_path):
-    from raystudy.distributed.probe import build_probe_model, features_local, features_ray, model_spec
+    from raystudy.distributed.probe import (
+        build_probe_model,
+        cached_features_ray,
+        features_local,
+        features_ray,
+        model_spec,
+    )
 
-    got = _cli(setup, tmp_path / "ray", "--no-augment", "--workers", "1")
+    got = _cli(setup, tmp_path / "ray", "--no-augment", "--workers", "1")  # the cache path through Ray
     assert got["test_acc"] == _independent_acc(setup)
-    assert got["job"]["local"] is False
-    job = _job(setup, augment=True)
+    assert got["job"]["local"] is False and got["data_path"] == "cache"
+    job = _job(setup, augment=True, data_path="decode")
     model = build_probe_model(model_spec(job))
     ray_aug = features_ray(job, "train", train=True, img_size=32)
     local_aug = features_local(job, model, "train", train=True, img_size=32)
@@ -136,16 +209,20 @@ def test_ray_pass_equals_local_and_augment_is_reproducible(ray_session, setup, t
     np.testing.assert_allclose(ray_aug[0], local_aug[0], rtol=1e-5, atol=1e-6)
     plain = features_local(job, model, "train", train=False, img_size=32)
     assert np.abs(plain[0] - local_aug[0]).max() > 1e-2  # the augmentation did change the images
-    first = _cli(setup, tmp_path / "aug1", "--local")
-    again = _cli(setup, tmp_path / "aug2")  # through Ray
-    assert first["test_acc"] == again["test_acc"]
-    assert first["features"]["transforms"]["train"].startswith("train")
+    cached = _job(setup, augment=True, workers=2, batch_size=20)  # 3 row ranges over 2 actors
+    ray_cached = cached_features_ray(cached, "train", train=True, img_size=32, rows=48, precision="fp32")
+    local_cached = features_local(cached, model, "train", train=True, img_size=32)
+    np.testing.assert_array_equal(ray_cached[2], local_cached[2])
+    np.testing.assert_array_equal(ray_cached[1], local_cached[1])
+    np.testing.assert_allclose(ray_cached[0], local_cached[0], rtol=0, atol=1e-6)
 
 
 def test_probe_row_fills_the_trials_schema():
     from raystudy.core.probe import probe_row
 
-    row = probe_row({"test_acc": 0.75, "classifier_params": 147, "wall_seconds": 2.5}, "cifar10", MODEL, 1)
+    row = probe_row({"test_acc": 0.75, "classifier_params": 147, "wall_seconds": 2.5, "data_path": "cache",
+                     "precision": "bf16"}, "cifar10", MODEL, 1)
+    assert (row["data_path"], row["precision"]) == ("cache", "bf16")
     table = pa.Table.from_pylist([row], schema=SCHEMAS["trials"])
     got = table.to_pylist()[0]
     assert got["trial_id"] == "cifar10-LP-s1" and got["configuration"] == LINEAR_PROBE
@@ -158,5 +235,9 @@ def test_bad_jobs_are_refused_before_any_work(setup):
         _job(setup, workers=0).validate()
     with pytest.raises(ValueError, match="pretrained"):
         _job(setup, weights=None, pretrained=True).validate()
+    with pytest.raises(ValueError, match="data_path 'jpeg'"):
+        _job(setup, data_path="jpeg").validate()
+    with pytest.raises(ValueError, match="precision 'fp16'"):
+        _job(setup, precision="fp16").validate()
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         _job(setup, weights="nope.pt").validate()

@@ -65,12 +65,13 @@ def setup(tmp_path_factory):
     return {"root": root, "model": model, "weights": str(root / "tiny.pt"), "stores": stores}
 
 
-def _spec(setup, out, datasets: dict, **probe) -> StudySpec:
+def _spec(setup, out, datasets: dict, study: dict | None = None, **probe) -> StudySpec:
     spec = StudySpec.from_dict(dict(
         name="p", out=str(out), model=MODEL, model_kwargs=TINY, img_size=32, weights=setup["weights"],
         datasets=datasets, configurations=["MHA"], optimizers={"sgd": [0.01]}, seeds=[0],
         plasticity={"enabled": False}, analysis=False,
         probe={"enabled": True, "augment": False, "seed": SEED, "batch_size": 16, "cpus_per_worker": 0.5, **probe},
+        **(study or {}),
     ))
     spec.validate(check_files=False)
     return spec
@@ -123,6 +124,7 @@ def test_one_row_per_dataset_equal_to_an_independent_fit_and_a_failed_row(setup,
         assert r["trainable_params"] == 48 * 3 + 3  # the logistic regression's weights and biases
         assert r["optimizer"] is None and math.isnan(r["lr"]) and pd.isna(r["steps"])
         assert json.loads(r["model_kwargs"]) == TINY
+        assert (r["data_path"], r["precision"]) == ("cache", "fp32")  # the study's data path; a CPU's precision
         saved = json.loads((tmp_path / "study" / "probes" / name / "probe.json").read_text())
         assert saved["test_acc"] == want and (saved["n_train"], saved["n_test"]) == (n_train, 30)
         assert saved["job"]["augment"] is False and saved["job"]["seed"] == SEED
@@ -160,6 +162,37 @@ def test_a_written_probe_json_is_taken_only_for_the_same_probe(setup, tmp_path, 
     run_probes(augmented, ResultTables(spec.out), print)
     assert len(local_probes) == 1 and local_probes[0].augment is True  # another probe: run again
     assert json.loads((tmp_path / "study" / "probes" / "red" / "probe.json").read_text())["job"]["augment"]
+
+
+def test_the_probe_follows_the_studys_data_path_and_precision_and_an_older_probe_json(setup, tmp_path,
+                                                                                       local_probes):
+    """The study's ``data_path`` / ``precision`` reach the probe and its row; a ``probe.json`` written before
+    they were recorded (its features decoded, in float32) is reused only by a study that decodes in fp32."""
+    from raystudy.study.jobs import probe_job
+
+    study = {"data_path": "decode", "precision": "fp32", "cache_dir": str(tmp_path / "caches")}
+    decode = _spec(setup, tmp_path / "study", {"red": setup["stores"]["red"]}, study)
+    job = probe_job(decode, "red", "x")
+    assert (job.data_path, job.precision, job.cache_dir) == ("decode", "fp32", str(tmp_path / "caches"))
+    assert probe_job(_spec(setup, tmp_path / "s2", {"red": "r"}, {"amp_bf16": True}), "red", "x").precision == "bf16"
+    run_probes(decode, ResultTables(decode.out), print)
+    row = _rows(decode.out)["red-LP-s3"]
+    assert (row["data_path"], row["precision"]) == ("decode", "fp32")
+    assert row["test_acc"] == _independent_acc(setup, setup["stores"]["red"])
+    path = tmp_path / "study" / "probes" / "red" / "probe.json"
+    old = json.loads(path.read_text())
+    for key in ("data_path", "precision", "cache_dir"):
+        old["job"].pop(key)
+        old.pop(key, None)
+    path.write_text(json.dumps(old))  # as an older raystudy wrote it
+    (tmp_path / "study" / "trials.parquet").unlink()
+    local_probes.clear()
+    assert run_probes(decode, ResultTables(decode.out), print) == ["red-LP-s3"] and local_probes == []
+    (tmp_path / "study" / "trials.parquet").unlink()
+    cache = _spec(setup, tmp_path / "study", {"red": setup["stores"]["red"]})
+    run_probes(cache, ResultTables(cache.out), print)
+    assert [j.data_path for j in local_probes] == ["cache"]  # another feature pass: run again
+    assert _rows(cache.out)["red-LP-s3"]["data_path"] == "cache"
 
 
 def test_probe_rows_beside_trials_survive_the_tables_and_reach_the_analysis(setup, tmp_path, local_probes):

@@ -17,8 +17,19 @@ Two deliberate differences from the authors' script, neither part of the probe's
 the fit), while every training row is used here; and their ``seed`` is the config's 42, here the caller's
 seed. Their train split is the 80% part of a seeded 80/20 train/val split: a store's ``train`` split.
 
-Features are computed in float32. Rows are ordered by the store's stable ``index`` before the fit, so the
-fit does not depend on the order in which workers return batches.
+Features are returned in float32; the model runs in float32 (``precision="fp32"``, the default on a CPU)
+or under bf16 autocast (``"bf16"``, the default on CUDA, as finetuning: :func:`resolve_precision`). Rows are
+ordered by the store's stable ``index`` before the fit, so the fit does not depend on the order in which
+workers return batches.
+
+Two data paths give the images (``data_path``, as finetuning's): ``decode`` decodes every image on the CPU
+and transforms it there (:func:`extract_features` of decoded batches); ``cache`` reads uint8 rows of the
+split's cache (:mod:`raystudy.data.cache`, decoded once) and scales, normalises and (train split with
+augmentation) crops and flips them on the model's device (:func:`cached_features`). Without augmentation
+both paths feed the model the same tensors (the ``eval`` cache holds the eval transform's own pixels); with
+it, the cache path's random resized crop is cut from the stored ``8/7`` square on the device
+(:mod:`raystudy.core.finetune.augment`), seeded per image by ``(seed, epoch 0, index)`` like the decode
+path's, but not the same crop of the original image.
 """
 
 from __future__ import annotations
@@ -32,24 +43,34 @@ import torch
 from torch import nn
 
 from raystudy.core.components import get_adapter
-from raystudy.vocab import LINEAR_PROBE, columns
+from raystudy.vocab import LINEAR_PROBE, PRECISIONS, columns
 
 #: ``LogisticRegression(max_iter=...)`` of the authors.
 MAX_ITER = 5000
 
 
-def probe_features(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+def resolve_precision(precision: str | None, cuda: bool) -> str:
+    """``precision`` (one of :data:`raystudy.vocab.PRECISIONS`), or ``bf16`` on CUDA and ``fp32`` elsewhere
+    (as :meth:`raystudy.core.finetune.FinetuneConfig.resolved_precision`)."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {list(PRECISIONS)} (or None)")
+    return precision or ("bf16" if cuda else "fp32")
+
+
+def probe_features(model: nn.Module, images: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
     """``(N, 3, H, W)`` images -> ``(N, d)`` float32 features ``f / ||f||_2`` with ``f = mean_i z_i`` over
-    the ``n`` tokens ``z (N, n, d)`` that the last block outputs (before the final norm)."""
+    the ``n`` tokens ``z (N, n, d)`` that the last block outputs (before the final norm). ``precision="bf16"``
+    runs the blocks under bf16 autocast; the pooling and the normalisation are float32."""
     adapter = get_adapter(model)
-    with torch.inference_mode():
-        z = adapter.run_blocks(adapter.embed(images)).float()  # (N, n, d)
-    f = z.mean(dim=1)
+    bf16 = torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    with torch.inference_mode(), bf16:
+        z = adapter.run_blocks(adapter.embed(images))  # (N, n, d)
+    f = z.float().mean(dim=1)
     return f / f.norm(dim=-1, keepdim=True)
 
 
-def extract_features(model: nn.Module, batches: Iterable[dict], device: torch.device | str = "cpu"
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def extract_features(model: nn.Module, batches: Iterable[dict], device: torch.device | str = "cpu",
+                     precision: str = "fp32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Features of every batch ``{"image" (B, 3, S, S), "label" (B,), "index" (B,)}``.
 
     Returns ``features (N, d)`` float32, ``labels (N,)`` and ``indices (N,)`` int64, sorted by index.
@@ -57,12 +78,35 @@ def extract_features(model: nn.Module, batches: Iterable[dict], device: torch.de
     feats, labels, index = [], [], []
     for b in batches:
         x = torch.as_tensor(b["image"]).to(device)
-        feats.append(probe_features(model, x).cpu().numpy())
+        feats.append(probe_features(model, x, precision).cpu().numpy())
         labels.append(np.asarray(b["label"], dtype=np.int64))
         index.append(np.asarray(b["index"], dtype=np.int64))
     if not feats:
         raise ValueError("no images to extract features from")
     return sort_by_index(np.concatenate(feats), np.concatenate(labels), np.concatenate(index))
+
+
+def cached_features(model: nn.Module, data, rows: np.ndarray, *, batch_size: int, seed: int = 0,
+                    precision: str = "fp32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Features of ``rows`` (positions in the split) of a cached split ``data``
+    (:class:`raystudy.core.finetune.CachedSplitData`), ``batch_size`` uint8 rows at a time moved to the
+    model's device and made float there (cropped and flipped when ``data.crop``, each image seeded by
+    ``(seed, epoch 0, index)``).
+
+    Returns ``features (R, d)`` float32, ``labels (R,)`` and ``indices (R,)`` int64 in the order of ``rows``.
+    """
+    from raystudy.core.finetune.data import to_device
+
+    device = next(model.parameters()).device
+    rows = np.asarray(rows, dtype=np.int64)
+    feats = []
+    for lo in range(0, len(rows), batch_size):
+        batch = data.batch(rows[lo:lo + batch_size], size=data.size, train=data.crop, seed=seed)
+        x, _ = to_device(batch, device, size=data.size)
+        feats.append(probe_features(model, x, precision))  # kept on the device: no sync per batch
+    if not feats:
+        raise ValueError("no images to extract features from")
+    return torch.cat(feats).cpu().numpy(), data.labels[rows].copy(), data.indices[rows].copy()
 
 
 def sort_by_index(features: np.ndarray, labels: np.ndarray, index: np.ndarray
@@ -105,8 +149,17 @@ def fit_probe(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.n
             "n_iter": n_iter, "converged": n_iter < MAX_ITER, "fit_seconds": time.perf_counter() - t0}
 
 
-def feature_definition(model: nn.Module, *, augment: bool, img_size: int) -> dict:
-    """What the features are, for ``probe.json``: block index, pooling, normalisation, transforms."""
+#: the train split's transforms with augmentation, per data path
+TRAIN_TRANSFORMS = {
+    "decode": "train (random resized crop + flip, seeded per image)",
+    "cache": "train (random resized crop of the cached 8/7 square + flip on the device, seeded per image)",
+}
+
+
+def feature_definition(model: nn.Module, *, augment: bool, img_size: int, data_path: str = "decode",
+                       precision: str = "fp32") -> dict:
+    """What the features are, for ``probe.json``: block index, pooling, normalisation, transforms, where
+    the images came from (``data_path``) and the forward's ``precision``."""
     n_blocks = len(get_adapter(model).blocks())
     prefix = int(getattr(model, "num_prefix_tokens", 0))
     return {
@@ -115,9 +168,11 @@ def feature_definition(model: nn.Module, *, augment: bool, img_size: int) -> dic
         "pooling": f"mean over all tokens ({prefix} prefix token(s) included)",
         "normalisation": "L2 per sample, then StandardScaler (fit on train)",
         "classifier": f"LogisticRegression(max_iter={MAX_ITER}, random_state=seed)",
-        "transforms": {"train": "train (random resized crop + flip, seeded per image)" if augment else "eval",
+        "transforms": {"train": TRAIN_TRANSFORMS[data_path] if augment else "eval",
                        "test": "eval (resize + center crop)"},
-        "splits": {"fit": "train", "score": "test"}, "img_size": int(img_size), "dtype": "float32",
+        "splits": {"fit": "train", "score": "test"}, "img_size": int(img_size),
+        "dtype": "float32" if precision == "fp32" else "bfloat16 autocast (features pooled in float32)",
+        "data_path": data_path, "precision": precision,
     }
 
 
@@ -130,10 +185,12 @@ def probe_row(result: dict, dataset: str, model: str, seed: int) -> dict:
     """One ``trials.parquet`` row (every column of ``SCHEMAS["trials"]``) for a probe ``result``.
 
     ``configuration = LP``, ``status = ok``, ``trainable_params`` = the classifier's parameters; the
-    finetuning-only columns (optimizer, lr, steps, ...) are null.
+    finetuning-only columns (optimizer, lr, steps, ...) are null. The feature pass's ``data_path`` and
+    ``precision`` (columns a trial's row has too) are the result's, when it records them.
     """
     row = dict.fromkeys(columns("trials"))
     row.update(trial_id=probe_trial_id(dataset, seed), dataset=dataset, model=model, configuration=LINEAR_PROBE,
                seed=int(seed), trainable_params=int(result["classifier_params"]), status="ok",
                test_acc=float(result["test_acc"]), wall_seconds=result.get("wall_seconds"))
+    row.update({k: result[k] for k in ("data_path", "precision") if k in result})
     return row

@@ -23,6 +23,8 @@ from raystudy.study.spec import StudySpec
 
 #: the spec's fields that describe the model every job builds (and its forward precision)
 MODEL_FIELDS: tuple[str, ...] = ("model", "model_kwargs", "weights", "img_size", "amp_bf16")
+#: the spec's fields that the linear probe's feature pass follows: where its images come from, its precision
+PROBE_PASS_FIELDS: tuple[str, ...] = ("data_path", "precision", "cache_dir")
 
 
 def by_name(cls, *sources: Any) -> dict[str, Any]:
@@ -157,9 +159,13 @@ def probe_job(spec: StudySpec, dataset: str, out_dir: str):
     """The linear probe of ``dataset`` (a name among ``spec.datasets``): a
     :class:`~raystudy.distributed.probe.ProbeJob` with the spec's model and the ``probe`` section's
     settings (augment, seed, batch_size, workers, ...: copied by name), written to ``out_dir/probe.json``.
+    Its feature pass follows the study's ``data_path``, ``precision`` (``amp_bf16``: bf16) and ``cache_dir``.
     """
     from raystudy.distributed.probe import ProbeJob
 
     model = {k: getattr(spec, k) for k in MODEL_FIELDS}
-    fields = by_name(ProbeJob, model, spec.probe)
+    feature_pass = {k: getattr(spec, k) for k in PROBE_PASS_FIELDS}
+    if spec.amp_bf16 and spec.precision is None:
+        feature_pass["precision"] = "bf16"  # the older spelling
+    fields = by_name(ProbeJob, model, feature_pass, spec.probe)
     return ProbeJob(**fields, store=spec.store_path(spec.datasets[dataset]), out_dir=str(out_dir))

@@ -3,7 +3,8 @@
 For each dataset of :meth:`~raystudy.study.spec.StudySpec.probe_datasets` without a final ``LP`` row,
 :func:`run_probes` runs :func:`raystudy.distributed.probe.run_probe_job` (a Ray Data feature pass, then the
 scikit-learn fit on the driver; :func:`raystudy.study.jobs.probe_job`) into ``<out>/probes/<dataset>/``
-and adds :func:`raystudy.core.probe.probe_row` to the study's tables under
+(on the study's ``data_path`` and ``precision``) and adds :func:`raystudy.core.probe.probe_row` (which
+records both) to the study's tables under
 :func:`~raystudy.core.probe.probe_trial_id` (``<dataset>-LP-s<seed>``). So a resumed study runs only the
 probes it lacks; a ``probe.json`` already written for the same probe (a driver killed before the table
 rewrite) is taken as it is. A probe that raises becomes a ``failed`` row carrying the ``error`` (retried
@@ -29,7 +30,10 @@ Echo = Callable[[str], object]
 #: the :class:`~raystudy.distributed.probe.ProbeJob` fields that decide a probe's result (the others say
 #: how it runs): a ``probe.json`` is reused only when they all agree
 RESULT_FIELDS: tuple[str, ...] = ("store", "model", "seed", "weights", "pretrained", "model_kwargs", "img_size",
-                                  "augment")
+                                  "augment", "data_path")
+#: what a ``probe.json`` written before a field existed ran with (its feature pass decoded, in float32)
+LEGACY_JOB = {"data_path": "decode"}
+LEGACY_PRECISION = "fp32"
 
 
 def probe_dir(spec: StudySpec, dataset: str) -> str:
@@ -46,7 +50,7 @@ def probe_todo(spec: StudySpec, tables: ResultTables) -> list[str]:
 
 def stored_result(job) -> dict | None:
     """The ``probe.json`` of ``job.out_dir`` when it holds the result of this very probe (every
-    :data:`RESULT_FIELDS` equal), else ``None``."""
+    :data:`RESULT_FIELDS` equal, and the precision its features ran in), else ``None``."""
     from dataclasses import asdict
 
     text = read_text(join(job.out_dir, "probe.json"))
@@ -56,8 +60,9 @@ def stored_result(job) -> dict | None:
         result = json.loads(text)
     except json.JSONDecodeError:
         return None  # a torn write: run the probe again
-    mine, theirs = asdict(job), result.get("job") or {}
-    return result if all(mine[k] == theirs.get(k) for k in RESULT_FIELDS) else None
+    mine, theirs = asdict(job), {**LEGACY_JOB, **(result.get("job") or {})}
+    same = all(mine[k] == theirs.get(k) for k in RESULT_FIELDS)
+    return result if same and result.get("precision", LEGACY_PRECISION) == job.resolved_precision() else None
 
 
 def failed_probe_row(spec: StudySpec, dataset: str, error: BaseException, wall_seconds: float) -> dict:

@@ -336,8 +336,11 @@ class Finetuner:
         return to_device(batch, self.device, size=self.cfg.img_size, channels_last=self.channels_last)
 
     def _eval_batches(self, split: str):
-        """This worker's contiguous share of ``split`` in batches of ``eval_batch_size`` on the device. The
-        decode path keeps decoded tensors in memory when small; the cache path reads its uint8 rows again."""
+        """This worker's contiguous share of ``split`` in batches of ``eval_batch_size`` on the device.
+
+        A share that fits in ``cfg.eval_cache_mb`` stays resident after its first pass, so that later
+        evaluations only run the model: the decode path keeps its decoded float32 tensors (host memory), the
+        cache path its uint8 rows on the device (4x smaller; made float there at every pass, as when read)."""
         if split in self._eval_cache:
             yield from (self._to_device(b) for b in self._eval_cache[split])
             return
@@ -345,15 +348,19 @@ class Finetuner:
             self._eval_data[split] = open_split_data(self.cfg, split)
         data = self._eval_data[split]
         rows = np.array_split(np.arange(len(data)), self.world_size)[self.rank]
-        per_image = 3 * self.cfg.img_size ** 2 * 4
-        cache = isinstance(data, SplitData) and len(rows) * per_image <= self.cfg.eval_cache_mb * 2 ** 20
+        cached = isinstance(data, CachedSplitData)
+        per_image = (3 * data.cache.side ** 2 if cached  # uint8
+                     else 3 * self.cfg.img_size ** 2 * 4 if isinstance(data, SplitData) else None)  # float32
+        keep = per_image is not None and len(rows) * per_image <= self.cfg.eval_cache_mb * 2 ** 20
         out = []
         for i in range(0, len(rows), self.cfg.eval_batch_size):
             b = data.batch(rows[i:i + self.cfg.eval_batch_size], size=self.cfg.img_size, train=False)
-            if cache:
+            if cached and keep:  # a CacheBatch without crops: its uint8 rows and labels stay on the device
+                b = b._replace(images=b.images.to(self.device), labels=b.labels.to(self.device))
+            if keep:
                 out.append(b)
             yield self._to_device(b)
-        if cache:
+        if keep:
             self._eval_cache[split] = out
 
     def evaluate(self, split: str, model: nn.Module | None = None) -> tuple[float, float]:
