@@ -73,3 +73,25 @@ def faults():
     yield inject
     if os.path.exists(path):
         os.remove(path)
+
+
+#: the tiny ViT of the end-to-end study tests (timm's vit_tiny_patch16_224 shrunk to 32 px)
+STUDY_MODEL = "vit_tiny_patch16_224"
+STUDY_TINY = {"patch_size": 8, "embed_dim": 48, "depth": 3, "num_heads": 4}
+
+
+@pytest.fixture(scope="session")
+def builtin(tmp_path_factory):
+    """The built-in default stores (small) and a weights file of the tiny ViT standing for a pretrained one,
+    shared by the study tests (read only)."""
+    import timm
+    from safetensors.torch import save_file
+
+    from raystudy.data.synthetic import prepare_default
+
+    root = tmp_path_factory.mktemp("builtin")
+    stores = prepare_default(root / "data", n_train=80, n_test=40, n_train_downstream=60, n_test_downstream=30)
+    model = timm.create_model(STUDY_MODEL, img_size=32, num_classes=10, **STUDY_TINY)
+    weights = root / "tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    return {"data_root": str(root / "data"), "stores": stores, "weights": str(weights)}

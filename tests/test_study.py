@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from conftest import STUDY_MODEL, STUDY_TINY
 
 from raystudy.faults import ENV as FAULTS_ENV
 from raystudy.io import read_result
@@ -35,26 +36,9 @@ from raystudy.study.spec import StudySpec, trial_id
 from raystudy.study.tune import load_study_spec, restore_tuner, run_study, tune_experiments
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"patch_size": 8, "embed_dim": 48, "depth": 3, "num_heads": 4}
-MODEL = "vit_tiny_patch16_224"
+TINY, MODEL = STUDY_TINY, STUDY_MODEL
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def builtin(tmp_path_factory):
-    """The built-in default stores (small) and a weights file of the tiny ViT standing for a pretrained one."""
-    import timm
-    from safetensors.torch import save_file
-
-    from raystudy.data.synthetic import prepare_default
-
-    root = tmp_path_factory.mktemp("builtin")
-    stores = prepare_default(root / "data", n_train=80, n_test=40, n_train_downstream=60, n_test_downstream=30)
-    model = timm.create_model(MODEL, img_size=32, num_classes=10, **TINY)
-    weights = root / "tiny.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
-    return {"data_root": str(root / "data"), "stores": stores, "weights": str(weights)}
 
 
 def base_spec(builtin, out, **kw) -> dict:

@@ -22,10 +22,15 @@ directory (``/tmp/ray/session_latest/logs``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune")
 
@@ -148,3 +153,59 @@ def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any
         _silence_forwarded_messages()
         _divert_native_stderr()
     return True
+
+
+# --- placement groups left behind by dead Ray Train controllers (issue 15) ---
+
+
+def remove_orphaned_placement_groups() -> list[str]:
+    """Remove this job's placement groups whose creator, an actor, is dead; returns their ids (hex).
+
+    A placement group created by an actor lives as long as the job, not the actor. Ray Train V2's
+    controller creates its worker group's placement group; when the controller dies with its node (or with
+    the Tune trial that started it), Ray Train's ``PlacementGroupCleaner`` is meant to remove it, but that
+    cleaner asks the State API, which needs the dashboard (not installed without ``ray[default]``), and it
+    never knows a placement group still pending at the controller's death. The orphan keeps its CPUs (or
+    takes them once they free up, rescheduled from a dead node) and the retried trials wait for them
+    forever. The driver's own placement groups (Tune's trials: no creator actor) and detached ones are kept.
+    """
+    import ray
+    from ray._private.state import state
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+    removed = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():  # the GCS, no dashboard needed
+        pg = PlacementGroupTableData.FromString(raw)
+        if (pg.state != PlacementGroupTableData.REMOVED and pg.creator_actor_dead and not pg.is_detached
+                and not ray.ActorID(pg.creator_actor_id).is_nil() and pg.creator_job_id.hex() == job):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            removed.append(pg.placement_group_id.hex())
+    return removed
+
+
+@contextlib.contextmanager
+def orphaned_placement_groups_removed(period_s: float = 2.0) -> Iterator[None]:
+    """While the block runs, :func:`remove_orphaned_placement_groups` every ``period_s`` seconds (a thread
+    of the driver: around ``tuner.fit()`` of a study whose trials start Ray Train runs)."""
+    done = threading.Event()
+
+    def sweep() -> None:
+        while not done.wait(period_s):
+            try:
+                removed = remove_orphaned_placement_groups()
+            except Exception as e:  # an internal of Ray: never take the study down
+                log.debug("could not look for orphaned placement groups: %s", e)
+                continue
+            if removed:
+                log.warning("removed %d placement group(s) of dead Ray Train controllers: %s", len(removed),
+                            ", ".join(removed))
+
+    thread = threading.Thread(target=sweep, name="raystudy-orphaned-pgs", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -20,16 +20,29 @@ import time
 _started: dict[int, subprocess.Popen] = {}
 
 
-def start_reaper(pid: int | None = None) -> subprocess.Popen:
-    """Start the watchdog of process ``pid`` (default: this one), once per process; returns its handle."""
+#: a watchdog says this on its standard output once it has recorded the driver's processes a first time
+READY = "ready"
+
+
+def start_reaper(pid: int | None = None, timeout: float = 60.0) -> subprocess.Popen:
+    """Start the watchdog of process ``pid`` (default: this one), once per process; returns its handle once
+    the watchdog has recorded ``pid``'s processes (or after ``timeout`` seconds): a driver killed right
+    after this call still has its Ray processes ended, also on a machine too loaded to start Python fast."""
+    import select
+
     pid = pid or os.getpid()
     if pid in _started and _started[pid].poll() is None:
         return _started[pid]
-    _started[pid] = subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "raystudy.distributed.reaper", str(pid)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        text=True,
     )
-    return _started[pid]
+    if select.select([proc.stdout], [], [], timeout)[0]:
+        proc.stdout.readline()
+    proc.stdout.close()  # the watchdog writes nothing else
+    _started[pid] = proc
+    return proc
 
 
 def _descendants(driver) -> dict[int, float]:
@@ -66,8 +79,8 @@ def _end(processes: dict[int, float], grace: float = 3.0) -> None:
             pass
 
 
-def watch(pid: int, period: float = 1.0) -> None:
-    """Record ``pid``'s descendants until it ends, then end them."""
+def watch(pid: int, period: float = 0.5) -> None:
+    """Record ``pid``'s descendants until it ends, then end them; says :data:`READY` after the first record."""
     import psutil
 
     try:
@@ -75,6 +88,7 @@ def watch(pid: int, period: float = 1.0) -> None:
     except psutil.Error:
         return
     seen: dict[int, float] = {}
+    ready = False
     while True:
         try:
             if driver.status() == psutil.STATUS_ZOMBIE:
@@ -82,9 +96,20 @@ def watch(pid: int, period: float = 1.0) -> None:
             seen.update(_descendants(driver))
         except psutil.Error:
             break
+        if not ready:
+            _say_ready()
+            ready = True
         time.sleep(period)
     seen.pop(os.getpid(), None)
     _end(seen)
+
+
+def _say_ready() -> None:
+    try:
+        print(READY, flush=True)
+        sys.stdout.close()
+    except OSError:  # the driver stopped listening
+        pass
 
 
 if __name__ == "__main__":

@@ -305,6 +305,7 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     experiment under ``<out>/tune/<name>-<n>``; returns the :class:`ray.tune.ResultGrid`."""
     from ray import tune
 
+    from raystudy.distributed.cluster import orphaned_placement_groups_removed
     from raystudy.study.callback import StudyCallback, tracking_callbacks
 
     progress = Progress(total=total, done_before=done_before, echo=echo, prefix=spec.name)
@@ -321,7 +322,8 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     echo(f"[{spec.name}] launching {n} trial(s) as Tune experiment {join(spec.out, 'tune', name)}")
     tuner = tune.Tuner(_trainable(spec), param_space=param_space, tune_config=tune_config, run_config=run_config)
     try:
-        results = tuner.fit()
+        with orphaned_placement_groups_removed():  # a Ray Train controller lost with its node leaves one
+            results = tuner.fit()
     except Exception:
         if study_callback.disk_full:  # e.g. Tune reading back an error file the full disk left empty
             raise StudyStorageError(disk_full_message(spec.out, f" ({study_callback.disk_full})")) from None
