@@ -143,7 +143,7 @@ def ray_built(ray_session, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("ray-cache")
     store, lines = interleaved_store(tmp / "store"), []
-    built = build_caches([store, store], SPLITS, KINDS_USED, 32, str(tmp / "ray"), cpus_per_task=0.5,
+    built = build_caches([store, store], SPLITS, KINDS_USED, 32, str(tmp / "ray"), cpus_per_task=0.5, local_below=0,
                          rows_per_shard=4, echo=lines.append)
     return store, str(tmp / "ray"), built, lines
 
@@ -177,7 +177,8 @@ def test_the_ray_job_rebuilds_a_corrupted_shard_and_nothing_valid(ray_built):
     shard.write_bytes(good[:50] + bytes([good[50] ^ 0xFF]) + good[51:])  # same size: only the sha256 tells
     before, lines = shard_files(root), []
     assert len(before) == 5  # train 3, val 1, test 1
-    built = build_caches([store], SPLITS, KINDS_USED, 32, root, cpus_per_task=0.5, echo=lines.append)
+    built = build_caches([store], SPLITS, KINDS_USED, 32, root, cpus_per_task=0.5, echo=lines.append,
+                         local_below=0)
     after = shard_files(root)
     assert built[str(train)] == (1,) and sum(map(len, built.values())) == 1
     assert shard.read_bytes() == good and len(lines) == 1 and "shard(s) [1] rebuilt" in lines[0]
@@ -194,3 +195,17 @@ def test_a_missing_store_is_named(tmp_path):
     missing = tmp_path / "no-such-store"
     with pytest.raises(StoreError, match=f"{missing / 'dataset.json'} not found"):
         build_caches([str(missing)], SPLITS, KINDS_USED, 32)
+
+
+def test_a_small_build_runs_in_the_driver_with_the_same_bytes(tmp_path):
+    """Fewer images than ``local_below``: no Ray Data job (it would cost more than the decoding), same bytes."""
+    from raystudy.distributed.cache import build_caches
+
+    store, lines = interleaved_store(tmp_path / "store"), []
+    built = build_caches([store], SPLITS, KINDS_USED, 32, str(tmp_path / "drv"), rows_per_shard=4,
+                         echo=lines.append, local_below=10_000)
+    assert sum(map(len, built.values())) == 5 and len(lines) == 3
+    for split, kind in zip(SPLITS, KINDS_USED):
+        _, local = ensure_cache(store, split, kind=kind, size=32, root=str(tmp_path / "one"), rows_per_shard=4)
+        folder = Path(cache_dir(store, split, kind, 32, str(tmp_path / "drv")))
+        assert json.loads((folder / "manifest.json").read_text()) == local

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 #: consecutive shards one task builds: a store shard (2048 rows by default) holds 8 cache shards of 256
 SHARDS_PER_TASK = 8
 ROW_KEYS = ("store", "split", "kind", "size", "folder", "shard", "rows_per_shard")
+#: below this many images to decode the driver builds them itself: a Ray Data job pays ~8-10 s before its
+#: first batch, more than decoding a few thousand small images takes
+LOCAL_BELOW = 2048
 
 Echo = Callable[[str], object]
 
@@ -97,8 +100,16 @@ def _finish(plan: CachePlan, entries: dict[int, dict], t0: float, echo: Echo) ->
     return True
 
 
-def _build_round(plans: list[CachePlan], cpus_per_task: float, echo: Echo) -> list[CachePlan]:
-    """Build every shard ``plans`` name through one job and finish each cache; returns those to build whole."""
+def _local_job(plans: list[CachePlan]) -> Iterator[tuple[str, int, dict]]:
+    """:func:`_run_job`'s results, built in this process."""
+    for p in plans:
+        for shard, entry in p.build_local().items():
+            yield p.folder, shard, entry
+
+
+def _build_round(plans: list[CachePlan], cpus_per_task: float, echo: Echo, local: bool) -> list[CachePlan]:
+    """Build every shard ``plans`` name through one job (``local``: in this process) and finish each cache;
+    returns those to build whole."""
     t0, again = time.perf_counter(), []
     by_folder = {p.folder: p for p in plans}
     entries: dict[str, dict[int, dict]] = {p.folder: {} for p in plans}
@@ -106,7 +117,8 @@ def _build_round(plans: list[CachePlan], cpus_per_task: float, echo: Echo) -> li
         if not p.todo and not _finish(p, {}, t0, echo):  # a new cache of an empty split: no shard to build
             again.append(p)
     building = [p for p in plans if p.todo]
-    for folder, shard, entry in _run_job(building, cpus_per_task) if building else ():
+    job = _local_job(building) if local else _run_job(building, cpus_per_task)
+    for folder, shard, entry in job if building else ():
         plan = by_folder[folder]
         entries[folder][shard] = entry
         if len(entries[folder]) == len(plan.todo) and not _finish(plan, entries[folder], t0, echo):
@@ -119,9 +131,10 @@ def _build_round(plans: list[CachePlan], cpus_per_task: float, echo: Echo) -> li
 
 def build_caches(stores: Sequence[str | os.PathLike], splits: Sequence[str], kinds: Sequence[str], size: int,
                  root: str | None = None, *, cpus_per_task: float = 1.0, rows_per_shard: int = ROWS_PER_SHARD,
-                 echo: Echo | None = None) -> dict[str, tuple[int, ...]]:
+                 echo: Echo | None = None, local_below: int = LOCAL_BELOW) -> dict[str, tuple[int, ...]]:
     """Verify, and build or repair through a Ray Data job, the caches of :func:`plan_caches`.
 
+    Fewer than ``local_below`` images to decode are decoded in this process instead (same bytes).
     ``cpus_per_task``: the Ray CPUs of a build task (fractional allowed; one decoding thread each).
     ``echo``: where the one line per cache built goes (default: this module's logger at INFO). Returns
     ``{cache folder: shards built}`` for every cache, ``()`` for one only verified. Ray is started
@@ -133,12 +146,13 @@ def build_caches(stores: Sequence[str | os.PathLike], splits: Sequence[str], kin
     plans = plan_caches(stores, splits, kinds, size, root, rows_per_shard)
     built: dict[str, tuple[int, ...]] = {p.folder: () for p in plans}
     todo = [p for p in plans if p.manifest is None or p.todo]
-    if todo:
+    local = sum(min(len(p.todo) * p.rows_per_shard, p.expected["rows"]) for p in todo) < local_below
+    if todo and not local:
         from raystudy.distributed.cluster import init_ray
 
         init_ray()
     while todo:
         for p in todo:
             built[p.folder] = tuple(sorted({*built[p.folder], *p.todo}))
-        todo = [p.whole() for p in _build_round(todo, cpus_per_task, echo)]
+        todo = [p.whole() for p in _build_round(todo, cpus_per_task, echo, local)]
     return built
