@@ -16,6 +16,9 @@ os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 os.environ["RAYSTUDY_FAULTS"] = os.path.join(tempfile.mkdtemp(prefix="raystudy-faults-"), "faults.json")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TQDM_DISABLE", "1")
+# Ray Train's controller polls its workers every 2 s by default and every report waits for a poll: 0.2 s
+# keeps the Ray Train tests (and the studies run in subprocesses, which inherit it) from idling
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
 def tiny_vit(**overrides):

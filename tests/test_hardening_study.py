@@ -252,11 +252,9 @@ def test_item1_full_disk_one_line_error_then_rerun_finishes(ray_session, builtin
     try:
         out = mnt / "study"
         spec_file = tmp_path / "spec.yaml"
-        # Ray Train's run folders are what a full disk left unusable (item 1 as found); the actor path's own
-        # checkpoints are covered by tests/test_inprocess.py (truncated or marker-less ones never resumed)
         spec_file.write_text(yaml.safe_dump(base_spec(builtin, out, name="full", optimizers={"sgd": [0.1, 0.2]},
-                                                      max_concurrent_trials=1, execution="train")))
-        ballast = _fill(mnt, 200_000)
+                                                      max_concurrent_trials=1)))
+        ballast = _fill(mnt, 40_000)  # less than one checkpoint of the tiny model
         rc = main(["study", "--preset", str(spec_file)])
         err = capsys.readouterr().err.strip().splitlines()
         # (Ray's own log may show the failed trial's traceback above; the driver ends on one line)

@@ -82,6 +82,7 @@ def save_checkpoint(ft: Finetuner, storage: str, keep: int) -> None:
     """Write ``ft``'s checkpoint at its step into ``storage``, then delete all but the ``keep`` newest
     complete ones and any incomplete folder (left by a full disk or a killed actor)."""
     target = checkpoint_path(storage, ft.step)
+    delete_dir(target)  # an older attempt's checkpoint of this step: never complete while being rewritten
     local, uri = staged(target)
     try:
         ft.save(local)
