@@ -98,3 +98,19 @@ def builtin(tmp_path_factory):
     weights = root / "tiny.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
     return {"data_root": str(root / "data"), "stores": stores, "weights": str(weights)}
+
+
+class Killed(Exception):
+    """Raised by :func:`kill_at_first_checkpoint`'s callback: the run stops there like a killed process."""
+
+
+def kill_at_first_checkpoint(ft, ckdir) -> None:
+    """Run the ``Finetuner`` ``ft`` until its first checkpoint, save it as ``ckdir/step_XXXXXXXX`` (the layout
+    ``train_local(checkpoint_dir=ckdir, resume=True)`` resumes from) and stop there."""
+    def kill(ev):
+        if ev.checkpoint:
+            ft.save(ckdir / f"step_{ev.step:08d}")
+            raise Killed
+
+    with pytest.raises(Killed):
+        ft.run(kill, progress=False)

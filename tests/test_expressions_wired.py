@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import make_store
+from conftest import kill_at_first_checkpoint, make_store
 
-from raystudy.core.finetune import Event, FinetuneConfig, Finetuner, build_finetune_model, train_local
+from raystudy.core.finetune import FinetuneConfig, Finetuner, build_finetune_model, train_local
 from raystudy.vocab import COMPONENTS
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
@@ -213,10 +213,6 @@ def test_lora_trains_the_adapters_and_head_and_saves_merged_plain_weights(store,
         assert (plain(x) - ft.model(x)).abs().max() <= 1e-5
 
 
-class Killed(Exception):
-    pass
-
-
 def test_lora_resume_is_exact(store, tmp_path):
     """Killed after its checkpoint at step 4, a resumed LoRA run reproduces the uninterrupted one bitwise
     (adapters, head, curves, summary) and its adapters come from the checkpoint, not a fresh init."""
@@ -228,13 +224,7 @@ def test_lora_resume_is_exact(store, tmp_path):
     ckdir = tmp_path / "run" / "ckpt"
     first = Finetuner(cfg)
 
-    def kill(ev: Event):
-        if ev.checkpoint:
-            first.save(ckdir / f"step_{ev.step:08d}")
-            raise Killed
-
-    with pytest.raises(Killed):
-        first.run(kill, progress=False)
+    kill_at_first_checkpoint(first, ckdir)
     assert first.step == 4
     torch.manual_seed(999)
     summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)

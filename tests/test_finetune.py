@@ -10,12 +10,11 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_store
+from conftest import kill_at_first_checkpoint, make_store
 
 from raystudy.core.components import CONFIGURATIONS
 from raystudy.core.finetune import (
     MOVED_KEYS,
-    Event,
     FinetuneConfig,
     Finetuner,
     MicroBatches,
@@ -306,10 +305,6 @@ def test_failed_summary_has_every_key_of_a_summary_with_nulls(store, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-class Killed(Exception):
-    pass
-
-
 @pytest.mark.parametrize("data_path", ["cache", "decode"])
 def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_path):
     """Killed after its checkpoint at step 4, a resumed run reproduces the uninterrupted one bitwise and
@@ -323,13 +318,7 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_p
     first = Finetuner(cfg)
     torch.manual_seed(123)  # any RNG state: it must come back from the checkpoint
 
-    def kill(ev: Event):
-        if ev.checkpoint:
-            first.save(ckdir / f"step_{ev.step:08d}")
-            raise Killed
-
-    with pytest.raises(Killed):
-        first.run(kill, progress=False)
+    kill_at_first_checkpoint(first, ckdir)
     assert first.step == 4
     torch.manual_seed(999)
     summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True)
@@ -369,14 +358,8 @@ def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
     cfg = tiny_cfg(store, tmp_path / "run", **kw)
     ckdir = tmp_path / "run" / "ckpt"
 
-    def kill(ev: Event):
-        if ev.checkpoint:
-            first.save(ckdir / f"step_{ev.step:08d}")
-            raise Killed
-
     first = Finetuner(cfg)
-    with pytest.raises(Killed):
-        first.run(kill, progress=False)
+    kill_at_first_checkpoint(first, ckdir)
     path = ckdir / "step_00000004" / "state.pt"
     state = torch.load(path, weights_only=True)
     state["config"]["component"] = state["config"].pop("configuration")

@@ -10,17 +10,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import kill_at_first_checkpoint
 
-from raystudy.core.finetune import Event, FinetuneConfig, Finetuner, fingerprint, train_local
+from raystudy.core.finetune import FinetuneConfig, Finetuner, fingerprint, train_local
 from raystudy.core.finetune.text import TextSplitData, open_text_split
 from raystudy.data.store import read_split
 from raystudy.data.text_demo import prepare_text_demo
 
 D, LAYERS, FFN, C = 32, 2, 64, 4  # hidden size, layers, FFN width, classes of text-nature
-
-
-class Killed(Exception):
-    pass
 
 
 def train_tokenizer(path):
@@ -189,13 +186,7 @@ def test_resume_is_exact_on_text_with_dropout(store, tmp_path):
     ckdir = tmp_path / "run" / "ckpt"
     first = Finetuner(cfg)
 
-    def kill(ev: Event):
-        if ev.checkpoint:
-            first.save(ckdir / f"step_{ev.step:08d}")
-            raise Killed
-
-    with pytest.raises(Killed):
-        first.run(kill, progress=False)
+    kill_at_first_checkpoint(first, ckdir)
     torch.manual_seed(999)
     summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
     assert ft.restores[0]["step"] == 3 and [r["step"] for r in ft.curves] == list(range(1, 7))
