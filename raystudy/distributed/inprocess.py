@@ -40,6 +40,7 @@ from raystudy.core.finetune import (
 from raystudy.core.finetune.state import checkpoint_problem
 from raystudy.distributed.train import (
     TrainResources,
+    event_metrics,
     failure_due,
     inject_failure,
     run_config_dict,
@@ -150,8 +151,7 @@ def run_in_process(cfg: FinetuneConfig, resources: TrainResources, *, storage: s
         if ev.checkpoint and not ev.final:
             save_checkpoint(ft, storage, resources.keep_checkpoints)
         if on_report is not None:
-            on_report({**{k: v for k, v in ev.metrics.items() if isinstance(v, int | float | str | bool)},
-                       "step": ev.step, "final": ev.final})
+            on_report(event_metrics(ev))
         if failure_due(ft, ev, fail_after):
             inject_failure(ft, ev)
 

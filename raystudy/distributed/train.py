@@ -148,10 +148,12 @@ def _all_reduce_sum(t):
     return t
 
 
-def _clean_metrics(metrics: dict) -> dict:
-    """Ray metrics: plain numbers, strings and flags (None and nested values dropped)."""
-    return {k: float(v) if isinstance(v, float) else v for k, v in metrics.items()
-            if isinstance(v, int | float | str | bool)}
+def event_metrics(ev: Event) -> dict:
+    """What a report of ``ev`` carries: its plain numbers, strings and flags (None and nested values dropped),
+    its step and whether it is the run's final one."""
+    clean = {k: float(v) if isinstance(v, float) else v for k, v in ev.metrics.items()
+             if isinstance(v, int | float | str | bool)}
+    return {**clean, "step": ev.step, "final": ev.final}
 
 
 def _worker_finetuner(cfg: FinetuneConfig, resources: TrainResources) -> Finetuner:
@@ -210,7 +212,7 @@ def _reporter(ft: Finetuner, tb: TensorBoardLogger | None, config: dict) -> Call
     def report(ev: Event) -> None:
         if tb is not None:
             tb(ev)
-        metrics = {**_clean_metrics(ev.metrics), "step": ev.step, "final": ev.final}
+        metrics = event_metrics(ev)
         if ev.checkpoint:
             with tempfile.TemporaryDirectory(prefix="raystudy-ckpt-") as d:
                 ft.save(d)
