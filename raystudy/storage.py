@@ -29,6 +29,14 @@ def is_uri(path: str | os.PathLike) -> bool:
     return "://" in str(path)
 
 
+def absolute_path(path: str | os.PathLike | None) -> str | None:
+    """``path`` made absolute where it enters (``~`` expanded; URIs, ``None`` and ``""`` kept): Ray workers and
+    Tune trials do not run in the caller's working directory, so a relative path must not travel."""
+    if path is None or str(path) == "" or is_uri(path):
+        return None if path is None else str(path)
+    return os.path.abspath(os.path.expanduser(str(path)))
+
+
 def join(base: str | os.PathLike, *parts: str) -> str:
     """Join path parts of a local path or URI with '/'."""
     return "/".join([str(base).rstrip("/"), *[str(p).strip("/") for p in parts]])

@@ -14,45 +14,29 @@ from __future__ import annotations
 import argparse
 import json
 
-from raystudy.commands.plasticity import add_model_args
-from raystudy.vocab import DATA_PATHS, PRECISIONS
+from raystudy.distributed.probe import ProbeJob
+from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, add_flags, from_args
 
 
 def register(sub) -> None:
     p = sub.add_parser("probe", help="linear-probing baseline (logistic regression on frozen features)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    p.add_argument("--store", required=True, metavar="STORE", help="prepared store (train and test splits)")
-    p.add_argument("--no-augment", dest="augment", action="store_false",
-                   help="train split through the eval transforms (default: one pass of the training transforms)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="images per forward pass (default: 512 on the cache path, 64 decoding)")
-    p.add_argument("--data-path", choices=DATA_PATHS, default="cache",
-                   help="cache: decode each image once into a uint8 cache and make it float on the model's "
-                        "device; decode: decode and transform every image on the CPU")
-    p.add_argument("--cache-dir", default=None, help="root of the uint8 caches (default: STORE/cache)")
-    p.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="bf16: autocast; fp32: full precision; default: bf16 on GPUs, fp32 on CPUs")
-    p.add_argument("--local", action="store_true", help="extract the features in this process, without Ray")
+    add_flags(p, ProbeJob, ["store", "out_dir", "local"], required=("store", "out_dir"))
+    model = p.add_argument_group("model")
+    add_flags(model, ModelSettings)
+    add_flags(model, HubWeights)
+    add_flags(p, DeviceSettings, ["data_path", "cache_dir", "precision"])
+    add_flags(p, ProbeSettings, ["augment", "seed", "batch_size"])
     ray = p.add_argument_group("Ray")
-    ray.add_argument("--workers", type=int, default=1, help="actor pool size")
-    ray.add_argument("--cpus-per-worker", type=float, default=0.5, help="logical CPUs per actor")
-    ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per actor (0: CPU)")
+    add_flags(ray, ProbeSettings, ["workers", "cpus_per_worker", "gpus_per_worker"])
     ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
 
-def probe_job(args):
+def probe_job(args) -> ProbeJob:
     """The validated :class:`~raystudy.distributed.probe.ProbeJob` of the parsed flags."""
-    from raystudy.distributed.probe import ProbeJob
-
-    job = ProbeJob(store=args.store, model=args.model, seed=args.seed, weights=args.weights,
-                   pretrained=args.pretrained, model_kwargs=dict(args.model_kwargs), img_size=args.img_size,
-                   augment=args.augment, batch_size=args.batch_size, data_path=args.data_path,
-                   precision=args.precision, cache_dir=args.cache_dir, workers=args.workers,
-                   cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker, local=args.local,
-                   out_dir=args.out)
+    job = from_args(ProbeJob, args)
     job.validate()  # before Ray starts
     return job
 

@@ -14,8 +14,9 @@ import json
 import os
 import sys
 
-from raystudy.study.spec import TRACKERS, preset_names
-from raystudy.vocab import CONFIGURATIONS, SEARCHES
+from raystudy.settings import add_flags
+from raystudy.study.spec import TRACKERS, StudySpec, preset_names
+from raystudy.vocab import CONFIGURATIONS
 
 DESCRIPTION = (
     "Run a study: the grid dataset x configuration x optimizer x lr x seed of finetuning runs on Ray Tune "
@@ -29,7 +30,10 @@ DESCRIPTION = (
 
 
 def _int_list(text: str) -> list[int]:
-    return [int(s) for s in text.split(",") if s.strip()]
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _name_list(text: str) -> list[str]:
@@ -42,19 +46,22 @@ def _configuration_list(text: str) -> list[str]:
     return split_configurations(text)
 
 
-def _json_mapping(text: str) -> dict:
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-#: flag dest -> the spec field it sets (each flag overrides the preset; --set overrides the flags)
-FLAG_FIELDS: dict[str, str] = {
-    "out": "out", "model": "model", "model_kwargs": "model_kwargs", "weights": "weights", "img_size": "img_size",
-    "data_root": "data_root", "configurations": "configurations", "seeds": "seeds", "steps": "steps",
-    "search": "search", "samples": "samples", "workers": "workers_per_trial", "cpus_per_worker": "cpus_per_worker",
-    "gpus_per_worker": "gpus_per_worker", "max_concurrent_trials": "max_concurrent_trials", "tracking": "tracking",
+#: the spec fields a flag of this command sets (each flag overrides the preset; --set overrides the flags);
+#: the flags are generated from the fields' definitions (:mod:`raystudy.settings`)
+FLAG_FIELDS: tuple[str, ...] = (
+    "out", "model", "model_kwargs", "weights", "img_size", "data_root", "configurations", "seeds", "steps",
+    "search", "samples", "max_concurrent_trials", "workers_per_trial", "cpus_per_worker", "gpus_per_worker",
+    "tracking",
+)
+#: flags whose value is a comma list
+_LIST_TYPES = {"configurations": _configuration_list, "seeds": _int_list, "tracking": _name_list}
+_FLAG_HELP = {
+    "configurations": f"comma-separated, some of {','.join(CONFIGURATIONS)} or expressions; empty: plasticity only",
+    "seeds": "comma-separated (a preset's per-dataset seeds are replaced)",
+    "steps": "every run's: the study's and every dataset's (a preset's per-dataset steps are replaced; "
+             "--set datasets.NAME.steps=N sets one dataset's)",
+    "workers_per_trial": "per trial",
+    "tracking": f"comma-separated ({', '.join(TRACKERS)})",
 }
 
 
@@ -65,36 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the study in DIR with the spec stored there (spec.yaml); --set may still "
                         "change resources (e.g. max_concurrent_trials), not what a trial means")
-    p.add_argument("--out", default=None, help="study directory: a local path or a pyarrow URI (s3://...)")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                    help="Ray cluster address ('auto' on a cluster node; default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec field (YAML value; dotted keys for plasticity.* / pretrain.*), "
                         "e.g. --set steps=200 --set 'seeds=[0,1]' --set plasticity.pairs=512")
-    p.add_argument("--model", default=None, help="timm model name")
-    p.add_argument("--model-kwargs", type=_json_mapping, default=None, help="JSON timm.create_model kwargs")
-    p.add_argument("--weights", default=None, help="local weights file of the model")
-    p.add_argument("--img-size", type=int, default=None, help="model resolution")
-    p.add_argument("--data-root", default=None, help="directory holding the prepared stores")
+    spec = p.add_argument_group("spec fields (not given: the preset's value; the default shown is the field's)")
+    add_flags(spec, StudySpec, FLAG_FIELDS, unset=True, help=_FLAG_HELP, types=_LIST_TYPES)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the preset's datasets")
-    p.add_argument("--configurations", "--configuration", "--config", "--component", "--components",
-                   dest="configurations", type=_configuration_list, default=None,
-                   help=f"comma-separated, some of {','.join(CONFIGURATIONS)}; empty: plasticity only")
-    p.add_argument("--seeds", "--seed", dest="seeds", type=_int_list, default=None,
-                   help="comma-separated seeds of every run (a preset's per-dataset seeds are replaced)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="steps of every run: the study's and every dataset's (a preset's per-dataset steps "
-                        "are replaced; --set datasets.NAME.steps=N sets one dataset's)")
-    p.add_argument("--search", choices=SEARCHES, default=None,
-                   help="grid: every lr of the spec; optuna: TPE over the lr range, --samples runs per "
-                        "(dataset, configuration, optimizer, seed)")
-    p.add_argument("--samples", type=int, default=None, help="runs per cell with --search optuna")
-    p.add_argument("--max-concurrent-trials", type=int, default=None, help="0: as many as resources allow")
-    p.add_argument("--workers", type=int, default=None, help="Ray Train workers (DDP) per trial")
-    p.add_argument("--cpus-per-worker", type=float, default=None)
-    p.add_argument("--gpus-per-worker", type=float, default=None)
-    p.add_argument("--tracking", type=_name_list, default=None,
-                   help=f"comma-separated experiment trackers ({', '.join(TRACKERS)}) every trial logs to")
     p.add_argument("--no-plasticity", action="store_true", help="skip the plasticity measurement")
     p.add_argument("--no-analysis", action="store_true", help="skip the analysis")
     p.add_argument("--dry-run", action="store_true",
@@ -132,7 +117,7 @@ def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
         spec = load_study_spec(args.resume)
     else:
         spec = load_preset(preset_of(args, preset_prefix))
-    flags = {field: getattr(args, dest) for dest, field in FLAG_FIELDS.items() if getattr(args, dest) is not None}
+    flags = {field: getattr(args, field) for field in FLAG_FIELDS if getattr(args, field) is not None}
     if args.resume:
         flags.pop("out", None)
     if flags:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from pathlib import Path
 
@@ -185,6 +187,35 @@ def build_model(
     if weights is not None:
         load_weights(model, weights, strict=strict)
     return model
+
+
+def resolve_img_size(model: str, model_kwargs: dict | None = None, img_size: int | None = None) -> int | None:
+    """The input resolution a job uses: ``img_size``, else ``model_kwargs["img_size"]``, else the timm model's
+    own (224 if it names none); ``None`` for a Hugging Face text model (its inputs are token windows)."""
+    if str(model).startswith("hf:"):
+        return None
+    if img_size:
+        return int(img_size)
+    kwargs = dict(model_kwargs or {})
+    if kwargs.get("img_size"):
+        size = kwargs["img_size"]
+        return int(size if isinstance(size, int) else size[-1])
+    return _timm_img_size(model, json.dumps(kwargs, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _timm_img_size(model: str, kwargs_json: str) -> int:
+    """The input size of timm's ``model`` built with ``kwargs_json`` on the meta device (no memory)."""
+    import timm  # heavy (~1 s): only when a size must be looked up
+
+    if not timm.is_model(model):
+        raise ValueError(f"unknown timm model {model!r} (see timm.list_models())")
+    with torch.device("meta"):
+        net = timm.create_model(model, pretrained=False, **json.loads(kwargs_json))
+    size = getattr(getattr(net, "patch_embed", None), "img_size", None)
+    if size is None:
+        size = getattr(net, "pretrained_cfg", {}).get("input_size", (3, 224, 224))[1:]
+    return int(size[-1] if isinstance(size, tuple | list) else size)
 
 
 def _build_hf(name: str, *, num_classes, weights, img_size, strict: bool, **kwargs) -> nn.Module:

@@ -31,12 +31,14 @@ Definition of the features and the classifier: :mod:`raystudy.core.probe`.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from raystudy import storage
+from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, same_as, setting
+from raystudy.storage import absolute_path
 from raystudy.vocab import DATA_PATHS, PRECISIONS
 
 #: Logical CPUs of one transform task (decode + transform). Distinct from the actors' request: Ray Data
@@ -48,41 +50,34 @@ CACHE_BATCH = 512
 DECODE_BATCH = 64
 
 
-@dataclass
-class ProbeJob:
+@dataclass(kw_only=True)
+class ProbeJob(ModelSettings, DeviceSettings, ProbeSettings):
     """One probe: ``model`` (frozen) on the ``train``/``test`` splits of ``store``.
 
-    Model fields are named as in :class:`~raystudy.distributed.plasticity.PlasticityJob` (and the study
-    spec). ``weights=None`` (and not ``pretrained``) keeps the random init, seeded from ``seed`` so that every
-    worker holds the same model. ``augment``: the train split through the training transforms (the authors'
-    choice), else the eval transforms. ``local``: extract in this process, without Ray. ``out_dir``: where
-    ``probe.json`` goes (``None``: not written). ``data_path``: ``cache`` (uint8 rows of a cache under
-    ``cache_dir``, None: ``STORE/cache``) or ``decode``; ``precision`` (None: bf16 on CUDA, fp32 on CPUs);
-    ``batch_size`` None: :data:`CACHE_BATCH` on the cache path, :data:`DECODE_BATCH` decoding.
+    Its settings are the groups :class:`~raystudy.settings.ModelSettings` (the model),
+    :class:`~raystudy.settings.DeviceSettings` (the feature pass's data path and precision) and
+    :class:`~raystudy.settings.ProbeSettings` (defined there once, shared with the study spec's ``probe:``
+    and ``raystudy probe``). ``weights=None`` (and not ``pretrained``) keeps the random init, seeded from
+    ``seed`` so that every worker holds the same model. ``augment``: the train split through the training
+    transforms (the authors' choice), else the eval transforms. ``local``: extract in this process, without
+    Ray. ``out_dir``: where ``probe.json`` goes (``None``: not written). ``data_path``: ``cache`` (uint8
+    rows of a cache under ``cache_dir``, None: ``STORE/cache``) or ``decode``; ``precision`` (None: bf16 on
+    CUDA, fp32 on CPUs); ``batch_size`` None: :data:`CACHE_BATCH` on the cache path, :data:`DECODE_BATCH`
+    decoding.
     """
 
-    store: str
-    model: str
-    seed: int = 0
-    weights: str | None = None
-    pretrained: bool = False
-    model_kwargs: dict = field(default_factory=dict)
-    img_size: int | None = None
-    augment: bool = True
-    batch_size: int | None = None
-    data_path: str = "cache"
-    precision: str | None = None
-    cache_dir: str | None = None
-    workers: int = 1
-    cpus_per_worker: float = 0.5
-    gpus_per_worker: float = 0.0
-    local: bool = False
-    out_dir: str | None = None
+    store: str = setting(help="prepared store (train and test splits)", metavar="STORE", flag="--store")
+    pretrained: bool = same_as(HubWeights, "pretrained")
+    local: bool = setting(False, help="extract the features in this process, without Ray")
+    out_dir: str | None = setting(None, flag="--out", metavar="DIR", help="where probe.json goes (None: not written)")
 
     def __post_init__(self) -> None:
-        self.store = str(self.store)
         self.model_kwargs = dict(self.model_kwargs or {})
-        self.out_dir = None if self.out_dir is None else str(self.out_dir)
+        if self.amp_bf16 and self.precision is None:
+            self.precision = "bf16"  # the older spelling
+        self.store, self.out_dir = absolute_path(self.store), absolute_path(self.out_dir)
+        self.weights, self.cache_dir = absolute_path(self.weights), absolute_path(self.cache_dir)
+
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field (``FileNotFoundError`` for the weights)."""

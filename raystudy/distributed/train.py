@@ -54,6 +54,7 @@ from raystudy.core.finetune import (
     write_outputs,
 )
 from raystudy.faults import injected
+from raystudy.settings import ResourceSettings, problems
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainResources:
-    """The Ray Train settings of a run (the protocol is :class:`~raystudy.core.finetune.FinetuneConfig`).
+class TrainResources(ResourceSettings):
+    """The Ray Train settings of a run (the protocol is :class:`~raystudy.core.finetune.FinetuneConfig`);
+    each setting is defined once in :class:`raystudy.settings.ResourceSettings`.
 
     ``workers`` DDP workers with ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs each share the global
     batch evenly. ``max_failures`` worker failures are recovered from the latest checkpoint. Ray Train keeps
@@ -74,29 +76,16 @@ class TrainResources:
     a thousand-run study cannot keep them); ``failed`` runs keep theirs so that a re-run resumes.
     """
 
-    workers: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
-    max_failures: int = 0
-    keep_checkpoints: int = 2
-    cleanup_checkpoints: bool = True
-
     def validate(self, cfg: FinetuneConfig | None = None) -> TrainResources:
         """Raise ``ValueError`` naming the offending field (also when ``cfg``'s global batch does not split
         evenly over the workers); returns ``self``."""
         def bad(name: str, why: str):
             raise ValueError(f"TrainResources.{name}={getattr(self, name)!r}: {why}")
 
-        if not (isinstance(self.workers, int) and self.workers >= 1):
-            bad("workers", "must be an integer >= 1")
-        if self.gpus_per_worker < 0:
-            bad("gpus_per_worker", "must be >= 0")
-        if self.cpus_per_worker <= 0:
-            bad("cpus_per_worker", "must be > 0")
+        for name, why in problems(self):
+            bad(name, why)
         if not (isinstance(self.max_failures, int) and self.max_failures >= -1):
             bad("max_failures", "must be an integer >= 0 (or -1: retry forever)")
-        if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 1):
-            bad("keep_checkpoints", "must be an integer >= 1")
         if cfg is not None and cfg.batch_size % self.workers:
             bad("workers", f"the global batch FinetuneConfig.batch_size={cfg.batch_size} must split evenly "
                            "over the workers")

@@ -4,52 +4,51 @@
   and :class:`~raystudy.distributed.train.TrainResources` (its Ray Train workers);
 * :func:`pretrain_job`: the demo's pretraining (configuration ``All`` from a random init) -> the same pair;
 * :func:`plasticity_job`: the plasticity of some of the spec's datasets ->
-  :class:`~raystudy.distributed.plasticity.PlasticityJob`.
+  :class:`~raystudy.distributed.plasticity.PlasticityJob`;
+* :func:`probe_job`: the linear probe of one dataset -> :class:`~raystudy.distributed.probe.ProbeJob`.
 
-A field with the same name in the source (the spec, one of its sections, a grid point) and in the job's
-dataclass is copied by name (:func:`by_name`): a new protocol field is one line in each dataclass and
-none here. Only the names that differ are mapped explicitly (``workers_per_trial`` -> ``workers``,
-``worker_retries`` -> ``max_failures``, a dataset name -> its store).
+Each job receives the setting groups it is made of (:mod:`raystudy.settings`): the spec *is* a
+:class:`~raystudy.settings.ModelSettings` and a :class:`~raystudy.settings.ProtocolSettings`, its
+``plasticity`` / ``probe`` sections *are* the plasticity and probe groups, and a job composes the same
+groups, so :func:`raystudy.settings.values` hands a group over whole. The only renamed settings are the
+resources (``workers_per_trial`` -> ``workers``, ``worker_retries`` -> ``max_failures``) and a dataset
+(-> its store).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
+from raystudy.core.expressions import Budgeted, normalise, resolve
+from raystudy.core.finetune import FinetuneConfig
+from raystudy.core.models import build_model
+from raystudy.io import read_result
+from raystudy.settings import (
+    DeviceSettings,
+    ModelSettings,
+    PlasticitySettings,
+    ProbeSettings,
+    ProtocolSettings,
+    ResourceSettings,
+    values,
+)
 from raystudy.study.spec import StudySpec
 
-#: the spec's fields that describe the model every job builds (and its forward precision)
-MODEL_FIELDS: tuple[str, ...] = ("model", "model_kwargs", "weights", "img_size", "amp_bf16")
-#: the spec's fields that the linear probe's feature pass follows: where its images come from, its precision
-PROBE_PASS_FIELDS: tuple[str, ...] = ("data_path", "precision", "cache_dir")
-
-
-def by_name(cls, *sources: Any) -> dict[str, Any]:
-    """The fields of dataclass ``cls`` that ``sources`` (dataclasses or mappings) hold, later sources winning.
-
-    Values are deep copies: a job never shares a list or dict with the spec it came from.
-    """
-    names = {f.name for f in dataclasses.fields(cls)}
-    out: dict[str, Any] = {}
-    for src in sources:
-        if isinstance(src, Mapping):
-            items = src.items()
-        else:
-            items = ((f.name, getattr(src, f.name)) for f in dataclasses.fields(src))
-        out.update({k: copy.deepcopy(v) for k, v in items if k in names})
-    return out
+#: the dataset-level protocol a dataset entry may override (its resolved value wins over the study's)
+PER_DATASET: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
 
 
 def train_resources(spec: StudySpec):
-    """The Ray Train resources of each of the spec's runs: ``workers_per_trial`` workers of
-    ``cpus_per_worker`` / ``gpus_per_worker``, restarted up to ``worker_retries`` times."""
-    from raystudy.distributed.train import TrainResources
+    """The Ray Train resources of each of the spec's runs: the spec's :class:`ResourceSettings`
+    (``workers_per_trial`` workers of ``cpus_per_worker`` / ``gpus_per_worker``, restarted up to
+    ``worker_retries`` times)."""
+    from raystudy.distributed.train import TrainResources  # Ray: imported by the jobs that run on it
 
-    return TrainResources(**by_name(TrainResources, spec), workers=spec.workers_per_trial,
-                          max_failures=spec.worker_retries)
+    return TrainResources(**values(ResourceSettings, spec, workers="workers_per_trial",
+                                   max_failures="worker_retries"))
 
 
 def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, plasticity=None):
@@ -63,10 +62,10 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     into the config's ``selection`` (:func:`budget_selection`); ``plasticity`` (the study's plasticity table,
     default: read from the study directory when ``auto:B`` needs it) is for tests and callers holding it.
     """
-    from raystudy.core.finetune import FinetuneConfig
-
-    fields = by_name(FinetuneConfig, spec, spec.protocol(point["dataset"]), point)
-    cfg = FinetuneConfig(**fields, store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir))
+    protocol = {**values(ProtocolSettings, spec), **values(ProtocolSettings, spec.protocol(point["dataset"]))}
+    axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
+    cfg = FinetuneConfig(**values(ModelSettings, spec), **protocol, **axes,
+                         store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir))
     cfg.selection = budget_selection(spec, cfg, point["dataset"], plasticity)
     return cfg, train_resources(spec)
 
@@ -79,8 +78,6 @@ def budget_selection(spec: StudySpec, cfg, dataset: str, plasticity=None) -> str
     for ``auto:B``, the rows of ``dataset`` and the spec's plasticity mode in ``plasticity`` (default: the
     study's ``plasticity.parquet``, measured before any trial runs).
     """
-    from raystudy.core.expressions import Budgeted, normalise, resolve
-
     tree = normalise(cfg.configuration)
     if not isinstance(tree, Budgeted):
         return None
@@ -94,8 +91,6 @@ def budget_selection(spec: StudySpec, cfg, dataset: str, plasticity=None) -> str
 def plasticity_of(spec: StudySpec, dataset: str, plasticity=None):
     """The plasticity rows of ``dataset`` in the spec's mode (``plasticity`` or the study's table);
     ``ValueError`` when there are none."""
-    from raystudy.io import read_result
-
     table = plasticity if plasticity is not None else read_result(spec.out, "plasticity", required=False)
     if table is not None:
         table = table[(table["dataset"] == dataset) & (table["mode"] == spec.plasticity.mode)]
@@ -107,10 +102,6 @@ def plasticity_of(spec: StudySpec, dataset: str, plasticity=None):
 
 def _meta_model(cfg):
     """``cfg``'s model on the meta device (shapes only; no weights are read)."""
-    import torch
-
-    from raystudy.core.models import build_model
-
     kwargs = dict(cfg.model_kwargs)
     kwargs.pop("img_size", None)
     with torch.device("meta"):
@@ -120,16 +111,17 @@ def _meta_model(cfg):
 def pretrain_job(spec: StudySpec, out_dir: str):
     """The demo's pretraining run: configuration ``All`` of the spec's model from a random init on the
     pretraining store, per ``spec.pretrain`` (steps, batch_size, lr, optimizer, warmup_steps, seed,
-    augment: copied by name); one evaluation at the end, no periodic checkpoint, the final full model saved
-    (``final_model.safetensors`` in ``out_dir``). ``(FinetuneConfig, TrainResources)``.
+    augment), the spec's model (its weights aside) and ``amp_bf16``; one evaluation at the end, no periodic
+    checkpoint, the final full model saved (``final_model.safetensors`` in ``out_dir``).
+    ``(FinetuneConfig, TrainResources)``.
     """
-    from raystudy.core.finetune import FinetuneConfig
-
-    model = {k: getattr(spec, k) for k in MODEL_FIELDS if k != "weights"}
-    fields = by_name(FinetuneConfig, model, spec.pretrain)
+    t = spec.pretrain
+    run = dict(steps=t.steps, batch_size=t.batch_size, lr=t.lr, optimizer=t.optimizer, warmup_steps=t.warmup_steps,
+               seed=t.seed, augment=t.augment)
+    model = {**values(ModelSettings, spec), "weights": None, "amp_bf16": spec.amp_bf16}
     cfg = FinetuneConfig(
-        **fields, weights=None, store=spec.pretrain_store_path(), configuration="All",
-        eval_period=spec.pretrain.steps, shuffle=True, checkpoint_period=0, save_final=True, out_dir=str(out_dir),
+        **model, **run, store=spec.pretrain_store_path(), configuration="All", eval_period=t.steps, shuffle=True,
+        checkpoint_period=0, save_final=True, out_dir=str(out_dir),
     )
     return cfg, train_resources(spec)
 
@@ -137,35 +129,31 @@ def pretrain_job(spec: StudySpec, out_dir: str):
 def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | None, out_dir: str):
     """The plasticity measurement of ``datasets`` (names among ``spec.datasets``) against the pretraining
     ``store`` (``None``: the spec's ``pretrain_store``): a
-    :class:`~raystudy.distributed.plasticity.PlasticityJob` with the spec's model and the ``plasticity``
-    section's settings (pairs, pairing, pretrain_split, radius, batch_size, mode, seed, workers, seq_len,
-    tokenizer, ...: copied by name); a text model (``hf:...``) gets no ``img_size``.
+    :class:`~raystudy.distributed.plasticity.PlasticityJob` of the spec's :class:`ModelSettings` (and
+    ``amp_bf16``) and the ``plasticity`` section's :class:`PlasticitySettings`; a text model (``hf:...``)
+    gets no ``img_size``.
     """
-    from raystudy.distributed.plasticity import PlasticityJob
+    from raystudy.distributed.plasticity import PlasticityJob  # Ray: imported by the jobs that run on it
     from raystudy.distributed.text_pairs import is_text_model
 
     names = [datasets] if isinstance(datasets, str) else list(datasets)
-    model = {k: getattr(spec, k) for k in MODEL_FIELDS}
+    model = {**values(ModelSettings, spec), "amp_bf16": spec.amp_bf16}
     if is_text_model(spec.model):
         model["img_size"] = None  # a text model's pairs are token windows (plasticity.seq_len)
-    fields = by_name(PlasticityJob, model, spec.plasticity)
     return PlasticityJob(
-        **fields, pretrain=store if store is not None else spec.pretrain_store_path(),
+        **model, **values(PlasticitySettings, spec.plasticity),
+        pretrain=store if store is not None else spec.pretrain_store_path(),
         downstream=[spec.store_path(spec.datasets[n]) for n in names], out_dir=str(out_dir),
     )
 
 
 def probe_job(spec: StudySpec, dataset: str, out_dir: str):
     """The linear probe of ``dataset`` (a name among ``spec.datasets``): a
-    :class:`~raystudy.distributed.probe.ProbeJob` with the spec's model and the ``probe`` section's
-    settings (augment, seed, batch_size, workers, ...: copied by name), written to ``out_dir/probe.json``.
-    Its feature pass follows the study's ``data_path``, ``precision`` (``amp_bf16``: bf16) and ``cache_dir``.
+    :class:`~raystudy.distributed.probe.ProbeJob` of the spec's :class:`ModelSettings`, its feature pass's
+    :class:`DeviceSettings` (the study's ``data_path``, ``precision`` (``amp_bf16``: bf16), ``cache_dir``)
+    and the ``probe`` section's :class:`ProbeSettings`, written to ``out_dir/probe.json``.
     """
-    from raystudy.distributed.probe import ProbeJob
+    from raystudy.distributed.probe import ProbeJob  # Ray: imported by the jobs that run on it
 
-    model = {k: getattr(spec, k) for k in MODEL_FIELDS}
-    feature_pass = {k: getattr(spec, k) for k in PROBE_PASS_FIELDS}
-    if spec.amp_bf16 and spec.precision is None:
-        feature_pass["precision"] = "bf16"  # the older spelling
-    fields = by_name(ProbeJob, model, feature_pass, spec.probe)
-    return ProbeJob(**fields, store=spec.store_path(spec.datasets[dataset]), out_dir=str(out_dir))
+    return ProbeJob(**values(ModelSettings, spec), **values(DeviceSettings, spec), **values(ProbeSettings, spec.probe),
+                    store=spec.store_path(spec.datasets[dataset]), out_dir=str(out_dir))

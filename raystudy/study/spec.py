@@ -50,7 +50,7 @@ import dataclasses
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -59,15 +59,25 @@ import yaml
 
 from raystudy import storage
 from raystudy.core.expressions import split_configurations
+from raystudy.core.models import resolve_img_size
+from raystudy.settings import (
+    ModelSettings,
+    PlasticitySettings,
+    ProbeSettings,
+    ProtocolSettings,
+    ResourceSettings,
+    coerce,
+    problems,
+    same_as,
+    setting,
+    warmup_of,
+)
 from raystudy.vocab import (
     BASELINES,
     COMPONENTS,
     CONFIGURATIONS,
-    DATA_PATHS,
     EXECUTIONS,
-    MODES,
     OPTIMIZERS,
-    PRECISIONS,
     SEARCHES,
     check_name,
 )
@@ -94,9 +104,10 @@ class SpecError(ValueError):
 
 
 @dataclass
-class PlasticitySpec:
-    """The plasticity measurement of every dataset against the pretraining store
-    (:class:`raystudy.distributed.plasticity.PlasticityJob`; same-named fields are copied into it).
+class PlasticitySpec(PlasticitySettings):
+    """The plasticity measurement of every dataset against the pretraining store: the settings of
+    :class:`raystudy.settings.PlasticitySettings` (defined there once, shared with
+    :class:`~raystudy.distributed.plasticity.PlasticityJob` and ``raystudy plasticity``) and ``enabled``.
 
     ``pairing``: ``random`` (seeded shuffles) or ``sequential`` (store order, the authors' way: pair ``i`` is
     the ``i``-th pretraining and ``i``-th downstream image, a side with too few rows starting over after its
@@ -109,20 +120,7 @@ class PlasticitySpec:
     :mod:`raystudy.distributed.text_pairs`.
     """
 
-    enabled: bool = True
-    pairs: int = 12800
-    batch_size: int = 256
-    mode: str = "embedding"
-    pairing: str = "random"
-    pretrain_split: str | list[str] = "test"
-    radius: float | None = None
-    seed: int = 0  # which pairs the random pairing draws
-    workers: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
-    torch_threads: int | None = None  # intra-op threads per CPU actor (None: the node's cores / workers)
-    seq_len: int | None = None  # text models: tokens per window
-    tokenizer: str | None = None  # text models: tokenizer.json (None: the model folder's)
+    enabled: bool = setting(True, help="measure the plasticity of every dataset")
 
 
 @dataclass
@@ -144,21 +142,17 @@ class PretrainSpec:
 
 
 @dataclass
-class ProbeSpec:
+class ProbeSpec(ProbeSettings):
     """The linear-probe baseline (configuration ``LP``): a logistic regression on the frozen model's
     features, fit once per dataset (not per seed, lr or configuration); see :mod:`raystudy.core.probe`.
+    The settings are :class:`raystudy.settings.ProbeSettings` (shared with ``ProbeJob`` and ``raystudy
+    probe``), plus ``enabled``.
 
     ``augment``: the training split passes once through the training transforms, as the authors do
     (``False``: the eval transforms). ``seed`` is the regression's ``random_state`` (the authors' 42).
     """
 
-    enabled: bool = False
-    augment: bool = True
-    seed: int = 42
-    batch_size: int = 256
-    workers: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
+    enabled: bool = setting(False, help="fit the linear probe of every dataset (LP rows)")
 
 
 @dataclass
@@ -196,69 +190,65 @@ class DatasetProtocol:
 
 
 @dataclass
-class StudySpec:
-    """Everything that defines a study. Fields are grouped as in the preset files."""
+class StudySpec(ModelSettings, ProtocolSettings):
+    """Everything that defines a study. The model and the finetuning protocol are the groups
+    :class:`~raystudy.settings.ModelSettings` and :class:`~raystudy.settings.ProtocolSettings` (each
+    setting, its default and help text defined there once, shared with ``FinetuneConfig`` and the
+    commands); the resources of each trial are :class:`~raystudy.settings.ResourceSettings`' (named
+    ``workers_per_trial`` and ``worker_retries`` here); the rest is the study's own. A preset file writes
+    every field at the top level, with the sections ``plasticity``, ``pretrain`` and ``probe``.
+    """
 
-    name: str = "study"
-    out: str = "results/study"
-
-    # model: a timm name (+ kwargs), its local weights file; ``weights: null`` only with pretraining
-    model: str = "vit_base_patch16_224.augreg_in21k"
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    weights: str | None = None
-    img_size: int = 224
+    name: str = setting("study", help="the study's name (a word: letters, digits, '_', '-', '.')")
+    out: str = setting("results/study", help="study directory: a local path or a pyarrow URI (s3://...)")
 
     # data: prepared stores (see raystudy.data.store); relative paths are under data_root
-    data_root: str | None = None  # None: "data", or "<out>/data" with builtin_data
-    builtin_data: bool = False  # prepare raystudy's procedural default data into data_root first
-    pretrain_store: str | None = None
-    datasets: dict[str, str] = field(default_factory=dict)  # name -> store path
+    data_root: str | None = setting(None, help='directory holding the prepared stores (None: "data", or '
+                                               '"<out>/data" with builtin_data)')
+    builtin_data: bool = setting(False, help="prepare raystudy's procedural default data into data_root first")
+    pretrain_store: str | None = setting(None, help="the pretraining store (plasticity's x side)")
+    datasets: dict[str, str] = setting(factory=dict, help="name -> store path (or an entry with overrides)")
     # name -> its protocol/grid overrides; read from and written into the `datasets` entries (never a key)
-    dataset_overrides: dict[str, DatasetOverrides] = field(default_factory=dict)
+    dataset_overrides: dict[str, DatasetOverrides] = setting(factory=dict, cli=False,
+                                                             help="per-dataset protocol overrides")
 
     # the grid
-    configurations: list[str] = field(default_factory=lambda: list(DEFAULT_CONFIGURATIONS))
-    optimizers: dict[str, list[float]] = field(default_factory=lambda: {"sgd": [1e-3, 3e-3, 1e-2, 3e-2]})
-    seeds: list[int] = field(default_factory=lambda: [0, 42, 3407])
-
-    # the finetuning protocol (raystudy.core.finetune.FinetuneConfig)
-    steps: int = 10000
-    batch_size: int = 512
-    eval_period: int = 500
-    warmup_steps: int = 2000
-    log_period: int = 10  # training curve (loss, gradient norm, lr) every log_period steps
-    micro_batch_size: int | None = None  # gradient accumulation: per-worker micro-batches of at most this
-    augment: bool = True
-    shuffle: bool = True
-    checkpoint_period: int = 1000
-    amp_bf16: bool = False  # the older spelling of precision: bf16
-    train_final_norm: bool = False
-    precision: str | None = None  # fp32 | bf16; None: bf16 on GPUs, fp32 on CPUs (recorded in every trial row)
-    data_path: str = "cache"  # cache: decode once into a uint8 cache, augment on the device; decode: every step
-    compile: bool = False  # torch.compile the training step (minutes of start-up per trial)
-    cache_dir: str | None = None  # root of the uint8 caches (None: beside each store)
+    configurations: list[str] = setting(factory=lambda: list(DEFAULT_CONFIGURATIONS),
+                                        aliases=("--configuration", "--config", "--component", "--components"),
+                                        metavar="LIST",
+                                        help="what the trials train (names or expressions); empty: plasticity only")
+    optimizers: dict[str, list[float]] = setting(factory=lambda: {"sgd": [1e-3, 3e-3, 1e-2, 3e-2]},
+                                                 help="optimizer -> its learning rates")
+    seeds: list[int] = setting(factory=lambda: [0, 42, 3407], aliases=("--seed",), metavar="LIST",
+                               help="the seeds of every run")
 
     # resources: each trial trains on `workers_per_trial` workers, where `execution` says (vocab.EXECUTIONS):
     # a Ray Train worker group per trial (train), or the trial's own reused Tune actor (actor, one worker)
-    execution: str = "auto"
-    workers_per_trial: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
-    trial_driver_cpus: float = 0.01  # execution train: the Tune trial itself only waits on its Ray Train run
-    max_concurrent_trials: int = 0  # 0: as many as the cluster's resources allow
-    trial_retries: int = 1  # Tune re-runs a trial whose driver failed (FailureConfig.max_failures)
-    worker_retries: int = 1  # Ray Train restarts dead workers from the last checkpoint
+    execution: str = setting("auto", choices=EXECUTIONS,
+                             help="where a trial trains: train (a Ray Train worker group), actor (its reused "
+                                  "Tune actor, one worker), auto (actor for one worker per trial)")
+    workers_per_trial: int = same_as(ResourceSettings, "workers", flag="--workers")
+    gpus_per_worker: float = same_as(ResourceSettings, "gpus_per_worker")
+    cpus_per_worker: float = same_as(ResourceSettings, "cpus_per_worker")
+    worker_retries: int = same_as(ResourceSettings, "max_failures", flag="--worker-retries")
+    trial_driver_cpus: float = setting(0.01, check="positive",
+                                       help="execution train: CPUs of the Tune trial that waits on its Ray Train run")
+    max_concurrent_trials: int = setting(0, check="non_negative_int", help="0: as many as the resources allow")
+    trial_retries: int = setting(1, check="non_negative_int",
+                                 help="Tune re-runs a trial whose driver failed (FailureConfig.max_failures)")
 
     # search: the full grid, or Optuna (TPE) over lr with `samples` runs per (dataset, config, optimizer, seed)
-    search: str = "grid"
-    samples: int = 4
+    search: str = setting("grid", choices=SEARCHES,
+                          help="grid: every lr of the spec; optuna: TPE over the lr range, `samples` runs per "
+                               "(dataset, configuration, optimizer, seed)")
+    samples: int = setting(4, check="positive_int", help="runs per cell with search optuna")
 
-    plasticity: PlasticitySpec = field(default_factory=PlasticitySpec)
-    pretrain: PretrainSpec = field(default_factory=PretrainSpec)
-    probe: ProbeSpec = field(default_factory=ProbeSpec)
-    analysis: bool = True
-    # experiment trackers (some of TRACKERS) every trial also logs to, through Ray Tune's callbacks
-    tracking: list[str] = field(default_factory=list)
+    plasticity: PlasticitySpec = setting(factory=PlasticitySpec, cli=False, help="the plasticity measurement")
+    pretrain: PretrainSpec = setting(factory=PretrainSpec, cli=False, help="the demo's pretraining")
+    probe: ProbeSpec = setting(factory=ProbeSpec, cli=False, help="the linear probe")
+    analysis: bool = setting(True, help="write the analysis (tables, figures, report.html) at the end")
+    tracking: list[str] = setting(factory=list, metavar="LIST",
+                                  help="experiment trackers every trial also logs to (wandb, mlflow)")
 
     # ------------------------------------------------------------------------------------------------
     # loading and overriding
@@ -340,17 +330,10 @@ class StudySpec:
             self.tracking = _split_names(self.tracking or "")
         self.optimizers = _optimizers(self.optimizers, "optimizers")
         self.seeds = [_to_int(s, "seeds") for s in self.seeds]
-        for name in ("steps", "batch_size", "eval_period", "warmup_steps", "log_period", "checkpoint_period",
-                     "img_size", "workers_per_trial", "max_concurrent_trials", "trial_retries", "worker_retries",
-                     "samples"):
-            setattr(self, name, _to_int(getattr(self, name), name))
-        if self.micro_batch_size is not None:
-            self.micro_batch_size = _to_int(self.micro_batch_size, "micro_batch_size")
-        for name in ("gpus_per_worker", "cpus_per_worker", "trial_driver_cpus"):
-            setattr(self, name, _to_float(getattr(self, name), name))
-        self.pretrain.lr = _to_float(self.pretrain.lr, "pretrain.lr")
-        if self.plasticity.radius is not None:
-            self.plasticity.radius = _to_float(self.plasticity.radius, "plasticity.radius")
+        for section in (self, self.plasticity, self.probe, self.pretrain):
+            coerce(section, prefix="" if section is self else f"{_section_name(self, section)}.", error=SpecError)
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)
         self._normalize_datasets()
         self.model_kwargs = dict(self.model_kwargs or {})
 
@@ -422,7 +405,7 @@ class StudySpec:
         pretraining create them).
         """
         for check in (self._check_names, self._check_grid, self._check_datasets, self._check_protocol,
-                      self._check_dataset_overrides, self._check_resources, self._check_search,
+                      self._check_dataset_overrides, self._check_resources,
                       self._check_tracking, self._check_plasticity, self._check_pretrain, self._check_probe):
             check()
         if check_files:
@@ -437,7 +420,6 @@ class StudySpec:
             raise SpecError("model: a timm model name is required")
         if not isinstance(self.model_kwargs, dict):
             raise SpecError("model_kwargs: expected a mapping")
-        _positive(self.img_size, "img_size")
 
     def _check_configurations(self) -> None:
         """Each configuration parses (a name, a union, a depth range, a budget or LoRA: the error points at
@@ -485,19 +467,15 @@ class StudySpec:
                 )
 
     def _check_protocol(self) -> None:
-        for name in ("steps", "batch_size", "eval_period", "log_period", "checkpoint_period"):
-            _positive(getattr(self, name), name)
-        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
+        """The model's and the protocol's settings against their definitions (:mod:`raystudy.settings`),
+        then what relates them: the warmup ends before the run, ``amp_bf16`` agrees with ``precision``."""
+        for group in (ModelSettings, ProtocolSettings):
+            for name, why in problems(self, group):
+                raise SpecError(f"{name}: {getattr(self, name)!r} {why}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise SpecError(f"warmup_steps: {self.warmup_steps} must lie in [0, steps={self.steps})")
-        if self.micro_batch_size is not None:
-            _positive(self.micro_batch_size, "micro_batch_size")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise SpecError(f"precision: unknown value {self.precision!r}; expected one of {list(PRECISIONS)} "
-                            "(or null: bf16 on GPUs, fp32 on CPUs)")
         if self.amp_bf16 and self.precision not in (None, "bf16"):
             raise SpecError(f"amp_bf16: true contradicts precision: {self.precision}")
-        if self.data_path not in DATA_PATHS:
-            raise SpecError(f"data_path: unknown value {self.data_path!r}; expected one of {list(DATA_PATHS)}")
 
     def _check_dataset_overrides(self) -> None:
         """Each dataset's overrides, named ``datasets.<name>.<field>``; the resolved warmup lies before the
@@ -524,20 +502,19 @@ class StudySpec:
                 _check_seeds(o.seeds, f"{where}.seeds")
 
     def _check_resources(self) -> None:
-        _positive(self.workers_per_trial, "workers_per_trial")
-        _choice(self.execution, EXECUTIONS, "execution")
+        """The study's own settings (resources, search) against their definitions, then ``execution``
+        against the workers; ``worker_retries`` >= 0 here (a run alone may say -1: retry forever)."""
+        own = [f.name for f in dataclasses.fields(StudySpec)
+               if not any(f.name in {g.name for g in dataclasses.fields(group)}
+                          for group in (ModelSettings, ProtocolSettings))]
+        for name, why in problems(self):
+            if name in own:
+                raise SpecError(f"{name}: {getattr(self, name)!r} {why}")
+        if not (isinstance(self.worker_retries, int) and self.worker_retries >= 0):
+            raise SpecError(f"worker_retries: {self.worker_retries!r} must be an integer >= 0")
         if self.execution == "actor" and self.workers_per_trial != 1:
             raise SpecError(f"execution: actor trains one worker per trial, not workers_per_trial="
                             f"{self.workers_per_trial} (use execution: train or auto)")
-        if self.gpus_per_worker < 0 or self.cpus_per_worker < 0 or self.trial_driver_cpus <= 0:
-            raise SpecError(
-                "gpus_per_worker / cpus_per_worker must be >= 0 and trial_driver_cpus > 0 "
-                f"(got {self.gpus_per_worker}, {self.cpus_per_worker}, {self.trial_driver_cpus})"
-            )
-        if self.max_concurrent_trials < 0:
-            raise SpecError(f"max_concurrent_trials: {self.max_concurrent_trials} must be >= 0 (0 = no limit)")
-        if self.trial_retries < 0 or self.worker_retries < 0:
-            raise SpecError("trial_retries / worker_retries must be >= 0")
 
     @property
     def trial_execution(self) -> str:
@@ -546,10 +523,6 @@ class StudySpec:
         if self.execution != "auto":
             return self.execution
         return "actor" if self.workers_per_trial == 1 else "train"
-
-    def _check_search(self) -> None:
-        _choice(self.search, SEARCHES, "search")
-        _positive(self.samples, "samples")
 
     def _check_tracking(self) -> None:
         if not isinstance(self.tracking, list):
@@ -562,20 +535,14 @@ class StudySpec:
         p = self.plasticity
         if not p.enabled:
             return
-        from raystudy.distributed.pairing import PAIRINGS, check_pretrain_split
+        from raystudy.distributed.pairing import check_pretrain_split
 
-        _choice(p.mode, MODES, "plasticity.mode")
-        _choice(p.pairing, PAIRINGS, "plasticity.pairing")
+        for name, why in problems(p, PlasticitySettings):
+            raise SpecError(f"plasticity.{name}: {getattr(p, name)!r} {why}")
         try:
             check_pretrain_split(p.pretrain_split, "plasticity.pretrain_split")
         except ValueError as e:
             raise SpecError(str(e)) from None
-        for name in ("pairs", "batch_size", "workers"):
-            _positive(getattr(p, name), f"plasticity.{name}")
-        if p.radius is not None and not (math.isfinite(p.radius) and p.radius > 0):
-            raise SpecError(f"plasticity.radius: {p.radius!r} must be a positive number (or null: measured)")
-        if p.seq_len is not None:
-            _positive(p.seq_len, "plasticity.seq_len")
         if self.model.startswith("hf:") and p.seq_len is None:
             raise SpecError(f"plasticity.seq_len: the text model {self.model} needs tokens per window")
         if self.pretrain_store is None and not self.builtin_data:
@@ -599,12 +566,9 @@ class StudySpec:
             raise SpecError("pretrain_store: pretraining needs a pretraining store")
 
     def _check_probe(self) -> None:
-        q = self.probe
-        if q.enabled:
-            for name in ("batch_size", "workers"):
-                _positive(getattr(q, name), f"probe.{name}")
-            if not isinstance(q.seed, int) or isinstance(q.seed, bool) or q.seed < 0:
-                raise SpecError(f"probe.seed: {q.seed!r} must be a non-negative integer")
+        if self.probe.enabled:
+            for name, why in problems(self.probe, ProbeSettings):
+                raise SpecError(f"probe.{name}: {getattr(self.probe, name)!r} {why}")
 
     def check_files(self, *, weights: bool | None = None) -> None:
         """Every store and the weights file exist. ``weights=None`` checks the weights file unless
@@ -672,11 +636,23 @@ class StudySpec:
         """The datasets the linear probe runs on: every dataset once, when the probe is enabled."""
         return list(self.datasets) if self.probe.enabled else []
 
-    #: fields whose change alters what a finished trial means; a study directory keeps its values
+    #: fields whose change alters what a finished trial means; a study directory keeps its values (compared
+    #: as resolved: :meth:`trial_value`)
     TRIAL_FIELDS: ClassVar[tuple[str, ...]] = (
         "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
-        "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search",
+        "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search", "momentum", "betas",
+        "weight_decay", "clip_norm", "head_init", "include_layerscale",
     )
+
+    def trial_value(self, name: str) -> Any:
+        """Field ``name`` as a trial uses it: ``img_size`` and ``warmup_steps`` with their None resolved
+        (the model's size; 20% of ``steps``), so that a spec spelling the default and one leaving it out agree."""
+        if name == "img_size":
+            return resolve_img_size(self.model, self.model_kwargs, self.img_size)
+        if name == "warmup_steps":
+            return warmup_of(self.steps, self.warmup_steps)
+        value = getattr(self, name)
+        return tuple(value) if name == "betas" else value
     #: plasticity fields whose change alters which pairs (or bounds) a measured dataset's rows mean; with
     #: ``sequential`` pairing ``batch_size`` too (where a short side starts over)
     PLASTICITY_FIELDS: ClassVar[tuple[str, ...]] = ("pairing", "pairs", "mode", "seed", "pretrain_split", "radius",
@@ -691,7 +667,7 @@ class StudySpec:
         pairing when both specs measure plasticity (:attr:`PLASTICITY_FIELDS`)."""
         out = []
         for name in self.TRIAL_FIELDS:
-            a, b = getattr(self, name), getattr(stored, name)
+            a, b = self.trial_value(name), stored.trial_value(name)
             if a != b:
                 out.append(f"{name}: stored {b!r}, given {a!r}")
         for name, path in self.datasets.items():
@@ -786,6 +762,10 @@ def _sub(cls, value, where):
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {unknown} (known: {sorted(known)})")
     return cls(**value)
+
+
+def _section_name(spec: StudySpec, section: Any) -> str:
+    return next(name for name in StudySpec.SECTIONS if getattr(spec, name) is section)
 
 
 def _dataset_entry(store: str, overrides: dict[str, Any] | None) -> str | dict[str, Any]:

@@ -10,18 +10,27 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from raystudy.core.expressions import Budgeted, Combination, ExpressionError, parse
-from raystudy.vocab import OPTIMIZERS
+from raystudy.core.models import resolve_img_size
+from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-exported by raystudy.core.finetune
+    HEAD_INITS,  # noqa: F401
+    WARMUP_FRACTION,  # noqa: F401  (re-exported by raystudy.core.finetune)
+    HubWeights,
+    ModelSettings,
+    ProtocolSettings,
+    RunSettings,
+    problems,
+    warmup_of,
+)
+from raystudy.storage import absolute_path
+from raystudy.vocab import DATA_PATHS, OPTIMIZERS, PRECISIONS  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-#: Fraction of the run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
-WARMUP_FRACTION = 0.2
-HEAD_INITS = ("trunc_normal", "zero")
 #: Keys of older ``config.json`` files and their names now.
 RENAMED_KEYS = {"component": "configuration"}
 #: Keys of older ``config.json`` files that are no longer protocol settings: Ray Train's resources (now
@@ -29,11 +38,6 @@ RENAMED_KEYS = {"component": "configuration"}
 #: :mod:`raystudy.faults`). :meth:`FinetuneConfig.from_dict` ignores them.
 MOVED_KEYS = ("workers", "gpus_per_worker", "cpus_per_worker", "max_failures", "keep_checkpoints",
               "cleanup_checkpoints", "fail_after_step")
-#: Forward/backward precision: fp32 (the paper's; true fp32 matmuls) or bf16 autocast with fp32 master weights.
-PRECISIONS = ("fp32", "bf16")
-#: Where training images come from: the uint8 cache (decoded once) or JPEG/PNG decoding at every step
-#: (a text store has one data path whatever this says: :mod:`raystudy.core.finetune.text`).
-DATA_PATHS = ("cache", "decode")
 #: Values of fields that older ``config.json`` files lack: the settings of the only behaviour they knew.
 LEGACY_DEFAULTS = {"data_path": "decode"}
 #: Fields a checkpoint must agree on to be resumed (others, e.g. eval_period or the workers, may change).
@@ -41,21 +45,28 @@ RESUME_KEYS = ("model", "configuration", "selection", "optimizer", "lr", "seed",
                "img_size", "augment", "shuffle", "train_final_norm", "include_layerscale", "momentum", "betas",
                "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init", "data_path", "precision",
                "seq_len", "tokenizer")
-_POSITIVE_INTS = ("steps", "batch_size", "eval_period", "log_period", "eval_batch_size", "img_size")
+#: Path settings made absolute where a config is built (Ray workers do not run in the caller's directory).
+PATH_FIELDS = ("store", "out_dir", "weights", "cache_dir", "tokenizer")
 
 
 @dataclass
-class FinetuneConfig:
-    """One finetuning run. Defaults are the paper's protocol (ViT-B/16 at 224 px, SGD, 10,000 steps).
+class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
+    """One finetuning run: the model (:class:`~raystudy.settings.ModelSettings`), the protocol
+    (:class:`~raystudy.settings.ProtocolSettings`: steps, batch, schedule, precision, data path, ...; each
+    setting's default and help text are defined there once) and the run's own settings
+    (:class:`~raystudy.settings.RunSettings`: store, configuration, optimizer, lr, seed, out_dir, ...).
+    Defaults are the paper's protocol (ViT-B/16 at 224 px, SGD, 10,000 steps).
 
     ``batch_size`` is the *global* batch (all workers together); each worker processes its share in
     micro-batches of at most ``micro_batch_size`` (None: the whole share at once). ``model`` is a timm name;
     ``model_kwargs`` go to ``timm.create_model`` (e.g. a tiny ViT: ``dict(img_size=32, patch_size=8,
-    embed_dim=48, depth=3, num_heads=4)``); an ``img_size`` in them must equal ``img_size``. ``weights`` is a
-    local file (see :func:`raystudy.core.models.load_weights`), ``pretrained=True`` downloads timm's weights
-    instead (needs internet); with neither the backbone is random (tests). ``num_classes`` None takes the
-    store's. ``warmup_steps`` None is 20% of ``steps``; ``checkpoint_period`` None equals ``eval_period``;
-    ``0`` disables periodic checkpoints.
+    embed_dim=48, depth=3, num_heads=4)``); an ``img_size`` in them must equal ``img_size`` (``None``: the
+    model's own, resolved on construction). ``weights`` is a local file (see
+    :func:`raystudy.core.models.load_weights`), ``pretrained=True`` downloads timm's weights instead (needs
+    internet); with neither the backbone is random (tests). ``num_classes`` None takes the store's.
+    ``warmup_steps`` None is 20% of ``steps``; ``checkpoint_period`` None equals ``eval_period``; ``0``
+    disables periodic checkpoints. Paths (``store``, ``out_dir``, ``weights``, ``cache_dir``,
+    ``tokenizer``) are made absolute on construction: Ray workers run in another directory.
 
     Speed settings: ``precision`` None picks bf16 on CUDA and fp32 elsewhere (``amp_bf16=True``, the older
     spelling, means ``precision="bf16"``); ``compile`` wraps the training forward/backward in
@@ -78,46 +89,6 @@ class FinetuneConfig:
     ``augment`` and ``data_path`` do not apply to text.
     """
 
-    model: str = "vit_base_patch16_224"
-    store: str = ""
-    configuration: str = "MHA"
-    selection: str | None = None  # auto:/random: only: the units they were resolved to (see the docstring)
-    optimizer: str = "sgd"
-    lr: float = 1e-2
-    seed: int = 0
-    steps: int = 10_000
-    batch_size: int = 512
-    eval_period: int = 500
-    warmup_steps: int | None = None
-    img_size: int = 224
-    out_dir: str = "finetune_run"
-    weights: str | None = None
-    pretrained: bool = False
-    num_classes: int | None = None
-    amp_bf16: bool = False  # the older spelling of precision="bf16"
-    precision: str | None = None  # "fp32" | "bf16"; None: bf16 on CUDA, fp32 elsewhere
-    compile: bool = False  # torch.compile the training model (slow start; off by default)
-    data_path: str = "cache"  # "cache" | "decode"
-    cache_dir: str | None = None  # root of the uint8 caches (None: STORE/cache)
-    train_final_norm: bool = False
-    augment: bool = True
-    shuffle: bool = True
-    checkpoint_period: int | None = None
-    model_kwargs: dict = field(default_factory=dict)
-    micro_batch_size: int | None = None
-    log_period: int = 10
-    momentum: float = 0.9
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    clip_norm: float | None = 1.0
-    head_init: str = "trunc_normal"  # or "zero" (the original ViT finetuning recipe)
-    include_layerscale: bool = False
-    eval_batch_size: int = 256
-    eval_cache_mb: int = 512  # decoded val/test tensors are cached per worker up to this size
-    loader_workers: int = 0  # torch DataLoader processes decoding train batches ahead (0: in the loop)
-    save_final: bool = False  # also write the final full model to out_dir/final_model.safetensors
-    seq_len: int | None = None  # text: tokens per text (None: the store's longest, capped at the model's)
-    tokenizer: str | None = None  # text: tokenizer.json (None: the model folder's)
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -125,6 +96,10 @@ class FinetuneConfig:
         self.model_kwargs = dict(self.model_kwargs or {})
         if self.amp_bf16 and self.precision is None:
             self.precision = "bf16"
+        for name in PATH_FIELDS:
+            setattr(self, name, absolute_path(getattr(self, name)))
+        if self.img_size is None:
+            self.img_size = resolve_img_size(self.model, self.model_kwargs)
 
     def validate(self) -> FinetuneConfig:
         """Raise ``ValueError`` naming the first offending field; returns ``self``."""
@@ -158,48 +133,28 @@ class FinetuneConfig:
             yield "selection", "expected a combination of units such as MHA@10-11+FC1@11"
 
     def _problems(self) -> Iterator[tuple[str, str]]:
+        """The settings' own checks (:func:`raystudy.settings.problems`), then what relates fields."""
         yield from self._configuration_problems()
-        if self.optimizer not in OPTIMIZERS:
-            yield "optimizer", f"expected one of {list(OPTIMIZERS)}"
-        if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
-            yield "lr", "must be a positive finite number"
-        for name in _POSITIVE_INTS:
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                yield name, "must be an integer >= 1"
-        if not isinstance(self.seed, int) or self.seed < 0:
-            yield "seed", "must be a non-negative integer"
+        yield from problems(self)
         if self.seq_len is not None and not (isinstance(self.seq_len, int) and self.seq_len >= 2):
             yield "seq_len", "must be None or an integer >= 2"
-        if self.micro_batch_size is not None and not (isinstance(self.micro_batch_size, int)
-                                                      and self.micro_batch_size >= 1):
-            yield "micro_batch_size", "must be None or an integer >= 1"
         if self.warmup_steps is not None and not (0 <= self.warmup_steps <= self.steps):
             yield "warmup_steps", f"must be None or in [0, steps={self.steps}]"
-        if self.checkpoint_period is not None and self.checkpoint_period < 0:
-            yield "checkpoint_period", "must be None, 0 (off) or positive"
-        if self.clip_norm is not None and self.clip_norm <= 0:
-            yield "clip_norm", "must be positive (or None for no clipping)"
-        if self.head_init not in HEAD_INITS:
-            yield "head_init", f"expected one of {list(HEAD_INITS)}"
         if self.weights is not None and self.pretrained:
             yield "weights", "pass either weights=FILE or pretrained=True, not both"
-        if self.model_kwargs.get("img_size", self.img_size) != self.img_size:
+        if self.img_size is not None and self.model_kwargs.get("img_size", self.img_size) != self.img_size:
             yield "img_size", f"differs from model_kwargs['img_size']={self.model_kwargs['img_size']}; set both alike"
         if "num_classes" in self.model_kwargs:
             yield "model_kwargs", "num_classes belongs in FinetuneConfig.num_classes (None: from the store)"
-        if self.precision is not None and self.precision not in PRECISIONS:
-            yield "precision", f"expected one of {list(PRECISIONS)} (or None: bf16 on CUDA, fp32 elsewhere)"
         if self.amp_bf16 and self.precision != "bf16":
             yield "amp_bf16", f"contradicts precision={self.precision!r}"
-        if self.data_path not in DATA_PATHS:
-            yield "data_path", f"expected one of {list(DATA_PATHS)}"
         if not self.store:
             yield "store", "a prepared store directory is required"
 
     @property
     def warmup(self) -> int:
         """Warmup steps actually used: ``warmup_steps`` or ``round(0.2 * steps)``."""
-        return self.warmup_steps if self.warmup_steps is not None else int(round(WARMUP_FRACTION * self.steps))
+        return warmup_of(self.steps, self.warmup_steps)
 
     def resolved_precision(self, device: torch.device | str) -> str:
         """``precision``, or bf16 on a CUDA ``device`` and fp32 elsewhere."""

@@ -1,0 +1,439 @@
+"""Every setting of raystudy, defined once: its type, default, help text and check, in typed groups.
+
+A *group* is a dataclass of settings that travel together (the model, the finetuning protocol, the
+resources of a run, the plasticity measurement, the linear probe). Each consumer composes the groups it
+uses instead of restating their fields, so a default, a help text and a check exist in one place:
+
+=====================  ===================================================================================
+group                  composed by
+=====================  ===================================================================================
+:class:`ModelSettings`     ``FinetuneConfig``, ``StudySpec``, ``PlasticityJob``, ``ProbeJob``; every command's
+                           model flags
+:class:`DeviceSettings`    (inside :class:`ProtocolSettings`) and ``ProbeJob``: precision and where images
+                           come from
+:class:`ProtocolSettings`  ``FinetuneConfig`` and ``StudySpec`` (``raystudy finetune`` / ``raystudy study``)
+:class:`ResourceSettings`  ``TrainResources`` and ``StudySpec`` (as ``workers_per_trial``, ``worker_retries``)
+:class:`PlasticitySettings`  ``PlasticitySpec`` (the spec's ``plasticity:``), ``PlasticityJob``,
+                           ``raystudy plasticity``
+:class:`ProbeSettings`     ``ProbeSpec`` (the spec's ``probe:``), ``ProbeJob``, ``raystudy probe``
+=====================  ===================================================================================
+
+A field is declared with :func:`setting` (its help text and check ride in the field's metadata); a
+consumer that names a group's setting differently declares it with :func:`same_as`, which copies the
+definition. Command-line flags are generated from the same fields (:func:`add_flags`), and a job takes a
+group's values from its source with :func:`values`. This module imports neither torch nor Ray: the CLI's
+``--help`` and the study spec use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import typing
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import MISSING, dataclass
+from typing import Any
+
+from raystudy.vocab import DATA_PATHS, MODES, OPTIMIZERS, PAIRINGS, PRECISIONS
+
+#: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's) or zeros (the original
+#: ViT finetuning recipe).
+HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero")
+#: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
+DEFAULT_MODEL = "vit_base_patch16_224.augreg_in21k"
+#: Fraction of a run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
+WARMUP_FRACTION = 0.2
+
+
+def warmup_of(steps: int, warmup_steps: int | None) -> int:
+    """Warmup steps a run uses: ``warmup_steps``, or ``round(WARMUP_FRACTION * steps)`` when it is None."""
+    return warmup_steps if warmup_steps is not None else int(round(WARMUP_FRACTION * steps))
+
+
+# --------------------------------------------------------------------------------------------------
+# Declaring a setting
+# --------------------------------------------------------------------------------------------------
+
+
+def setting(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None,
+            choices: tuple | None = None, check: str | None = None, flag: str | None = None,
+            aliases: tuple[str, ...] = (), metavar: str | None = None, cli: bool = True) -> Any:
+    """A dataclass field with its definition: ``default`` (or ``factory`` for a mutable one), ``help``
+    (one sentence, shown by every flag made from it), ``choices``, ``check`` (one of :data:`CHECKS`),
+    the flag's name (default ``--field-name``), its ``aliases`` and ``metavar``; ``cli=False`` keeps it off
+    the command line."""
+    meta = {"help": help, "choices": choices, "check": check, "flag": flag, "aliases": tuple(aliases),
+            "metavar": metavar, "cli": cli}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def same_as(group: type, name: str, **changes: Any) -> Any:
+    """A field defined by ``group``'s field ``name`` (default, help text, check), for a consumer that names
+    the setting differently (``StudySpec.workers_per_trial`` is :class:`ResourceSettings`' ``workers``);
+    ``changes`` override metadata such as ``flag``."""
+    f = _field(group, name)
+    meta = {**f.metadata, **changes, "origin": (group.__name__, name)}
+    if f.default_factory is not MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=meta)
+    return dataclasses.field(default=f.default, metadata=meta)
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f
+    raise KeyError(f"{cls.__name__} has no setting {name!r}")
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default value of setting ``name`` of dataclass ``cls`` (a fresh copy for a mutable one)."""
+    f = _field(cls, name)
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def origin_of(cls: type, name: str) -> tuple[str, str]:
+    """``(group, field)`` that defines ``cls``'s field ``name``: the group that declared it with
+    :func:`setting` (found along the class's bases) or the one :func:`same_as` copied it from."""
+    f = _field(cls, name)
+    if "origin" in f.metadata:
+        return f.metadata["origin"]
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base) and name in getattr(base, "__annotations__", {}):
+            return base.__name__, name
+    return cls.__name__, name
+
+
+def values(group: type, source: Any, **renamed: str) -> dict[str, Any]:
+    """The values of ``group``'s settings held by ``source`` (an object composing the group, or a mapping),
+    deep-copied; ``renamed`` maps a group field to the source's name for it (``workers="workers_per_trial"``)."""
+    get = source.get if isinstance(source, dict) else (lambda k, d=None: getattr(source, k, d))
+    out = {}
+    for f in dataclasses.fields(group):
+        key = renamed.get(f.name, f.name)
+        value = get(key, MISSING)
+        if value is not MISSING:
+            out[f.name] = copy.deepcopy(value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Checking a group's values
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: check name -> (holds, what it requires)
+CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "positive_int": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
+    "optional_positive_int": (lambda v: v is None or (_is_int(v) and v >= 1), "must be None or an integer >= 1"),
+    "non_negative_int": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
+    "optional_non_negative_int": (lambda v: v is None or (_is_int(v) and v >= 0),
+                                  "must be None or an integer >= 0"),
+    "non_negative": (lambda v: _is_number(v) and v >= 0, "must be a number >= 0"),
+    "positive": (lambda v: _is_number(v) and v > 0, "must be a positive number"),
+    "optional_positive": (lambda v: v is None or (_is_number(v) and v > 0), "must be None or a positive number"),
+}
+
+
+def problems(obj: Any, group: type | None = None) -> Iterator[tuple[str, str]]:
+    """``(field, why)`` for every setting of ``obj`` (of ``group``'s fields only, if given) whose value
+    fails its definition's ``choices`` or ``check``."""
+    for f in dataclasses.fields(group or obj):
+        value = getattr(obj, f.name)
+        choices, check = f.metadata.get("choices"), f.metadata.get("check")
+        if choices is not None and value is not None and value not in choices:
+            yield f.name, f"expected one of {list(choices)}"
+        elif check is not None and not CHECKS[check][0](value):
+            yield f.name, CHECKS[check][1]
+
+
+def _to_number(value: Any, kind: type, name: str, error: type[Exception]) -> Any:
+    if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+        raise error(f"{name}: {value!r} is not {'an integer' if kind is int else 'a number'}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise error(f"{name}: {value!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+
+def coerce(obj: Any, *, prefix: str = "", error: type[Exception] = ValueError) -> None:
+    """Give every ``int`` / ``float`` setting of dataclass ``obj`` its type, as its annotation says (YAML
+    reads ``1e-3`` as a string, ``2.0`` where an int belongs); ``None`` stays where the type allows it.
+    ``error(f"{prefix}{field}: ...")`` names the first value that is no number."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        kind, value = _base_type(hints[f.name]), getattr(obj, f.name)
+        if kind in (int, float) and not (value is None and type(None) in typing.get_args(hints[f.name])):
+            setattr(obj, f.name, _to_number(value, kind, prefix + f.name, error))
+
+
+# --------------------------------------------------------------------------------------------------
+# Command-line flags from the same definitions
+# --------------------------------------------------------------------------------------------------
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _base_type(hint: Any) -> Any:
+    """``int | None`` -> ``int``; other hints unchanged."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args and type(None) in typing.get_args(hint) and len(args) == 1 else hint
+
+
+def _fmt_default(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_flags(parser, cls: type, names: Iterable[str] | None = None, *, unset: bool = False,
+              help: dict[str, str] | None = None, dest: dict[str, str] | None = None,
+              required: Iterable[str] = (), types: dict[str, Callable[[str], Any]] | None = None) -> list[str]:
+    """Add one flag per setting of ``cls`` (``names``: those only, in that order) to ``parser`` (or an
+    argument group); returns the destinations added.
+
+    Type, choices, help text and default come from the field's definition; the help ends with the
+    default, shown once. A ``bool`` setting that defaults to False is a switch (``--compile``), one that
+    defaults to True a ``--no-...`` switch (``--no-augment``); a mapping reads a JSON object. ``unset``:
+    flags default to None (not given: keep what a preset says; the help still shows the definition's
+    default). ``help`` adds a command-specific sentence to a field's help; ``dest`` renames destinations;
+    ``required`` fields have no default; ``types`` replaces a field's parser (e.g. an expression check).
+    """
+    hints = typing.get_type_hints(cls)
+    declared = {f.name: f for f in dataclasses.fields(cls)}
+    added = []
+    for name in (names if names is not None else [n for n, f in declared.items() if f.metadata.get("cli", True)]):
+        f = declared[name]
+        default = default_of(cls, name)
+        kwargs = _flag_kwargs(f, _base_type(hints[name]), default, unset)
+        text = "; ".join(t for t in (f.metadata.get("help", ""), (help or {}).get(name, "")) if t)
+        if name in required:
+            kwargs.update(required=True, default=None)
+        elif kwargs.get("action") == "store_false":
+            text = f"turn off: {text}"
+        elif default is not None and kwargs.get("action") != "store_true":
+            text = f"{text} (default: {_fmt_default(default)})"
+        if name in (types or {}):
+            kwargs["type"] = types[name]
+        kwargs["help"] = text.replace("%", "%%")
+        kwargs["dest"] = (dest or {}).get(name, name)
+        flags = [flag_of(f), *f.metadata.get("aliases", ())]
+        if kwargs.get("action") == "store_false":
+            flags = ["--no-" + name.replace("_", "-")]
+        parser.add_argument(*flags, **kwargs)
+        added.append(kwargs["dest"])
+    return added
+
+
+def _flag_kwargs(f: dataclasses.Field, kind: Any, default: Any, unset: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"default": None if unset else default}
+    if kind is bool:
+        kwargs["action"] = "store_false" if default else "store_true"
+        if unset:
+            kwargs["default"] = None
+        return kwargs
+    if f.metadata.get("choices"):
+        kwargs["choices"] = f.metadata["choices"]
+    if f.metadata.get("metavar"):
+        kwargs["metavar"] = f.metadata["metavar"]
+    origin = typing.get_origin(kind) or kind
+    if origin is dict:
+        kwargs["type"] = _json_object
+        kwargs.setdefault("metavar", "JSON")
+    elif kind in (int, float):
+        kwargs["type"] = kind
+    return kwargs
+
+
+def from_args(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
+    """``cls`` built from the parsed flags that name its fields (others keep their defaults) and
+    ``extra``; a flag left unset (None) where the field's default is not None keeps the default."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            if value is None and default_of(cls, f.name) is not None:
+                continue
+            kwargs[f.name] = value
+    return cls(**{**kwargs, **extra})
+
+
+# --------------------------------------------------------------------------------------------------
+# The groups
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelSettings:
+    """The model every job builds: a timm name (or ``hf:DIR``, a Hugging Face text model), its
+    ``timm.create_model`` arguments, its local weights and its input resolution."""
+
+    model: str = setting(DEFAULT_MODEL, help="timm model name, or hf:DIR for a Hugging Face text model")
+    model_kwargs: dict = setting(factory=dict, help='extra timm.create_model arguments, e.g. {"depth": 3}')
+    weights: str | None = setting(None, help="local weights file (.safetensors or a PyTorch state dict)",
+                                  metavar="FILE")
+    img_size: int | None = setting(None, check="optional_positive_int",
+                                   help="input resolution; None: the model's (model_kwargs' img_size, else "
+                                        "the timm model's own; no size for a text model)")
+
+
+@dataclass
+class HubWeights:
+    """timm's pretrained weights instead of a local file (a hub download: needs internet)."""
+
+    pretrained: bool = setting(False, help="download timm's pretrained weights (needs internet)")
+
+
+@dataclass
+class DeviceSettings:
+    """How a model runs on its device and where its images come from."""
+
+    precision: str | None = setting(None, choices=PRECISIONS,
+                                    help="bf16: autocast with fp32 master weights; fp32: the paper's; "
+                                         "None: bf16 on GPUs, fp32 on CPUs")
+    amp_bf16: bool = setting(False, cli=False, help="the older spelling of precision: bf16")
+    data_path: str = setting("cache", choices=DATA_PATHS,
+                             help="cache: decode each image once into a uint8 cache and augment on the device; "
+                                  "decode: decode and augment every image on the CPU at every step")
+    cache_dir: str | None = setting(None, help="root of the uint8 caches (None: beside each store)")
+
+
+@dataclass
+class ProtocolSettings(DeviceSettings):
+    """The finetuning protocol (the paper's, Appendix D): what every run of a study shares."""
+
+    steps: int = setting(10_000, check="positive_int", help="optimizer steps of a run")
+    batch_size: int = setting(512, check="positive_int", help="global batch over all workers")
+    eval_period: int = setting(500, check="positive_int", help="evaluate on val every this many steps")
+    warmup_steps: int | None = setting(None, check="optional_non_negative_int",
+                                       help="linear warmup steps; None: 20% of steps (the paper's 2000/10000)")
+    log_period: int = setting(10, check="positive_int", help="training curve (loss, grad norm, lr) every N steps")
+    micro_batch_size: int | None = setting(None, check="optional_positive_int",
+                                           help="per-worker micro-batch (gradient accumulation); None: the "
+                                                "whole share at once")
+    augment: bool = setting(True, help="random-resized crop and flip on the train split")
+    shuffle: bool = setting(True, help="a new seeded order of the train rows every epoch (else store order)")
+    checkpoint_period: int | None = setting(None, check="optional_non_negative_int",
+                                            help="checkpoint every N steps; None: every eval_period; 0: off")
+    train_final_norm: bool = setting(False, help="also train the norm after the last block")
+    compile: bool = setting(False, help="torch.compile the training step (minutes of start-up)")
+    momentum: float = setting(0.9, check="non_negative", help="SGD momentum (no Nesterov)")
+    betas: tuple[float, float] = setting((0.9, 0.999), cli=False, help="AdamW betas")
+    weight_decay: float = setting(0.0, check="non_negative", help="weight decay of SGD and AdamW")
+    clip_norm: float | None = setting(1.0, check="optional_positive",
+                                      help="gradient clipping at this global norm (None: no clipping)")
+    head_init: str = setting("trunc_normal", choices=HEAD_INITS, help="initialisation of the new head")
+    include_layerscale: bool = setting(False, help="train a component's LayerScale with it")
+    eval_batch_size: int = setting(256, check="positive_int", help="images per evaluation forward pass")
+    eval_cache_mb: int = setting(512, check="non_negative_int",
+                                 help="val/test data kept resident per worker up to this size")
+    loader_workers: int = setting(0, check="non_negative_int", help="DataLoader processes per worker (decode path)")
+
+
+@dataclass
+class ResourceSettings:
+    """Where and on how many workers one finetuning run executes (Ray Train's view of it)."""
+
+    workers: int = setting(1, check="positive_int", help="DDP workers of a run (they split the global batch)")
+    gpus_per_worker: float = setting(0.0, check="non_negative", help="GPUs per worker (0: CPU)")
+    cpus_per_worker: float = setting(1.0, check="positive", help="logical CPUs per worker")
+    max_failures: int = setting(1, help="worker failures a run recovers from its last checkpoint (-1: forever)")
+    keep_checkpoints: int = setting(2, check="positive_int", help="latest checkpoints kept while a run lives")
+    cleanup_checkpoints: bool = setting(True, help="delete a run's checkpoints once it ended ok or diverged")
+
+
+@dataclass
+class PlasticitySettings:
+    """One plasticity measurement: how pretraining and downstream inputs are paired and the pool that
+    computes the rates (:mod:`raystudy.distributed.plasticity`)."""
+
+    pairs: int = setting(12800, check="positive_int", help="pairs N per downstream dataset")
+    batch_size: int = setting(256, check="positive_int",
+                              help="pairs per actor call; with sequential pairing also where a short side "
+                                   "starts over (after its last full batch)")
+    mode: str = setting("embedding", choices=MODES, help="rate definition (embedding: the paper's)")
+    pairing: str = setting("random", choices=PAIRINGS,
+                           help="random: a seeded shuffle of each side; sequential: the i-th input of each "
+                                "side in store order (the authors' way)")
+    pretrain_split: str | list[str] = setting("test", metavar="SPLIT",
+                                              help="split(s) of the pretraining store: a split, a comma list "
+                                                   "or 'all'; test falls back to val")
+    radius: float | None = setting(None, check="optional_positive",
+                                   help="fixed token radius r of the bounds (the paper's 19.4); None: measured")
+    seed: int = setting(0, check="non_negative_int",
+                        help="seed of the random pairing (and of the random init without weights)")
+    workers: int = setting(1, check="positive_int", help="actors in the pool, each holding the model once")
+    gpus_per_worker: float = setting(0.0, check="non_negative", help="GPUs per actor (0: CPU)")
+    cpus_per_worker: float = setting(0.5, check="positive",
+                                     help="logical CPUs per actor (fractional: Ray Data's feeding tasks need CPUs)")
+    torch_threads: int | None = setting(None, check="optional_positive_int",
+                                        help="intra-op threads of a CPU actor; None: its CPUs")
+    seq_len: int | None = setting(None, check="optional_positive_int", metavar="N",
+                                  help="text stores: tokens per window (each side of a pair is one window)")
+    tokenizer: str | None = setting(None, metavar="FILE",
+                                    help="text models: the tokenizer.json (None: the hf: model folder's)")
+
+
+@dataclass
+class ProbeSettings:
+    """The linear probe (configuration ``LP``): logistic regression on the frozen model's features."""
+
+    augment: bool = setting(True, help="the train split through the training transforms once (the authors')")
+    seed: int = setting(42, check="non_negative_int",
+                        help="LogisticRegression's random_state and the augmentation seed (the authors' 42)")
+    batch_size: int | None = setting(None, check="optional_positive_int",
+                                     help="images per forward pass; None: 512 on the cache path, 64 decoding")
+    workers: int = setting(1, check="positive_int", help="actors of the feature pass")
+    gpus_per_worker: float = setting(0.0, check="non_negative", help="GPUs per actor (0: CPU)")
+    cpus_per_worker: float = setting(0.5, check="positive", help="logical CPUs per actor")
+
+
+@dataclass
+class RunSettings:
+    """What one finetuning run trains, on which store, into which directory: the axes a study's grid
+    spans (configuration, optimizer, lr, seed) and the run's own files."""
+
+    store: str = setting("", flag="--store", metavar="STORE", help="prepared store directory (raystudy data prepare)")
+    configuration: str = setting("MHA", aliases=("--component", "--config"), metavar="EXPR",
+                                 help="what to train: a component in every block (LN1 MHA LN2 FC1 FC2), Emb, All "
+                                      "or Head; unions and blocks (MHA+FC1, MHA@8-11, FC1@0,2,4); "
+                                      "random:<budget> (5%, 2M, 500k); lora:r=<rank>[:targets]. auto:<budget> "
+                                      "needs a study's plasticity table (raystudy study)")
+    selection: str | None = setting(None, cli=False, help="auto:/random: only: the units they were resolved to")
+    optimizer: str = setting("sgd", choices=OPTIMIZERS, help="sgd (momentum) or adamw")
+    lr: float = setting(1e-2, check="positive", help="learning rate as used (AdamW: the caller scales)")
+    seed: int = setting(0, check="non_negative_int", help="seed of the head, the data order and augmentation")
+    out_dir: str = setting("finetune_run", flag="--out", metavar="DIR", help="run directory")
+    num_classes: int | None = setting(None, check="optional_positive_int",
+                                      help="classes of the head; None: the store's")
+    save_final: bool = setting(False, help="also write the final full model to out_dir/final_model.safetensors")
+    seq_len: int | None = setting(None, metavar="N",
+                                  help="text: tokens per text (None: the store's longest, capped at the model's)")
+    tokenizer: str | None = same_as(PlasticitySettings, "tokenizer")
+
+
+#: every group, by name
+GROUPS: dict[str, type] = {c.__name__: c for c in (ModelSettings, HubWeights, DeviceSettings, ProtocolSettings,
+                                                    RunSettings, ResourceSettings, PlasticitySettings, ProbeSettings)}
