@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from raystudy import storage
-from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, same_as, setting
+from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, setting
 from raystudy.storage import absolute_path
 from raystudy.vocab import DATA_PATHS, PRECISIONS
 
@@ -51,7 +51,7 @@ DECODE_BATCH = 64
 
 
 @dataclass(kw_only=True)
-class ProbeJob(ModelSettings, DeviceSettings, ProbeSettings):
+class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
     """One probe: ``model`` (frozen) on the ``train``/``test`` splits of ``store``.
 
     Its settings are the groups :class:`~raystudy.settings.ModelSettings` (the model),
@@ -67,7 +67,6 @@ class ProbeJob(ModelSettings, DeviceSettings, ProbeSettings):
     """
 
     store: str = setting(help="prepared store (train and test splits)", metavar="STORE", flag="--store")
-    pretrained: bool = same_as(HubWeights, "pretrained")
     local: bool = setting(False, help="extract the features in this process, without Ray")
     out_dir: str | None = setting(None, flag="--out", metavar="DIR", help="where probe.json goes (None: not written)")
 

@@ -1,0 +1,161 @@
+"""Each setting is defined once (raystudy.settings): every entry point that reaches it (a CLI sub-command's
+flag, a study-spec field, a Python job's field) takes its default, help text and check from that one
+definition. Checked by introspecting the generated parsers and the dataclasses, not by listing values."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from raystudy import settings
+from raystudy.cli import build_parser
+from raystudy.core.finetune import FinetuneConfig
+from raystudy.distributed.probe import ProbeJob
+from raystudy.distributed.train import TrainResources
+from raystudy.settings import (
+    DeviceSettings,
+    HubWeights,
+    ModelSettings,
+    PlasticitySettings,
+    ProbeSettings,
+    ProtocolSettings,
+    ResourceSettings,
+    RunSettings,
+    default_of,
+    origin_of,
+)
+from raystudy.study.spec import PlasticitySpec, ProbeSpec, StudySpec
+
+#: consumer -> the groups it must compose (every field of each group is a field of the consumer, defined by
+#: the group); the spec's renamed resources are checked apart (RENAMED)
+COMPOSED = {
+    FinetuneConfig: (RunSettings, ModelSettings, HubWeights, ProtocolSettings),
+    StudySpec: (ModelSettings, ProtocolSettings),
+    TrainResources: (ResourceSettings,),
+    PlasticitySpec: (PlasticitySettings,),
+    ProbeSpec: (ProbeSettings,),
+    ProbeJob: (ModelSettings, HubWeights, DeviceSettings, ProbeSettings),
+}
+#: consumer field -> the group field it is (another name for the same setting)
+RENAMED = {
+    (StudySpec, "workers_per_trial"): (ResourceSettings, "workers"),
+    (StudySpec, "worker_retries"): (ResourceSettings, "max_failures"),
+    (StudySpec, "gpus_per_worker"): (ResourceSettings, "gpus_per_worker"),
+    (StudySpec, "cpus_per_worker"): (ResourceSettings, "cpus_per_worker"),
+    (FinetuneConfig, "tokenizer"): (PlasticitySettings, "tokenizer"),
+}
+
+
+def _field(cls, name) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(cls)}[name]
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def _flags(name: str) -> dict[str, argparse.Action]:
+    """dest -> the action of sub-command ``name`` that first sets it (``--bf16`` also sets precision)."""
+    out: dict[str, argparse.Action] = {}
+    for action in _subparser(name)._actions:
+        if action.option_strings and action.dest != "help":
+            out.setdefault(action.dest, action)
+    return out
+
+
+@pytest.mark.parametrize("consumer", list(COMPOSED), ids=lambda c: c.__name__)
+def test_every_consumer_composes_its_groups(consumer):
+    """A group's setting in a consumer is the group's own field: same default, same help text, and its
+    origin is the group (no copy with its own default)."""
+    for group in COMPOSED[consumer]:
+        assert issubclass(consumer, group), f"{consumer.__name__} must compose {group.__name__}"
+        for f in dataclasses.fields(group):
+            mine = _field(consumer, f.name)
+            if (consumer, f.name) in RENAMED:
+                continue  # another group's setting under this name: test_renamed_settings_copy_their_definition
+            assert origin_of(consumer, f.name)[0] in {g.__name__ for g in group.__mro__}, f.name
+            assert default_of(consumer, f.name) == default_of(group, f.name), f.name
+            assert mine.metadata["help"] == f.metadata["help"], f.name
+
+
+@pytest.mark.parametrize("key", list(RENAMED), ids=lambda k: f"{k[0].__name__}.{k[1]}")
+def test_renamed_settings_copy_their_definition(key):
+    (consumer, name), (group, original) = key, RENAMED[key]
+    assert origin_of(consumer, name) == (group.__name__, original)
+    assert default_of(consumer, name) == default_of(group, original)
+    assert _field(consumer, name).metadata["help"] == _field(group, original).metadata["help"]
+
+
+def test_settings_shared_by_several_consumers_have_one_default():
+    """Every (group, field) that more than one consumer reaches has one default among them all: the
+    defaults that used to disagree (plasticity batch 32 / 64 / 256, probe seed 0 / 42, cpus_per_worker
+    0.5 / 1.0, checkpoint_period 1000 / None, warmup_steps 2000 / None) are one value now."""
+    reached: dict[tuple[str, str], set] = {}
+    for consumer in (*COMPOSED, settings.ProtocolSettings):
+        for f in dataclasses.fields(consumer):
+            reached.setdefault(origin_of(consumer, f.name), set()).add(
+                repr(default_of(consumer, f.name)))
+    shared = {k: v for k, v in reached.items() if k[0] in settings.GROUPS}
+    assert all(len(v) == 1 for v in shared.values()), {k: v for k, v in shared.items() if len(v) > 1}
+    assert len(shared) > 50  # every group's field was found
+    assert StudySpec().plasticity.batch_size == PlasticitySettings().batch_size == 256
+    assert StudySpec().probe.seed == ProbeJob(store="s").seed == 42
+    assert StudySpec().warmup_steps is None and FinetuneConfig().warmup == 2000
+
+
+@pytest.mark.parametrize("command,sources", [
+    ("finetune", (RunSettings, ModelSettings, HubWeights, ProtocolSettings, ResourceSettings)),
+    ("probe", (ProbeJob,)),
+])
+def test_generated_flags_take_default_and_help_from_the_definition(command, sources):
+    flags = _flags(command)
+    seen = 0
+    for source in sources:
+        for f in dataclasses.fields(source):
+            if not f.metadata.get("cli", True):
+                continue
+            assert f.name in flags, f"{source.__name__}.{f.name} has no flag in raystudy {command}"
+            action, seen = flags[f.name], seen + 1
+            if action.required:
+                assert action.default is None
+            elif isinstance(action, argparse._StoreFalseAction):
+                assert action.default is True and default_of(source, f.name) is True, f.name
+            else:
+                assert action.default == default_of(source, f.name), f"--{f.name}"
+            assert f.metadata["help"].replace("%", "%%") in action.help, f"--{f.name}"
+    assert seen >= {"finetune": 43, "probe": 17}[command]
+
+
+def test_study_flags_keep_the_preset_unless_given_and_show_the_fields_default():
+    flags = _flags("study")
+    from raystudy.commands.study import FLAG_FIELDS
+
+    for name in FLAG_FIELDS:
+        action = flags[name]
+        assert action.default is None, name  # not given: the preset's value stands
+        f = _field(StudySpec, name)
+        assert f.metadata["help"] in action.help, name
+    assert flags["workers_per_trial"].option_strings == ["--workers"]
+    assert "(default: 1)" in flags["workers_per_trial"].help
+
+
+def test_a_new_group_field_reaches_the_flags_the_spec_and_the_job(monkeypatch):
+    """The mechanism itself: a field added to a group is a spec field, a FinetuneConfig field and a
+    ``raystudy finetune`` flag with the group's default, with nothing else written."""
+
+    @dataclasses.dataclass
+    class Extra:
+        label_smoothing: float = settings.setting(0.1, check="non_negative", help="smoothing of the targets")
+
+    @dataclasses.dataclass
+    class Job(Extra):
+        name: str = settings.setting("x", help="a name")
+
+    parser = argparse.ArgumentParser()
+    settings.add_flags(parser, Job)
+    assert parser.parse_args([]).label_smoothing == 0.1
+    assert settings.from_args(Job, parser.parse_args(["--label-smoothing", "0.2"])) == Job(label_smoothing=0.2)
+    assert list(settings.problems(Job(label_smoothing=-1))) == [("label_smoothing", "must be a number >= 0")]
+    assert settings.values(Extra, Job(label_smoothing=0.3)) == {"label_smoothing": 0.3}
