@@ -19,9 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
+import numpy as np
+
+from raystudy.data.modality import modality_of_model
+from raystudy.data.pairing import PAIRINGS, positions, reuse
 from raystudy.vocab import COMPONENTS, MODES
+
+log = logging.getLogger(__name__)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -41,8 +48,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    from raystudy.distributed.pairing import PAIRINGS
-
     p = sub.add_parser("plasticity", help="measure the plasticity of every component of every block",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -140,31 +145,31 @@ def _derived_name(path: Path, name: str | None = None) -> str:
     return check_path_name(name if name is not None else path.name, f"dataset name of {path} (pass --dataset)")
 
 
-def paired(x, y, pairs: int | None, seed: int, pairing: str = "random"):
-    """Pair ``i`` is ``(x[px[i]], y[py[i]])``: ``random``, a seeded shuffle of each side (``x``'s drawn first
-    from one ``numpy.random.default_rng(seed)``); ``sequential``, ``px = py = arange(n)`` (files in sorted
-    order, tensors and stores in their order). ``n`` is ``pairs`` (default: the smaller side), never more
-    than either side has."""
-    import numpy as np
+def paired(x, y, pairs: int | None, seed: int, pairing: str = "random", batch_size: int = 32):
+    """Pair ``i`` is ``(x[px[i]], y[py[i]])`` with ``(px, py)`` from :func:`raystudy.data.pairing.positions`,
+    the recipe of the Ray pipeline (files in sorted order, tensors and stores in their order): ``random``,
+    seeded permutations (``x``'s drawn first from one ``numpy.random.default_rng(seed)``); ``sequential``,
+    ``arange(n) % period`` of each side (``batch_size`` sets the period). ``n`` is ``pairs`` (default: the
+    smaller side); a side with fewer rows than ``n`` serves some of them more than once, as in the pipeline."""
+    import torch
 
     n = min(len(x), len(y)) if pairs is None else pairs
-    if n <= 0 or n > min(len(x), len(y)):
-        raise ValueError(f"--pairs {pairs}: x has {len(x)} images and y {len(y)}; need 1 <= pairs <= both")
-    if pairing == "sequential":
-        return x[:n], y[:n]
-    rng = np.random.default_rng(seed)
-    px, py = rng.permutation(len(x))[:n], rng.permutation(len(y))[:n]
-    return x[px], y[py]
+    if n <= 0:
+        raise ValueError(f"--pairs {pairs}: need at least one pair (x has {len(x)} images and y {len(y)})")
+    px, py = positions(pairing, len(x), len(y), n, seed=seed, batch_size=batch_size)
+    for side, data, pos in (("x", x, px), ("y", y, py)):
+        if reuse(pos) > 1:
+            log.warning("%s has %d images for %d pairs: %s pairing uses %d of them, each up to %d times", side,
+                        len(data), n, pairing, len(np.unique(pos)), reuse(pos))
+    return x[torch.from_numpy(px)], y[torch.from_numpy(py)]
 
 
 def run(args) -> int:
-    from raystudy.distributed.text_pairs import is_text_model
-
     if args.pretrain or args.downstream:
         return run_pipeline(args)
     if not (args.x and args.y):
         raise ValueError("give --x and --y (local images) or --pretrain and --downstream (stores)")
-    if is_text_model(args.model):
+    if not modality_of_model(args.model).takes_images:
         raise ValueError(f"--model {args.model} is a text model: measure it on text stores with --pretrain STORE "
                          "--downstream STORE --seq-len N")
     if args.radius is not None or args.pretrain_split != "test":
@@ -173,20 +178,14 @@ def run(args) -> int:
     return run_local(args)
 
 
-def _build(args):
-    """The model of ``--model/--weights/--pretrained/--model-kwargs/--img-size``; a random init is seeded
-    with ``--seed`` (as the Ray pipeline's actors do), so two runs measure the same model."""
-    import torch
+def build_measured_model(args):
+    """The model of ``--model/--weights/--pretrained/--model-kwargs/--img-size``
+    (:func:`raystudy.core.models.build_seeded_model`): a random init is seeded with ``--seed`` (as the Ray
+    pipeline's actors do), so two runs measure the same model."""
+    from raystudy.core.models import build_seeded_model
 
-    from raystudy.core.models import build_model
-    from raystudy.distributed.text_pairs import model_build_name
-
-    kwargs = dict(args.model_kwargs)
-    img_size = args.img_size or kwargs.pop("img_size", None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        return build_model(model_build_name(args.model), weights=args.weights, pretrained=args.pretrained,
-                           img_size=img_size, **kwargs)
+    return build_seeded_model(args.model, seed=args.seed, weights=args.weights, pretrained=args.pretrained,
+                              model_kwargs=args.model_kwargs, img_size=args.img_size)
 
 
 def run_local(args) -> int:
@@ -201,11 +200,11 @@ def run_local(args) -> int:
 
     dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = _build(args).to(device).eval()
+    model = build_measured_model(args).to(device).eval()
     size = model.patch_embed.img_size[0]
     x, _ = load_images(args.x, size)
     y, y_name = load_images(args.y, size)
-    x, y = paired(x, y, args.pairs, args.seed, args.pairing)
+    x, y = paired(x, y, args.pairs, args.seed, args.pairing, args.batch_size)
     dataset = dataset or y_name
     amp = torch.bfloat16 if args.bf16 else None
     frames = []

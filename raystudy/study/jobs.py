@@ -141,12 +141,12 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
     section's settings (pairs, pairing, pretrain_split, radius, batch_size, mode, seed, workers, seq_len,
     tokenizer, ...: copied by name); a text model (``hf:...``) gets no ``img_size``.
     """
+    from raystudy.data.modality import modality_of_model
     from raystudy.distributed.plasticity import PlasticityJob
-    from raystudy.distributed.text_pairs import is_text_model
 
     names = [datasets] if isinstance(datasets, str) else list(datasets)
     model = {k: getattr(spec, k) for k in MODEL_FIELDS}
-    if is_text_model(spec.model):
+    if not modality_of_model(spec.model).takes_images:
         model["img_size"] = None  # a text model's pairs are token windows (plasticity.seq_len)
     fields = by_name(PlasticityJob, model, spec.plasticity)
     return PlasticityJob(

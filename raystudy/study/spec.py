@@ -59,6 +59,7 @@ import yaml
 
 from raystudy import storage
 from raystudy.core.expressions import split_configurations
+from raystudy.data.modality import modality_of_model
 from raystudy.vocab import (
     BASELINES,
     COMPONENTS,
@@ -576,7 +577,7 @@ class StudySpec:
             raise SpecError(f"plasticity.radius: {p.radius!r} must be a positive number (or null: measured)")
         if p.seq_len is not None:
             _positive(p.seq_len, "plasticity.seq_len")
-        if self.model.startswith("hf:") and p.seq_len is None:
+        if not modality_of_model(self.model).takes_images and p.seq_len is None:
             raise SpecError(f"plasticity.seq_len: the text model {self.model} needs tokens per window")
         if self.pretrain_store is None and not self.builtin_data:
             raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
@@ -585,7 +586,7 @@ class StudySpec:
         """Pretraining settings, or (without pretraining) the weights file every job starts from."""
         t = self.pretrain
         if not t.enabled:
-            if self.weights is None and not self.model.startswith("hf:"):  # an hf: folder holds its weights
+            if self.weights is None and modality_of_model(self.model).takes_images:  # an hf: folder holds its weights
                 raise SpecError(
                     "weights: a local weights file is required (or enable pretrain to train one); "
                     "a random-init model is not a pretrained model"

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.data.modality import hf_source, modality_of_model, modality_of_store
+from raystudy.data.store import read_meta
 
 #: splits whose texts set the default ``seq_len`` (the store's longest text)
 SPLITS = ("train", "val", "test")
@@ -46,17 +48,13 @@ class TextBatch(NamedTuple):
 
 
 def is_text_store(store: str | os.PathLike) -> bool:
-    """Whether ``store``'s ``dataset.json`` says ``kind: text``."""
-    from raystudy.data.store import read_meta, store_kind
-
-    return store_kind(read_meta(store)) == "text"
+    """Whether ``store``'s ``dataset.json`` says ``kind: text`` (:func:`raystudy.data.modality.modality_of_store`)."""
+    return not modality_of_store(read_meta(store)).takes_images
 
 
 def tokenizer_file(cfg: FinetuneConfig) -> str:
     """``cfg.tokenizer``, else ``tokenizer.json`` in the folder of ``cfg.model`` (``hf:<dir>`` or an
-    installed model package, :func:`raystudy.core.hf.hf_source`)."""
-    from raystudy.core.hf import hf_source
-
+    installed model package, :func:`raystudy.data.modality.hf_source`)."""
     if cfg.tokenizer:
         return str(cfg.tokenizer)
     folder = Path(hf_source(cfg.model))
@@ -69,8 +67,6 @@ def tokenizer_file(cfg: FinetuneConfig) -> str:
 @lru_cache(maxsize=4)
 def _model_config(model: str):
     import transformers
-
-    from raystudy.core.hf import hf_source
 
     source = hf_source(model)
     return transformers.AutoConfig.from_pretrained(source, local_files_only=Path(source).is_dir())
@@ -156,7 +152,7 @@ def open_text_split(cfg: FinetuneConfig, split: str) -> TextSplitData:
     """``split`` of the text store ``cfg.store`` tokenised for ``cfg.model`` (module docstring)."""
     from raystudy.core.hf import classifier_pad_id
 
-    if not str(cfg.model).startswith("hf:"):
+    if modality_of_model(cfg.model).takes_images:
         raise ValueError(f"FinetuneConfig.model={cfg.model!r}: a text store ({cfg.store}) needs a text model "
                          "(hf:<dir>)")
     pad = classifier_pad_id(_model_config(cfg.model))
