@@ -18,8 +18,7 @@ from pathlib import Path
 
 from raystudy.commands.plasticity import add_model_args, build_measured_model, load_images
 from raystudy.data.modality import modality_of_model, resolve_modality
-from raystudy.data.rows import store_name
-from raystudy.data.store import read_meta
+from raystudy.data.store import Store
 
 
 def register(sub) -> None:
@@ -64,12 +63,11 @@ def store_windows(args, seq_len: int):
     and the model (:func:`~raystudy.data.modality.resolve_modality`)."""
     import torch
 
-    meta = read_meta(args.images)
-    modality = resolve_modality(args.model, meta, args.images)
-    split = "test" if meta.get("counts", {}).get("test") else "val"
+    store = Store.open(args.images)
+    modality = resolve_modality(args.model, store.meta, store.path)
+    split = "test" if store.counts.get("test") else "val"
     tokenizer = modality.load_tokenizer(args.model, args.tokenizer)
-    rows = modality.locate(str(args.images), meta, store_name(args.images, meta), (split,), tokenizer=tokenizer,
-                           seq_len=seq_len)
+    rows = modality.locate(store, (split,), tokenizer=tokenizer, seq_len=seq_len)
     return torch.from_numpy(rows.ids[:args.max_windows].astype("int64")), rows.name
 
 

@@ -38,8 +38,17 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from raystudy.data.rows import GATHER_CPUS, Layout, SplitRows, collect_layout, gather_shard, locate_split, stage_side
-from raystudy.data.store import IMAGE_KIND, TEXT_KIND, store_kind
+from raystudy.data.rows import (
+    GATHER_CPUS,
+    Layout,
+    SplitRows,
+    collect_layout,
+    gather_shard,
+    locate_split,
+    stage_side,
+    store_name,
+)
+from raystudy.data.store import IMAGE_KIND, TEXT_KIND, Store, store_kind
 from raystudy.data.text_rows import TextRows, locate_windows, stage_windows, staged_ids
 from raystudy.data.text_stream import load_tokenizer
 from raystudy.vocab import SCHEMAS
@@ -105,8 +114,7 @@ class Modality(ABC):
         return None
 
     @abstractmethod
-    def locate(self, store: str, meta: dict, name: str, splits: tuple[str, ...], *, tokenizer,
-               seq_len: int | None) -> SplitRows | TextRows:
+    def locate(self, store: Store, splits: tuple[str, ...], *, tokenizer, seq_len: int | None) -> SplitRows | TextRows:
         """One side's rows (images or token windows of ``splits``, store order) of ``store``."""
 
     @abstractmethod
@@ -142,8 +150,8 @@ class ImageModality(Modality):
     def build_kwargs(self, *, pretrained, img_size):
         return {"pretrained": pretrained, "img_size": img_size}
 
-    def locate(self, store, meta, name, splits, *, tokenizer, seq_len):
-        return locate_split(store, splits, meta)
+    def locate(self, store, splits, *, tokenizer, seq_len):
+        return locate_split(store.path, splits, store.meta)
 
     def stage(self, ray, sides, bucket_size, stage):
         # a plain Ray task: Ray Core reruns it (3 times by default) when its worker process dies
@@ -181,8 +189,8 @@ class TextModality(Modality):
     def load_tokenizer(self, model, tokenizer):
         return load_tokenizer(tokenizer_path(model, tokenizer))
 
-    def locate(self, store, meta, name, splits, *, tokenizer, seq_len):
-        return locate_windows(str(store), name, splits, tokenizer, int(seq_len))
+    def locate(self, store, splits, *, tokenizer, seq_len):
+        return locate_windows(store.path, store_name(store.path, store.meta), splits, tokenizer, int(seq_len))
 
     def stage(self, ray, sides, bucket_size, stage):
         # token windows are small: the driver stages them itself

@@ -26,6 +26,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -240,6 +241,35 @@ def read_meta(store: str | os.PathLike) -> dict:
     if not shard_paths(store):
         raise StoreError(f"{store}: no part-*.parquet shards")
     return meta
+
+
+@dataclass(frozen=True)
+class Store:
+    """A prepared store opened once: its path and its ``dataset.json`` (read and checked by :func:`read_meta`),
+    passed on instead of the path so that the consumers of one job do not read the metadata again."""
+
+    path: str
+    meta: dict
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Store:
+        """Read ``dataset.json`` of the store at ``path`` (:func:`read_meta`; raises :class:`StoreError`)."""
+        return cls(str(path), read_meta(path))
+
+    @property
+    def kind(self) -> str:
+        """``image`` or ``text`` (:func:`store_kind`)."""
+        return store_kind(self.meta)
+
+    @property
+    def name(self) -> str:
+        """The dataset name (``dataset.json``'s ``name``, checked to be one path component)."""
+        return self.meta["name"]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Rows per split."""
+        return self.meta.get("counts", {})
 
 
 def _one_line(e: BaseException) -> str:

@@ -121,7 +121,7 @@ from raystudy.data.rows import (  # noqa: F401  (SplitRows, GATHER_CPUS: importa
     resolve_pretrain_split,
     store_name,
 )
-from raystudy.data.store import read_meta
+from raystudy.data.store import Store
 from raystudy.data.text_rows import TextRows
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.plasticity_actors import BoundsThread, RateActor, load_buckets
@@ -304,28 +304,27 @@ def _check_resources(ray, job: PlasticityJob) -> int:
     return job.loaders or max(1, int(cpus - actor_cpus))
 
 
-def locate_side(job: PlasticityJob, store: str, meta: dict, split: str | tuple[str, ...],
-                tokenizer) -> SplitRows | TextRows:
+def locate_side(job: PlasticityJob, store: Store, split: str | tuple[str, ...], tokenizer) -> SplitRows | TextRows:
     """One side's rows: the images of ``split`` or, for a text store, its windows of ``job.seq_len`` tokens
     (:meth:`raystudy.data.modality.Modality.locate`). Raises ``ValueError`` naming the store and the model
     when the store's kind does not fit the model (:func:`~raystudy.data.modality.resolve_modality`)."""
-    modality = resolve_modality(job.model, meta, store)
+    modality = resolve_modality(job.model, store.meta, store.path)
     splits = (split,) if isinstance(split, str) else tuple(split)
-    return modality.locate(store, meta, store_name(store, meta), splits, tokenizer=tokenizer, seq_len=job.seq_len)
+    return modality.locate(store, splits, tokenizer=tokenizer, seq_len=job.seq_len)
 
 
 def plan_pairs(job: PlasticityJob) -> PairPlan:
     """Locate both sides' rows and pair them by ``job.pairing`` (a warning when a side's rows are reused).
 
-    Each store's ``dataset.json`` is read once here. Raises ``ValueError`` when two downstream stores share a
-    dataset name (their rates would mix).
+    Each store is opened once here (:class:`~raystudy.data.store.Store`: its ``dataset.json`` read once).
+    Raises ``ValueError`` when two downstream stores share a dataset name (their rates would mix).
     """
     modality = modality_of_model(job.model)
     tokenizer = modality.load_tokenizer(job.model, job.tokenizer)
-    meta = read_meta(job.pretrain)
-    pre = locate_side(job, job.pretrain, meta, resolve_pretrain_split(job.pretrain, job.pretrain_split, meta),
+    pretrain = Store.open(job.pretrain)
+    pre = locate_side(job, pretrain, resolve_pretrain_split(pretrain.path, job.pretrain_split, pretrain.meta),
                       tokenizer)
-    down = [locate_side(job, s, read_meta(s), "test", tokenizer) for s in job.downstream]
+    down = [locate_side(job, Store.open(s), "test", tokenizer) for s in job.downstream]
     names = [d.name for d in down]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
