@@ -227,6 +227,7 @@ def add_flags(parser, cls: type, names: Iterable[str] | None = None, *, unset: b
     for name in (names if names is not None else [n for n, f in declared.items() if f.metadata.get("cli", True)]):
         f = declared[name]
         default = default_of(cls, name)
+        default = None if default is MISSING else default  # a required field: no default on the command line
         kwargs = _flag_kwargs(f, _base_type(hints[name]), default, unset)
         text = "; ".join(t for t in (f.metadata.get("help", ""), (help or {}).get(name, "")) if t)
         if name in required:
@@ -237,6 +238,7 @@ def add_flags(parser, cls: type, names: Iterable[str] | None = None, *, unset: b
             text = f"{text} (default: {_fmt_default(default)})"
         if name in (types or {}):
             kwargs["type"] = types[name]
+            kwargs.pop("nargs", None)
         kwargs["help"] = text.replace("%", "%%")
         kwargs["dest"] = (dest or {}).get(name, name)
         flags = [flag_of(f), *f.metadata.get("aliases", ())]
@@ -262,6 +264,8 @@ def _flag_kwargs(f: dataclasses.Field, kind: Any, default: Any, unset: bool) -> 
     if origin is dict:
         kwargs["type"] = _json_object
         kwargs.setdefault("metavar", "JSON")
+    elif origin is list:
+        kwargs["nargs"] = "+"
     elif kind in (int, float):
         kwargs["type"] = kind
     return kwargs
@@ -313,7 +317,8 @@ class DeviceSettings:
     precision: str | None = setting(None, choices=PRECISIONS,
                                     help="bf16: autocast with fp32 master weights; fp32: the paper's; "
                                          "None: bf16 on GPUs, fp32 on CPUs")
-    amp_bf16: bool = setting(False, cli=False, help="the older spelling of precision: bf16")
+    amp_bf16: bool = setting(False, cli=False, help="bf16 autocast for the forward passes (norms stay float32); "
+                                                    "for finetuning the older spelling of precision: bf16")
     data_path: str = setting("cache", choices=DATA_PATHS,
                              help="cache: decode each image once into a uint8 cache and augment on the device; "
                                   "decode: decode and augment every image on the CPU at every step")
@@ -410,6 +415,23 @@ class ProbeSettings:
     cpus_per_worker: float = setting(0.5, check="positive", help="logical CPUs per actor")
 
 
+@dataclass(kw_only=True)
+class PlasticityRun:
+    """One plasticity job's stores, output directory and pipeline knobs (beside its model and
+    :class:`PlasticitySettings`)."""
+
+    pretrain: str = setting(flag="--pretrain", aliases=("--pretrain-store",), metavar="STORE",
+                            help="prepared store of the pretraining side (x)")
+    downstream: list[str] = setting(flag="--downstream", aliases=("--downstream-stores",), metavar="STORE",
+                                    help="prepared downstream store(s) (y)")
+    out_dir: str = setting(flag="--out", metavar="DIR", help="output directory")
+    amp_bf16: bool = same_as(DeviceSettings, "amp_bf16", flag="--bf16", cli=True)
+    figures: bool = setting(True, cli=False, help="write the per-dataset figures")
+    loaders: int | None = setting(None, check="optional_positive_int", cli=False,
+                                  help="load tasks at once (None: one per CPU left beside the actors)")
+    stage_dir: str | None = setting(None, cli=False, help="where the staging directory is made (None: out_dir)")
+
+
 @dataclass
 class RunSettings:
     """What one finetuning run trains, on which store, into which directory: the axes a study's grid
@@ -436,4 +458,5 @@ class RunSettings:
 
 #: every group, by name
 GROUPS: dict[str, type] = {c.__name__: c for c in (ModelSettings, HubWeights, DeviceSettings, ProtocolSettings,
-                                                    RunSettings, ResourceSettings, PlasticitySettings, ProbeSettings)}
+                                                    RunSettings, ResourceSettings, PlasticitySettings, PlasticityRun,
+                                                    ProbeSettings)}

@@ -91,6 +91,20 @@ def test_plasticity_cli_equals_reference(tmp_path, weights, tensors, mode, args,
         assert (out / f).stat().st_size > 1000
 
 
+def test_plasticity_cli_more_pairs_than_images_pairs_as_the_pipeline(tmp_path, weights, tensors):
+    """``--pairs`` above a side's size: the pipeline's random recipe (raystudy.data.pairing), each side's
+    permutations appended until there are enough, the pretraining side's drawn first."""
+    model, weight_args = weights
+    x, y, xp, yp = tensors
+    out = tmp_path / "out"
+    assert main(["plasticity", *MODEL, *weight_args, "--x", str(xp), "--y", str(yp), "--pairs", "20",
+                 "--batch-size", "8", "--out", str(out)]) == 0
+    rng = np.random.default_rng(0)
+    px = np.concatenate([rng.permutation(12), rng.permutation(12)])[:20]
+    py = np.concatenate([rng.permutation(15), rng.permutation(15)])[:20]
+    check_against_reference(out, model, x[px], y[py], mode="embedding", dataset="y")
+
+
 def write_pngs(folder, n, h, w, seed):
     """``n`` random PNGs of ``h x w`` pixels in a nested folder; returns their paths in sorted order."""
     rng = np.random.default_rng(seed)
@@ -176,8 +190,8 @@ def test_cli_bad_input_messages(tmp_path, tensors, capsys):
     _, _, xp, yp = tensors
     assert main(["plasticity", *MODEL, "--x", str(tmp_path / "missing"), "--y", str(yp), "--out", "o"]) == 2
     assert "missing does not exist" in capsys.readouterr().err
-    assert main(["plasticity", *MODEL, "--x", str(xp), "--y", str(yp), "--pairs", "99", "--out", "o"]) == 2
-    assert "--pairs 99: x has 12 images and y 15" in capsys.readouterr().err
+    assert main(["plasticity", *MODEL, "--x", str(xp), "--y", str(yp), "--pairs", "0", "--out", "o"]) == 2
+    assert "--pairs 0: need at least one pair (x has 12 images and y 15)" in capsys.readouterr().err
     torch.save(torch.zeros(3, 32, 32), tmp_path / "flat.pt")
     assert main(["plasticity", *MODEL, "--x", str(tmp_path / "flat.pt"), "--y", str(yp), "--out", "o"]) == 2
     assert "flat.pt: expected a tensor of shape (N, 3, H, W)" in capsys.readouterr().err

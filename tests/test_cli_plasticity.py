@@ -22,6 +22,7 @@ from raystudy.cli import main
 from raystudy.core.plasticity import pair_rates, summarize
 from raystudy.data.store import read_split
 from raystudy.data.transforms import transform_batch
+from raystudy.settings import PlasticitySettings
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=10)
 MODEL = ["--model", "vit_tiny_patch16_224", "--model-kwargs", json.dumps(TINY)]
@@ -146,12 +147,16 @@ def test_plasticity_cli_with_stores_refuses_incomplete_flags(tmp_path, capsys):
     store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
     base = ["plasticity", *MODEL, "--pretrain", store, "--out", str(tmp_path / "o")]
     for extra, message in [([], "needs both --pretrain STORE and --downstream STORE"),
-                           (["--downstream", store], "--pairs is required with --pretrain/--downstream"),
                            (["--downstream", store, "--pairs", "4", "--workers", "0"], "workers must be >= 1"),
                            (["--downstream", store, "--pairs", "4", "--pretrained"], "--pretrained is not available")]:
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    from raystudy.cli import build_parser
+    from raystudy.commands.plasticity import pipeline_job
+
+    job = pipeline_job(build_parser().parse_args(base + ["--downstream", store]))  # --pairs not given
+    assert (job.pairs, job.batch_size) == (PlasticitySettings().pairs, PlasticitySettings().batch_size)
 
 
 def test_plasticity_cli_local_sequential_pairs_in_order(tmp_path, weights):

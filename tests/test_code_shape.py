@@ -147,6 +147,32 @@ def test_renames_only_in_storage():
     assert not hits, "write through raystudy.storage (atomic_output / write_*_atomic):\n" + "\n".join(hits)
 
 
+# ------------------------------------------------------------------------------ modalities
+
+#: The module that tells image and text inputs apart (docs/architecture.md, "Where each concept lives").
+MODALITY_MODULE = "raystudy/data/modality.py"
+#: A test of the modality by name: the ``hf:`` prefix of a text model, a store kind compared with ``"text"``
+#: (or ``"image"``), or the old predicate. Elsewhere the code asks the seam (``modality_of_model``, ...).
+MODALITY_TEST = re.compile(r"""startswith\(["']hf:["']\)|["']hf:["']|is_text_model|[!=]=\s*["'](text|image)["']""")
+
+
+def test_modality_pattern_finds_what_it_should():
+    for line in ('if name.startswith("hf:"):', 'x.removeprefix("hf:")', "if kind == 'text':",
+                 'text = meta.get("kind") != "text"', "if is_text_model(m):", 'kind == "image"'):
+        assert MODALITY_TEST.search(line), line
+    for line in ('if "text" not in header:', 'row["text"]', 'columns=["text", "label"]', "model: hf:<dir>"):
+        assert not MODALITY_TEST.search(line), line
+
+
+def test_modality_strings_only_in_the_modality_module():
+    assert (PACKAGE.parent / MODALITY_MODULE).is_file()
+    hits = [f"{_rel(path)}:{i}: {line.strip()}" for path in _sources() if _rel(path) != MODALITY_MODULE
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if MODALITY_TEST.search(line)]
+    assert not hits, f"ask {MODALITY_MODULE} (modality_of_model / modality_of_store / resolve_modality) " \
+                     "instead of testing the modality by name:\n" + "\n".join(hits)
+
+
 # ------------------------------------------------------------------------------ layers
 
 FOUNDATION = ("vocab", "storage", "io", "faults")

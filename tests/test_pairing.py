@@ -17,9 +17,9 @@ from conftest import png_bytes, tiny_vit
 
 from raystudy.core.bounds import measure_token_stats, upper_bounds
 from raystudy.core.plasticity import pair_rates_tensor, rates_frame
+from raystudy.data.pairing import pair_positions, positions, sequential_positions
 from raystudy.data.store import StoreError, read_split, write_store
 from raystudy.data.transforms import transform_batch
-from raystudy.distributed.pairing import pair_positions, positions, sequential_positions
 from raystudy.distributed.plasticity import (
     PlasticityJob,
     pairs_table,

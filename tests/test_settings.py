@@ -7,17 +7,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import numpy as np
 import pytest
 
 from raystudy import settings
 from raystudy.cli import build_parser
 from raystudy.core.finetune import FinetuneConfig
+from raystudy.distributed.plasticity import PlasticityJob
 from raystudy.distributed.probe import ProbeJob
 from raystudy.distributed.train import TrainResources
 from raystudy.settings import (
     DeviceSettings,
     HubWeights,
     ModelSettings,
+    PlasticityRun,
     PlasticitySettings,
     ProbeSettings,
     ProtocolSettings,
@@ -37,6 +40,7 @@ COMPOSED = {
     PlasticitySpec: (PlasticitySettings,),
     ProbeSpec: (ProbeSettings,),
     ProbeJob: (ModelSettings, HubWeights, DeviceSettings, ProbeSettings),
+    PlasticityJob: (PlasticityRun, ModelSettings, PlasticitySettings),
 }
 #: consumer field -> the group field it is (another name for the same setting)
 RENAMED = {
@@ -45,7 +49,13 @@ RENAMED = {
     (StudySpec, "gpus_per_worker"): (ResourceSettings, "gpus_per_worker"),
     (StudySpec, "cpus_per_worker"): (ResourceSettings, "cpus_per_worker"),
     (FinetuneConfig, "tokenizer"): (PlasticitySettings, "tokenizer"),
+    (PlasticityJob, "amp_bf16"): (DeviceSettings, "amp_bf16"),
+    (PlasticityRun, "amp_bf16"): (DeviceSettings, "amp_bf16"),
 }
+
+
+#: flags that default to None ("not given"): the job then keeps the definition's default (shown in the help)
+UNSET = {("plasticity", "pairs")}
 
 
 def _field(cls, name) -> dataclasses.Field:
@@ -108,6 +118,7 @@ def test_settings_shared_by_several_consumers_have_one_default():
 @pytest.mark.parametrize("command,sources", [
     ("finetune", (RunSettings, ModelSettings, HubWeights, ProtocolSettings, ResourceSettings)),
     ("probe", (ProbeJob,)),
+    ("plasticity", (ModelSettings, HubWeights, PlasticitySettings, PlasticityRun)),
 ])
 def test_generated_flags_take_default_and_help_from_the_definition(command, sources):
     flags = _flags(command)
@@ -118,14 +129,15 @@ def test_generated_flags_take_default_and_help_from_the_definition(command, sour
                 continue
             assert f.name in flags, f"{source.__name__}.{f.name} has no flag in raystudy {command}"
             action, seen = flags[f.name], seen + 1
-            if action.required:
-                assert action.default is None
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if action.required or (command, f.name) in UNSET or required:
+                assert action.default is None  # a required field, or one whose flag may be left out
             elif isinstance(action, argparse._StoreFalseAction):
                 assert action.default is True and default_of(source, f.name) is True, f.name
             else:
                 assert action.default == default_of(source, f.name), f"--{f.name}"
             assert f.metadata["help"].replace("%", "%%") in action.help, f"--{f.name}"
-    assert seen >= {"finetune": 43, "probe": 17}[command]
+    assert seen == {"finetune": 43, "probe": 17, "plasticity": 22}[command]
 
 
 def test_study_flags_keep_the_preset_unless_given_and_show_the_fields_default():
@@ -159,3 +171,32 @@ def test_a_new_group_field_reaches_the_flags_the_spec_and_the_job(monkeypatch):
     assert settings.from_args(Job, parser.parse_args(["--label-smoothing", "0.2"])) == Job(label_smoothing=0.2)
     assert list(settings.problems(Job(label_smoothing=-1))) == [("label_smoothing", "must be a number >= 0")]
     assert settings.values(Extra, Job(label_smoothing=0.3)) == {"label_smoothing": 0.3}
+
+
+def test_plasticity_batch_size_and_pairing_are_the_same_from_the_cli_the_spec_and_the_job(tmp_path):
+    """With sequential pairing the batch size decides which pairs are measured (a short side starts over
+    after its last full batch), so ``raystudy plasticity``, ``raystudy study`` and a ``PlasticityJob``
+    must agree on it: the three jobs built with no batch size given plan the very same pairs."""
+    from raystudy.commands.plasticity import pipeline_job
+    from raystudy.data.pairing import positions
+    from raystudy.study.jobs import plasticity_job
+
+    cli = pipeline_job(build_parser().parse_args([
+        "plasticity", "--model", "vit_tiny_patch16_224", "--pretrain", str(tmp_path / "pre"), "--downstream",
+        str(tmp_path / "down"), "--pairing", "sequential", "--out", str(tmp_path / "o")]))
+    spec = StudySpec.from_dict({"datasets": {"down": str(tmp_path / "down")}, "pretrain_store": str(tmp_path / "pre"),
+                                "model": "vit_tiny_patch16_224", "plasticity": {"pairing": "sequential"}})
+    study = plasticity_job(spec, "down", None, str(tmp_path / "o"))
+    job = PlasticityJob(model="vit_tiny_patch16_224", pretrain=str(tmp_path / "pre"),
+                        downstream=[str(tmp_path / "down")], out_dir=str(tmp_path / "o"), pairing="sequential")
+    assert cli.batch_size == study.batch_size == job.batch_size == PlasticitySettings().batch_size
+    assert cli.pairs == study.pairs == job.pairs
+    # 1,000 pretraining and 300 downstream rows: the downstream side starts over after its last full batch,
+    # so the batch size picks the pairs; one batch size everywhere picks one set of pairs
+    plans = [positions("sequential", 1000, 300, j.pairs, seed=j.seed, batch_size=j.batch_size)
+             for j in (cli, study, job)]
+    for px, py in plans[1:]:
+        np.testing.assert_array_equal(px, plans[0][0])
+        np.testing.assert_array_equal(py, plans[0][1])
+    other = positions("sequential", 1000, 300, job.pairs, seed=0, batch_size=32)[1]
+    assert not np.array_equal(other, plans[0][1])  # (the old CLI default, 32, measured other pairs)

@@ -26,9 +26,9 @@ from conftest import make_store
 
 from raystudy.cli import main
 from raystudy.core.plasticity import pair_rates
+from raystudy.data.pairing import positions
 from raystudy.data.store import shard_paths
 from raystudy.data.text_demo import prepare_text_demo, sentences
-from raystudy.distributed.pairing import positions
 from raystudy.distributed.plasticity import PlasticityJob, plan_pairs, run_plasticity
 from raystudy.vocab import COMPONENTS
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from raystudy.commands.plasticity import add_model_args
+from raystudy.commands.plasticity import add_model_args, build_measured_model, load_images
+from raystudy.data.modality import modality_of_model, resolve_modality
+from raystudy.data.store import Store
 
 
 def register(sub) -> None:
@@ -35,16 +37,14 @@ def register(sub) -> None:
 def token_stats(args, model) -> tuple[float | None, int | None, float | None, float | None]:
     """``(radius, seq_len, sigma, measured radius)``: the flags where given, else measured on ``--images``
     (when given; the measured radius is ``None`` without images)."""
-    from raystudy.commands.plasticity import load_images
     from raystudy.core.bounds import measure_token_stats
-    from raystudy.distributed.text_pairs import is_text_model
 
     radius, seq_len, sigma, measured = args.radius, args.seq_len, args.sigma, None
-    text = is_text_model(args.model)
+    text = not modality_of_model(args.model).takes_images
     if text and seq_len is None:
         raise ValueError(f"--model {args.model} is a text model: give --seq-len (tokens per window)")
     if args.images:
-        x, name = text_windows(args, seq_len) if text else load_images(args.images, model.patch_embed.img_size[0])
+        x, name = store_windows(args, seq_len) if text else load_images(args.images, model.patch_embed.img_size[0])
         stats = measure_token_stats(model, x)
         print(f"measured on {len(x)} sequences of {name}: r = {stats.radius:.4f} (max {stats.radius_max:.4f}), "
               f"sigma = {stats.sigma:.6f}, n = {stats.seq_len}")
@@ -57,31 +57,25 @@ def token_stats(args, model) -> tuple[float | None, int | None, float | None, fl
     return radius, seq_len, sigma, measured
 
 
-def text_windows(args, seq_len: int):
+def store_windows(args, seq_len: int):
     """The first ``--max-windows`` windows of ``seq_len`` tokens (store order) of the text store ``--images``
-    (its test split, else val): ``(LongTensor (m, seq_len), store name)``."""
+    (its test split, else val): ``(LongTensor (m, seq_len), store name)``. An image store raises naming it
+    and the model (:func:`~raystudy.data.modality.resolve_modality`)."""
     import torch
 
-    from raystudy.data.store import read_meta, store_kind
-    from raystudy.data.text_stream import load_tokenizer
-    from raystudy.distributed.plasticity import store_name
-    from raystudy.distributed.text_pairs import locate_windows, tokenizer_path
-
-    meta = read_meta(args.images)
-    if store_kind(meta) != "text":
-        raise ValueError(f"{args.images} is not a text store but {args.model} is a text model")
-    split = "test" if meta.get("counts", {}).get("test") else "val"
-    tokenizer = load_tokenizer(tokenizer_path(args.model, args.tokenizer))
-    rows = locate_windows(str(args.images), store_name(args.images, meta), (split,), tokenizer, seq_len)
+    store = Store.open(args.images)
+    modality = resolve_modality(args.model, store.meta, store.path)
+    split = "test" if store.counts.get("test") else "val"
+    tokenizer = modality.load_tokenizer(args.model, args.tokenizer)
+    rows = modality.locate(store, (split,), tokenizer=tokenizer, seq_len=seq_len)
     return torch.from_numpy(rows.ids[:args.max_windows].astype("int64")), rows.name
 
 
 def run(args) -> int:
-    from raystudy.commands.plasticity import _build
     from raystudy.core.bounds import upper_bounds
     from raystudy.io import write_result
 
-    model = _build(args).eval()
+    model = build_measured_model(args).eval()
     radius, seq_len, sigma, measured = token_stats(args, model)
     if radius is None:
         raise ValueError("give --images to measure the token radius, or --radius")
@@ -89,7 +83,7 @@ def run(args) -> int:
     table.insert(0, "model", args.model)
     if measured is not None:
         table["radius_measured"] = measured
-    path = write_result(table, Path(args.out), "bounds")
+    path = write_result(table, Path(args.out_dir), "bounds")
     wide = table.pivot_table(index="component", columns="layer", values="bound", sort=False)
     print(wide.to_string(float_format=lambda v: f"{v:.4g}"))
     print(f"\nwrote {path}")

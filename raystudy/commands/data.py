@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from raystudy.data.modality import modality_of_store
 from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES
 from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS
 from raystudy.data.text import TEXT_SOURCES, WIKITEXT_UNITS
@@ -118,15 +119,16 @@ def _print_summary(path, meta: dict | None = None) -> None:
     meta = meta or read_meta(path)
     counts = meta["counts"]
     skipped = meta.get("skipped") or {}
-    text = meta.get("kind") == "text"
-    print(f"{meta['name']}  ({meta.get('source', '?')}{', text' if text else ''})  {path}")
+    modality = modality_of_store(meta)
+    kind = "" if modality.takes_images else f", {modality.kind}"
+    print(f"{meta['name']}  ({meta.get('source', '?')}{kind})  {path}")
     print(f"  classes: {meta['num_classes']}  ({', '.join(meta.get('classes', [])[:5])}"
           f"{', ...' if meta['num_classes'] > 5 else ''})")
     print(f"  rows: {meta.get('num_rows', sum(counts.values()))}  train {counts.get('train', 0)}  "
           f"val {counts.get('val', 0)}  test {counts.get('test', 0)}  shards {len(meta.get('shards', []))}")
     if meta.get("low_data"):
         print(f"  low-data: {meta['low_data']['variant']}")
-    if not text:
+    if modality.takes_images:
         print(f"  skipped images: {skipped.get('count', 0)}"
               + (f"  (indices {[s['index'] for s in skipped.get('items', [])][:10]})" if skipped.get("count") else ""))
     print(f"  checksum: {meta['checksum']}")

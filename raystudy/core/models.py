@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raystudy.data.modality import modality_of_model
+
 log = logging.getLogger(__name__)
 
 _PREFIXES = ("module.", "model.", "_orig_mod.")  # DDP, wrappers, torch.compile
@@ -173,7 +175,7 @@ def build_model(
     """
     if weights is not None and pretrained:
         raise ValueError("pass either pretrained=True (hub) or weights=FILE (local), not both")
-    if name.startswith("hf:"):
+    if not modality_of_model(name).takes_images:  # a Hugging Face text model (module docstring of core.hf)
         return _build_hf(name, num_classes=num_classes, weights=weights, img_size=img_size, strict=strict, **kwargs)
     import timm
 
@@ -192,7 +194,7 @@ def build_model(
 def resolve_img_size(model: str, model_kwargs: dict | None = None, img_size: int | None = None) -> int | None:
     """The input resolution a job uses: ``img_size``, else ``model_kwargs["img_size"]``, else the timm model's
     own (224 if it names none); ``None`` for a Hugging Face text model (its inputs are token windows)."""
-    if str(model).startswith("hf:"):
+    if not modality_of_model(model).takes_images:
         return None
     if img_size:
         return int(img_size)
@@ -228,3 +230,19 @@ def _build_hf(name: str, *, num_classes, weights, img_size, strict: bool, **kwar
     if weights is not None:
         load_weights(model, weights, strict=strict)
     return model
+
+
+def build_seeded_model(model: str, *, seed: int, weights: str | Path | None = None, pretrained: bool = False,
+                       model_kwargs: dict | None = None, img_size: int | None = None) -> nn.Module:
+    """The model a measurement (plasticity, bounds) uses, identical in every process: :func:`build_model` of
+    ``model`` (an ``hf:`` name resolved by its modality, :mod:`raystudy.data.modality`) with the weights
+    file, else a random init seeded with ``seed`` without touching the caller's torch RNG state.
+
+    ``img_size`` (else ``model_kwargs["img_size"]``) is the image models' input size.
+    """
+    kwargs = dict(model_kwargs or {})
+    img_size = img_size or kwargs.pop("img_size", None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_model(modality_of_model(model).build_name(model), weights=weights, pretrained=pretrained,
+                           img_size=img_size, **kwargs)

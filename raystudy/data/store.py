@@ -26,6 +26,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -42,9 +43,16 @@ SCHEMA = pa.schema(
 TEXT_SCHEMA = pa.schema(
     [("text", pa.string()), ("label", pa.int64()), ("split", pa.string()), ("index", pa.int64())]
 )
+#: The two store kinds (``dataset.json``'s ``kind``). What a kind means for a model (pixels or token ids,
+#: how rows are located, staged and batched) is decided in :mod:`raystudy.data.modality`; here only the rows.
+IMAGE_KIND, TEXT_KIND = "image", "text"
 #: The row schema of each store kind; the first column is the payload.
-SCHEMAS = {"image": SCHEMA, "text": TEXT_SCHEMA}
+SCHEMAS = {IMAGE_KIND: SCHEMA, TEXT_KIND: TEXT_SCHEMA}
 KINDS = tuple(SCHEMAS)
+#: Kinds whose rows may have no label (unlabelled text such as WikiText; such a store has no classes).
+UNLABELLED_KINDS = frozenset({TEXT_KIND})
+#: The payload column of each kind as stored: encoded image bytes, or the text.
+_PAYLOAD_TYPES = {IMAGE_KIND: bytes, TEXT_KIND: str}
 
 
 class StoreError(ValueError):
@@ -53,7 +61,7 @@ class StoreError(ValueError):
 
 def store_kind(meta: dict) -> str:
     """``image`` or ``text`` (``dataset.json``'s ``kind``; stores written before it existed are images)."""
-    kind = meta.get("kind", "image")
+    kind = meta.get("kind", IMAGE_KIND)
     if kind not in SCHEMAS:
         raise StoreError(f"{meta.get('name', '?')}: unknown store kind {kind!r}; expected one of {KINDS}")
     return kind
@@ -92,7 +100,7 @@ def _checksum_update(h, table: pa.Table, payload: str = "image") -> None:
         h.update(hashlib.sha256(data.encode() if isinstance(data, str) else data).digest())
 
 
-def compute_checksum(store: str | os.PathLike, kind: str = "image") -> str:
+def compute_checksum(store: str | os.PathLike, kind: str = IMAGE_KIND) -> str:
     h = hashlib.sha256()
     schema = SCHEMAS[kind]
     for p in shard_paths(store):
@@ -110,7 +118,7 @@ def write_store(
     rows_per_shard: int = 2048,
     extra: dict | None = None,
     allow_empty: bool = True,
-    kind: str = "image",
+    kind: str = IMAGE_KIND,
 ) -> dict:
     """Write ``rows`` (dicts with ``image`` bytes, ``label``, ``split``, ``index``) as a store.
 
@@ -130,7 +138,7 @@ def write_store(
         raise ValueError(f"rows_per_shard must be >= 1 (got {rows_per_shard})")
     if kind not in SCHEMAS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if not classes and kind == "image":
+    if not classes and kind not in UNLABELLED_KINDS:
         raise StoreError(f"{name}: no classes")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -152,15 +160,14 @@ def _check_row(row: dict, *, name: str, kind: str, k: int) -> dict:
     """One row as stored (payload, label, split, index); a label or split out of range raises."""
     payload = SCHEMAS[kind].names[0]
     split, index = row["split"], int(row["index"])
-    label = None if kind == "text" and row.get("label") is None else int(row["label"])
+    label = None if kind in UNLABELLED_KINDS and row.get("label") is None else int(row["label"])
     if label is not None and not 0 <= label < k:
         raise StoreError(f"{name}: row with index {index} has label {label} outside [0, {k})")
     if label is None and k:
         raise StoreError(f"{name}: row with index {index} has no label (the store has {k} classes)")
     if split not in SPLITS:
         raise StoreError(f"{name}: row with index {index} has split {split!r}; expected one of {SPLITS}")
-    data = str(row["text"]) if kind == "text" else bytes(row["image"])
-    return {payload: data, "label": label, "split": split, "index": index}
+    return {payload: _PAYLOAD_TYPES[kind](row[payload]), "label": label, "split": split, "index": index}
 
 
 def _write_shards(rows, tmp: Path, *, name, source, classes, rows_per_shard, extra, allow_empty, kind) -> dict:
@@ -236,6 +243,35 @@ def read_meta(store: str | os.PathLike) -> dict:
     return meta
 
 
+@dataclass(frozen=True)
+class Store:
+    """A prepared store opened once: its path and its ``dataset.json`` (read and checked by :func:`read_meta`),
+    passed on instead of the path so that the consumers of one job do not read the metadata again."""
+
+    path: str
+    meta: dict
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Store:
+        """Read ``dataset.json`` of the store at ``path`` (:func:`read_meta`; raises :class:`StoreError`)."""
+        return cls(str(path), read_meta(path))
+
+    @property
+    def kind(self) -> str:
+        """``image`` or ``text`` (:func:`store_kind`)."""
+        return store_kind(self.meta)
+
+    @property
+    def name(self) -> str:
+        """The dataset name (``dataset.json``'s ``name``, checked to be one path component)."""
+        return self.meta["name"]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Rows per split."""
+        return self.meta.get("counts", {})
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
@@ -245,7 +281,7 @@ def _check_meta_types(path: Path, meta: dict) -> None:
     counts = meta["counts"]
     if not isinstance(counts, dict) or not all(type(v) is int and v >= 0 for v in counts.values()):
         raise StoreError(f"{path}: 'counts' must map each split to a row count >= 0 (got {counts!r})")
-    least = 0 if meta.get("kind") == "text" else 1  # an unlabelled text store has no classes
+    least = 0 if meta.get("kind") in UNLABELLED_KINDS else 1  # an unlabelled text store has no classes
     if type(meta["num_classes"]) is not int or meta["num_classes"] < least:
         raise StoreError(f"{path}: 'num_classes' must be an integer >= {least} (got {meta['num_classes']!r})")
     shards = meta.get("shards", [])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .store import StoreError, read_meta, read_split, store_kind
+from .store import TEXT_KIND, StoreError, read_meta, read_split, store_kind
 
 TOKENIZER_FILE = "tokenizer.json"
 SHORT_POLICIES = ("error", "skip")
@@ -89,7 +89,7 @@ def sample_windows(store: str | os.PathLike, split: str, tokenizer, n: int, coun
         raise ValueError(f"short must be one of {SHORT_POLICIES}, got {short!r}")
     if n < 1 or count < 1:
         raise ValueError(f"n and count must be >= 1 (got n={n}, count={count})")
-    if store_kind(read_meta(store)) != "text":
+    if store_kind(read_meta(store)) != TEXT_KIND:  # the rows must carry a text column
         raise StoreError(f"{store}: not a text store (dataset.json kind is not 'text')")
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)

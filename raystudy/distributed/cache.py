@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from raystudy.data.cache import ROWS_PER_SHARD, CachePlan, build_shard, finish_cache, plan_cache, release_reads
+from raystudy.data.modality import modality_of_store
+from raystudy.data.store import read_meta
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +48,11 @@ def plan_caches(stores: Sequence[str | os.PathLike], splits: Sequence[str], kind
     """The plan of every cache: each image store's ``splits[i]`` at kind ``kinds[i]`` (pairwise) and side
     ``size``. A text store has no image cache and is skipped; a store that is not there raises
     :class:`~raystudy.data.store.StoreError` naming its ``dataset.json``."""
-    from raystudy.data.store import read_meta, store_kind
-
     if len(splits) != len(kinds):
         raise ValueError(f"splits {list(splits)} and kinds {list(kinds)}: expected one kind per split")
     plans: dict[str, CachePlan] = {}
     for store in stores:
-        if store_kind(read_meta(store)) == "text":
+        if not modality_of_store(read_meta(store)).caches_images:
             continue
         for split, kind in zip(splits, kinds):
             plan = plan_cache(store, split, kind=kind, size=size, root=root, rows_per_shard=rows_per_shard)

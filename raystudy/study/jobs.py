@@ -25,6 +25,7 @@ import torch
 from raystudy.core.expressions import Budgeted, normalise, resolve
 from raystudy.core.finetune import FinetuneConfig
 from raystudy.core.models import build_model
+from raystudy.data.modality import modality_of_model
 from raystudy.io import read_result
 from raystudy.settings import (
     DeviceSettings,
@@ -134,11 +135,10 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
     gets no ``img_size``.
     """
     from raystudy.distributed.plasticity import PlasticityJob  # Ray: imported by the jobs that run on it
-    from raystudy.distributed.text_pairs import is_text_model
 
     names = [datasets] if isinstance(datasets, str) else list(datasets)
     model = {**values(ModelSettings, spec), "amp_bf16": spec.amp_bf16}
-    if is_text_model(spec.model):
+    if not modality_of_model(spec.model).takes_images:
         model["img_size"] = None  # a text model's pairs are token windows (plasticity.seq_len)
     return PlasticityJob(
         **model, **values(PlasticitySettings, spec.plasticity),

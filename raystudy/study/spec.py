@@ -60,6 +60,7 @@ import yaml
 from raystudy import storage
 from raystudy.core.expressions import split_configurations
 from raystudy.core.models import resolve_img_size
+from raystudy.data.modality import modality_of_model
 from raystudy.settings import (
     ModelSettings,
     PlasticitySettings,
@@ -543,7 +544,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
             check_pretrain_split(p.pretrain_split, "plasticity.pretrain_split")
         except ValueError as e:
             raise SpecError(str(e)) from None
-        if self.model.startswith("hf:") and p.seq_len is None:
+        if not modality_of_model(self.model).takes_images and p.seq_len is None:
             raise SpecError(f"plasticity.seq_len: the text model {self.model} needs tokens per window")
         if self.pretrain_store is None and not self.builtin_data:
             raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
@@ -552,7 +553,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         """Pretraining settings, or (without pretraining) the weights file every job starts from."""
         t = self.pretrain
         if not t.enabled:
-            if self.weights is None and not self.model.startswith("hf:"):  # an hf: folder holds its weights
+            if self.weights is None and modality_of_model(self.model).takes_images:  # an hf: folder holds its weights
                 raise SpecError(
                     "weights: a local weights file is required (or enable pretrain to train one); "
                     "a random-init model is not a pretrained model"

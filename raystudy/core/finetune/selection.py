@@ -15,6 +15,7 @@ from torch import nn
 from raystudy.core.components import head_parameters
 from raystudy.core.expressions import resolve
 from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.data.modality import modality_of_model
 
 
 def build_finetune_model(cfg: FinetuneConfig, num_classes: int) -> nn.Module:
@@ -25,8 +26,7 @@ def build_finetune_model(cfg: FinetuneConfig, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)
     kwargs = dict(cfg.model_kwargs)
     kwargs.pop("img_size", None)
-    if not cfg.model.startswith("hf:"):
-        kwargs.update(pretrained=cfg.pretrained, img_size=cfg.img_size)
+    kwargs.update(modality_of_model(cfg.model).build_kwargs(pretrained=cfg.pretrained, img_size=cfg.img_size))
     model = build_model(cfg.model, num_classes=num_classes, weights=cfg.weights, **kwargs)
     reset_head(model, seed=cfg.seed, mode=cfg.head_init)
     return model

