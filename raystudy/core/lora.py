@@ -23,7 +23,8 @@ import copy
 import torch
 from torch import nn
 
-from raystudy.core.expressions import DEFAULT_LORA_TARGETS
+from raystudy.core.components import get_adapter
+from raystudy.vocab import DEFAULT_LORA_TARGETS
 
 
 def target_modules(model: nn.Module, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> list[str]:
@@ -32,8 +33,6 @@ def target_modules(model: nn.Module, targets: tuple[str, ...] = DEFAULT_LORA_TAR
 
     Raises ``ValueError`` for a target that names no linear layer of any block.
     """
-    from raystudy.core.components import get_adapter
-
     found: list[str] = []
     unmatched = set(targets)
     for block in get_adapter(model).blocks():
