@@ -90,7 +90,7 @@ def _known(df: pd.DataFrame, column: str, allowed: tuple[str, ...], path: str) -
 def _known_configurations(df: pd.DataFrame, path: str) -> None:
     """Every ``configuration`` is a name of :data:`TRIALS_CONFIGURATIONS` or a configuration expression
     (``MHA+FC1``, ``MHA@8-11``, ``auto:5%``, ``lora:r=8``: :mod:`raystudy.core.expressions`)."""
-    from raystudy.core.expressions import is_configuration
+    from raystudy.core.expressions import is_configuration  # torch (raystudy.core): not for `import`
 
     values = df["configuration"].dropna().astype(str)
     unknown = sorted(v for v in set(values) if v not in TRIALS_CONFIGURATIONS and not is_configuration(v))

@@ -77,7 +77,7 @@ def _finetune_point(spec: StudySpec, point: dict, run_dir: str) -> dict:
     if spec.trial_execution == "actor":
         from ray import tune
 
-        from raystudy.distributed.inprocess import run_in_process
+        from raystudy.distributed.inprocess import run_in_process  # Ray (see the module docstring)
 
         # a failure raises: Tune's FailureConfig re-runs the trial, which resumes from its checkpoints
         return run_in_process(cfg, resources, storage=join(spec.out, "train", tid), on_report=tune.report)
@@ -89,7 +89,7 @@ def _train_point(spec: StudySpec, tid: str, cfg, resources) -> dict:
     import ray.train
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raystudy.distributed.train import run_finetune
+    from raystudy.distributed.train import run_finetune  # Ray Train (see the module docstring)
 
     run_config = ray.train.RunConfig(
         name=tid, storage_path=join(spec.out, "train"),

@@ -100,7 +100,7 @@ def _search_setup(spec: StudySpec, tables: ResultTables, points: list[dict] | No
         tune_config = tune.TuneConfig(num_samples=1, reuse_actors=True)
         n = len(points)
     else:
-        from raystudy.study.search import GroupedOptunaSearch, optuna_plan
+        from raystudy.study.search import GroupedOptunaSearch, optuna_plan  # Optuna and Ray Tune
 
         budget, history = optuna_plan(spec, tables)
         n = sum(budget.values())
@@ -274,7 +274,7 @@ def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> Stu
         plan = StudyPlan(todo, points, len(points), total,
                          retry=[p["trial_id"] for p in points if tables.status(p["trial_id"]) == "failed"])
     else:
-        from raystudy.study.search import optuna_plan
+        from raystudy.study.search import optuna_plan  # Optuna and Ray Tune
 
         plan = StudyPlan(todo, None, sum(optuna_plan(spec, tables)[0].values()), total)
     plan.probes = probe_todo(spec, tables)
