@@ -76,7 +76,7 @@ from raystudy.study.progress import echo as _echo
 from raystudy.study.results import ResultTables
 from raystudy.study.signals import Terminated, sigterm_exits  # noqa: F401  (re-exported)
 from raystudy.study.spec import SpecError, StudySpec
-from raystudy.study.trial import final_report, local_dir_for, run_trial, trainable  # noqa: F401  (re-exported)
+from raystudy.study.trial import TrialFailed, final_report, local_dir_for, run_trial, trainable  # noqa: F401
 
 __all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_tuner", "run_study",
            "tune_experiments"]
