@@ -33,9 +33,6 @@ CONFIGURATIONS: tuple[str, ...] = COMPONENTS + ("Emb",) + BASELINES
 LINEAR_PROBE: str = "LP"
 #: Every name a trials table's ``configuration`` column may hold: trained configurations and the probe.
 TRIALS_CONFIGURATIONS: tuple[str, ...] = CONFIGURATIONS + (LINEAR_PROBE,)
-#: The layers of a block that the configuration ``lora:r=<rank>`` adapts when it names none (sorted, as
-#: :mod:`raystudy.core.expressions` stores them); :mod:`raystudy.core.lora` resolves them to ``nn.Linear``.
-DEFAULT_LORA_TARGETS: tuple[str, ...] = ("proj", "qkv")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 STATUSES: tuple[str, ...] = ("ok", "diverged", "failed")
 FINAL_STATUSES: tuple[str, ...] = ("ok", "diverged")

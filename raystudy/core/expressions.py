@@ -44,8 +44,8 @@ from fractions import Fraction
 from typing import NoReturn
 
 from raystudy.core.components import get_adapter, trainable_parameters
-from raystudy.core.lora import apply_lora
-from raystudy.vocab import COMPONENTS, CONFIGURATIONS, DEFAULT_LORA_TARGETS
+from raystudy.core.lora import DEFAULT_LORA_TARGETS, apply_lora
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
 STRATEGIES: tuple[str, ...] = ("auto", "random")
 _MILLION, _THOUSAND = 1_000_000, 1_000

@@ -24,7 +24,10 @@ import torch
 from torch import nn
 
 from raystudy.core.components import get_adapter
-from raystudy.vocab import DEFAULT_LORA_TARGETS
+
+#: The layers of a block ``lora:r=<rank>`` adapts when it names none (sorted, as
+#: :mod:`raystudy.core.expressions` stores them; importable from there too).
+DEFAULT_LORA_TARGETS: tuple[str, ...] = ("proj", "qkv")
 
 
 def target_modules(model: nn.Module, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> list[str]:
