@@ -390,12 +390,12 @@ def test_wilcoxon_matches_scipy_and_exact_enumeration(study):
 
 
 def test_wilcoxon_two_sided_and_dataset_seed_pairs(tmp_path):
-    from raystudy.analysis.inputs import load_study
+    from raystudy.analysis.inputs import read_inputs
     from raystudy.analysis.pipeline import compute_tables
 
     d = make_study(tmp_path / "s", seed=3, curves=False, bounds=False, plasticity=False,
                    datasets=DATASETS[:4])
-    inputs = load_study(d)
+    inputs = read_inputs(d)
     t = compute_tables(inputs, reference="FC1", alternative="two-sided", pair_by="dataset_seed")["wilcoxon"]
     trials = raw_trials(d)
     best = expected_best(trials)

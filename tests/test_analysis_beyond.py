@@ -12,7 +12,7 @@ import yaml
 from scipy import stats
 
 from raystudy.analysis import beyond as B
-from raystudy.analysis.inputs import load_study
+from raystudy.analysis.inputs import read_inputs
 from raystudy.analysis.pipeline import run_analysis
 from raystudy.analysis.tables import best_lr_table
 from raystudy.io import write_result
@@ -81,7 +81,7 @@ def test_pareto_mask_equals_the_definition():
 
 
 def test_frontier_points_equal_an_independent_pareto(study):
-    inputs = load_study(study)
+    inputs = read_inputs(study)
     table = B.frontier_table(best_lr_table(inputs.counted), inputs.counted)
     best = _best(inputs.counted)
     for ds in DATASETS:
@@ -102,7 +102,7 @@ def test_frontier_points_equal_an_independent_pareto(study):
 
 
 def test_matched_budget_wilcoxon_equals_scipy(study):
-    inputs = load_study(study)
+    inputs = read_inputs(study)
     frontier = B.frontier_table(best_lr_table(inputs.counted), inputs.counted)
     notes: list[str] = []
     table = B.matched_budget_table(frontier, notes=notes)
@@ -121,7 +121,7 @@ def test_matched_budget_wilcoxon_equals_scipy(study):
 
 
 def test_unit_gain_spearman_equals_scipy(study):
-    inputs = load_study(study)
+    inputs = read_inputs(study)
     table = B.unit_gain_table(inputs.plasticity, best_lr_table(inputs.counted), inputs.counted)
     best = _best(inputs.counted).set_index(["dataset", "configuration"])["test_acc"]
     plast = inputs.plasticity.set_index(["dataset", "component", "layer"])["plasticity"]
@@ -138,7 +138,7 @@ def test_unit_gain_spearman_equals_scipy(study):
 
 
 def test_unit_gain_skipped_with_a_note_without_single_units(study):
-    inputs = load_study(study)
+    inputs = read_inputs(study)
     counted = inputs.counted[~inputs.counted["configuration"].isin(UNITS)]
     notes: list[str] = []
     assert B.unit_gain_table(inputs.plasticity, best_lr_table(counted), counted, notes) is None

@@ -244,11 +244,11 @@ def test_every_new_figure_is_written_and_in_the_report(paper):
 
 
 def test_sweep_curves_draw_one_line_per_lr_and_seed(tmp_path):
-    from raystudy.analysis.inputs import load_study
+    from raystudy.analysis.inputs import read_inputs
     from raystudy.analysis.sweep_figures import plot_sweep_curves
 
     d = make_study(tmp_path / "s", datasets=DATASETS[:1], plasticity=False, bounds=False, failures=False)
-    inputs = load_study(d)
+    inputs = read_inputs(d)
     runs = inputs.counted[inputs.counted["optimizer"] == "sgd"]
     paths = plot_sweep_curves(inputs.curves, runs, tmp_path / "curves")
     svg = paths[1].read_text()

@@ -1,6 +1,7 @@
 """The shape the developer guide asks of ``raystudy/`` (docs/architecture.md), checked on the source itself.
 
-- no function or method over 80 lines;
+- no function or method over 80 lines, no module over 600;
+- no import cycle between raystudy's modules, and no more in-function imports of them than today;
 - no test-only field in a production config (faults are injected through :mod:`raystudy.faults`);
 - one place for URIs and atomic renames: :mod:`raystudy.storage` (plus the whole-directory rename of a
   prepared store in :mod:`raystudy.data.store`).
@@ -70,6 +71,173 @@ def test_no_function_over_80_lines():
              if not any(f"{_rel(p)}:{n}" == k and n_lines > MAX_FUNCTION_LINES
                         for p in _sources() for n, _, n_lines in _function_lengths(p))]
     assert not stale, f"allow-list entries that are no longer long (remove them): {stale}"
+
+
+MAX_MODULE_LINES = 600
+#: ``"raystudy/path.py"`` -> why it may be longer, until it is split (then the entry goes: a stale one fails).
+LONG_MODULES_ALLOWED: dict[str, str] = {
+    "raystudy/study/spec.py": "the study spec: its settings become typed groups (issue 19, item 1)",
+}
+
+
+def _long_modules(paths: list[Path], root: Path, allowed: dict[str, str]) -> tuple[list[str], list[str]]:
+    """``(modules over the limit and not allowed, allowed entries no longer over it)``, paths relative to
+    ``root``'s parent; a module's length is its number of lines."""
+    lengths = {p.relative_to(root.parent).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
+               for p in paths}
+    long = [f"{rel}: {n} lines" for rel, n in lengths.items() if n > MAX_MODULE_LINES and rel not in allowed]
+    stale = [rel for rel in allowed if lengths.get(rel, 0) <= MAX_MODULE_LINES]
+    return long, stale
+
+
+def test_module_lengths_are_checked(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (pkg / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (pkg / "kept.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 5))
+    paths = sorted(pkg.glob("*.py"))
+    allowed = {"pkg/kept.py": "being split", "pkg/short.py": "was split"}
+    assert _long_modules(paths, pkg, allowed) == ([f"pkg/long.py: {MAX_MODULE_LINES + 1} lines"], ["pkg/short.py"])
+
+
+def test_no_module_over_600_lines():
+    long, stale = _long_modules(_sources(), PACKAGE, LONG_MODULES_ALLOWED)
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern):\n" + "\n".join(long)
+    assert not stale, f"allow-list entries that are no longer long (remove them): {stale}"
+
+
+# ------------------------------------------------------------------------------ import graph
+
+#: In-function imports of raystudy's own modules today; the number may only go down (lower it when it does).
+#: What may stay: an optional dependency, or a documented heavy import (Ray, matplotlib) behind a light one.
+MAX_IN_FUNCTION_IMPORTS = 157
+
+
+def _module_name(path: Path, root: Path) -> str:
+    """``<root>/core/plasticity.py`` -> ``raystudy.core.plasticity``; a package's ``__init__.py`` -> the package."""
+    return ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _own_imports(path: Path, root: Path, modules: set[str]) -> list[tuple[str, int, bool]]:
+    """``(module of the package imported, line, inside a function?)`` of every import in ``path``.
+
+    ``from a.b import c`` imports the module ``a.b.c`` when there is one, else ``a.b`` (a name its
+    ``__init__`` defines or re-exports: that ``__init__`` runs); other names resolve to the longest prefix
+    that is a module. Imports under ``if TYPE_CHECKING:`` never run and are left out.
+    """
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def module_of(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    out: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            targets: list[str | None] = []
+            if isinstance(child, ast.Import):
+                targets = [module_of(a.name) for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else module_of(base)
+                           for a in child.names]
+            out.extend((t, child.lineno, in_function) for t in dict.fromkeys(targets) if t)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return out
+
+
+def _import_graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
+    """The package under ``root``: ``(module -> the modules its module-level imports import, the
+    in-function imports of its own modules as "module:line")``."""
+    paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    in_function: list[str] = []
+    for module, path in paths.items():
+        for target, line, inside in _own_imports(path, root, set(paths)):
+            if inside:
+                in_function.append(f"{module}:{line}")
+            elif target != module:
+                graph[module].add(target)
+    return graph, sorted(set(in_function))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted: every module of
+    one imports every other, directly or not."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(found)
+
+
+def test_import_graph_is_built_as_python_runs_it(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from pkg.a import f  # a re-export: importing pkg runs a\n",
+        "a.py": "from . import b\nfrom pkg.c import g\ndef f():\n    pass\n",
+        "b.py": "import os\nimport pkg\n",  # b -> pkg (its __init__) -> a -> b: a cycle
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+                "def g():\n    from pkg.a import f  # in a function: no edge, counted\n"
+                "    class C:\n        def m(self):\n            import pkg.sub.d\n",
+        "sub/__init__.py": "",
+        "sub/d.py": "from ..c import g\nfrom pkg.sub import e\n",
+        "sub/e.py": "from pkg.c import g\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    graph, in_function = _import_graph(pkg)
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b", "pkg.c"}, "pkg.b": {"pkg"}, "pkg.c": set(),
+                     "pkg.sub": set(), "pkg.sub.d": {"pkg.c", "pkg.sub.e"}, "pkg.sub.e": {"pkg.c"}}
+    assert in_function == ["pkg.c:5", "pkg.c:8"]
+    assert _cycles(graph) == [["pkg", "pkg.a", "pkg.b"]]
+    graph["pkg.c"].add("pkg.sub.d")  # c -> d -> c and c -> d -> e -> c: a second cycle of three
+    assert _cycles(graph) == [["pkg", "pkg.a", "pkg.b"], ["pkg.c", "pkg.sub.d", "pkg.sub.e"]]
+
+
+def test_no_import_cycle():
+    cycles = _cycles(_import_graph(PACKAGE)[0])
+    assert not cycles, ("modules that import each other at module level (move the shared piece down a layer):\n"
+                        + "\n".join(" <-> ".join(c) for c in cycles))
+
+
+def test_in_function_imports_of_own_modules_do_not_grow():
+    in_function = _import_graph(PACKAGE)[1]
+    assert len(in_function) <= MAX_IN_FUNCTION_IMPORTS, (
+        f"{len(in_function)} in-function imports of raystudy modules, more than {MAX_IN_FUNCTION_IMPORTS}: import "
+        "at module level (an in-function import only for an optional dependency or a documented heavy one)")
 
 
 PRODUCTION_CONFIGS = {
@@ -175,7 +343,7 @@ def test_modality_strings_only_in_the_modality_module():
 
 # ------------------------------------------------------------------------------ layers
 
-FOUNDATION = ("vocab", "storage", "io", "faults")
+FOUNDATION = ("vocab", "storage", "io", "faults", "settings")
 #: The one core module the analysis may import: the configuration-expression grammar (pure Python over the
 #: vocabulary at import), to read the expressions in trials tables.
 ANALYSIS_MAY_IMPORT = ("raystudy.core.expressions",)

@@ -151,7 +151,7 @@ def test_item6_corrupt_trials_parquet_is_rebuilt_from_the_trial_summaries(tmp_pa
 def test_item1_corrupt_run_dirs_are_quarantined(tmp_path):
     import torch
 
-    from raystudy.study.tune import check_run_dirs
+    from raystudy.study.health import check_run_dirs
 
     spec = small_spec(tmp_path, name="q")
     train = tmp_path / "train"
@@ -311,7 +311,7 @@ def test_item1_failed_row_error_points_at_the_trials_files(tmp_path):
 
 DRIVER = """
 import sys, time
-from raystudy.study.tune import sigterm_exits
+from raystudy.study.signals import sigterm_exits
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.reaper import start_reaper
 import ray

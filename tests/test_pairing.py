@@ -212,7 +212,7 @@ def test_spec_pairing_fields_are_validated_and_reach_the_job():
 
 
 def test_resume_is_refused_when_the_pairing_changes(tmp_path):
-    from raystudy.study.tune import check_stored, write_spec
+    from raystudy.study.persist import check_stored, write_spec
 
     stored = _spec(pairing="random", batch_size=64).with_overrides({"out": str(tmp_path / "study")})
     write_spec(stored)

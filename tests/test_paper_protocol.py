@@ -182,7 +182,7 @@ def test_resume_with_a_changed_dataset_field_is_refused_naming_it(tmp_path, caps
     """A study directory created with the paper's clipart protocol refuses a spec that changes clipart's
     steps (or any per-dataset protocol field), on a dry run and when the study starts; more lrs or seeds
     on a dataset grow the grid and are fine."""
-    from raystudy.study.tune import check_stored, resolve_paths, write_spec
+    from raystudy.study.persist import check_stored, resolve_paths, write_spec
 
     out = str(tmp_path / "study")
     base = ["study", "--preset", "paper", "--out", out, "--dry-run"]

@@ -99,7 +99,7 @@ def local_probes(monkeypatch):
         jobs.append(job)
         return real(dataclasses.replace(job, local=True), address=address)
 
-    monkeypatch.setattr(dist_probe, "run_probe_job", run_local)
+    monkeypatch.setattr(study_probes, "run_probe_job", run_local)  # the name the study calls
     return jobs
 
 

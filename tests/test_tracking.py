@@ -7,8 +7,9 @@ import types
 
 import pytest
 
+from raystudy.study.persist import check_tracking
 from raystudy.study.spec import SpecError, StudySpec
-from raystudy.study.tune import check_tracking, run_study
+from raystudy.study.tune import run_study
 
 
 def _spec(tmp_path, tracking):

@@ -1,6 +1,6 @@
 """Read and validate the Parquet tables of a study directory (never Ray).
 
-:func:`load_study` reads ``trials``, ``curves``, ``plasticity``, ``bounds`` and ``rates`` through
+:func:`read_inputs` reads ``trials``, ``curves``, ``plasticity``, ``bounds`` and ``rates`` through
 :func:`raystudy.io.read_result` (which already names the file and the missing columns) and checks the
 values the analysis relies on. Every problem raises :class:`raystudy.io.TableError` naming the file, the
 column and, where it helps, the offending rows. Absent optional tables are ``None`` and reported in
@@ -90,7 +90,7 @@ def _known(df: pd.DataFrame, column: str, allowed: tuple[str, ...], path: str) -
 def _known_configurations(df: pd.DataFrame, path: str) -> None:
     """Every ``configuration`` is a name of :data:`TRIALS_CONFIGURATIONS` or a configuration expression
     (``MHA+FC1``, ``MHA@8-11``, ``auto:5%``, ``lora:r=8``: :mod:`raystudy.core.expressions`)."""
-    from raystudy.core.expressions import is_configuration
+    from raystudy.core.expressions import is_configuration  # torch (raystudy.core): not for `import`
 
     values = df["configuration"].dropna().astype(str)
     unknown = sorted(v for v in set(values) if v not in TRIALS_CONFIGURATIONS and not is_configuration(v))
@@ -217,8 +217,10 @@ def _read_optional(inputs: StudyInputs) -> None:
         inputs.notes.append("No bounds.parquet: the bounds figure is omitted.")
 
 
-def load_study(study_dir: str | os.PathLike) -> StudyInputs:
-    """Read and validate every table of ``study_dir``; absent optional tables become notes."""
+def read_inputs(study_dir: str | os.PathLike) -> StudyInputs:
+    """Read and validate every table of ``study_dir`` for the analysis; absent optional tables become notes.
+
+    (Not :func:`raystudy.load_study`, the notebook's :class:`~raystudy.study.results.Study` of a directory.)"""
     inputs = StudyInputs(study_dir=str(study_dir))
     trials = read_result(inputs.study_dir, "trials", required=False)
     if trials is not None:

@@ -23,7 +23,7 @@ from raystudy.analysis import beyond as B
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
 from raystudy.analysis import sweep_figures as SF
-from raystudy.analysis.inputs import StudyInputs, load_study
+from raystudy.analysis.inputs import StudyInputs, read_inputs
 from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE, check_options
 from raystudy.analysis.stats import ranking_table, wilcoxon_table
 from raystudy.analysis.tables import (
@@ -331,7 +331,7 @@ def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFER
     """
     check_options(reference, alternative, pair_by)
     options = dict(reference=reference, alternative=alternative, pair_by=pair_by)
-    inputs = load_study(study_dir)
+    inputs = read_inputs(study_dir)
     out, uri = storage.staged(out_dir if out_dir is not None else storage.join(study_dir, "analysis"),
                               prefix="raystudy-analysis-")
     res = AnalysisResult(str(study_dir), out, inputs, notes=list(inputs.notes), upload_to=uri, options=options)

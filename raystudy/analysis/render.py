@@ -157,7 +157,9 @@ def fmt_bytes(x) -> str:
     return f"{x:.0f} B"
 
 
-def fmt_seconds(x) -> str:
+def fmt_duration(x) -> str:
+    """A table cell's duration: ``12.3 s``, ``4.5 min``, ``2.1 h``; ``–`` when unknown (the terminal's
+    ``3m05s`` is :func:`raystudy.study.progress.fmt_seconds`)."""
     if not _finite(x):
         return "–"
     x = float(x)
@@ -358,11 +360,11 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
     for heading, g in _groups(t, []):
         rows = []
         for _, r in g.iterrows():
-            wall = fmt_seconds(r["wall_seconds"])
+            wall = fmt_duration(r["wall_seconds"])
             if _finite(r["wall_seconds_std"]):
-                wall += f" ± {fmt_seconds(r['wall_seconds_std'])}"
+                wall += f" ± {fmt_duration(r['wall_seconds_std'])}"
             rows.append([r["optimizer"], r["configuration"], fmt_count(r["trainable_params"]),
-                         *[fmt_bytes(r[c]) for c in mem], wall, fmt_seconds(r["total_wall_seconds"]),
+                         *[fmt_bytes(r[c]) for c in mem], wall, fmt_duration(r["total_wall_seconds"]),
                          str(int(r["n_trials"])), *([fmt_num(r["images_per_s"], 1)] if speed else [])])
         blocks.append(Block(heading, ["optimizer", "configuration", "trainable parameters",
                                       *[labels[c] for c in mem], "wall time per ok trial", "total wall time",

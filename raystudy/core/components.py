@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from raystudy.core.input_checks import check_pair_batches
 from raystudy.vocab import COMPONENTS, CONFIGURATIONS  # noqa: F401  (public names, re-exported here)
 
 
@@ -138,11 +139,9 @@ class Adapter:
     def check_inputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Validate a pair of input batches for :meth:`embed`; raises ``PlasticityInputError``.
 
-        Default: image batches ``(N, C, H, W)`` (:func:`raystudy.core.plasticity.check_pair_batches`);
+        Default: image batches ``(N, C, H, W)`` (:func:`raystudy.core.input_checks.check_pair_batches`);
         text adapters check token-id batches ``(N, n)`` instead.
         """
-        from raystudy.core.plasticity import check_pair_batches  # plasticity imports this module
-
         check_pair_batches(x, y)
 
     def embedding_names(self) -> tuple[str, ...]:
@@ -192,9 +191,10 @@ def supported_families() -> list[str]:
 
 
 def get_adapter(model: nn.Module) -> Adapter:
-    """The adapter for ``model``; raises :class:`UnsupportedModelError` listing the supported families."""
-    if type(model).__module__.startswith("transformers."):
-        import raystudy.core.hf  # noqa: F401  (registers the Hugging Face adapters; imports no transformers)
+    """The adapter for ``model``; raises :class:`UnsupportedModelError` listing the supported families.
+
+    The Hugging Face adapters (:mod:`raystudy.core.hf`) are registered by importing :mod:`raystudy.core`
+    (its ``__init__``), which every import of this module runs first."""
     for cls in _ADAPTERS:
         if cls.matches(model):
             return cls(model)

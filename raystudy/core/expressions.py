@@ -43,10 +43,10 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import NoReturn
 
+from raystudy.core.components import get_adapter, trainable_parameters
+from raystudy.core.lora import DEFAULT_LORA_TARGETS, apply_lora
 from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
-#: The layers ``lora:r=<rank>`` adapts when no targets are given (sorted, as the tree stores them).
-DEFAULT_LORA_TARGETS: tuple[str, ...] = ("proj", "qkv")
 STRATEGIES: tuple[str, ...] = ("auto", "random")
 _MILLION, _THOUSAND = 1_000_000, 1_000
 
@@ -425,8 +425,6 @@ class Resolved:
 
 def unit_parameters(model, *, include_layerscale: bool = False) -> dict[Unit, list]:
     """Every (component, block) unit of ``model`` -> its ``(name, parameter)`` list, in depth order."""
-    from raystudy.core.components import get_adapter, trainable_parameters
-
     blocks = get_adapter(model).blocks()
     out: dict[Unit, list] = {}
     for i in range(len(blocks)):
@@ -445,8 +443,6 @@ def _in_model_order(model, names: set[str]) -> tuple:
 
 def _resolve_combination(model, tree: Combination, include_layerscale: bool) -> tuple[tuple, tuple[Unit, ...]]:
     """Parameters and units of a combination; ``ValueError`` for a block the model does not have."""
-    from raystudy.core.components import trainable_parameters
-
     per_unit = unit_parameters(model, include_layerscale=include_layerscale)
     depth = len(per_unit) // len(COMPONENTS)
     names: set[str] = set()
@@ -467,8 +463,6 @@ def _resolve_combination(model, tree: Combination, include_layerscale: bool) -> 
 
 def _resolve_budget(model, tree: Budgeted, plasticity, seed: int, include_layerscale: bool) -> Resolved:
     """First-fit packing of the units into the budget, in plasticity or seeded random order."""
-    from raystudy.core.components import trainable_parameters
-
     per_unit = unit_parameters(model, include_layerscale=include_layerscale)
     sizes = {u: sum(p.numel() for _, p in ps) for u, ps in per_unit.items()}
     total = sum(p.numel() for _, p in trainable_parameters(model, "All"))
@@ -501,8 +495,6 @@ def resolve(model, expr: str | Expression, *, plasticity=None, seed: int = 0,
     if isinstance(tree, Budgeted):
         return _resolve_budget(model, tree, plasticity, seed, include_layerscale)
     if isinstance(tree, LoRA):
-        from raystudy.core.lora import apply_lora
-
         params = apply_lora(model, tree.rank, tree.targets, seed=seed)
         return Resolved(str(tree), tuple(params), (), str(tree))
     params, units = _resolve_combination(model, tree, include_layerscale)

@@ -45,6 +45,7 @@ from raystudy.core.components import (
     UnsupportedModelError,
     register_adapter,
 )
+from raystudy.core.input_checks import PlasticityInputError
 from raystudy.data.modality import hf_source
 
 #: What :func:`build_hf_model` builds: the bare base model, or one with a sequence-classification head.
@@ -157,8 +158,6 @@ class LlamaSelfAttention(nn.Module):
 def check_token_batches(x: torch.Tensor, y: torch.Tensor, *, vocab_size: int, max_len: int | None) -> None:
     """Validate token-id batches ``x, y`` ``(N, n)``: integer ids in ``[0, vocab_size)``, equal shapes,
     ``N, n > 0`` and ``n <= max_len`` (absolute position embeddings). Raises ``PlasticityInputError``."""
-    from raystudy.core.plasticity import PlasticityInputError
-
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise PlasticityInputError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}")
     if x.shape != y.shape:

@@ -23,7 +23,11 @@ import copy
 import torch
 from torch import nn
 
-from raystudy.core.expressions import DEFAULT_LORA_TARGETS
+from raystudy.core.components import get_adapter
+
+#: The layers of a block ``lora:r=<rank>`` adapts when it names none (sorted, as
+#: :mod:`raystudy.core.expressions` stores them; importable from there too).
+DEFAULT_LORA_TARGETS: tuple[str, ...] = ("proj", "qkv")
 
 
 def target_modules(model: nn.Module, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> list[str]:
@@ -32,8 +36,6 @@ def target_modules(model: nn.Module, targets: tuple[str, ...] = DEFAULT_LORA_TAR
 
     Raises ``ValueError`` for a target that names no linear layer of any block.
     """
-    from raystudy.core.components import get_adapter
-
     found: list[str] = []
     unmatched = set(targets)
     for block in get_adapter(model).blocks():

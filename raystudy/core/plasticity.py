@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raystudy.core.components import get_adapter
+from raystudy.core.input_checks import PlasticityInputError, check_pair_batches  # noqa: F401  (public here)
 from raystudy.vocab import COMPONENTS, MODES, columns
 
 #: Columns that label a whole run of rates (added by the callers); :func:`summarize` groups by them too.
@@ -54,26 +55,6 @@ RATE_COLUMNS = [c for c in columns("rates") if c not in GROUP_KEYS]
 SUMMARY_COLUMNS = [c for c in columns("plasticity") if c not in GROUP_KEYS]
 #: The linear components: their rate is ``||W (x - y)||_F / ||x - y||_F`` in both modes.
 LINEAR_COMPONENTS = ("FC1", "FC2")
-
-
-class PlasticityInputError(ValueError):
-    """Bad input to the plasticity computation (shapes, non-finite values, identical pairs)."""
-
-
-def check_pair_batches(x: torch.Tensor, y: torch.Tensor) -> None:
-    """Validate image batches ``x, y`` of shape ``(N, C, H, W)``: equal shapes, N > 0, finite values."""
-    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise PlasticityInputError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}")
-    if x.shape != y.shape:
-        raise PlasticityInputError(f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
-    if x.ndim != 4 or x.shape[0] == 0:
-        raise PlasticityInputError(f"expected image batches of shape (N, C, H, W) with N > 0, got {tuple(x.shape)}")
-    for name, t in (("x", x), ("y", y)):
-        bad = ~torch.isfinite(t).flatten(1).all(dim=1)
-        if bad.any():
-            raise PlasticityInputError(
-                f"{name} has non-finite values (NaN or inf) in pair(s) {bad.nonzero().flatten().tolist()[:10]}"
-            )
 
 
 def _check_denominator(den: torch.Tensor, what: str) -> None:

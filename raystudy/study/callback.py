@@ -11,6 +11,9 @@ from typing import Any
 
 from ray import tune
 
+from raystudy.distributed.train import failed_summary
+from raystudy.study.health import disk_full
+from raystudy.study.jobs import finetune_job
 from raystudy.study.progress import Progress
 from raystudy.study.results import ResultTables, trial_dir, trial_row
 from raystudy.study.spec import StudySpec
@@ -19,9 +22,6 @@ from raystudy.study.spec import StudySpec
 def failed_trial_row(spec: StudySpec, point: dict[str, Any], error: BaseException | str) -> dict[str, Any]:
     """The ``trials.parquet`` row of a trial that ended without a result of its own:
     :func:`raystudy.distributed.train.failed_summary` of its run config, as a :func:`trial_row`."""
-    from raystudy.distributed.train import failed_summary
-    from raystudy.study.jobs import finetune_job
-
     cfg, _ = finetune_job(spec, point, trial_dir(spec.out, point["trial_id"]))
     return trial_row(point, spec.model, failed_summary(cfg, error), spec.model_kwargs)
 
@@ -53,8 +53,6 @@ class StudyCallback(tune.Callback):
         return StopOnFullDisk()
 
     def _note_disk_full(self, where: str, error: BaseException | str) -> None:
-        from raystudy.study.tune import disk_full
-
         if self.disk_full is None and disk_full(error):
             self.disk_full = where
 
@@ -135,7 +133,7 @@ def _error_line(trial) -> str:
 def tracking_callbacks(spec: StudySpec) -> list:
     """Ray Tune's logger callbacks for the spec's ``tracking`` (``wandb``: W&B project = study name;
     ``mlflow``: experiment = study name, tracking URI from ``MLFLOW_TRACKING_URI`` or MLflow's default).
-    The packages are checked by :func:`raystudy.study.tune.check_tracking` before anything runs."""
+    The packages are checked by :func:`raystudy.study.persist.check_tracking` before anything runs."""
     out = []
     for name in spec.tracking:
         if name == "wandb":

@@ -18,7 +18,9 @@ import time
 from collections.abc import Callable
 
 from raystudy.core.probe import probe_row, probe_trial_id
+from raystudy.distributed.probe import run_probe_job
 from raystudy.storage import join, read_text
+from raystudy.study.jobs import probe_job
 from raystudy.study.progress import echo as _echo
 from raystudy.study.progress import fmt_seconds
 from raystudy.study.results import ResultTables
@@ -77,9 +79,6 @@ def failed_probe_row(spec: StudySpec, dataset: str, error: BaseException, wall_s
 def probe_dataset(spec: StudySpec, dataset: str, *, address: str | None = None) -> tuple[dict, dict | None]:
     """``(row, result)`` of the probe of ``dataset``: its ``trials.parquet`` row and its result (reused from
     ``probe.json`` when there); a failed row and ``None`` when it raises."""
-    from raystudy.distributed.probe import run_probe_job
-    from raystudy.study.jobs import probe_job
-
     job = probe_job(spec, dataset, probe_dir(spec, dataset))
     t0 = time.perf_counter()
     try:

@@ -17,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+#: Where a study's lines go: :func:`echo` by default, a list's ``append`` in tests.
+Echo = Callable[[str], object]
+
 
 def echo(msg: str) -> None:
     """The study's terminal output: one flushed line."""

@@ -82,7 +82,7 @@ def read_trial_curves(study_dir: str, trial_id: str) -> pd.DataFrame | None:
 def _point_of(study_dir: str, tid: str, datasets: list[str]) -> dict[str, Any] | None:
     """The grid point of trial directory ``tid`` from its summary (configuration, optimizer, lr, seed) and
     the one dataset of ``datasets`` whose trial id it is; ``None`` when there is none."""
-    from raystudy.study.spec import grid_point
+    from raystudy.study.spec import grid_point  # torch (spec -> core): load_study stays without it
 
     s = read_trial_summary(study_dir, tid)
     try:
@@ -341,8 +341,6 @@ def load_study(study_dir: str) -> Study:
     study_dir = str(study_dir)
     tables = ResultTables(study_dir)
     if not tables.rows and not exists(join(study_dir, "spec.yaml")):
-        from raystudy.io import TableError
-
         raise TableError(f"{study_dir}: no study here (neither trials.parquet nor spec.yaml)")
     trials = tables.trials_frame()
     spec_text = read_text(join(study_dir, "spec.yaml"))

@@ -27,241 +27,59 @@
 In the driver, :class:`raystudy.study.callback.StudyCallback` rewrites the tables as each trial ends and
 prints one line per finished trial and a periodic summary (:mod:`raystudy.study.progress`). Ray starts
 through :func:`raystudy.distributed.cluster.init_ray` (quiet unless ``verbose``).
+
+The pieces it drives live beside it: the stored spec (:mod:`raystudy.study.persist`), one trial
+(:mod:`raystudy.study.trial`), the plasticity stage (:mod:`raystudy.study.measure`), full disks and
+unresumable run folders (:mod:`raystudy.study.health`), SIGTERM (:mod:`raystudy.study.signals`). Their
+public names stay importable from here. Ray itself is imported inside the functions that start it, so
+that the commands can check a spec with this module without starting Ray.
 """
 
 from __future__ import annotations
 
-import errno
-import importlib.util
-import json
-import logging
 import os
-import shutil
-import signal
-import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from raystudy.io import read_result, write_result
-from raystudy.storage import exists, is_uri, join, read_text, subdirs, upload_dir, write_text_atomic
+from raystudy.core.models import build_model
+from raystudy.data.cache import kind_of
+from raystudy.data.store import SPLITS, read_meta
+from raystudy.distributed.cache import build_caches
+from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
+from raystudy.distributed.reaper import start_reaper
+from raystudy.storage import exists, is_uri, join, subdirs
+from raystudy.study.health import (  # noqa: F401  (re-exported: their home before the split)
+    RAY_SNAPSHOT,
+    StudyStorageError,
+    check_run_dirs,
+    disk_full,
+    disk_full_message,
+    run_dir_problem,
+    storage_errors,
+)
 from raystudy.study.lock import StudyLock
+from raystudy.study.measure import measure_plasticity, plasticity_todo
+from raystudy.study.persist import (  # noqa: F401  (re-exported: their home before the split)
+    SPEC_FILE,
+    TRACKING_PACKAGES,
+    check_stored,
+    check_tracking,
+    load_study_spec,
+    resolve_paths,
+    stored_spec,
+    write_spec,
+)
+from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
-from raystudy.study.progress import Progress, fmt_seconds
+from raystudy.study.progress import Echo, Progress, fmt_seconds
 from raystudy.study.progress import echo as _echo
-from raystudy.study.results import ResultTables, quarantine, trial_dir
-from raystudy.study.spec import SpecError, StudySpec, load_spec_file
+from raystudy.study.results import ResultTables
+from raystudy.study.signals import Terminated, sigterm_exits  # noqa: F401  (re-exported)
+from raystudy.study.spec import SpecError, StudySpec
+from raystudy.study.trial import TrialFailed, final_report, local_dir_for, run_trial, trainable  # noqa: F401
 
 __all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_tuner", "run_study",
            "tune_experiments"]
-
-log = logging.getLogger(__name__)
-
-SPEC_FILE = "spec.yaml"
-#: the package each ``tracking`` entry needs (Ray Tune's integration imports it)
-TRACKING_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
-
-Echo = Callable[[str], object]
-
-
-# ----------------------------------------------------------------------------------------------------
-# The study directory and its spec
-# ----------------------------------------------------------------------------------------------------
-
-
-def resolve_paths(spec: StudySpec) -> StudySpec:
-    """Absolute local paths for everything trials read or write (trial processes run in other cwds)."""
-    out = spec.out if is_uri(spec.out) else os.path.abspath(spec.out)
-    data_root = spec.resolved_data_root()
-    data_root = data_root if is_uri(data_root) else os.path.abspath(data_root)
-    weights = spec.weights
-    if weights is not None and not is_uri(weights):
-        weights = os.path.abspath(weights)
-    if weights is None and spec.pretrain.enabled:
-        weights = join(out, "pretrained", "model.safetensors")  # what the pretraining step writes
-    cache_dir = spec.cache_dir
-    if cache_dir is not None and not is_uri(cache_dir):
-        cache_dir = os.path.abspath(cache_dir)
-    resolved = spec.with_overrides({"out": out, "data_root": data_root, "weights": weights, "cache_dir": cache_dir})
-    resolved.datasets = resolved.dataset_stores()
-    if resolved.pretrain_store is not None:
-        resolved.pretrain_store = resolved.pretrain_store_path()
-    return resolved
-
-
-def stored_spec(study_dir: str) -> StudySpec | None:
-    """The spec a study directory was created with, or ``None`` for a new directory."""
-    import yaml
-
-    path = join(study_dir, SPEC_FILE)
-    text = read_text(path)
-    return None if text is None else StudySpec.from_dict(yaml.safe_load(text) or {}, where=path)
-
-
-def load_study_spec(study_dir: str) -> StudySpec:
-    """The spec stored in a study directory (for ``--resume DIR``)."""
-    path = join(study_dir, SPEC_FILE)
-    if not exists(path):
-        raise SpecError(f"--resume: {study_dir} holds no study ({SPEC_FILE} not found)")
-    return stored_spec(study_dir) if is_uri(path) else load_spec_file(path)
-
-
-def check_stored(spec: StudySpec) -> None:
-    """Refuse ``spec`` if its directory already holds a study whose trials mean something else.
-
-    Growing the grid (datasets, configurations, lrs, seeds) is allowed; changing what a trial means
-    (model, weights, steps, ...) is an error naming the fields.
-    """
-    stored = stored_spec(spec.out)
-    if stored is not None:
-        conflicts = spec.conflicts(stored)
-        if conflicts:
-            raise SpecError(
-                f"out: {spec.out} already holds a study created with another spec ({'; '.join(conflicts)}); "
-                "choose another --out, or continue that study with --resume"
-            )
-
-
-def write_spec(spec: StudySpec) -> None:
-    write_text_atomic(join(spec.out, SPEC_FILE), spec.to_yaml())
-
-
-def check_tracking(spec: StudySpec) -> None:
-    """Every experiment tracker of ``spec.tracking`` has its package installed (else a :class:`SpecError`
-    naming it), checked before anything runs."""
-    for name in spec.tracking:
-        package = TRACKING_PACKAGES[name]
-        if package not in sys.modules and importlib.util.find_spec(package) is None:
-            raise SpecError(f"tracking: {name} needs the package {package!r}, which is not installed "
-                            f"(pip install {package}), or remove {name!r} from tracking")
-
-
-# ----------------------------------------------------------------------------------------------------
-# One trial (runs in a Tune trial process, anywhere in the cluster)
-# ----------------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def local_dir_for(target: str) -> Iterator[str]:
-    """A local directory standing for ``target``: ``target`` itself when local, else a temporary directory of
-    the same name, uploaded to the URI when the block ends (also when it raises: a failed run's summary is
-    kept). The name is kept because a run is known by its folder's name (e.g. by :mod:`raystudy.faults`)."""
-    if not is_uri(target):
-        os.makedirs(target, exist_ok=True)
-        yield target
-        return
-    tmp = tempfile.mkdtemp(prefix="raystudy-")
-    local = os.path.join(tmp, target.rstrip("/").rsplit("/", 1)[-1])
-    os.makedirs(local)
-    try:
-        yield local
-    finally:
-        try:
-            upload_dir(local, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _link_tensorboard(study_dir: str, tid: str, run_dir: str) -> None:
-    """``<study>/tb/<trial_id>`` -> the trial's ``tb/`` (a relative symlink: live in TensorBoard)."""
-    tb_root = os.path.join(study_dir, "tb")
-    os.makedirs(tb_root, exist_ok=True)
-    link = os.path.join(tb_root, tid)
-    if not os.path.lexists(link):
-        try:
-            os.symlink(os.path.relpath(os.path.join(run_dir, "tb"), tb_root), link, target_is_directory=True)
-        except OSError:  # file systems without symlinks: copied after the run instead
-            pass
-
-
-def _copy_tensorboard(study_dir: str, tid: str, run_dir: str) -> None:
-    """``<study>/tb/<trial_id>``: a copy of the run's ``tb/`` where no link could be made (URIs)."""
-    target = join(study_dir, "tb", tid)
-    src = os.path.join(run_dir, "tb")
-    if (is_uri(study_dir) or not os.path.lexists(target)) and os.path.isdir(src):
-        upload_dir(src, target)
-
-
-class TrialFailed(RuntimeError):
-    """A trial's Ray Train run ended with status ``failed`` (its workers failed beyond ``worker_retries``)."""
-
-
-def _finetune_point(spec: StudySpec, point: dict, run_dir: str) -> dict:
-    """The run of one grid point into ``run_dir``, where ``spec.trial_execution`` says; its summary (raises
-    :class:`TrialFailed` for a Ray Train run that failed)."""
-    from raystudy.study.jobs import finetune_job
-
-    tid = point["trial_id"]
-    cfg, resources = finetune_job(spec, point, run_dir)
-    if spec.trial_execution == "actor":
-        from ray import tune
-
-        from raystudy.distributed.inprocess import run_in_process
-
-        # a failure raises: Tune's FailureConfig re-runs the trial, which resumes from its checkpoints
-        return run_in_process(cfg, resources, storage=join(spec.out, "train", tid), on_report=tune.report)
-    return _train_point(spec, tid, cfg, resources)
-
-
-def _train_point(spec: StudySpec, tid: str, cfg, resources) -> dict:
-    """The Ray Train run of one grid point (``RunConfig(name=trial_id)``: a re-run resumes its checkpoints)."""
-    import ray.train
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from raystudy.distributed.train import run_finetune
-
-    run_config = ray.train.RunConfig(
-        name=tid, storage_path=join(spec.out, "train"),
-        failure_config=ray.train.FailureConfig(max_failures=spec.worker_retries),
-    )
-    summary = run_finetune(cfg, resources, run_config=run_config, callbacks=[TuneReportCallback()])
-    if summary.get("status") == "failed":
-        # Raising hands the trial to Tune's FailureConfig: a retry resumes from the run's checkpoints.
-        raise TrialFailed(f"{tid}: {summary.get('error', 'Ray Train run failed')}")
-    return summary
-
-
-def final_report(summary: dict, point: dict) -> dict:
-    """What a trial reports to Tune at its end: the summary's scalars, the study's ids, the objective."""
-    final = {k: v for k, v in summary.items() if isinstance(v, int | float | str | bool)}
-    # ("trial_id" is Tune's own key in every result: the study's id goes under another name)
-    final.update({"study_trial_id": point["trial_id"], "dataset": point["dataset"],
-                  "configuration": point["configuration"]})
-    # the searcher's objective: a diverged run counts as chance-level, never NaN
-    acc = summary.get("best_val_acc")
-    ok = summary.get("status") == "ok" and isinstance(acc, int | float) and acc == acc
-    final["objective"] = float(acc) if ok else 0.0
-    return final
-
-
-def run_trial(config: dict, spec_dict: dict) -> None:
-    """The Tune trainable: one grid point (``config["point"]``) = one Ray Train run; reports its summary."""
-    from ray import tune
-
-    spec = StudySpec.from_dict(spec_dict)
-    point = config["point"]
-    tid = point["trial_id"]
-    with local_dir_for(trial_dir(spec.out, tid)) as run_dir:
-        if not is_uri(spec.out):
-            _link_tensorboard(spec.out, tid, run_dir)
-        summary = _finetune_point(spec, point, run_dir)
-        _copy_tensorboard(spec.out, tid, run_dir)
-    tune.report(final_report(summary, point))
-
-
-def _trainable(spec: StudySpec):
-    """The Tune trainable of the spec's trials with its resources: a light driver (``trial_driver_cpus``)
-    waiting on a Ray Train run, or under ``execution: actor`` the worker's own CPUs and GPUs."""
-    from ray import tune
-
-    if spec.trial_execution == "actor":
-        resources = {"cpu": spec.cpus_per_worker or spec.trial_driver_cpus, "gpu": spec.gpus_per_worker}
-    else:
-        resources = {"cpu": spec.trial_driver_cpus}
-    return tune.with_resources(tune.with_parameters(run_trial, spec_dict=spec.to_dict()), resources)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -282,7 +100,7 @@ def _search_setup(spec: StudySpec, tables: ResultTables, points: list[dict] | No
         tune_config = tune.TuneConfig(num_samples=1, reuse_actors=True)
         n = len(points)
     else:
-        from raystudy.study.search import GroupedOptunaSearch, optuna_plan
+        from raystudy.study.search import GroupedOptunaSearch, optuna_plan  # Optuna and Ray Tune
 
         budget, history = optuna_plan(spec, tables)
         n = sum(budget.values())
@@ -305,8 +123,7 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     experiment under ``<out>/tune/<name>-<n>``; returns the :class:`ray.tune.ResultGrid`."""
     from ray import tune
 
-    from raystudy.distributed.cluster import orphaned_placement_groups_removed
-    from raystudy.study.callback import StudyCallback, tracking_callbacks
+    from raystudy.study.callback import StudyCallback, tracking_callbacks  # Ray (a tune.Callback)
 
     progress = Progress(total=total, done_before=done_before, echo=echo, prefix=spec.name)
     param_space, tune_config, n = _search_setup(spec, tables, points)
@@ -320,7 +137,7 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     if not verbose:
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's legacy reporter at verbose=0 prints nothing
     echo(f"[{spec.name}] launching {n} trial(s) as Tune experiment {join(spec.out, 'tune', name)}")
-    tuner = tune.Tuner(_trainable(spec), param_space=param_space, tune_config=tune_config, run_config=run_config)
+    tuner = tune.Tuner(trainable(spec), param_space=param_space, tune_config=tune_config, run_config=run_config)
     try:
         with orphaned_placement_groups_removed():  # a Ray Train controller lost with its node leaves one
             results = tuner.fit()
@@ -349,73 +166,12 @@ def restore_tuner(experiment_path: str, spec: StudySpec | None = None):
     """
     from ray import tune
 
-    from raystudy.distributed.cluster import init_ray
-
     init_ray()
     path = str(experiment_path)
     path = path if is_uri(path) else os.path.abspath(path)
     if spec is None:
         spec = load_study_spec(path.rstrip("/").rsplit("/", 2)[0])
-    return tune.Tuner.restore(path, trainable=_trainable(spec))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Plasticity and bounds
-# ----------------------------------------------------------------------------------------------------
-
-
-def plasticity_todo(spec: StudySpec) -> list[str]:
-    """The spec's datasets without rows in ``plasticity.parquet`` (all of them when plasticity is off: [])."""
-    if not spec.plasticity.enabled:
-        return []
-    have = read_result(spec.out, "plasticity", required=False)
-    measured = set() if have is None else set(have["dataset"])
-    return [d for d in spec.datasets if d not in measured]
-
-
-def _merge_plasticity(spec: StudySpec, run_dir: str, todo: list[str], rename: dict[str, str]) -> None:
-    """Fold one plasticity run's tables into the study's: rows of ``todo`` replaced, dataset names mapped
-    from the stores' names to the spec's; the bounds (model and pretraining images only) replaced."""
-    import pandas as pd
-
-    for table in ("plasticity", "rates"):
-        new = read_result(run_dir, table, required=False)
-        if new is None:
-            continue
-        new["dataset"] = new["dataset"].map(lambda n: rename.get(n, n))
-        old = read_result(spec.out, table, required=False)
-        if old is not None:
-            new = pd.concat([old[~old["dataset"].isin(todo)], new], ignore_index=True)
-        write_result(new, spec.out, table)
-    bounds = read_result(run_dir, "bounds", required=False)
-    if bounds is not None:
-        write_result(bounds, spec.out, "bounds")
-
-
-def measure_plasticity(spec: StudySpec, echo: Echo = _echo) -> list[str]:
-    """Plasticity (and bounds) of every dataset not yet in ``plasticity.parquet``; returns the datasets run.
-
-    The job's tables name datasets by their store's ``dataset.json`` name; they are renamed to the
-    spec's dataset names so they join with ``trials.parquet``.
-    """
-    from raystudy.data.store import read_meta
-    from raystudy.distributed.plasticity import run_plasticity
-    from raystudy.study.jobs import plasticity_job
-
-    todo = plasticity_todo(spec)
-    if not todo:
-        echo(f"[{spec.name}] plasticity: all {len(spec.datasets)} dataset(s) already measured")
-        return []
-    rename = {read_meta(spec.datasets[d])["name"]: d for d in todo}
-    target = join(spec.out, "plasticity", f"run-{len(subdirs(join(spec.out, 'plasticity'))):03d}")
-    echo(f"[{spec.name}] plasticity of {todo}: {spec.plasticity.pairs} pairs each, "
-         f"{spec.plasticity.workers} worker(s) -> {target}")
-    t0 = time.monotonic()
-    with local_dir_for(target) as run_dir:
-        run_plasticity(plasticity_job(spec, todo, None, run_dir))
-        _merge_plasticity(spec, run_dir, todo, rename)
-    echo(f"[{spec.name}] plasticity done in {fmt_seconds(time.monotonic() - t0)}")
-    return todo
+    return tune.Tuner.restore(path, trainable=trainable(spec))
 
 
 def build_study_caches(spec: StudySpec, points: list[dict] | None, echo: Echo = _echo) -> dict:
@@ -424,142 +180,10 @@ def build_study_caches(spec: StudySpec, points: list[dict] | None, echo: Echo = 
     each trial's ``prepare_caches`` then only verifies. One line per cache built, nothing otherwise."""
     if spec.data_path != "cache":
         return {}
-    from raystudy.data.cache import kind_of
-    from raystudy.data.store import SPLITS
-    from raystudy.distributed.cache import build_caches
-
     names = list(spec.datasets) if points is None else sorted({p["dataset"] for p in points})
     return build_caches([spec.store_path(spec.datasets[d]) for d in names], SPLITS,
                         [kind_of(s, spec.augment) for s in SPLITS], spec.img_size, spec.cache_dir,
                         echo=lambda line: echo(f"[{spec.name}] {line}"))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Guarding the study directory: full disks, corrupt Ray Train folders, SIGTERM
-# ----------------------------------------------------------------------------------------------------
-
-#: Ray Train's record of a run's checkpoints, in ``<out>/train/<trial_id>/`` (Ray writes it in place)
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
-
-
-class StudyStorageError(ValueError):
-    """The study directory cannot be written (a full disk); one line naming it. A ``ValueError``, so every
-    command reports it without a traceback."""
-
-
-def disk_full(exc: BaseException | str | None) -> bool:
-    """Whether ``exc`` (or an exception it was raised from, or an error text) is a full disk (ENOSPC)."""
-    seen = 0
-    while isinstance(exc, BaseException) and seen < 20:
-        if getattr(exc, "errno", None) == errno.ENOSPC or disk_full(str(exc)):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return isinstance(exc, str) and ("No space left on device" in exc or "[Errno 28]" in exc)
-
-
-def disk_full_message(study_dir: str, detail: str = "") -> str:
-    return (f"study directory {study_dir}: no space left on device (ENOSPC){detail}; make room and run the "
-            "same command again: finished trials are kept, unfinished ones resume from their checkpoints")
-
-
-@contextmanager
-def storage_errors(study_dir: str) -> Iterator[None]:
-    """Turn a full disk anywhere in the block into one :class:`StudyStorageError` naming ``study_dir``."""
-    try:
-        yield
-    except StudyStorageError:
-        raise
-    except Exception as e:
-        if disk_full(e):
-            raise StudyStorageError(disk_full_message(study_dir)) from None
-        raise
-
-
-class Terminated(SystemExit):
-    """Raised in the driver's main thread by SIGTERM, so that ``finally`` blocks run: Ray is shut down and
-    the study lock released."""
-
-
-@contextmanager
-def sigterm_exits(echo: Echo = _echo, prefix: str = "study") -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` (exit status 143) in the main thread.
-
-    Ray's own handler (installed by ``ray.init``) kills the local Ray processes from inside the signal
-    handler and exits; the driver then aborts half-way, without releasing what it holds.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-        echo(f"[{prefix}] SIGTERM: stopping (run the same command again to resume)")
-        raise Terminated(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def run_dir_problem(run_dir: str) -> str | None:
-    """Why Ray Train could not resume from ``run_dir`` (``<out>/train/<trial_id>``), or ``None``.
-
-    Checks Ray's checkpoint snapshot (readable JSON listing checkpoint folders; a full disk leaves it
-    empty, and Ray then fails every attempt with ``CheckpointManagerInitializationError``) and, on local
-    paths, every checkpoint it lists (:func:`raystudy.core.finetune.state.checkpoint_problem`).
-    """
-    from raystudy.core.finetune.state import checkpoint_problem
-
-    snapshot = join(run_dir, RAY_SNAPSHOT)
-    text = read_text(snapshot)
-    if text is None:
-        return None
-    try:
-        state = json.loads(text)
-        names = [r["checkpoint_dir_name"] for r in state["checkpoint_results"]]
-    except (ValueError, KeyError, TypeError):
-        return f"{snapshot} is unreadable ({len(text)} bytes: empty or truncated)"
-    for name in names:
-        folder = join(run_dir, name)
-        if not exists(folder):
-            return f"{snapshot} lists the checkpoint {folder}, which is missing"
-        problem = None if is_uri(folder) else checkpoint_problem(folder)
-        if problem:
-            return problem
-    return None
-
-
-def check_run_dirs(spec: StudySpec, done: set[str], echo: Echo = _echo) -> list[str]:
-    """Before a launch: move aside (``<run dir>.corrupt-<n>``) every Ray Train folder of an unfinished trial
-    that Ray could not resume from, so that the trial starts afresh instead of failing at every attempt;
-    returns the folders moved. Temporary files left by a killed writer in the study are removed."""
-    moved = []
-    for name in subdirs(join(spec.out, "train")):
-        if name in done or ".corrupt-" in name:
-            continue
-        run_dir = join(spec.out, "train", name)
-        problem = run_dir_problem(run_dir)
-        if problem:
-            target = quarantine(run_dir)
-            echo(f"[{spec.name}] {name}: its checkpoints cannot be resumed from ({problem}); moved aside to "
-                 f"{target}, the trial starts from step 0")
-            moved.append(target)
-    if not is_uri(spec.out):
-        _remove_temporaries(spec.out, done)
-    return moved
-
-
-def _remove_temporaries(study_dir: str, done: set[str]) -> None:
-    """Delete ``.<name>.<hex>.tmp`` files of :func:`raystudy.storage.atomic_output` left by a killed writer
-    (in the study folder and the folders of unfinished trials; the lock keeps other writers out)."""
-    folders = [study_dir] + [os.path.join(study_dir, "trials", t) for t in subdirs(join(study_dir, "trials"))
-                             if t not in done]
-    for folder in folders:
-        for entry in os.scandir(folder):
-            if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp"):
-                os.remove(entry.path)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -595,9 +219,6 @@ class StudyPlan:
 def check_weights_load(spec: StudySpec) -> None:
     """Build the model with its weights once in the driver, as every trial will, so a checkpoint that does
     not fit the model (wrong architecture, missing keys) stops the study before any launch."""
-    from raystudy.core.models import build_model
-    from raystudy.data.store import read_meta
-
     if spec.weights is None or is_uri(spec.weights):
         return
     num_classes = int(read_meta(next(iter(spec.datasets.values())))["num_classes"])
@@ -618,13 +239,9 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
     check_stored(spec)
     echo(f"[{spec.name}] study directory {spec.out}")
     if spec.builtin_data:
-        from raystudy.study.pretrain import prepare_builtin_data
-
         prepare_builtin_data(spec, echo)
     spec.check_files(weights=False)  # stores, before any work
     if spec.pretrain.enabled:
-        from raystudy.study.pretrain import pretrain_weights
-
         if exists(spec.weights):
             echo(f"[{spec.name}] pretrained weights found: {spec.weights}")
         else:
@@ -657,7 +274,7 @@ def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> Stu
         plan = StudyPlan(todo, points, len(points), total,
                          retry=[p["trial_id"] for p in points if tables.status(p["trial_id"]) == "failed"])
     else:
-        from raystudy.study.search import optuna_plan
+        from raystudy.study.search import optuna_plan  # Optuna and Ray Tune
 
         plan = StudyPlan(todo, None, sum(optuna_plan(spec, tables)[0].values()), total)
     plan.probes = probe_todo(spec, tables)
@@ -677,9 +294,6 @@ def execute(spec: StudySpec, tables: ResultTables, plan: StudyPlan, *, address: 
             echo: Echo = _echo) -> None:
     """Run the plan on Ray (started here, and shut down after, unless it was running already). A local Ray
     started here is watched by a reaper process that ends it if the driver is killed (SIGKILL)."""
-    from raystudy.distributed.cluster import init_ray
-    from raystudy.distributed.reaper import start_reaper
-
     local = not (address or os.environ.get("RAY_ADDRESS")) or address == "local"
     started = init_ray(address, verbose=verbose)
     if started and local:
@@ -719,7 +333,7 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
         outcome = StudyOutcome(study_dir=spec.out, total=plan.total, launched=plan.to_launch,
                                counts=tables.counts(), probes=tables.counts(probes=True))
         if spec.analysis:
-            from raystudy.analysis import report
+            from raystudy.analysis import report  # pandas, scipy, matplotlib: only for a spec that asks
 
             t0 = time.monotonic()
             outcome.report = str(report(spec.out))  # runs the analysis (tables, figures), writes report.html

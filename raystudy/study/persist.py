@@ -1,0 +1,86 @@
+"""A study directory's spec: the paths it resolves to, the ``spec.yaml`` it is stored as, and the checks
+that a directory keeps one meaning (:func:`check_stored`) and that its experiment trackers are installed.
+
+A study directory never silently changes meaning: :func:`write_spec` stores the resolved spec once it is
+valid, and :func:`check_stored` refuses another spec whose trials mean something else.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import yaml
+
+from raystudy.storage import exists, is_uri, join, read_text, write_text_atomic
+from raystudy.study.spec import SpecError, StudySpec, load_spec_file
+
+SPEC_FILE = "spec.yaml"
+#: the package each ``tracking`` entry needs (Ray Tune's integration imports it)
+TRACKING_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
+
+
+def resolve_paths(spec: StudySpec) -> StudySpec:
+    """Absolute local paths for everything trials read or write (trial processes run in other cwds)."""
+    out = spec.out if is_uri(spec.out) else os.path.abspath(spec.out)
+    data_root = spec.resolved_data_root()
+    data_root = data_root if is_uri(data_root) else os.path.abspath(data_root)
+    weights = spec.weights
+    if weights is not None and not is_uri(weights):
+        weights = os.path.abspath(weights)
+    if weights is None and spec.pretrain.enabled:
+        weights = join(out, "pretrained", "model.safetensors")  # what the pretraining step writes
+    cache_dir = spec.cache_dir
+    if cache_dir is not None and not is_uri(cache_dir):
+        cache_dir = os.path.abspath(cache_dir)
+    resolved = spec.with_overrides({"out": out, "data_root": data_root, "weights": weights, "cache_dir": cache_dir})
+    resolved.datasets = resolved.dataset_stores()
+    if resolved.pretrain_store is not None:
+        resolved.pretrain_store = resolved.pretrain_store_path()
+    return resolved
+
+
+def stored_spec(study_dir: str) -> StudySpec | None:
+    """The spec a study directory was created with, or ``None`` for a new directory."""
+    path = join(study_dir, SPEC_FILE)
+    text = read_text(path)
+    return None if text is None else StudySpec.from_dict(yaml.safe_load(text) or {}, where=path)
+
+
+def load_study_spec(study_dir: str) -> StudySpec:
+    """The spec stored in a study directory (for ``--resume DIR``)."""
+    path = join(study_dir, SPEC_FILE)
+    if not exists(path):
+        raise SpecError(f"--resume: {study_dir} holds no study ({SPEC_FILE} not found)")
+    return stored_spec(study_dir) if is_uri(path) else load_spec_file(path)
+
+
+def check_stored(spec: StudySpec) -> None:
+    """Refuse ``spec`` if its directory already holds a study whose trials mean something else.
+
+    Growing the grid (datasets, configurations, lrs, seeds) is allowed; changing what a trial means
+    (model, weights, steps, ...) is an error naming the fields.
+    """
+    stored = stored_spec(spec.out)
+    if stored is not None:
+        conflicts = spec.conflicts(stored)
+        if conflicts:
+            raise SpecError(
+                f"out: {spec.out} already holds a study created with another spec ({'; '.join(conflicts)}); "
+                "choose another --out, or continue that study with --resume"
+            )
+
+
+def write_spec(spec: StudySpec) -> None:
+    write_text_atomic(join(spec.out, SPEC_FILE), spec.to_yaml())
+
+
+def check_tracking(spec: StudySpec) -> None:
+    """Every experiment tracker of ``spec.tracking`` has its package installed (else a :class:`SpecError`
+    naming it), checked before anything runs."""
+    for name in spec.tracking:
+        package = TRACKING_PACKAGES[name]
+        if package not in sys.modules and importlib.util.find_spec(package) is None:
+            raise SpecError(f"tracking: {name} needs the package {package!r}, which is not installed "
+                            f"(pip install {package}), or remove {name!r} from tracking")
