@@ -62,6 +62,7 @@ from raystudy.core.finetune.driver import event_metrics as event_metrics
 from raystudy.core.finetune.driver import failed_summary as failed_summary
 from raystudy.core.finetune.driver import failure_due as failure_due
 from raystudy.core.finetune.driver import inject_failure as inject_failure
+from raystudy.storage import filesystem, join, read_text, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -309,8 +310,6 @@ class RecordFailures(UserCallback):
     checkpoint restores nothing (``num_restores`` stays 0) but is counted by :func:`worker_failures`."""
 
     def after_exception(self, run_context, worker_exceptions) -> None:
-        from raystudy.storage import join, write_json_atomic
-
         rc = run_context.run_config
         if not rc.storage_path:
             return
@@ -328,8 +327,6 @@ def worker_failures(run_config) -> dict:
     import json
 
     import pyarrow.fs as pafs
-
-    from raystudy.storage import filesystem, join, read_text
 
     errors = []
     if run_config.storage_path:

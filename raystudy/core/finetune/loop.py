@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from raystudy.core.components import get_adapter
+from raystudy.core.expressions import LoRA, parse
 from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
 from raystudy.core.finetune.data import CachedSplitData, MicroBatches, SplitData, open_split_data, to_device
 from raystudy.core.finetune.outputs import run_summary
@@ -36,6 +37,8 @@ from raystudy.core.finetune.step import (
     set_matmul_precision,
     train_step,
 )
+from raystudy.core.lora import merge
+from raystudy.data.store import read_meta
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +139,6 @@ class Finetuner:
     def __init__(self, cfg: FinetuneConfig, *, rank: int = 0, world_size: int = 1,
                  device: torch.device | str | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        from raystudy.data.store import read_meta
-
         self.cfg = cfg.validate()
         if cfg.batch_size % world_size:
             raise ValueError(f"FinetuneConfig.batch_size={cfg.batch_size}: the global batch must split evenly "
@@ -270,14 +271,10 @@ class Finetuner:
     @property
     def lora(self) -> bool:
         """Whether the configuration is ``lora:...`` (the model holds adapters)."""
-        from raystudy.core.expressions import LoRA, parse
-
         return isinstance(parse(self.cfg.configuration), LoRA)
 
     def merged_model(self) -> nn.Module:
         """The model as a plain timm model: a copy with LoRA's adapters merged, or the model itself."""
-        from raystudy.core.lora import merge
-
         return merge(self.model) if self.lora else self.model
 
     def exported_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

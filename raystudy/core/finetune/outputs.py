@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from raystudy.core.expressions import Budgeted, canonical, normalise
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.storage import join, write_bytes_atomic, write_json_atomic, write_parquet_atomic
 from raystudy.vocab import RUN_CURVE_COLUMNS
@@ -59,8 +60,6 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
 def _known_units(cfg: FinetuneConfig) -> str | None:
     """What ``cfg`` trains when known without a model: its ``selection``, else a configuration that is not a
     budget, canonically spelled."""
-    from raystudy.core.expressions import Budgeted, canonical, normalise
-
     try:
         if cfg.selection is not None:
             return canonical(cfg.selection)
