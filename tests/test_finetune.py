@@ -15,17 +15,21 @@ from conftest import kill_at_first_checkpoint, make_store
 from raystudy.core.components import CONFIGURATIONS
 from raystudy.core.finetune import (
     MOVED_KEYS,
+    DirectoryCheckpointer,
     FinetuneConfig,
     Finetuner,
     MicroBatches,
+    Reporter,
     SplitData,
     analytic_memory,
     build_finetune_model,
+    checkpoint_steps,
     fingerprint,
     global_batch,
     make_optimizer,
     make_scheduler,
     measured_memory,
+    run,
     train_local,
     train_step,
     warmup_cosine,
@@ -378,6 +382,65 @@ def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
         Finetuner(cfg).load(ckdir / "step_00000004")
 
 
+class _Killed(Exception):
+    pass
+
+
+class _KillAtFirstCheckpoint(Reporter):
+    """Stops the run once its first checkpoint is complete, like a killed process."""
+
+    def report(self, metrics, checkpoint):
+        if checkpoint is not None:
+            raise _Killed
+
+
+def test_one_checkpoint_layout_with_a_completion_marker(store, tmp_path):
+    """train_local writes checkpoint_XXXXXXXX/ folders with .complete (written last); killed after its first
+    one, a re-run resumes from it exactly, never from a folder without its marker (removed by the next save)."""
+    kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=2,
+              shuffle=True, augment=True, batch_size=6)
+    ref, ref_ft = train_local(tiny_cfg(store, tmp_path / "ref", **kw), checkpoint_dir=tmp_path / "ref" / "ck",
+                              tensorboard=False)
+    assert checkpoint_steps(str(tmp_path / "ref" / "ck")) == [2, 4, 6]
+    assert sorted(p.name for p in (tmp_path / "ref" / "ck").iterdir()) == [f"checkpoint_{s:08d}" for s in (2, 4, 6)]
+    assert (tmp_path / "ref" / "ck" / "checkpoint_00000004" / ".complete").read_text() == "4\n"
+
+    cfg, ckdir = tiny_cfg(store, tmp_path / "run", **kw), tmp_path / "run" / "ck"
+    with pytest.raises(_Killed):
+        run(cfg, checkpointer=DirectoryCheckpointer(ckdir), reporter=_KillAtFirstCheckpoint(), tensorboard=False)
+    assert checkpoint_steps(str(ckdir)) == [2]
+    (ckdir / "checkpoint_00000003").mkdir()  # a writer killed before its marker: never resumed from
+    (ckdir / "checkpoint_00000003" / "state.pt").write_bytes(b"")
+    torch.manual_seed(999)
+    summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
+    assert summary["restored_from_step"] == 2 and [r["step"] for r in ft.curves] == list(range(1, 9))
+    for a, b in zip(ref_ft.curves, ft.curves):  # bitwise, except the wall-clock throughput
+        assert {k: v for k, v in a.items() if k != "images_per_s"} == {k: v for k, v in b.items()
+                                                                         if k != "images_per_s"}
+    for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "status"):
+        assert summary[k] == ref[k]
+    assert not (ckdir / "checkpoint_00000003").exists() and checkpoint_steps(str(ckdir)) == [2, 4, 6]
+
+
+def test_a_run_directory_of_the_old_step_layout_resumes(store, tmp_path):
+    """A checkpoint folder of the earlier local layout (``step_XXXXXXXX``, no marker) resumes exactly; the
+    resumed run writes today's layout, and a later resume takes the newest step of either layout."""
+    kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=2,
+              shuffle=True, augment=True, batch_size=6)
+    ref, ref_ft = train_local(tiny_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
+    cfg, ckdir = tiny_cfg(store, tmp_path / "run", **kw), tmp_path / "run" / "ck"
+    kill_at_first_checkpoint(Finetuner(cfg), ckdir)
+    assert sorted(p.name for p in ckdir.iterdir()) == ["step_00000002"]
+    summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
+    assert summary["restored_from_step"] == 2 and [r["step"] for r in ft.curves] == list(range(1, 9))
+    assert [r["train_loss"] for r in ft.curves] == [r["train_loss"] for r in ref_ft.curves]
+    assert summary["test_acc"] == ref["test_acc"] and summary["best_val_acc"] == ref["best_val_acc"]
+    assert sorted(p.name for p in ckdir.iterdir()) == ["checkpoint_00000004", "checkpoint_00000006",
+                                                       "step_00000002"]
+    again, _ = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
+    assert again["restored_from_step"] == 6 and again["test_acc"] == ref["test_acc"]
+
+
 def test_resume_refuses_another_runs_checkpoint(store, tmp_path):
     cfg = tiny_cfg(store, tmp_path, steps=2)
     ft = Finetuner(cfg)
@@ -445,7 +508,7 @@ def test_best_validation_state_and_its_test_accuracy(store, tmp_path):
 
     cfg = tiny_cfg(store, tmp_path, steps=6, eval_period=2, checkpoint_period=2, lr=0.3, save_final=True)
     summary, ft = train_local(cfg, checkpoint_dir=tmp_path / "ck", tensorboard=False)
-    states = {s: torch.load(tmp_path / "ck" / f"step_{s:08d}" / "state.pt", weights_only=True)["trainable"]
+    states = {s: torch.load(tmp_path / "ck" / f"checkpoint_{s:08d}" / "state.pt", weights_only=True)["trainable"]
               for s in (2, 4)}
     final = load_file(tmp_path / "final_model.safetensors")
     states[6] = {n: final[n] for n in states[2]}

@@ -1,4 +1,5 @@
-"""Finetuning on Ray Train (V2): a thin layer over :class:`raystudy.core.finetune.Finetuner`.
+"""Finetuning on Ray Train (V2): a thin adapter of :func:`raystudy.core.finetune.run` (the run driver), with
+Ray Train's checkpointer and reporter.
 
 ``run_finetune(cfg, resources)`` builds a ``TorchTrainer`` (:func:`make_trainer`) with
 ``resources.workers`` workers, fits it and writes the run's outputs into ``cfg.out_dir``:
@@ -16,8 +17,9 @@ Each worker builds the same model (seeded), freezes it by configuration, wraps i
 ``ray.train.torch.prepare_model`` (gloo on CPU, NCCL on GPU) and reads its own contiguous slice of every
 global batch from the prepared store (see :mod:`raystudy.core.finetune.data` for why this order is exact).
 Metrics are reported with ``ray.train.report`` at every log step and evaluation; every
-``checkpoint_period`` steps the workers report a checkpoint (worker 0: trainable parameters, optimizer,
-schedule, step, data position, best-validation state, curves; every worker: its RNG states), from which
+``checkpoint_period`` steps the workers report a checkpoint in the layout of
+:mod:`raystudy.core.finetune.checkpoint` (worker 0: trainable parameters, optimizer, schedule, step, data
+position, best-validation state, curves; every worker: its RNG states; the ``.complete`` marker), from which
 ``FailureConfig(max_failures)`` restarts resume exactly. Re-running a run that failed (or whose driver
 died) with the same ``out_dir`` (or the same ``RunConfig`` name and storage) resumes from the latest
 checkpoint of the previous attempt.
@@ -45,16 +47,23 @@ from raystudy.core.finetune import (
     Event,
     FinetuneConfig,
     Finetuner,
-    TensorBoardLogger,
-    build_finetune_model,
+    Reporter,
+    finished_summary,
     prepare_caches,
-    run_summary,
-    save_weights,
-    select_for,
+    run,
     write_outputs,
 )
-from raystudy.faults import injected
+from raystudy.core.finetune.checkpoint import mark_complete
+
+# the run's summary, reports and test fault were defined here before the run driver: still importable here
+from raystudy.core.finetune.driver import INJECTED_MARKER as INJECTED_MARKER
+from raystudy.core.finetune.driver import InjectedFailure as InjectedFailure
+from raystudy.core.finetune.driver import event_metrics as event_metrics
+from raystudy.core.finetune.driver import failed_summary as failed_summary
+from raystudy.core.finetune.driver import failure_due as failure_due
+from raystudy.core.finetune.driver import inject_failure as inject_failure
 from raystudy.settings import ResourceSettings, problems
+from raystudy.storage import filesystem, join, read_text, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +135,6 @@ def split_legacy(d: dict) -> tuple[FinetuneConfig, TrainResources]:
 # --------------------------------------------------------------------------------------------------
 
 
-class InjectedFailure(RuntimeError):
-    """Raised by a worker when a test injects ``fail_after_step`` (:mod:`raystudy.faults`)."""
-
-
 def _all_reduce_sum(t):
     import torch.distributed as dist
 
@@ -137,17 +142,65 @@ def _all_reduce_sum(t):
     return t
 
 
-def event_metrics(ev: Event) -> dict:
-    """What a report of ``ev`` carries: its plain numbers, strings and flags (None and nested values dropped),
-    its step and whether it is the run's final one."""
-    clean = {k: float(v) if isinstance(v, float) else v for k, v in ev.metrics.items()
-             if isinstance(v, int | float | str | bool)}
-    return {**clean, "step": ev.step, "final": ev.final}
+class RayTrainCheckpointer:
+    """Ray Train's checkpoints (a checkpointer of :func:`raystudy.core.finetune.run`).
+
+    Resumes from ``ray.train.get_checkpoint()``. Writes each checkpoint into a temporary folder in the layout
+    of :mod:`raystudy.core.finetune.checkpoint` (this worker's files of :meth:`Finetuner.save`, then the
+    ``.complete`` marker) that :class:`RayTrainReporter` hands to ``ray.train.report``; Ray copies every
+    worker's folder into one checkpoint of its storage and registers it once all have arrived. The final
+    event is checkpointed too, with the run's outputs (worker 0; ``config`` is its ``config.json``).
+    """
+
+    final = True
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def restore(self, ft: Finetuner) -> dict | None:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as d:
+            info = ft.load(d)
+        log.info("rank %d resumed at step %d from %s", ft.rank, info["step"], checkpoint.path)
+        return info
+
+    @contextlib.contextmanager
+    def saved(self, ft: Finetuner, ev: Event) -> Iterator[str]:
+        with tempfile.TemporaryDirectory(prefix="raystudy-ckpt-") as d:
+            ft.save(d)
+            if ev.final and ft.rank == 0:
+                write_outputs(d, ev.metrics, ft.curves, config=self.config, restores=ft.restores)
+            mark_complete(d, ev.step)
+            yield d
 
 
-def _worker_finetuner(cfg: FinetuneConfig, resources: TrainResources) -> Finetuner:
-    """This worker's :class:`Finetuner` (DDP-wrapped when there are several), resumed from Ray Train's
-    latest checkpoint when there is one."""
+class RayTrainReporter(Reporter):
+    """``ray.train.report`` of every event, with the checkpoint written at it; before an injected failure
+    a barrier, so that every worker's report (and checkpoint) is queued before anyone dies and the
+    controller registers that checkpoint before it sees the failure."""
+
+    def report(self, metrics: dict, checkpoint: str | None) -> None:
+        import ray.train
+        from ray.train import Checkpoint
+
+        if checkpoint is None:
+            ray.train.report(metrics)
+        else:
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint))
+
+    def before_failure(self) -> None:
+        import ray.train.collective
+
+        ray.train.collective.barrier()
+
+
+def _worker_placement(resources: TrainResources) -> dict:
+    """This worker's :class:`Finetuner` placement: rank, world size, device, the DDP wrapper and all-reduce
+    when there are several workers (CPU workers use ``int(cpus_per_worker)`` threads)."""
     import ray.train
     import ray.train.torch
     import torch
@@ -157,66 +210,10 @@ def _worker_finetuner(cfg: FinetuneConfig, resources: TrainResources) -> Finetun
     device = ray.train.torch.get_device()
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(resources.cpus_per_worker)))
-    ft = Finetuner(
-        cfg, rank=rank, world_size=world, device=device,
-        wrap=lambda m: ray.train.torch.prepare_model(m, move_to_device=device,
-                                                     parallel_strategy="ddp" if world > 1 else None),
-        all_reduce=_all_reduce_sum if world > 1 else None,
-    )
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            info = ft.load(d)
-        log.info("rank %d resumed at step %d from %s", rank, info["step"], checkpoint.path)
-    return ft
-
-
-#: a run's folder holds this file once its injected failure fired (the first attempt failed)
-INJECTED_MARKER = ".injected_failure"
-
-
-def failure_due(ft: Finetuner, ev: Event, fail_after: int | None) -> bool:
-    """Whether the test fault ``fail_after_step`` (:mod:`raystudy.faults`) fires at ``ev``: that step of the
-    run's first attempt (nothing restored yet, no failure fired before, also before a checkpoint)."""
-    return (fail_after is not None and ev.step == fail_after and not ft.restores and not ev.final
-            and not (Path(ft.cfg.out_dir) / INJECTED_MARKER).exists())
-
-
-def inject_failure(ft: Finetuner, ev: Event) -> None:
-    """Mark the run's first attempt as failed (rank 0) and raise :class:`InjectedFailure`."""
-    if ft.rank == 0:
-        (Path(ft.cfg.out_dir) / INJECTED_MARKER).touch()
-    raise InjectedFailure(f"injected failure after step {ev.step} (raystudy.faults fail_after_step)")
-
-
-def _reporter(ft: Finetuner, tb: TensorBoardLogger | None, config: dict) -> Callable[[Event], None]:
-    """The loop's callback on a worker: TensorBoard (worker 0), ``ray.train.report`` with a checkpoint at
-    checkpoint steps, and the test fault ``fail_after_step`` (first attempt only, after its checkpoint)."""
-    import ray.train
-    import ray.train.collective
-    from ray.train import Checkpoint
-
-    fail_after = injected("fail_after_step", Path(ft.cfg.out_dir).name)
-
-    def report(ev: Event) -> None:
-        if tb is not None:
-            tb(ev)
-        metrics = event_metrics(ev)
-        if ev.checkpoint:
-            with tempfile.TemporaryDirectory(prefix="raystudy-ckpt-") as d:
-                ft.save(d)
-                if ev.final and ft.rank == 0:
-                    write_outputs(d, ev.metrics, ft.curves, config=config, restores=ft.restores)
-                ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
-        else:
-            ray.train.report(metrics)
-        if failure_due(ft, ev, fail_after):
-            # Every worker's report (and checkpoint) is queued before anyone dies, so the controller
-            # registers this checkpoint before it sees the failure.
-            ray.train.collective.barrier()
-            inject_failure(ft, ev)
-
-    return report
+    return dict(rank=rank, world_size=world, device=device,
+                wrap=lambda m: ray.train.torch.prepare_model(m, move_to_device=device,
+                                                             parallel_strategy="ddp" if world > 1 else None),
+                all_reduce=_all_reduce_sum if world > 1 else None)
 
 
 def train_loop_per_worker(config: dict) -> dict | None:
@@ -225,16 +222,10 @@ def train_loop_per_worker(config: dict) -> dict | None:
     Returns the run payload (summary, curves, restores) on worker 0, ``None`` on the others.
     """
     cfg, resources = split_legacy(config)
-    ft = _worker_finetuner(cfg, resources)
-    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None) if ft.rank == 0 else None
-    try:
-        summary = ft.run(_reporter(ft, tb, config), progress=False)
-    finally:
-        if tb is not None:
-            tb.close()
+    summary, ft = run(cfg, checkpointer=RayTrainCheckpointer(config), reporter=RayTrainReporter(),
+                      progress=False, **_worker_placement(resources))
     if ft.rank != 0:
         return None
-    save_weights(ft)
     return {"summary": summary, "curves": ft.curves, "restores": ft.restores}
 
 
@@ -291,22 +282,6 @@ def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     )
 
 
-def failed_summary(cfg: FinetuneConfig, error: BaseException | str | None) -> dict:
-    """The summary of a run that produced no result: every key of a normal summary, the measured ones
-    null (NaN or None), ``trainable_params`` counted when the model can be built, and ``error``."""
-    from raystudy.data.store import read_meta
-
-    trainable, num_classes = None, cfg.num_classes
-    try:
-        num_classes = num_classes or int(read_meta(cfg.store)["num_classes"])
-        trainable = select_for(build_finetune_model(cfg, num_classes), cfg).num_trainable
-    except Exception:  # the failure may be the store or the model itself
-        pass
-    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return run_summary(cfg, status="failed", trainable_params=trainable, num_classes=num_classes,
-                       error=message[:2000])
-
-
 # --- worker-group failures: a trace in the summary also when no checkpoint was restored (issue 15) ---
 
 #: the folder of a Ray Train run's storage where :class:`RecordFailures` writes one file per failure
@@ -324,8 +299,6 @@ class RecordFailures(UserCallback):
     checkpoint restores nothing (``num_restores`` stays 0) but is counted by :func:`worker_failures`."""
 
     def after_exception(self, run_context, worker_exceptions) -> None:
-        from raystudy.storage import join, write_json_atomic
-
         rc = run_context.run_config
         if not rc.storage_path:
             return
@@ -343,8 +316,6 @@ def worker_failures(run_config) -> dict:
     import json
 
     import pyarrow.fs as pafs
-
-    from raystudy.storage import filesystem, join, read_text
 
     errors = []
     if run_config.storage_path:
@@ -427,10 +398,8 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
         summary, curves, restores = dict(payload["summary"]), payload["curves"], payload["restores"]
     else:
         summary, curves, restores = failed_summary(cfg, error), [], []
-    summary["wall_seconds"] = time.perf_counter() - t0
-    summary["workers"] = resources.workers
-    summary["execution"] = "train"
-    summary.update(worker_failures(_run_config(cfg, resources, run_config, [])))  # worker-group failures
+    summary = finished_summary(summary, wall_seconds=time.perf_counter() - t0, workers=resources.workers,
+                               execution="train", failures=worker_failures(_run_config(cfg, resources, run_config, [])))
     write_outputs(cfg.out_dir, summary, curves, config=run_config_dict(cfg, resources), restores=restores)
     if resources.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):
         _delete_run_dir(result)

@@ -3,9 +3,10 @@
 One run = one configuration (``LN1``, ``MHA``, ``LN2``, ``FC1``, ``FC2``, ``All`` or ``Head``) finetuned on
 one prepared store with one optimizer, learning rate and seed. :class:`Finetuner` holds everything a run
 needs (model, parameter selection, optimizer, schedule, data order, best-validation state, curves) and can
-run single-process as it is (:func:`train_local`, the reference loop) or inside a Ray Train worker, which
-passes its rank and world size, a DDP wrapper, an all-reduce and a callback
-(:mod:`raystudy.distributed.train`). Both paths execute the same code.
+run single-process as it is (:func:`train_local`, the reference loop), inside a Ray Train worker, which
+passes its rank and world size, a DDP wrapper and an all-reduce (:mod:`raystudy.distributed.train`), or in
+a study trial's actor (:mod:`raystudy.distributed.inprocess`). All of them are :func:`run` with their own
+checkpointer and reporter, and execute the same code.
 
 Protocol (paper, Appendix D; every value is a :class:`FinetuneConfig` field):
 
@@ -29,10 +30,21 @@ with batch ``W b`` computes, and a resumed run continues exactly.
 Modules: :mod:`.config` (the protocol, schedule, optimizer), :mod:`.selection` (model, head, freezing),
 :mod:`.data` (data order, the decode and cache data paths), :mod:`.augment` (batched augmentation on the
 training device), :mod:`.step` (the step, evaluation, memory), :mod:`.state` (checkpoint files,
-RNG, fingerprints), :mod:`.loop` (:class:`Finetuner`, :func:`train_local`), :mod:`.outputs` (summary,
-curves, TensorBoard, weights).
+RNG, fingerprints), :mod:`.loop` (:class:`Finetuner`), :mod:`.checkpoint` (the checkpoint layout and its
+completion marker, checkpointers), :mod:`.driver` (:func:`run`, the one run driver, with TensorBoard,
+reports, the test fault and the summary; :func:`train_local`), :mod:`.outputs` (summary, curves, weights).
 """
 
+from raystudy.core.finetune.checkpoint import (
+    CHECKPOINT_PREFIX,
+    COMPLETE_MARKER,
+    Checkpointer,
+    DirectoryCheckpointer,
+    NoCheckpoints,
+    checkpoint_steps,
+    resume_latest,
+    save_checkpoint,
+)
 from raystudy.core.finetune.config import (
     DATA_PATHS,
     HEAD_INITS,
@@ -58,14 +70,25 @@ from raystudy.core.finetune.data import (
     prepare_caches,
     to_device,
 )
+from raystudy.core.finetune.driver import (
+    INJECTED_MARKER,
+    ForwardReports,
+    InjectedFailure,
+    Reporter,
+    TensorBoardLogger,
+    event_metrics,
+    failed_summary,
+    finished_summary,
+    run,
+    save_weights,
+    train_local,
+)
 from raystudy.core.finetune.loop import (
     Event,
     Finetuner,
     ThroughputMeter,
     curve_row,
-    save_weights,
     steady_throughput,
-    train_local,
 )
 from raystudy.core.finetune.outputs import (
     CURVE_COLUMNS,
@@ -73,7 +96,6 @@ from raystudy.core.finetune.outputs import (
     HPARAM_METRICS,
     MEMORY_KEYS,
     RESULT_DEFAULTS,
-    TensorBoardLogger,
     curves_frame,
     run_hparams,
     run_summary,
@@ -123,4 +145,7 @@ __all__ = [
     "resume_config", "rng_state", "run_hparams", "run_summary", "save_safetensors", "select_and_freeze",
     "select_for", "set_rng_state", "steady_throughput", "train_local", "train_step", "warmup_cosine",
     "write_checkpoint", "write_outputs", "save_weights",
+    "CHECKPOINT_PREFIX", "COMPLETE_MARKER", "INJECTED_MARKER", "Checkpointer", "DirectoryCheckpointer",
+    "ForwardReports", "InjectedFailure", "NoCheckpoints", "Reporter", "checkpoint_steps", "event_metrics",
+    "failed_summary", "finished_summary", "resume_latest", "run", "save_checkpoint",
 ]

@@ -1,5 +1,6 @@
-"""The run: :class:`Finetuner` (build, optionally :meth:`~Finetuner.load`, then :meth:`~Finetuner.run`)
-and :func:`train_local`, the plain single-process loop."""
+"""The loop: :class:`Finetuner` (build, optionally :meth:`~Finetuner.load`, then :meth:`~Finetuner.run`).
+
+What runs it (checkpoints, reports, TensorBoard, outputs) is :mod:`.driver`'s."""
 
 from __future__ import annotations
 
@@ -9,21 +10,16 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 from raystudy.core.components import get_adapter
+from raystudy.core.expressions import LoRA, parse
 from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
 from raystudy.core.finetune.data import CachedSplitData, MicroBatches, SplitData, open_split_data, to_device
-from raystudy.core.finetune.outputs import (
-    TensorBoardLogger,
-    run_summary,
-    save_safetensors,
-    write_outputs,
-)
+from raystudy.core.finetune.outputs import run_summary
 from raystudy.core.finetune.selection import build_finetune_model, enable_fused_attention, select_for
 from raystudy.core.finetune.state import (
     fingerprint,
@@ -41,6 +37,8 @@ from raystudy.core.finetune.step import (
     set_matmul_precision,
     train_step,
 )
+from raystudy.core.lora import merge
+from raystudy.data.store import read_meta
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +139,6 @@ class Finetuner:
     def __init__(self, cfg: FinetuneConfig, *, rank: int = 0, world_size: int = 1,
                  device: torch.device | str | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        from raystudy.data.store import read_meta
-
         self.cfg = cfg.validate()
         if cfg.batch_size % world_size:
             raise ValueError(f"FinetuneConfig.batch_size={cfg.batch_size}: the global batch must split evenly "
@@ -275,14 +271,10 @@ class Finetuner:
     @property
     def lora(self) -> bool:
         """Whether the configuration is ``lora:...`` (the model holds adapters)."""
-        from raystudy.core.expressions import LoRA, parse
-
         return isinstance(parse(self.cfg.configuration), LoRA)
 
     def merged_model(self) -> nn.Module:
         """The model as a plain timm model: a copy with LoRA's adapters merged, or the model itself."""
-        from raystudy.core.lora import merge
-
         return merge(self.model) if self.lora else self.model
 
     def exported_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -454,49 +446,3 @@ class Finetuner:
         }
         self.restores.append(info)
         return info
-
-
-def train_local(cfg: FinetuneConfig, *, checkpoint_dir: str | os.PathLike | None = None,
-                resume: bool = False, tensorboard: bool = True, write: bool = True) -> tuple[dict, Finetuner]:
-    """The plain single-process loop (no Ray, world size 1): run ``cfg`` and write its outputs into
-    ``cfg.out_dir``.
-
-    With ``checkpoint_dir``, checkpoints are written to ``checkpoint_dir/step_XXXXXXXX`` and ``resume=True``
-    continues from the latest one. Returns ``(summary, finetuner)``.
-    """
-    ft = Finetuner(cfg)
-    ckdir = Path(checkpoint_dir) if checkpoint_dir else None
-    if resume and ckdir is not None and (existing := sorted(ckdir.glob("step_*"))):
-        ft.load(existing[-1])
-    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None) if tensorboard else None
-
-    def callback(ev: Event):
-        if tb is not None:
-            tb(ev)
-        if ev.checkpoint and ckdir is not None and not ev.final:
-            ft.save(ckdir / f"step_{ev.step:08d}")
-
-    t0 = time.perf_counter()
-    try:
-        summary = ft.run(callback)
-    finally:
-        if tb is not None:
-            tb.close()
-    summary["wall_seconds"] = time.perf_counter() - t0
-    if write:
-        write_outputs(cfg.out_dir, summary, ft.curves, config=cfg.to_dict(), restores=ft.restores)
-        save_weights(ft)
-    return summary, ft
-
-
-def save_weights(ft: Finetuner) -> None:
-    """``best_trainable.safetensors`` (the best-validation trainable state, when there was an evaluation)
-    and, with ``save_final``, ``final_model.safetensors`` (the whole final model) in the run's ``out_dir``;
-    both under a plain timm model's names (LoRA merged: :meth:`Finetuner.exported_state`)."""
-    from raystudy.storage import join
-
-    if ft.best_state is not None:
-        save_safetensors(ft.exported_state(ft.best_state), join(ft.cfg.out_dir, "best_trainable.safetensors"))
-    if ft.cfg.save_final:
-        save_safetensors(ft.merged_model().state_dict(), join(ft.cfg.out_dir, "final_model.safetensors"))
-

@@ -1,4 +1,5 @@
-"""What a run leaves behind: its summary, curves, TensorBoard events (scalars and HParams) and weights.
+"""What a run leaves behind: its summary, curves, the HParams record of its TensorBoard events, and weights
+(the TensorBoard writer is :class:`raystudy.core.finetune.driver.TensorBoardLogger`).
 
 Every file is written through :mod:`raystudy.storage` (atomic: a reader never sees a half-written file).
 """
@@ -6,18 +7,14 @@ Every file is written through :mod:`raystudy.storage` (atomic: a reader never se
 from __future__ import annotations
 
 import json
-import math
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
+from raystudy.core.expressions import Budgeted, canonical, normalise
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.storage import join, write_bytes_atomic, write_json_atomic, write_parquet_atomic
 from raystudy.vocab import RUN_CURVE_COLUMNS
-
-if TYPE_CHECKING:
-    from raystudy.core.finetune.loop import Event
 
 #: The columns of a run's ``curves.parquet`` (one row per logged step; val columns null between evaluations).
 CURVE_COLUMNS = list(RUN_CURVE_COLUMNS)
@@ -63,8 +60,6 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
 def _known_units(cfg: FinetuneConfig) -> str | None:
     """What ``cfg`` trains when known without a model: its ``selection``, else a configuration that is not a
     budget, canonically spelled."""
-    from raystudy.core.expressions import Budgeted, canonical, normalise
-
     try:
         if cfg.selection is not None:
             return canonical(cfg.selection)
@@ -80,43 +75,6 @@ def run_hparams(summary: dict) -> dict:
     hp["model"] = summary.get("model_name")
     hp["model_kwargs"] = json.dumps(summary.get("model_kwargs") or {}, sort_keys=True)
     return {k: v for k, v in hp.items() if v is not None}
-
-
-class TensorBoardLogger:
-    """Writes every curve row to ``out_dir/tb`` (one directory per run) and, at the end, the run's result
-    scalars and its HParams record (:func:`run_hparams` with :data:`HPARAM_METRICS`) into the same
-    directory. ``purge_step`` drops events after a restored step, so a resumed run leaves no duplicates."""
-
-    def __init__(self, out_dir: str | os.PathLike, purge_step: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=join(out_dir, "tb"), purge_step=purge_step)
-
-    def __call__(self, event: Event) -> None:
-        if event.final:
-            for tag in HPARAM_METRICS:
-                v = event.metrics.get(tag.split("/", 1)[1])
-                if v is not None and math.isfinite(v):
-                    self.writer.add_scalar(tag, v, event.step)
-            self.write_hparams(event.metrics, event.step)
-        else:
-            for k, v in event.metrics.items():
-                if k != "step" and v is not None:
-                    tag = ("val/" if k.startswith("val_") else "train/") + k
-                    self.writer.add_scalar(tag, v, event.step)
-        self.writer.flush()
-
-    def write_hparams(self, summary: dict, step: int) -> None:
-        """The HParams plugin's records (experiment, session start and end) in this run's own event file
-        (``SummaryWriter.add_hparams`` would open a second, timestamped run folder)."""
-        from torch.utils.tensorboard.summary import hparams
-
-        writer = self.writer._get_file_writer()
-        for record in hparams(run_hparams(summary), dict.fromkeys(HPARAM_METRICS, 0.0)):
-            writer.add_summary(record, step)
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 def curves_frame(rows: list[dict]):

@@ -1,0 +1,242 @@
+"""The run driver: one finetuning run around :class:`~raystudy.core.finetune.Finetuner`, whatever executes it.
+
+:func:`run` builds the run's :class:`Finetuner`, resumes it from its checkpointer (:mod:`.checkpoint`), and
+handles every event of the loop in one place: TensorBoard (worker 0), a checkpoint at checkpoint steps,
+the event's report, and the test fault ``fail_after_step`` (:mod:`raystudy.faults`). Its executions are
+thin adapters that choose a checkpointer and a reporter:
+
+* :func:`train_local`: the plain single-process run, checkpoints in a folder of their own;
+* the Ray Train worker (:func:`raystudy.distributed.train.train_loop_per_worker`): Ray Train's checkpoints,
+  ``ray.train.report`` for every event;
+* a study trial's own actor (:func:`raystudy.distributed.inprocess.run_in_process`): checkpoints in the
+  trial's storage folder, reports forwarded to Tune.
+
+A run's summary is the loop's (:meth:`Finetuner.summary`) with :func:`finished_summary`'s execution
+figures, or :func:`failed_summary` when the run produced none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from raystudy.core.finetune.checkpoint import Checkpointer, DirectoryCheckpointer, NoCheckpoints
+from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.finetune.loop import Event, Finetuner
+from raystudy.core.finetune.outputs import (
+    HPARAM_METRICS,
+    run_hparams,
+    run_summary,
+    save_safetensors,
+    write_outputs,
+)
+from raystudy.core.finetune.selection import build_finetune_model, select_for
+from raystudy.data.store import read_meta
+from raystudy.faults import injected
+from raystudy.storage import join
+
+# ---- reports -----------------------------------------------------------------------------------------
+
+
+def event_metrics(ev: Event) -> dict:
+    """What a report of ``ev`` carries: its plain numbers, strings and flags (None and nested values dropped),
+    its step and whether it is the run's final one."""
+    clean = {k: float(v) if isinstance(v, float) else v for k, v in ev.metrics.items()
+             if isinstance(v, int | float | str | bool)}
+    return {**clean, "step": ev.step, "final": ev.final}
+
+
+class Reporter:
+    """What a run does with each event besides TensorBoard: this base does nothing.
+
+    :meth:`report` gets the event's :func:`event_metrics` and the folder of the checkpoint written at that
+    event (None at other events); :meth:`before_failure` runs on every worker right before an injected
+    failure is raised."""
+
+    def report(self, metrics: dict, checkpoint: str | None) -> None:
+        pass
+
+    def before_failure(self) -> None:
+        pass
+
+
+class ForwardReports(Reporter):
+    """Hands every event's metrics to ``on_report`` (a study forwards them to Tune); nothing without it."""
+
+    def __init__(self, on_report: Callable[[dict], None] | None):
+        self.on_report = on_report
+
+    def report(self, metrics: dict, checkpoint: str | None) -> None:
+        if self.on_report is not None:
+            self.on_report(metrics)
+
+
+class TensorBoardLogger:
+    """Writes every curve row to ``out_dir/tb`` (one directory per run) and, at the end, the run's result
+    scalars and its HParams record (:func:`~raystudy.core.finetune.outputs.run_hparams` with
+    :data:`~raystudy.core.finetune.outputs.HPARAM_METRICS`) into the same directory. ``purge_step`` drops
+    events after a restored step, so a resumed run leaves no duplicates."""
+
+    def __init__(self, out_dir: str | os.PathLike, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=join(out_dir, "tb"), purge_step=purge_step)
+
+    def __call__(self, event: Event) -> None:
+        if event.final:
+            for tag in HPARAM_METRICS:
+                v = event.metrics.get(tag.split("/", 1)[1])
+                if v is not None and math.isfinite(v):
+                    self.writer.add_scalar(tag, v, event.step)
+            self.write_hparams(event.metrics, event.step)
+        else:
+            for k, v in event.metrics.items():
+                if k != "step" and v is not None:
+                    tag = ("val/" if k.startswith("val_") else "train/") + k
+                    self.writer.add_scalar(tag, v, event.step)
+        self.writer.flush()
+
+    def write_hparams(self, summary: dict, step: int) -> None:
+        """The HParams plugin's records (experiment, session start and end) in this run's own event file
+        (``SummaryWriter.add_hparams`` would open a second, timestamped run folder)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        writer = self.writer._get_file_writer()
+        for record in hparams(run_hparams(summary), dict.fromkeys(HPARAM_METRICS, 0.0)):
+            writer.add_summary(record, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# ---- the test fault ----------------------------------------------------------------------------------
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by a run when a test injects ``fail_after_step`` (:mod:`raystudy.faults`)."""
+
+
+#: a run's folder holds this file once its injected failure fired (the first attempt failed)
+INJECTED_MARKER = ".injected_failure"
+
+
+def failure_due(ft: Finetuner, ev: Event, fail_after: int | None) -> bool:
+    """Whether the test fault ``fail_after_step`` (:mod:`raystudy.faults`) fires at ``ev``: that step of the
+    run's first attempt (nothing restored yet, no failure fired before, also before a checkpoint)."""
+    return (fail_after is not None and ev.step == fail_after and not ft.restores and not ev.final
+            and not (Path(ft.cfg.out_dir) / INJECTED_MARKER).exists())
+
+
+def inject_failure(ft: Finetuner, ev: Event) -> None:
+    """Mark the run's first attempt as failed (rank 0) and raise :class:`InjectedFailure`."""
+    if ft.rank == 0:
+        (Path(ft.cfg.out_dir) / INJECTED_MARKER).touch()
+    raise InjectedFailure(f"injected failure after step {ev.step} (raystudy.faults fail_after_step)")
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, reporter: Reporter | None = None,
+        resume: bool = True, tensorboard: bool = True, progress: bool | None = None, write_weights: bool = True,
+        **placement) -> tuple[dict, Finetuner]:
+    """Run ``cfg`` to its end; returns ``(summary, finetuner)``.
+
+    ``placement`` goes to :class:`Finetuner` (a worker's ``rank``, ``world_size``, ``device``, ``wrap``,
+    ``all_reduce``). With ``resume``, the run continues from ``checkpointer.restore``. At each event of the
+    loop: TensorBoard on worker 0 (with ``tensorboard``), ``checkpointer.saved`` at checkpoint steps (and at
+    the end when ``checkpointer.final``), ``reporter.report``, then the test fault ``fail_after_step`` of the
+    run's folder name (after that step's checkpoint and report). The summary's ``wall_seconds`` is the wall
+    time of the loop; worker 0 writes the run's weights (:func:`save_weights`) with ``write_weights``.
+    """
+    ft = Finetuner(cfg, **placement)
+    checkpointer = checkpointer if checkpointer is not None else NoCheckpoints()
+    reporter = reporter if reporter is not None else Reporter()
+    if resume:
+        checkpointer.restore(ft)
+    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None) \
+        if tensorboard and ft.rank == 0 else None
+    fail_after = injected("fail_after_step", Path(cfg.out_dir).name)
+
+    def on_event(ev: Event) -> None:
+        if tb is not None:
+            tb(ev)
+        save = ev.checkpoint and (checkpointer.final or not ev.final)
+        with checkpointer.saved(ft, ev) if save else contextlib.nullcontext() as folder:
+            reporter.report(event_metrics(ev), folder)
+        if failure_due(ft, ev, fail_after):
+            reporter.before_failure()
+            inject_failure(ft, ev)
+
+    t0 = time.perf_counter()
+    try:
+        summary = ft.run(on_event, progress=progress)
+    finally:
+        if tb is not None:
+            tb.close()
+    summary["wall_seconds"] = time.perf_counter() - t0
+    if write_weights and ft.rank == 0:
+        save_weights(ft)
+    return summary, ft
+
+
+def save_weights(ft: Finetuner) -> None:
+    """``best_trainable.safetensors`` (the best-validation trainable state, when there was an evaluation)
+    and, with ``save_final``, ``final_model.safetensors`` (the whole final model) in the run's ``out_dir``;
+    both under a plain timm model's names (LoRA merged: :meth:`Finetuner.exported_state`)."""
+    if ft.best_state is not None:
+        save_safetensors(ft.exported_state(ft.best_state), join(ft.cfg.out_dir, "best_trainable.safetensors"))
+    if ft.cfg.save_final:
+        save_safetensors(ft.merged_model().state_dict(), join(ft.cfg.out_dir, "final_model.safetensors"))
+
+
+# ---- the summary -------------------------------------------------------------------------------------
+
+
+def finished_summary(summary: dict, *, wall_seconds: float, workers: int, execution: str,
+                     failures: dict | None = None) -> dict:
+    """``summary`` with how a study's execution ran it: ``wall_seconds`` (the execution's wall time),
+    ``workers``, ``execution`` (``train`` | ``actor``) and the worker-group failures ``failures``
+    (``worker_failures``, ``worker_failure_errors``; none by default)."""
+    out = dict(summary)
+    out.update(wall_seconds=wall_seconds, workers=workers, execution=execution)
+    out.update(failures if failures is not None else {"worker_failures": 0, "worker_failure_errors": []})
+    return out
+
+
+def failed_summary(cfg: FinetuneConfig, error: BaseException | str | None) -> dict:
+    """The summary of a run that produced no result: every key of a normal summary, the measured ones
+    null (NaN or None), ``trainable_params`` counted when the model can be built, and ``error``."""
+    trainable, num_classes = None, cfg.num_classes
+    try:
+        num_classes = num_classes or int(read_meta(cfg.store)["num_classes"])
+        trainable = select_for(build_finetune_model(cfg, num_classes), cfg).num_trainable
+    except Exception:  # the failure may be the store or the model itself
+        pass
+    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return run_summary(cfg, status="failed", trainable_params=trainable, num_classes=num_classes,
+                       error=message[:2000])
+
+
+# ---- the local execution -----------------------------------------------------------------------------
+
+
+def train_local(cfg: FinetuneConfig, *, checkpoint_dir: str | os.PathLike | None = None,
+                resume: bool = False, tensorboard: bool = True, write: bool = True) -> tuple[dict, Finetuner]:
+    """The plain single-process run (no Ray, world size 1): run ``cfg`` and write its outputs into
+    ``cfg.out_dir``.
+
+    With ``checkpoint_dir``, checkpoints are written to ``checkpoint_dir/checkpoint_XXXXXXXX``
+    (:class:`~raystudy.core.finetune.checkpoint.DirectoryCheckpointer`, all kept) and ``resume=True``
+    continues from the newest complete one (also of the earlier ``step_XXXXXXXX`` layout). Returns
+    ``(summary, finetuner)``.
+    """
+    checkpointer = DirectoryCheckpointer(checkpoint_dir) if checkpoint_dir else NoCheckpoints()
+    summary, ft = run(cfg, checkpointer=checkpointer, resume=resume, tensorboard=tensorboard, write_weights=write)
+    if write:
+        write_outputs(cfg.out_dir, summary, ft.curves, config=cfg.to_dict(), restores=ft.restores)
+    return summary, ft
