@@ -49,18 +49,15 @@ import copy
 import dataclasses
 import logging
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import pyarrow.fs as pafs
 import yaml
 
 from raystudy import storage
-from raystudy.core.expressions import split_configurations
+from raystudy.core.expressions import path_safe, split_configurations
 from raystudy.core.models import resolve_img_size
-from raystudy.data.modality import modality_of_model
 from raystudy.settings import (
     ModelSettings,
     PlasticitySettings,
@@ -68,40 +65,44 @@ from raystudy.settings import (
     ProtocolSettings,
     ResourceSettings,
     coerce,
-    problems,
     same_as,
     setting,
     warmup_of,
 )
+from raystudy.study import checks
+from raystudy.study.checks import TRACKERS, SpecError  # noqa: F401  (SpecError, TRACKERS: importable here)
+from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTOCOL_FIELDS: importable here)
+    PROTOCOL_FIELDS,
+    DatasetOverrides,
+    _dataset_entry,
+    _optimizers,
+    _override_target,
+    _parse_entry,
+    _parse_value,
+    _seeds_of,
+    _select_datasets,
+    _split_names,
+    _split_override,
+    _sub,
+    _to_int,
+)
 from raystudy.vocab import (
     BASELINES,
     COMPONENTS,
-    CONFIGURATIONS,
     EXECUTIONS,
-    OPTIMIZERS,
     SEARCHES,
-    check_name,
 )
 
 log = logging.getLogger(__name__)
 
-#: experiment trackers a study can log to through Ray Tune's own integrations (``tracking: [wandb]``)
-TRACKERS: tuple[str, ...] = ("wandb", "mlflow")
 #: the presets shipped with the package (``raystudy/presets/*.yaml``, package data)
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 #: fields of older spec.yaml files that are read and dropped: field -> why
 DROPPED_FIELDS: dict[str, str] = {
     "inject_failures": "a test hook, replaced by raystudy.faults (RAYSTUDY_FAULTS)",
 }
-#: the protocol fields a dataset entry may override (see :class:`DatasetOverrides`)
-PROTOCOL_FIELDS: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
 #: the configurations the study trains by default: the paper's seven (``Emb`` only when asked for)
 DEFAULT_CONFIGURATIONS: tuple[str, ...] = COMPONENTS + BASELINES
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # names go into trial ids and directory names
-
-
-class SpecError(ValueError):
-    """An invalid study specification; the message starts with the offending field."""
 
 
 @dataclass
@@ -154,23 +155,6 @@ class ProbeSpec(ProbeSettings):
     """
 
     enabled: bool = setting(False, help="fit the linear probe of every dataset (LP rows)")
-
-
-@dataclass
-class DatasetOverrides:
-    """What one entry of ``datasets`` changes of the study's protocol and grid; ``None``: the study's value.
-
-    ``optimizers`` replaces the study's ``optimizers`` on this dataset; ``seeds`` is a list (the seeds of
-    every optimizer of the dataset) or a mapping optimizer -> seeds (optimizers it does not name keep the
-    study's ``seeds``).
-    """
-
-    steps: int | None = None
-    eval_period: int | None = None
-    warmup_steps: int | None = None
-    log_period: int | None = None
-    optimizers: dict[str, list[float]] | None = None
-    seeds: list[int] | dict[str, list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -308,7 +292,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
             if isinstance(value, str) and not isinstance(overrides, dict):
                 value = _parse_value(value)
             parts = key.split(".")
-            target = _override_target(data, key)
+            target = _override_target(data, key, StudySpec.SECTIONS)
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
             elif parts == ["configurations"] and isinstance(value, str):
@@ -393,129 +377,18 @@ class StudySpec(ModelSettings, ProtocolSettings):
         return None if self.pretrain_store is None else self.store_path(self.pretrain_store)
 
     # ------------------------------------------------------------------------------------------------
-    # validation
+    # ------------------------------------------------------------------------------------------------
+    # validation (raystudy.study.checks)
     # ------------------------------------------------------------------------------------------------
 
     def validate(self, *, check_files: bool = True) -> None:
-        """Reject a bad spec before anything is launched; every message starts with the field's name
-        (``datasets.<name>.<field>`` for a dataset's override).
+        """Reject a bad spec before anything is launched, every message starting with the field's name
+        (:func:`raystudy.study.checks.validate`); ``check_files=False`` skips the stores and weights file."""
+        checks.validate(self, files=check_files)
 
-        The checks run in the order of the preset files: names, grid, datasets, protocol, each dataset's
-        overrides, resources, search, tracking, plasticity, pretraining, probe. ``check_files=False`` skips
-        the existence of stores and the weights file (used before the demo's own data preparation and
-        pretraining create them).
-        """
-        for check in (self._check_names, self._check_grid, self._check_datasets, self._check_protocol,
-                      self._check_dataset_overrides, self._check_resources,
-                      self._check_tracking, self._check_plasticity, self._check_pretrain, self._check_probe):
-            check()
-        if check_files:
-            self.check_files()
-
-    def _check_names(self) -> None:
-        if not self.name or not _NAME_RE.match(self.name):
-            raise SpecError(f"name: {self.name!r} must be a non-empty word (letters, digits, '_', '-', '.')")
-        if not self.out:
-            raise SpecError("out: the study directory must be set")
-        if not isinstance(self.model, str) or not self.model:
-            raise SpecError("model: a timm model name is required")
-        if not isinstance(self.model_kwargs, dict):
-            raise SpecError("model_kwargs: expected a mapping")
-
-    def _check_configurations(self) -> None:
-        """Each configuration parses (a name, a union, a depth range, a budget or LoRA: the error points at
-        the offending character); no two spell the same selection; ``auto:`` needs the measured plasticity."""
-        from raystudy.core.expressions import Budgeted, ExpressionError, canonical, parse
-
-        for c in self.configurations:
-            try:
-                tree = parse(c)
-            except (ExpressionError, TypeError) as e:
-                raise SpecError(f"configurations: {e}") from None
-            if isinstance(tree, Budgeted) and tree.strategy == "auto" and not self.plasticity.enabled:
-                raise SpecError(f"configurations: {c} picks units by the study's measured plasticity: "
-                                "enable plasticity")
-        _unique([canonical(c) for c in self.configurations], "configurations")
-
-    def _check_grid(self) -> None:
-        """Configurations, optimizers with their lrs, seeds. No configuration: a plasticity-only study,
-        whose optimizers and seeds may be empty (they span no trial). The study's optimizers may also be
-        empty when every dataset names its own."""
-        if not isinstance(self.configurations, list):
-            raise SpecError(f"configurations: expected a list of {list(CONFIGURATIONS)}")
-        if not self.configurations and not self.plasticity.enabled:
-            raise SpecError(f"configurations: at least one of {list(CONFIGURATIONS)} is required "
-                            "(an empty list is a plasticity-only study: enable plasticity)")
-        self._check_configurations()
-        uses_study_optimizers = not self.datasets or any(
-            self.dataset_overrides.get(d, DatasetOverrides()).optimizers is None for d in self.datasets)
-        if self.configurations and uses_study_optimizers and not self.optimizers:
-            raise SpecError(f"optimizers: at least one of {list(OPTIMIZERS)} with its learning rates is required")
-        _check_optimizers(self.optimizers, "optimizers")
-        if self.configurations and not self.seeds:
-            raise SpecError("seeds: at least one seed is required")
-        _unique(self.seeds, "seeds")
-        _check_seed_range(self.seeds, "seeds")
-
-    def _check_datasets(self) -> None:
-        if not self.datasets and not self.builtin_data:
-            raise SpecError("datasets: at least one downstream dataset (name: store path) is required")
-        for name in self.datasets:
-            if not _NAME_RE.match(name):
-                raise SpecError(
-                    f"datasets: dataset name {name!r} may only hold letters, digits, '_', '.', '+', '-' "
-                    "(it becomes part of trial ids such as cifar10-MHA-sgd-lr0.01-s0)"
-                )
-
-    def _check_protocol(self) -> None:
-        """The model's and the protocol's settings against their definitions (:mod:`raystudy.settings`),
-        then what relates them: the warmup ends before the run, ``amp_bf16`` agrees with ``precision``."""
-        for group in (ModelSettings, ProtocolSettings):
-            for name, why in problems(self, group):
-                raise SpecError(f"{name}: {getattr(self, name)!r} {why}")
-        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
-            raise SpecError(f"warmup_steps: {self.warmup_steps} must lie in [0, steps={self.steps})")
-        if self.amp_bf16 and self.precision not in (None, "bf16"):
-            raise SpecError(f"amp_bf16: true contradicts precision: {self.precision}")
-
-    def _check_dataset_overrides(self) -> None:
-        """Each dataset's overrides, named ``datasets.<name>.<field>``; the resolved warmup lies before the
-        resolved end of training."""
-        for name, o in self.dataset_overrides.items():
-            where, p = f"datasets.{name}", self.protocol(name)
-            for f in ("steps", "eval_period", "log_period"):
-                if getattr(o, f) is not None:
-                    _positive(getattr(o, f), f"{where}.{f}")
-            if (o.steps is not None or o.warmup_steps is not None) and not 0 <= p.warmup_steps < p.steps:
-                raise SpecError(f"{where}.warmup_steps: {p.warmup_steps} must lie in [0, steps={p.steps})"
-                                + ("" if o.warmup_steps is not None else " (the study's warmup_steps)"))
-            if o.optimizers is not None:
-                if self.configurations and not o.optimizers:
-                    raise SpecError(f"{where}.optimizers: at least one of {list(OPTIMIZERS)} is required")
-                _check_optimizers(o.optimizers, f"{where}.optimizers")
-            if isinstance(o.seeds, dict):
-                for opt, seeds in o.seeds.items():
-                    if opt not in p.optimizers:
-                        raise SpecError(f"{where}.seeds: {opt!r} is not one of this dataset's optimizers "
-                                        f"{list(p.optimizers)}")
-                    _check_seeds(seeds, f"{where}.seeds.{opt}")
-            elif o.seeds is not None:
-                _check_seeds(o.seeds, f"{where}.seeds")
-
-    def _check_resources(self) -> None:
-        """The study's own settings (resources, search) against their definitions, then ``execution``
-        against the workers; ``worker_retries`` >= 0 here (a run alone may say -1: retry forever)."""
-        own = [f.name for f in dataclasses.fields(StudySpec)
-               if not any(f.name in {g.name for g in dataclasses.fields(group)}
-                          for group in (ModelSettings, ProtocolSettings))]
-        for name, why in problems(self):
-            if name in own:
-                raise SpecError(f"{name}: {getattr(self, name)!r} {why}")
-        if not (isinstance(self.worker_retries, int) and self.worker_retries >= 0):
-            raise SpecError(f"worker_retries: {self.worker_retries!r} must be an integer >= 0")
-        if self.execution == "actor" and self.workers_per_trial != 1:
-            raise SpecError(f"execution: actor trains one worker per trial, not workers_per_trial="
-                            f"{self.workers_per_trial} (use execution: train or auto)")
+    def check_files(self, *, weights: bool | None = None) -> None:
+        """Every store and the weights file exist (:func:`raystudy.study.checks.check_files`)."""
+        checks.check_files(self, weights=weights)
 
     @property
     def trial_execution(self) -> str:
@@ -525,73 +398,6 @@ class StudySpec(ModelSettings, ProtocolSettings):
             return self.execution
         return "actor" if self.workers_per_trial == 1 else "train"
 
-    def _check_tracking(self) -> None:
-        if not isinstance(self.tracking, list):
-            raise SpecError(f"tracking: expected a list of {list(TRACKERS)}")
-        for t in self.tracking:
-            _choice(t, TRACKERS, "tracking")
-        _unique(self.tracking, "tracking")
-
-    def _check_plasticity(self) -> None:
-        p = self.plasticity
-        if not p.enabled:
-            return
-        from raystudy.distributed.pairing import check_pretrain_split
-
-        for name, why in problems(p, PlasticitySettings):
-            raise SpecError(f"plasticity.{name}: {getattr(p, name)!r} {why}")
-        try:
-            check_pretrain_split(p.pretrain_split, "plasticity.pretrain_split")
-        except ValueError as e:
-            raise SpecError(str(e)) from None
-        if not modality_of_model(self.model).takes_images and p.seq_len is None:
-            raise SpecError(f"plasticity.seq_len: the text model {self.model} needs tokens per window")
-        if self.pretrain_store is None and not self.builtin_data:
-            raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
-
-    def _check_pretrain(self) -> None:
-        """Pretraining settings, or (without pretraining) the weights file every job starts from."""
-        t = self.pretrain
-        if not t.enabled:
-            if self.weights is None and modality_of_model(self.model).takes_images:  # an hf: folder holds its weights
-                raise SpecError(
-                    "weights: a local weights file is required (or enable pretrain to train one); "
-                    "a random-init model is not a pretrained model"
-                )
-            return
-        _choice(t.optimizer, OPTIMIZERS, "pretrain.optimizer")
-        for name in ("steps", "batch_size"):
-            _positive(getattr(t, name), f"pretrain.{name}")
-        _learning_rate(t.lr, "pretrain.lr")
-        if self.pretrain_store is None and not self.builtin_data:
-            raise SpecError("pretrain_store: pretraining needs a pretraining store")
-
-    def _check_probe(self) -> None:
-        if self.probe.enabled:
-            for name, why in problems(self.probe, ProbeSettings):
-                raise SpecError(f"probe.{name}: {getattr(self.probe, name)!r} {why}")
-
-    def check_files(self, *, weights: bool | None = None) -> None:
-        """Every store and the weights file exist. ``weights=None`` checks the weights file unless
-        pretraining will produce it."""
-        from raystudy.data.store import StoreError, check_store
-
-        for name, path in self.dataset_stores().items():
-            try:
-                check_store(path)  # footers and row counts against dataset.json: a truncated shard stops here
-            except StoreError as e:
-                raise SpecError(f"datasets.{name}: store not usable: {e}") from None
-        if self.pretrain_store is not None and (self.plasticity.enabled or self.pretrain.enabled):
-            try:
-                check_store(self.pretrain_store_path())
-            except StoreError as e:
-                raise SpecError(f"pretrain_store: store not usable: {e}") from None
-        if weights is None:
-            weights = not self.pretrain.enabled
-        if weights and self.weights is not None and not _file_exists(self.weights):
-            raise SpecError(f"weights: file not found: {self.weights}")
-
-    # ------------------------------------------------------------------------------------------------
     # the grid
     # ------------------------------------------------------------------------------------------------
 
@@ -704,8 +510,6 @@ def format_lr(lr: float) -> str:
 def trial_id(dataset: str, configuration: str, optimizer: str, lr: float, seed: int) -> str:
     """The stable id of a grid point, e.g. ``cifar10-MHA-sgd-lr0.01-s0`` (an expression's canonical,
     path-safe spelling: ``FC1+MHA`` and ``MHA+FC1`` are one trial, ``auto:5%`` becomes ``auto_5pct``)."""
-    from raystudy.core.expressions import path_safe
-
     return f"{dataset}-{path_safe(configuration)}-{optimizer}-lr{format_lr(lr)}-s{int(seed)}"
 
 
@@ -746,206 +550,5 @@ def load_spec_file(path: str | Path) -> StudySpec:
     return StudySpec.from_dict(data, where=str(path))
 
 
-# ----------------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------------
-
-
-def _sub(cls, value, where):
-    if isinstance(value, cls):
-        return value
-    if value is None:
-        return cls()
-    if not isinstance(value, dict):
-        raise SpecError(f"{where}: expected a mapping, got {value!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise SpecError(f"{where}: unknown field(s) {unknown} (known: {sorted(known)})")
-    return cls(**value)
-
-
 def _section_name(spec: StudySpec, section: Any) -> str:
     return next(name for name in StudySpec.SECTIONS if getattr(spec, name) is section)
-
-
-def _dataset_entry(store: str, overrides: dict[str, Any] | None) -> str | dict[str, Any]:
-    """A ``datasets`` entry as written in a spec file: the store path, or a mapping when it overrides."""
-    set_ = {k: v for k, v in (overrides or {}).items() if v is not None}
-    return {"store": store, **set_} if set_ else store
-
-
-def _parse_entry(name: str, entry: dict[str, Any]) -> tuple[str, DatasetOverrides]:
-    """A ``datasets`` entry mapping -> (store path, its overrides), values typed; errors name
-    ``datasets.<name>.<field>``."""
-    where = f"datasets.{name}"
-    known = ["store", *(f.name for f in dataclasses.fields(DatasetOverrides))]
-    unknown = sorted(set(entry) - set(known))
-    if unknown:
-        raise SpecError(f"{where}: unknown field(s) {unknown} (a dataset entry may set {known})")
-    store = entry.get("store")
-    values: dict[str, Any] = {}
-    for f in PROTOCOL_FIELDS:
-        if entry.get(f) is not None:
-            values[f] = _to_int(entry[f], f"{where}.{f}")
-    if entry.get("optimizers") is not None:
-        values["optimizers"] = _optimizers(entry["optimizers"], f"{where}.optimizers")
-    if entry.get("seeds") is not None:
-        values["seeds"] = _seeds(entry["seeds"], f"{where}.seeds")
-    return (name if store is None else str(store)), DatasetOverrides(**values)
-
-
-def _optimizers(value: Any, where: str) -> dict[str, list[float]]:
-    """``{optimizer: lr or [lrs]}`` -> ``{optimizer: [float lrs]}``."""
-    if isinstance(value, list | tuple) or (value is not None and not isinstance(value, dict)):
-        raise SpecError(f"{where}: expected a mapping optimizer -> list of learning rates, e.g. {{sgd: [0.01]}}")
-    return {
-        str(k): [_to_float(v, f"{where}.{k}") for v in (lrs if isinstance(lrs, list | tuple) else [lrs])]
-        for k, lrs in (value or {}).items()
-    }
-
-
-def _seeds(value: Any, where: str) -> list[int] | dict[str, list[int]]:
-    """A dataset's ``seeds``: a seed or a list (every optimizer), or a mapping optimizer -> seed(s)."""
-    def as_list(v, w):
-        return [_to_int(s, w) for s in (v if isinstance(v, list | tuple) else [v])]
-
-    if isinstance(value, dict):
-        return {str(opt): as_list(v, f"{where}.{opt}") for opt, v in value.items()}
-    return as_list(value, where)
-
-
-def _seeds_of(seeds: list[int] | dict[str, list[int]] | None, optimizer: str, default: list[int]) -> list[int]:
-    """The seeds of ``optimizer`` on a dataset whose entry says ``seeds`` (None: the study's ``default``)."""
-    if seeds is None:
-        return default
-    if isinstance(seeds, dict):
-        return seeds.get(optimizer, default)
-    return seeds
-
-
-def _check_optimizers(optimizers: dict[str, list[float]], where: str) -> None:
-    """Known optimizer names, each with a non-empty list of distinct positive learning rates."""
-    for opt, lrs in optimizers.items():
-        _choice(opt, OPTIMIZERS, where)
-        if not lrs:
-            raise SpecError(f"{where}.{opt}: the learning-rate list is empty")
-        for lr in lrs:
-            _learning_rate(lr, f"{where}.{opt}")
-        _unique(lrs, f"{where}.{opt}")
-
-
-def _check_seeds(seeds: list[int], where: str) -> None:
-    if not seeds:
-        raise SpecError(f"{where}: at least one seed is required")
-    _unique(seeds, where)
-    _check_seed_range(seeds, where)
-
-
-#: the seeds every random generator of a run accepts (numpy's: ``np.random.seed`` refuses others)
-SEED_LIMIT = 2**32
-
-
-def _check_seed_range(seeds: list[int], where: str) -> None:
-    for seed in seeds:
-        if not 0 <= seed < SEED_LIMIT:
-            raise SpecError(f"{where}: seed {seed} must lie in [0, 2**32) (numpy's seed range)")
-
-
-def _override_target(data: dict[str, Any], key: str) -> dict[str, Any]:
-    """The mapping inside ``data`` (a spec's :meth:`StudySpec.to_dict`) that ``--set key=...`` writes into;
-    a dataset entry that is a plain store path becomes ``{store: path}`` to take an override."""
-    parts = key.split(".")
-    target = data
-    for depth, p in enumerate(parts[:-1]):
-        if depth == 1 and parts[0] == "datasets" and isinstance(target.get(p), str):
-            target[p] = {"store": target[p]}
-        if p not in target or not isinstance(target[p], dict):
-            raise SpecError(f"--set {key}: {p!r} is not a section of the spec "
-                            f"(sections: {', '.join(StudySpec.SECTIONS)}, datasets.<name>)")
-        target = target[p]
-    leaf = parts[-1]
-    if len(parts) == 3 and parts[0] == "datasets":
-        known = ["store", *(f.name for f in dataclasses.fields(DatasetOverrides))]
-        if leaf not in known:
-            raise SpecError(f"--set {key}: unknown field {leaf!r} (a dataset entry may set {known})")
-    elif leaf not in target:
-        raise SpecError(f"--set {key}: unknown field {leaf!r} (known: {sorted(target)})")
-    return target
-
-
-def _file_exists(path: str) -> bool:
-    fs, p = storage.filesystem(path)
-    return fs.get_file_info(p).type == pafs.FileType.File
-
-
-def _split_names(text: str) -> list[str]:
-    """``"MHA, LN1"`` -> ``["MHA", "LN1"]`` (comma-separated names from a flag or a YAML string)."""
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def _split_override(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise SpecError(f"--set {text!r}: expected key=value")
-    key, value = text.split("=", 1)
-    return key.strip(), value.strip()
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def _select_datasets(available: dict[str, str], names) -> dict[str, str]:
-    if isinstance(names, str):
-        names = _split_names(names)
-    out = {}
-    for n in names:
-        if n not in available:
-            raise SpecError(f"datasets: unknown dataset {n!r}; this spec knows {sorted(available)}")
-        out[n] = available[n]
-    return out
-
-
-def _to_float(v, field_name: str) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise SpecError(f"{field_name}: {v!r} is not a number") from None
-
-
-def _to_int(v, field_name: str) -> int:
-    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
-        raise SpecError(f"{field_name}: {v!r} is not an integer")
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise SpecError(f"{field_name}: {v!r} is not an integer") from None
-
-
-def _choice(value, allowed: tuple[str, ...], field_name: str) -> None:
-    """``value`` is one of the vocabulary's ``allowed`` names (:func:`raystudy.vocab.check_name`)."""
-    try:
-        check_name(value, allowed, field_name)
-    except ValueError as e:
-        raise SpecError(str(e)) from None
-
-
-def _learning_rate(lr, field_name: str) -> None:
-    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
-        raise SpecError(f"{field_name}: learning rate {lr!r} must be a positive number")
-
-
-def _positive(v, field_name: str) -> None:
-    if not isinstance(v, int | float) or v <= 0:
-        raise SpecError(f"{field_name}: {v!r} must be positive")
-
-
-def _unique(values, field_name: str) -> None:
-    seen = set()
-    for v in values:
-        if v in seen:
-            raise SpecError(f"{field_name}: duplicate value {v!r}")
-        seen.add(v)

@@ -1,0 +1,181 @@
+"""Reading the values of a study spec: ``datasets`` entries with their overrides, optimizer and seed
+mappings, and ``--set key=value`` overrides (:meth:`raystudy.study.spec.StudySpec.with_overrides`). Every
+error names the field (``datasets.<name>.<field>``) as :class:`~raystudy.study.checks.SpecError`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from raystudy.study.checks import SpecError
+
+#: the protocol fields a dataset entry may override (see :class:`DatasetOverrides`)
+PROTOCOL_FIELDS: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
+
+
+@dataclass
+class DatasetOverrides:
+    """What one entry of ``datasets`` changes of the study's protocol and grid; ``None``: the study's value.
+
+    ``optimizers`` replaces the study's ``optimizers`` on this dataset; ``seeds`` is a list (the seeds of
+    every optimizer of the dataset) or a mapping optimizer -> seeds (optimizers it does not name keep the
+    study's ``seeds``).
+    """
+
+    steps: int | None = None
+    eval_period: int | None = None
+    warmup_steps: int | None = None
+    log_period: int | None = None
+    optimizers: dict[str, list[float]] | None = None
+    seeds: list[int] | dict[str, list[int]] | None = None
+
+
+def _sub(cls, value, where):
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}: expected a mapping, got {value!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise SpecError(f"{where}: unknown field(s) {unknown} (known: {sorted(known)})")
+    return cls(**value)
+
+
+
+
+def _dataset_entry(store: str, overrides: dict[str, Any] | None) -> str | dict[str, Any]:
+    """A ``datasets`` entry as written in a spec file: the store path, or a mapping when it overrides."""
+    set_ = {k: v for k, v in (overrides or {}).items() if v is not None}
+    return {"store": store, **set_} if set_ else store
+
+
+def _parse_entry(name: str, entry: dict[str, Any]) -> tuple[str, DatasetOverrides]:
+    """A ``datasets`` entry mapping -> (store path, its overrides), values typed; errors name
+    ``datasets.<name>.<field>``."""
+    where = f"datasets.{name}"
+    known = ["store", *(f.name for f in dataclasses.fields(DatasetOverrides))]
+    unknown = sorted(set(entry) - set(known))
+    if unknown:
+        raise SpecError(f"{where}: unknown field(s) {unknown} (a dataset entry may set {known})")
+    store = entry.get("store")
+    values: dict[str, Any] = {}
+    for f in PROTOCOL_FIELDS:
+        if entry.get(f) is not None:
+            values[f] = _to_int(entry[f], f"{where}.{f}")
+    if entry.get("optimizers") is not None:
+        values["optimizers"] = _optimizers(entry["optimizers"], f"{where}.optimizers")
+    if entry.get("seeds") is not None:
+        values["seeds"] = _seeds(entry["seeds"], f"{where}.seeds")
+    return (name if store is None else str(store)), DatasetOverrides(**values)
+
+
+def _optimizers(value: Any, where: str) -> dict[str, list[float]]:
+    """``{optimizer: lr or [lrs]}`` -> ``{optimizer: [float lrs]}``."""
+    if isinstance(value, list | tuple) or (value is not None and not isinstance(value, dict)):
+        raise SpecError(f"{where}: expected a mapping optimizer -> list of learning rates, e.g. {{sgd: [0.01]}}")
+    return {
+        str(k): [_to_float(v, f"{where}.{k}") for v in (lrs if isinstance(lrs, list | tuple) else [lrs])]
+        for k, lrs in (value or {}).items()
+    }
+
+
+def _seeds(value: Any, where: str) -> list[int] | dict[str, list[int]]:
+    """A dataset's ``seeds``: a seed or a list (every optimizer), or a mapping optimizer -> seed(s)."""
+    def as_list(v, w):
+        return [_to_int(s, w) for s in (v if isinstance(v, list | tuple) else [v])]
+
+    if isinstance(value, dict):
+        return {str(opt): as_list(v, f"{where}.{opt}") for opt, v in value.items()}
+    return as_list(value, where)
+
+
+def _seeds_of(seeds: list[int] | dict[str, list[int]] | None, optimizer: str, default: list[int]) -> list[int]:
+    """The seeds of ``optimizer`` on a dataset whose entry says ``seeds`` (None: the study's ``default``)."""
+    if seeds is None:
+        return default
+    if isinstance(seeds, dict):
+        return seeds.get(optimizer, default)
+    return seeds
+
+
+
+
+
+
+def _override_target(data: dict[str, Any], key: str, sections: Iterable[str]) -> dict[str, Any]:
+    """The mapping inside ``data`` (a spec's :meth:`StudySpec.to_dict`) that ``--set key=...`` writes into;
+    a dataset entry that is a plain store path becomes ``{store: path}`` to take an override."""
+    parts = key.split(".")
+    target = data
+    for depth, p in enumerate(parts[:-1]):
+        if depth == 1 and parts[0] == "datasets" and isinstance(target.get(p), str):
+            target[p] = {"store": target[p]}
+        if p not in target or not isinstance(target[p], dict):
+            raise SpecError(f"--set {key}: {p!r} is not a section of the spec "
+                            f"(sections: {', '.join(sections)}, datasets.<name>)")
+        target = target[p]
+    leaf = parts[-1]
+    if len(parts) == 3 and parts[0] == "datasets":
+        known = ["store", *(f.name for f in dataclasses.fields(DatasetOverrides))]
+        if leaf not in known:
+            raise SpecError(f"--set {key}: unknown field {leaf!r} (a dataset entry may set {known})")
+    elif leaf not in target:
+        raise SpecError(f"--set {key}: unknown field {leaf!r} (known: {sorted(target)})")
+    return target
+
+
+
+def _split_names(text: str) -> list[str]:
+    """``"MHA, LN1"`` -> ``["MHA", "LN1"]`` (comma-separated names from a flag or a YAML string)."""
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise SpecError(f"--set {text!r}: expected key=value")
+    key, value = text.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _select_datasets(available: dict[str, str], names) -> dict[str, str]:
+    if isinstance(names, str):
+        names = _split_names(names)
+    out = {}
+    for n in names:
+        if n not in available:
+            raise SpecError(f"datasets: unknown dataset {n!r}; this spec knows {sorted(available)}")
+        out[n] = available[n]
+    return out
+
+
+def _to_float(v, field_name: str) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise SpecError(f"{field_name}: {v!r} is not a number") from None
+
+
+def _to_int(v, field_name: str) -> int:
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise SpecError(f"{field_name}: {v!r} is not an integer")
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise SpecError(f"{field_name}: {v!r} is not an integer") from None
+
+
+
