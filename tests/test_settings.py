@@ -200,3 +200,33 @@ def test_plasticity_batch_size_and_pairing_are_the_same_from_the_cli_the_spec_an
         np.testing.assert_array_equal(py, plans[0][1])
     other = positions("sequential", 1000, 300, job.pairs, seed=0, batch_size=32)[1]
     assert not np.array_equal(other, plans[0][1])  # (the old CLI default, 32, measured other pairs)
+
+
+def test_architecture_doc_paths_of_a_setting_name_functions_that_exist():
+    """docs/architecture.md traces ``lr`` and ``plasticity.batch_size`` from the command line to where they
+    act, each hop a named function (at most six hops from the flag): every name it gives resolves."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = doc[doc.index("Two settings from the command line"):doc.index("## Data flow")]
+    for bullet in ("**`lr`**", "**`plasticity.batch_size`**"):
+        text = section[section.index(bullet):].split("\n- ", 1)[0]
+        first_path = text.split(". In a study")[0].split("From the command line")[0]
+        hops = first_path.count("->")
+        assert 1 <= hops <= 6, f"{bullet}: {hops} hops"
+        names = re.findall(r"`((?:settings|commands|distributed|core|study|data)\.[\w.]+)", text)
+        assert len(names) >= 5, names
+        for name in names:
+            module, attr = f"raystudy.{name}".rsplit(".", 1)
+            while True:
+                try:
+                    obj = importlib.import_module(module)
+                    break
+                except ModuleNotFoundError:  # a method: StudySpec.with_overrides
+                    module, outer = module.rsplit(".", 1)
+                    attr = f"{outer}.{attr}"
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            assert callable(obj), name
