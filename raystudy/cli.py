@@ -15,6 +15,7 @@ import sys
 
 import raystudy
 import raystudy.commands
+from raystudy.distributed.cluster import quiet_ray_logs  # logging only, no Ray import
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,8 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_logging(verbose: bool) -> None:
     """raystudy's own messages at INFO (DEBUG with ``-v``); Ray's loggers at WARNING unless ``-v``."""
-    from raystudy.distributed.cluster import quiet_ray_logs  # logging only, no Ray import
-
     handler = logging.StreamHandler()
     handler.setFormatter(_LevelPrefix())
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])

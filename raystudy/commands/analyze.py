@@ -46,7 +46,7 @@ def register(subparsers) -> None:
 
 
 def _analysis(args: argparse.Namespace, *, figures: bool = True):
-    from raystudy.analysis.pipeline import run_analysis
+    from raystudy.analysis.pipeline import run_analysis  # torch, pandas, matplotlib: --help stays light
 
     res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
                        pair_by=args.pair_by, out_dir=args.out, figures=figures)
@@ -67,7 +67,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from raystudy.analysis.html_report import write_report
+    from raystudy.analysis.html_report import write_report  # pandas, matplotlib: --help stays light
 
     res = _analysis(args)
     path = write_report(res)

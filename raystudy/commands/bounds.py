@@ -37,7 +37,7 @@ def register(sub) -> None:
 def token_stats(args, model) -> tuple[float | None, int | None, float | None, float | None]:
     """``(radius, seq_len, sigma, measured radius)``: the flags where given, else measured on ``--images``
     (when given; the measured radius is ``None`` without images)."""
-    from raystudy.core.bounds import measure_token_stats
+    from raystudy.core.bounds import measure_token_stats  # torch (raystudy.core): --help stays light
 
     radius, seq_len, sigma, measured = args.radius, args.seq_len, args.sigma, None
     text = not modality_of_model(args.model).takes_images
@@ -72,8 +72,8 @@ def store_windows(args, seq_len: int):
 
 
 def run(args) -> int:
-    from raystudy.core.bounds import upper_bounds
-    from raystudy.io import write_result
+    from raystudy.core.bounds import upper_bounds  # torch (raystudy.core): --help stays light
+    from raystudy.io import write_result  # pandas: --help stays light
 
     model = build_measured_model(args).eval()
     radius, seq_len, sigma, measured = token_stats(args, model)

@@ -11,9 +11,10 @@ import argparse
 import json
 
 from raystudy.data.modality import modality_of_store
-from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES
-from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS
-from raystudy.data.text import TEXT_SOURCES, WIKITEXT_UNITS
+from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES, prepare
+from raystudy.data.store import read_meta, verify_store
+from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS, prepare_default
+from raystudy.data.text import TEXT_SOURCES, WIKITEXT_UNITS, prepare_text
 
 
 def register(subparsers) -> None:
@@ -78,8 +79,6 @@ def _add_text_and_synthetic_flags(pp: argparse.ArgumentParser) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     if args.source == "synthetic":
-        from raystudy.data.synthetic import prepare_default
-
         paths = prepare_default(
             args.out, n_train=args.n_train, n_test=args.n_test, n_train_downstream=args.n_train_downstream,
             n_test_downstream=args.n_test_downstream, size=args.size, seed=args.seed,
@@ -89,8 +88,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             _print_summary(path)
         return 0
     if args.source in TEXT_SOURCES:
-        from raystudy.data.text import prepare_text
-
         image_only = [flag for flag, given in (("--download", args.download), ("--low-data", args.low_data),
                                                ("--pool", args.pool), ("--domain", args.domain),
                                                ("--corruption", args.corruption)) if given]
@@ -102,7 +99,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                             rows_per_shard=args.rows_per_shard)
         _print_summary(args.out, meta)
         return 0
-    from raystudy.data.sources import prepare
 
     meta = prepare(
         args.source, args.root, args.out, name=args.name, corruption=args.corruption, severity=args.severity,
@@ -114,8 +110,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _print_summary(path, meta: dict | None = None) -> None:
-    from raystudy.data.store import read_meta
-
     meta = meta or read_meta(path)
     counts = meta["counts"]
     skipped = meta.get("skipped") or {}
@@ -135,8 +129,6 @@ def _print_summary(path, meta: dict | None = None) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from raystudy.data.store import read_meta, verify_store
-
     if bool(args.store) == bool(args.store_flag):
         raise ValueError("give the store folder once: `raystudy data info STORE` or `--store STORE`")
     args.store = args.store or args.store_flag

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from raystudy.data.store import read_meta
+from raystudy.distributed.cluster import init_ray
 from raystudy.settings import (
     HubWeights,
     ModelSettings,
@@ -50,7 +52,7 @@ def register(subparsers) -> None:
 
 def configuration_arg(text: str) -> str:
     """``text`` if it is a configuration expression; else argparse's error with the caret message."""
-    from raystudy.core.expressions import ExpressionError, check_configuration
+    from raystudy.core.expressions import ExpressionError, check_configuration  # torch: --help stays light
 
     try:
         return check_configuration(text)
@@ -60,8 +62,8 @@ def configuration_arg(text: str) -> str:
 
 def config_from_args(args: argparse.Namespace):
     """The validated ``(FinetuneConfig, TrainResources)`` of the parsed arguments."""
-    from raystudy.core.finetune import FinetuneConfig
-    from raystudy.distributed.train import TrainResources
+    from raystudy.core.finetune import FinetuneConfig  # torch (raystudy.core): --help stays light
+    from raystudy.distributed.train import TrainResources  # Ray Train: --help stays light
 
     cfg = from_args(FinetuneConfig, args)
     return cfg.validate(), from_args(TrainResources, args).validate(cfg)
@@ -69,13 +71,10 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     cfg, resources = config_from_args(args)
-    from raystudy.data.store import read_meta
-
     read_meta(cfg.store)  # a clear error before Ray starts
     import ray
 
-    from raystudy.distributed.cluster import init_ray
-    from raystudy.distributed.train import format_report, format_summary, run_finetune
+    from raystudy.distributed.train import format_report, format_summary, run_finetune  # Ray Train: --help stays light
 
     progress = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON document only
 

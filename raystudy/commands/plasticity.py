@@ -24,9 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from raystudy.data.images import IMAGE_EXTENSIONS, decode_image, image_files, load_image_file
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import positions, reuse
+from raystudy.data.store import META_FILE, read_meta, read_split
+from raystudy.distributed.cluster import init_ray
 from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
+from raystudy.storage import check_path_name
 from raystudy.vocab import COMPONENTS
 
 log = logging.getLogger(__name__)
@@ -73,8 +77,7 @@ def load_images(path: str | Path, size: int) -> tuple[object, str]:
     Every encoded image goes through :func:`raystudy.data.images.decode_image` (one decoder, one pixel
     limit, errors that name the file or store row); the name is checked to be one path component.
     """
-    from raystudy.core.tensors import TENSOR_SUFFIXES, load_image_tensor
-    from raystudy.data.images import IMAGE_EXTENSIONS, image_files, load_image_file
+    from raystudy.core.tensors import TENSOR_SUFFIXES, load_image_tensor  # torch (raystudy.core): --help stays light
 
     path = Path(path)
     if not path.exists():
@@ -94,10 +97,6 @@ def load_images(path: str | Path, size: int) -> tuple[object, str]:
 
 def _store_images(store: Path, size: int) -> tuple[object, str]:
     """The ``test`` split of a prepared store (``val`` when it has no test rows) and its checked name."""
-    from raystudy.data.images import decode_image
-    from raystudy.data.store import META_FILE, read_meta, read_split
-    from raystudy.storage import check_path_name
-
     meta = read_meta(store)
     name = check_path_name(meta["name"], f"{store / META_FILE} 'name'")
     split = "test" if meta["counts"].get("test") else "val"
@@ -111,7 +110,7 @@ def _eval_batch(pixels, n: int, size: int):
     transformed one at a time so only one full-size image is held at once."""
     import torch
 
-    from raystudy.data.transforms import transform_batch
+    from raystudy.data.transforms import transform_batch  # torch, torchvision: --help stays light
 
     out = torch.empty(n, 3, size, size, dtype=torch.float32)
     for i, px in enumerate(pixels):
@@ -121,8 +120,6 @@ def _eval_batch(pixels, n: int, size: int):
 
 def _derived_name(path: Path, name: str | None = None) -> str:
     """The dataset name taken from a folder or file name, checked as one path component."""
-    from raystudy.storage import check_path_name
-
     return check_path_name(name if name is not None else path.name, f"dataset name of {path} (pass --dataset)")
 
 
@@ -163,7 +160,7 @@ def build_measured_model(args):
     """The model of ``--model/--weights/--pretrained/--model-kwargs/--img-size``
     (:func:`raystudy.core.models.build_seeded_model`): a random init is seeded with ``--seed`` (as the Ray
     pipeline's actors do), so two runs measure the same model."""
-    from raystudy.core.models import build_seeded_model
+    from raystudy.core.models import build_seeded_model  # torch (raystudy.core): --help stays light
 
     return build_seeded_model(args.model, seed=args.seed, weights=args.weights, pretrained=args.pretrained,
                               model_kwargs=args.model_kwargs, img_size=args.img_size)
@@ -174,10 +171,9 @@ def run_local(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution
-    from raystudy.core.plasticity import pair_rates, summarize
-    from raystudy.io import write_result
-    from raystudy.storage import check_path_name
+    from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution  # matplotlib, not for --help
+    from raystudy.core.plasticity import pair_rates, summarize  # torch (raystudy.core): --help stays light
+    from raystudy.io import write_result  # pandas: --help stays light
 
     dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -218,7 +214,7 @@ def print_table(table) -> None:
 
 def pipeline_job(args):
     """The validated :class:`~raystudy.distributed.plasticity.PlasticityJob` of the parsed flags."""
-    from raystudy.distributed.plasticity import PlasticityJob
+    from raystudy.distributed.plasticity import PlasticityJob  # torch, pandas, matplotlib: --help stays light
 
     if not (args.pretrain and args.downstream):
         raise ValueError("the Ray pipeline needs both --pretrain STORE and --downstream STORE ...")
@@ -230,8 +226,7 @@ def pipeline_job(args):
 def run_pipeline(args) -> int:
     import pandas as pd
 
-    from raystudy.distributed.cluster import init_ray
-    from raystudy.distributed.plasticity import run_plasticity
+    from raystudy.distributed.plasticity import run_plasticity  # torch, pandas, matplotlib: --help stays light
 
     if args.pretrained:
         raise ValueError("--pretrained is not available with stores: download the weights and pass --weights")

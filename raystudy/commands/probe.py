@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from raystudy.distributed.probe import ProbeJob
+from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.probe import ProbeJob, run_probe_job
 from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, add_flags, from_args
 
 
@@ -42,13 +43,9 @@ def probe_job(args) -> ProbeJob:
 
 
 def run(args) -> int:
-    from raystudy.distributed.probe import run_probe_job
-
     job = probe_job(args)
     started = False
     if not job.local:
-        from raystudy.distributed.cluster import init_ray
-
         started = init_ray(args.address, verbose=getattr(args, "verbose", False))
     try:
         result = run_probe_job(job)

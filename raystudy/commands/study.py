@@ -14,8 +14,10 @@ import json
 import os
 import sys
 
+from raystudy.cli import setup_logging
 from raystudy.settings import add_flags
-from raystudy.study.spec import TRACKERS, StudySpec, preset_names
+from raystudy.storage import exists
+from raystudy.study.spec import TRACKERS, StudySpec, load_preset, preset_names
 from raystudy.vocab import CONFIGURATIONS
 
 DESCRIPTION = (
@@ -41,7 +43,7 @@ def _name_list(text: str) -> list[str]:
 
 
 def _configuration_list(text: str) -> list[str]:
-    from raystudy.core.expressions import split_configurations
+    from raystudy.core.expressions import split_configurations  # torch (raystudy.core): --help stays light
 
     return split_configurations(text)
 
@@ -107,10 +109,8 @@ def preset_of(args: argparse.Namespace, prefix: str = "") -> str:
 
 def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
     """The study spec: preset (or the stored spec with --resume), then flags, then --set overrides."""
-    from raystudy.study.spec import load_preset
-
     if args.resume:
-        from raystudy.study.tune import load_study_spec
+        from raystudy.study.tune import load_study_spec  # torch, pandas, matplotlib (study.tune): --help stays light
 
         if args.preset:
             raise ValueError("--resume DIR continues the stored spec; do not combine it with --preset")
@@ -141,9 +141,8 @@ def dry_run(spec, *, as_json: bool = False) -> int:
     """Validate ``spec`` (without its files; against the spec of the study already in ``out``, if any) and
     print what the study would run (``as_json``: as one JSON object, :func:`dry_run_json`); launches
     nothing."""
-    from raystudy.storage import exists
-    from raystudy.study.results import ResultTables
-    from raystudy.study.tune import check_stored, resolve_paths
+    from raystudy.study.results import ResultTables  # pandas: --help stays light
+    from raystudy.study.tune import check_stored, resolve_paths  # torch, pandas, matplotlib: --help stays light
 
     spec.validate(check_files=False)
     spec = resolve_paths(spec)
@@ -233,7 +232,7 @@ def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
         return print_spec(spec)
     if args.dry_run:
         return dry_run(spec, as_json=args.json)
-    from raystudy.study.tune import run_study
+    from raystudy.study.tune import run_study  # torch, pandas, matplotlib (study.tune): --help stays light
 
     outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))
     failed = outcome.counts.get("failed", 0) + outcome.probes.get("failed", 0)
@@ -246,8 +245,6 @@ def main(argv: list[str] | None = None, *, prog: str = "full_study.py", preset_p
     ``preset_prefix`` is prepended to a preset name (``plasticity_study.py`` uses ``plasticity-``, so its
     default presets are ``plasticity-demo`` and, with ``--address``, ``plasticity-paper``).
     """
-    from raystudy.cli import setup_logging
-
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, Ray's own logs")
     add_arguments(parser)
