@@ -21,7 +21,7 @@ __all__ = ["__version__", "load_study"]
 
 def __getattr__(name: str):
     if name == "load_study":
-        from raystudy.study.results import load_study
+        from raystudy.study.results import load_study  # pandas: `import raystudy` stays light
 
         return load_study
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raystudy.core.components import get_adapter
+from raystudy.core.hf import build_hf_model
+from raystudy.core.tensors import torch_load_reason
 from raystudy.data.modality import modality_of_model
 
 log = logging.getLogger(__name__)
@@ -37,8 +40,6 @@ def _read_safetensors(path: Path) -> dict:
 def _read_torch(path: Path) -> object:
     """A PyTorch checkpoint read with ``torch.load(weights_only=True)``: a pickle that would build any object
     other than tensors and plain containers (and so could run code) is refused, never executed."""
-    from raystudy.core.tensors import torch_load_reason
-
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError (refused globals), truncated zip, EOFError, ...
@@ -93,8 +94,6 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _head_prefixes(model: nn.Module) -> tuple[str, ...]:
-    from raystudy.core.components import get_adapter
-
     try:
         return tuple(get_adapter(model).head_modules())
     except TypeError:
@@ -222,8 +221,6 @@ def _timm_img_size(model: str, kwargs_json: str) -> int:
 
 def _build_hf(name: str, *, num_classes, weights, img_size, strict: bool, **kwargs) -> nn.Module:
     """The ``hf:`` branch of :func:`build_model` (text models take no ``img_size``)."""
-    from raystudy.core.hf import build_hf_model
-
     if img_size is not None:
         raise ValueError("img_size does not apply to a Hugging Face text model")
     model = build_hf_model(name, num_classes=num_classes, pretrained=weights is None, **kwargs)

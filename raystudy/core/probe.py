@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from raystudy.core.components import get_adapter
+from raystudy.core.finetune.data import to_device
 from raystudy.vocab import LINEAR_PROBE, PRECISIONS, columns
 
 #: ``LogisticRegression(max_iter=...)`` of the authors.
@@ -95,8 +96,6 @@ def cached_features(model: nn.Module, data, rows: np.ndarray, *, batch_size: int
 
     Returns ``features (R, d)`` float32, ``labels (R,)`` and ``indices (R,)`` int64 in the order of ``rows``.
     """
-    from raystudy.core.finetune.data import to_device
-
     device = next(model.parameters()).device
     rows = np.asarray(rows, dtype=np.int64)
     feats = []

@@ -41,6 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from raystudy.data.store import iter_split, read_meta, read_split, shard_paths
+from raystudy.data.transforms import decode
 from raystudy.storage import atomic_output, join, read_text, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,6 @@ def cache_dir(store: str | os.PathLike, split: str, kind: str, size: int, root: 
     name = f"{split}-{kind}{stored_size(size, kind)}"
     if root is None:
         return join(store, "cache", name)
-    from raystudy.data.store import read_meta
 
     meta = read_meta(store)
     return join(root, f"{meta['name']}-{meta['checksum'][:12]}", name)
@@ -79,8 +80,6 @@ def cache_dir(store: str | os.PathLike, split: str, kind: str, size: int, root: 
 def prepare_image(image: bytes | torch.Tensor, kind: str, size: int) -> torch.Tensor:
     """Encoded bytes (or a decoded ``(3, H, W)`` uint8 tensor) -> the stored ``(3, S, S)`` uint8 square."""
     from torchvision.transforms.v2 import functional as TF
-
-    from raystudy.data.transforms import decode
 
     side = stored_size(size, kind)
     x = TF.resize(decode(image), [side], antialias=True)
@@ -119,8 +118,6 @@ def _write_shard(path: str, array: np.ndarray) -> dict:
 @lru_cache(maxsize=16)
 def _split_layout(store: str, split: str, checksum: str) -> tuple[int, ...]:
     """Rows of ``split`` in each store shard, in the store's order (read once per store version)."""
-    from raystudy.data.store import iter_split, shard_paths
-
     return tuple(sum(len(b["split"]) for b in iter_split(store, split, columns=["split"], shards=[s],
                                                           batch_size=1 << 16))
                  for s in range(len(shard_paths(store))))
@@ -130,8 +127,6 @@ def _split_layout(store: str, split: str, checksum: str) -> tuple[int, ...]:
 def _shard_images(store: str, shard: int, split: str, checksum: str) -> list[bytes]:
     """The encoded images of ``split`` in one store shard. The last one read is kept (consecutive cache
     shards share their store shard); :func:`release_reads` frees it."""
-    from raystudy.data.store import iter_split
-
     return [img for b in iter_split(store, split, columns=["image"], shards=[shard], batch_size=1 << 16)
             for img in b["image"]]
 
@@ -144,8 +139,6 @@ def release_reads() -> None:
 def read_images(store: str | os.PathLike, split: str, lo: int, hi: int) -> list[bytes]:
     """The encoded images of rows ``[lo, hi)`` of ``split`` (positions in :func:`read_split`'s order),
     reading only the store shards that hold them."""
-    from raystudy.data.store import read_meta
-
     meta = read_meta(store)
     # the row checksum does not see how rows are cut into shards; the shard files' hashes do
     store, checksum = str(store), "/".join([meta["checksum"], *(str(e.get("sha256")) for e in meta.get("shards", []))])
@@ -169,8 +162,6 @@ def build_shard(store: str | os.PathLike, split: str, kind: str, size: int, fold
     The whole of a shard's work, callable from any process that sees the store and ``folder``: the
     caller gathers the entries and writes the manifest (:func:`finish_cache`).
     """
-    from raystudy.data.store import read_meta
-
     rows = int(read_meta(store)["counts"].get(split, 0))
     lo, hi = shard * rows_per_shard, min((shard + 1) * rows_per_shard, rows)
     if not 0 <= lo < hi:
@@ -199,8 +190,6 @@ def shard_ok(path: str, entry: dict) -> bool:
 
 
 def _expected(store: str | os.PathLike, split: str, kind: str, size: int) -> dict:
-    from raystudy.data.store import read_meta
-
     meta = read_meta(store)
     return {"version": CACHE_VERSION, "store_checksum": meta["checksum"], "split": split, "kind": kind,
             "size": size, "stored": stored_size(size, kind), "rows": int(meta["counts"].get(split, 0))}
@@ -321,8 +310,6 @@ class ImageCache:
     """
 
     def __init__(self, store: str | os.PathLike, split: str, *, kind: str, size: int, root: str | None = None):
-        from raystudy.data.store import read_split
-
         self.folder, self.manifest = ensure_cache(store, split, kind=kind, size=size, root=root)
         self.kind, self.side, self.per_shard = kind, self.manifest["stored"], self.manifest["rows_per_shard"]
         table = read_split(store, split, columns=["label", "index"])

@@ -161,8 +161,7 @@ class ImageModality(Modality):
         return [collect_layout(ray, side) for side in staged]
 
     def batch_array(self, table, img_size):
-        # torch and torchvision: a heavy import, made where images are decoded (in the load tasks)
-        from raystudy.data.transforms import transform_batch
+        from raystudy.data.transforms import transform_batch  # torch, torchvision: only where images are decoded
 
         return transform_batch(table.column("image").to_pylist(), train=False, size=img_size).numpy()
 

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from raystudy.data.sources import Candidate, prepare_candidates
+from raystudy.data.store import StoreError, read_meta, verify_store
+
 NUM_CLASSES = 10
 CLASSES = [f"{kind}-{angle}deg" for kind in ("lines", "dashes") for angle in ("0", "22", "45", "67", "90")]
 VARIANTS = ("pretrain", "shift-color", "shift-noise", "shift-texture")
@@ -132,8 +135,6 @@ def generate(cfg: SyntheticConfig):
 def prepare_synthetic(cfg: SyntheticConfig, out: str | os.PathLike, *, name: str | None = None,
                       rows_per_shard: int = 2048, progress: bool = False) -> dict:
     """Write one synthetic variant as a prepared store; returns its metadata."""
-    from .sources import Candidate, prepare_candidates
-
     cands = [Candidate(index=i, label=y, split=s, load=f, ref=f"synthetic:{cfg.variant}:{i}")
              for i, y, s, f in generate(cfg)]
     return prepare_candidates(
@@ -162,8 +163,6 @@ def prepare_default(
     (default ``n_train // 4``) / ``n_test_downstream`` (default ``n_test // 2``). A store that already
     exists with exactly these parameters and an intact checksum is reused, unless ``overwrite``.
     """
-    from .store import StoreError, read_meta, verify_store
-
     out_dir = Path(out_dir)
     n_train_ds = n_train_downstream if n_train_downstream is not None else max(5, n_train // 4)
     n_test_ds = n_test_downstream if n_test_downstream is not None else max(1, n_test // 2)

@@ -23,6 +23,8 @@ import torch
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2 as T
 
+from raystudy.data.images import check_image
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -35,7 +37,6 @@ def decode(image: bytes | torch.Tensor, *, source: str = "image") -> torch.Tenso
     """
     if isinstance(image, torch.Tensor):
         return image
-    from raystudy.data.images import check_image
 
     check_image(image, source=source)
     data = torch.frombuffer(bytearray(image), dtype=torch.uint8)

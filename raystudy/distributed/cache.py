@@ -30,6 +30,7 @@ import numpy as np
 from raystudy.data.cache import ROWS_PER_SHARD, CachePlan, build_shard, finish_cache, plan_cache, release_reads
 from raystudy.data.modality import modality_of_store
 from raystudy.data.store import read_meta
+from raystudy.distributed.cluster import init_ray
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +149,6 @@ def build_caches(stores: Sequence[str | os.PathLike], splits: Sequence[str], kin
     todo = [p for p in plans if p.manifest is None or p.todo]
     local = sum(min(len(p.todo) * p.rows_per_shard, p.expected["rows"]) for p in todo) < local_below
     if todo and not local:
-        from raystudy.distributed.cluster import init_ray
-
         init_ray()
     while todo:
         for p in todo:

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from raystudy import storage
+from raystudy.data.store import read_meta
+from raystudy.distributed.cluster import init_ray
 from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, setting
 from raystudy.storage import absolute_path
 from raystudy.vocab import DATA_PATHS, PRECISIONS
@@ -106,7 +108,7 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
     def resolved_precision(self) -> str:
         """``precision``, else bf16 where the features run on CUDA (locally: when this process sees a GPU;
         through Ray: ``gpus_per_worker > 0``) and fp32 elsewhere."""
-        from raystudy.core.probe import resolve_precision
+        from raystudy.core.probe import resolve_precision  # torch (raystudy.core): ProbeJob stays light
 
         if self.local:
             import torch
@@ -128,7 +130,7 @@ def build_probe_model(spec: dict):
     """The job's model in eval mode, identical in every process (a random init is seeded by ``seed``)."""
     import torch
 
-    from raystudy.core.models import build_model
+    from raystudy.core.models import build_model  # torch (raystudy.core): ProbeJob stays light
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec["seed"])
@@ -156,7 +158,7 @@ class FeatureActor:
     def __call__(self, batch: dict) -> dict:
         import torch
 
-        from raystudy.core.probe import probe_features
+        from raystudy.core.probe import probe_features  # torch (raystudy.core): ProbeJob stays light
 
         x = torch.from_numpy(np.ascontiguousarray(batch["image"])).to(self.device)
         return {"feature": probe_features(self.model, x, self.precision).cpu().numpy(),
@@ -170,13 +172,13 @@ class CacheFeatureActor(FeatureActor):
     rows per forward pass)."""
 
     def __init__(self, spec: dict, gpus: float, threads: int, precision: str, cache: dict, batch_size: int):
-        from raystudy.core.finetune.data import CachedSplitData
+        from raystudy.core.finetune.data import CachedSplitData  # torch (raystudy.core): ProbeJob stays light
 
         super().__init__(spec, gpus, threads, precision)
         self.data, self.batch_size = CachedSplitData(**cache), batch_size
 
     def __call__(self, batch: dict) -> dict:
-        from raystudy.core.probe import cached_features
+        from raystudy.core.probe import cached_features  # torch (raystudy.core): ProbeJob stays light
 
         rows = np.concatenate([np.arange(lo, hi) for lo, hi in zip(batch["lo"], batch["hi"])])
         f, y, i = cached_features(self.model, self.data, rows, batch_size=self.batch_size, seed=self.seed,
@@ -193,7 +195,7 @@ def cache_args(job: ProbeJob, split: str, *, train: bool, img_size: int) -> dict
 def prepare_probe_caches(job: ProbeJob, img_size: int) -> dict[str, int]:
     """Build (or verify and repair) the caches of the train and test splits once, before any feature pass;
     returns each split's number of rows."""
-    from raystudy.data.cache import ensure_cache
+    from raystudy.data.cache import ensure_cache  # torch: ProbeJob stays light
 
     rows = {}
     for split, train in {"train": job.augment, "test": False}.items():
@@ -210,7 +212,7 @@ def _actor_args(job: ProbeJob, precision: str) -> dict:
 
 def _collect(ds) -> tuple[np.ndarray, ...]:
     """``(feature, label, index)`` of every output batch of ``ds``, sorted by index."""
-    from raystudy.core.probe import sort_by_index
+    from raystudy.core.probe import sort_by_index  # torch (raystudy.core): ProbeJob stays light
 
     parts = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
     return sort_by_index(*(np.concatenate([p[k] for p in parts]) for k in ("feature", "label", "index")))
@@ -239,7 +241,7 @@ def features_ray(job: ProbeJob, split: str, *, train: bool, img_size: int,
     decoding every image (the ``decode`` path)."""
     import ray
 
-    from raystudy.data.stream import open_split
+    from raystudy.data.stream import open_split  # torch, torchvision: ProbeJob stays light
 
     load_cpus = LOAD_CPUS if job.cpus_per_worker != LOAD_CPUS else LOAD_CPUS / 2
     ds = open_split(job.store, split, train=train, size=img_size, seed=job.seed, epoch=0,
@@ -254,15 +256,15 @@ def features_local(job: ProbeJob, model, split: str, *, train: bool, img_size: i
                    precision: str = "fp32") -> tuple[np.ndarray, ...]:
     """The same arrays as :func:`features_ray` / :func:`cached_features_ray` (by ``job.data_path``),
     computed in this process (``model`` on its device)."""
-    from raystudy.core.probe import cached_features, extract_features, sort_by_index
+    from raystudy.core.probe import cached_features, extract_features, sort_by_index  # torch: ProbeJob stays light
 
     if job.data_path == "cache":
-        from raystudy.core.finetune.data import CachedSplitData
+        from raystudy.core.finetune.data import CachedSplitData  # torch (raystudy.core): ProbeJob stays light
 
         data = CachedSplitData(**cache_args(job, split, train=train, img_size=img_size))
         return sort_by_index(*cached_features(model, data, np.arange(len(data)), batch_size=job.feature_batch,
                                               seed=job.seed, precision=precision))
-    from raystudy.data.stream import iter_batches_local
+    from raystudy.data.stream import iter_batches_local  # torch, torchvision: ProbeJob stays light
 
     batches = iter_batches_local(job.store, split, train=train, size=img_size, batch_size=job.feature_batch,
                                  seed=job.seed, epoch=0)
@@ -291,7 +293,6 @@ def split_features(job: ProbeJob, model, img_size: int, address: str | None = No
     if job.local:
         return {s: features_local(job, model, s, train=t, img_size=img_size, precision=precision)
                 for s, t in plan.items()}
-    from raystudy.distributed.cluster import init_ray
 
     init_ray(address)
     _check_resources(job)
@@ -308,9 +309,8 @@ def run_probe_job(job: ProbeJob, *, address: str | None = None) -> dict:
     (:func:`raystudy.core.probe.feature_definition`), ``job`` and ``wall_seconds``."""
     import torch
 
-    from raystudy.core.probe import feature_definition, fit_probe
-    from raystudy.data.store import read_meta
-    from raystudy.distributed.plasticity import resolve_img_size
+    from raystudy.core.probe import feature_definition, fit_probe  # torch (raystudy.core): ProbeJob stays light
+    from raystudy.distributed.plasticity import resolve_img_size  # torch, pandas, matplotlib: ProbeJob stays light
 
     job.validate()
     t0 = time.perf_counter()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from raystudy.data.cache import stored_size
 from raystudy.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 SCALE = (0.08, 1.0)
@@ -30,8 +31,6 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 def stored_side(size: int) -> int:
     """Side of the cache's stored square for training at ``size`` (:func:`raystudy.data.cache.stored_size`)."""
-    from raystudy.data.cache import stored_size
-
     return stored_size(size, "crop")
 
 

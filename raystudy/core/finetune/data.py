@@ -34,6 +34,9 @@ import torch
 from raystudy.core.finetune.augment import augment, sample_crops, to_float
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.finetune.text import TextBatch, TextSplitData, is_text_store, open_text_split
+from raystudy.data.cache import ImageCache, kind_of
+from raystudy.data.store import read_split
+from raystudy.data.transforms import sample_seed, transform_batch
 
 
 @lru_cache(maxsize=8)
@@ -64,8 +67,6 @@ class SplitData:
     arbitrary rows into float tensors through the paper's transforms."""
 
     def __init__(self, store: str | os.PathLike, split: str):
-        from raystudy.data.store import read_split
-
         table = read_split(store, split, columns=["image", "label", "index"])
         self.store, self.split = str(store), split
         self.images = table.column("image").combine_chunks()
@@ -82,8 +83,6 @@ class SplitData:
         ``train=True`` applies the random training transform seeded per image by ``(seed, epoch, index)``,
         otherwise the deterministic eval transform (resize + center crop).
         """
-        from raystudy.data.transforms import transform_batch
-
         rows = np.asarray(rows, dtype=np.int64)
         imgs = [self.images[int(r)].as_py() for r in rows]
         if not train:
@@ -118,8 +117,6 @@ class CachedSplitData:
     """
 
     def __init__(self, store: str | os.PathLike, split: str, *, size: int, crop: bool, root: str | None = None):
-        from raystudy.data.cache import ImageCache
-
         self.store, self.split, self.size, self.crop = str(store), split, size, crop
         self.cache = ImageCache(store, split, kind="crop" if crop else "eval", size=size, root=root)
         self.labels, self.indices = self.cache.labels, self.cache.indices
@@ -131,8 +128,6 @@ class CachedSplitData:
               epochs: np.ndarray | None = None) -> CacheBatch:
         """The :class:`CacheBatch` of ``rows``; ``train`` draws each image's crop and flip from its seed
         ``sample_seed(seed, epoch, index)`` (requires ``crop=True``)."""
-        from raystudy.data.transforms import sample_seed
-
         if size != self.size or train != self.crop:
             raise ValueError(f"{self.split} cache opened for size={self.size}, crop={self.crop}; asked for "
                              f"size={size}, train={train}")
@@ -179,7 +174,6 @@ def open_split_data(cfg: FinetuneConfig, split: str) -> SplitData | CachedSplitD
         return open_text_split(cfg, split)
     if cfg.data_path == "decode":
         return SplitData(cfg.store, split)
-    from raystudy.data.cache import kind_of
 
     return CachedSplitData(cfg.store, split, size=cfg.img_size, crop=kind_of(split, cfg.augment) == "crop",
                            root=cfg.cache_dir)

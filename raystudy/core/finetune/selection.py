@@ -15,14 +15,13 @@ from torch import nn
 from raystudy.core.components import head_parameters
 from raystudy.core.expressions import resolve
 from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
 
 
 def build_finetune_model(cfg: FinetuneConfig, num_classes: int) -> nn.Module:
     """The model with ``num_classes`` outputs and a freshly initialised head, seeded by ``cfg.seed``: a timm
     model, or for ``hf:<dir>`` a Hugging Face sequence classifier (its folder's weights, no ``img_size``)."""
-    from raystudy.core.models import build_model
-
     torch.manual_seed(cfg.seed)
     kwargs = dict(cfg.model_kwargs)
     kwargs.pop("img_size", None)
