@@ -34,7 +34,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def probe_job(args) -> ProbeJob:
+def job_from_args(args) -> ProbeJob:
     """The validated :class:`~raystudy.distributed.probe.ProbeJob` of the parsed flags."""
     job = from_args(ProbeJob, args)
     job.validate()  # before Ray starts
@@ -44,7 +44,7 @@ def probe_job(args) -> ProbeJob:
 def run(args) -> int:
     from raystudy.distributed.probe import run_probe_job
 
-    job = probe_job(args)
+    job = job_from_args(args)
     started = False
     if not job.local:
         from raystudy.distributed.cluster import init_ray
