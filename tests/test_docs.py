@@ -264,11 +264,13 @@ blocks = json.load(open(sys.argv[1]))
 for i, (name, code) in enumerate(blocks):
     t0, error = time.time(), None
     print("\\0BLOCK-START", flush=True)
+    print("\\0BLOCK-START", file=sys.stderr, flush=True)
     try:
         exec(compile(code, name, "exec"), {"__name__": "__main__"})
     except BaseException:
         error = traceback.format_exc()
     sys.stdout.flush()
+    print("\\0BLOCK-END", file=sys.stderr, flush=True)
     print("\\0BLOCK-END " + json.dumps({"index": i, "error": error, "seconds": time.time() - t0}), flush=True)
 """
 
@@ -279,13 +281,14 @@ def python_results(demo_cwd) -> dict[int, dict]:
     every python block, in page order, in one interpreter."""
     (demo_cwd / "blocks.json").write_text(json.dumps([[f"<{b.id}>", b.code] for b in PYTHON]))
     proc = _run([sys.executable, "-c", RUNNER, "blocks.json"], demo_cwd, timeout=1800)
+    stderr = [part.split("\0BLOCK-END")[0] for part in proc.stderr.split("\0BLOCK-START\n")[1:]]
     results, lines = {}, []
     for line in proc.stdout.splitlines():
         if line.startswith("\0BLOCK-START"):
             lines = []
         elif line.startswith("\0BLOCK-END "):
             r = json.loads(line[len("\0BLOCK-END "):])
-            results[r["index"]] = {**r, "stdout": "\n".join(lines), "stderr": proc.stderr}
+            results[r["index"]] = {**r, "stdout": "\n".join(lines), "stderr": stderr[r["index"]]}
         else:
             lines.append(line)
     assert len(results) == len(PYTHON), f"the runner stopped early:\n{proc.stdout}\n{proc.stderr[-4000:]}"
