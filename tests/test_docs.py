@@ -40,9 +40,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 #: the pages whose blocks are run, README first
 PAGES = ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))]
-#: pages left out, and why
-NOT_COVERED = {"docs/architecture.md": "a code map: its blocks are templates to copy into the code, not examples"}
-PAGES = [p for p in PAGES if p not in NOT_COVERED]
 #: the languages a page may use: run (or say why not), or a listing
 RUN_LANGUAGES = ("python", "bash")
 LISTING = "text"
