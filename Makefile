@@ -26,8 +26,12 @@ demo-text: venv
 lint: venv
 	$(BIN)/ruff check .
 
+# Two pytest processes, a test file each at a time (--dist loadfile: a file's session fixtures, e.g. its Ray
+# instance, stay in one process); TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -470,3 +470,13 @@ def test_architecture_doc_names_only_modules_that_exist():
 
 if __name__ == "__main__":
     print(render_schemas())
+
+
+def test_settings_are_not_copied_by_name_matching():
+    """Jobs receive the settings groups themselves (raystudy.settings.values of a group), not fields copied
+    between dataclasses whose names happen to match: the former ``by_name`` helper is gone."""
+    offenders = [f"{_rel(p)}:{node.lineno}" for p in _sources()
+                 for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+                 if isinstance(node, ast.FunctionDef | ast.Name | ast.Attribute)
+                 and getattr(node, "name", getattr(node, "id", getattr(node, "attr", None))) == "by_name"]
+    assert not offenders, f"by_name is back: {offenders}"

@@ -59,7 +59,7 @@ def test_variants_differ_in_colour_and_noise_statistics(tmp_path):
 
 @pytest.mark.slow
 def test_default_is_learnable_and_shifted(tmp_path):
-    """A tiny ViT trained 200 steps on ``pretrain`` learns it; the shifts need adapting (README's numbers).
+    """A tiny ViT trained 200 steps on ``pretrain`` learns it; the shifts need adapting (docs/data.md's numbers).
 
     Measured on 300 test images each (init seeds 0 / 1 / 2; this test runs seed 0): pretrain 0.82 / 0.82 /
     0.86, shift-color 0.38 / 0.43 / 0.46, shift-noise 0.14 / 0.11 / 0.17; chance is 0.1. The bounds leave

@@ -66,12 +66,14 @@ def test_every_preset_loads_validates_and_has_its_grid(path):
 
 
 def test_grid_sizes_of_the_named_presets():
-    """The sizes the README and the preset comments state (independent of the YAML parsing above)."""
+    """The sizes docs/studies.md and the preset comments state (independent of the YAML parsing above)."""
     sizes = {name: load_preset(name).total_trials() for name in preset_names()}
     assert sizes["paper"] == 11 * 6 * 4 * 3 + 4 * 6 * 4 * 1 == 888  # SGD everywhere + the AdamW ablation
     assert sizes["paper-vtab1k"] == 11 * 7 * 8 * 3 == 1848
     assert sizes["paper-model-size"] == 1 * 6 * 4 * 3 == 72
     assert sizes["demo"] == 2 * 3 * 2 * 1 == 12
+    assert sizes["beyond"] == 11 * 25 * 4 * 3 == 3300
+    assert sizes["beyond-demo"] == 2 * 8 * 1 * 1 == 16
     assert sizes["plasticity-demo"] == sizes["plasticity-paper"] == 0
 
 

@@ -150,7 +150,7 @@ def test_grid_study_curves_match_each_trial(grid_study):
 def test_grid_study_tune_experiment_restores(grid_study, monkeypatch):
     (exp,) = tune_experiments(grid_study["out"])
     assert os.path.isabs(exp)
-    # the README's example from the directory above the study: relative paths work
+    # docs/api.md's example from the directory above the study: relative paths work
     monkeypatch.chdir(Path(grid_study["out"]).parent)
     assert tune_experiments("study") == [exp]
     results = restore_tuner(os.path.relpath(exp)).get_results()

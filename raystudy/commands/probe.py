@@ -35,7 +35,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def probe_job(args) -> ProbeJob:
+def job_from_args(args) -> ProbeJob:
     """The validated :class:`~raystudy.distributed.probe.ProbeJob` of the parsed flags."""
     job = from_args(ProbeJob, args)
     job.validate()  # before Ray starts
@@ -43,7 +43,7 @@ def probe_job(args) -> ProbeJob:
 
 
 def run(args) -> int:
-    job = probe_job(args)
+    job = job_from_args(args)
     started = False
     if not job.local:
         started = init_ray(args.address, verbose=getattr(args, "verbose", False))

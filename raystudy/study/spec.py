@@ -59,6 +59,7 @@ from raystudy import storage
 from raystudy.core.expressions import path_safe, split_configurations
 from raystudy.core.models import resolve_img_size
 from raystudy.settings import (
+    DeviceSettings,
     ModelSettings,
     PlasticitySettings,
     ProbeSettings,
@@ -269,11 +270,12 @@ class StudySpec(ModelSettings, ProtocolSettings):
         return spec
 
     def to_dict(self) -> dict[str, Any]:
-        """The spec as a spec file holds it: a dataset's overrides inside its ``datasets`` entry."""
+        """The spec as a spec file holds it, in the order of the preset files (:func:`_file_order`): a
+        dataset's overrides inside its ``datasets`` entry."""
         data = dataclasses.asdict(self)
         overrides = data.pop("dataset_overrides")
         data["datasets"] = {name: _dataset_entry(store, overrides.get(name)) for name, store in self.datasets.items()}
-        return data
+        return {key: data[key] for key in _file_order()}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -552,3 +554,16 @@ def load_spec_file(path: str | Path) -> StudySpec:
 
 def _section_name(spec: StudySpec, section: Any) -> str:
     return next(name for name in StudySpec.SECTIONS if getattr(spec, name) is section)
+
+
+def _file_order() -> list[str]:
+    """The spec's keys as a preset file lists them: name and directory, the model, the data, the grid,
+    the protocol (steps first, the device settings last), then the study's resources, search and sections
+    (the dataclass order puts the inherited groups first)."""
+    own = [f.name for f in dataclasses.fields(StudySpec) if f.name != "dataset_overrides"]
+    model = [f.name for f in dataclasses.fields(ModelSettings)]
+    device = [f.name for f in dataclasses.fields(DeviceSettings)]
+    protocol = [f.name for f in dataclasses.fields(ProtocolSettings) if f.name not in device] + device
+    head = ["name", "out", *model, "data_root", "builtin_data", "pretrain_store", "datasets", "configurations",
+            "optimizers", "seeds", *protocol]
+    return head + [k for k in own if k not in head]

@@ -1,0 +1,309 @@
+"""Every code block of README.md and docs/*.md runs as written and prints what its page says it prints.
+
+Conventions of the pages (their Markdown source; a reader sees only the blocks):
+
+* A ```python or ```bash block that runs is followed (blank lines apart) by its expected output: a
+  ```text block whose first line is ``Output``. The test runs the block and compares its **stdout** with
+  the rest of that block. Lines printed by Ray worker processes (``(pid=...)``, ``(raylet)``, ...) are
+  left out; stderr is shown when a block fails, never compared.
+* In an expected output, a line ``...`` stands for any number of lines, ``...`` inside a line for any
+  text, and ``~NUMBER`` for any finite number (the page shows the value a real run printed; ``~0.31``
+  never matches ``nan``). Runs of spaces match runs of spaces (table columns move with the numbers).
+  A wildcard never stands for ``nan``, ``inf``, ``failed``, ``error`` or a ``Traceback``: a block that
+  prints one of them matches only an expected output that spells it out.
+* A block that is not run says why, on the line above it: ``<!-- not run: the reason -->``. Every
+  ```python and ```bash block has exactly one of the two. Other ```text blocks are listings and are
+  not compared; other languages are refused.
+
+The blocks run in a folder holding a study at ``results/demo``: the ``demo`` preset shrunk by flags (one
+dataset, MHA and Head, a few steps, few pairs) on smaller built-in stores. It holds what the blocks read
+after ``make demo`` (stores under ``results/demo/data``, the pretrained toy model, the plasticity tables,
+the probe, the Tune experiment) in a fraction of the time. ``experiments/`` is linked into it, as the
+pages run from the repository root, and ``.venv`` is linked to this interpreter's environment. The
+python blocks run in page order in one interpreter (Ray starts once), each in a fresh namespace (no
+block uses another's names); each bash block runs in its own ``bash -e``, with this interpreter's
+``bin`` first on ``PATH`` (``python``, ``raystudy``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+#: the pages whose blocks are run, README first
+PAGES = ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))]
+#: the languages a page may use: run (or say why not), or a listing
+RUN_LANGUAGES = ("python", "bash")
+LISTING = "text"
+
+FENCE = re.compile(r"^```(\S*)\s*$")
+NOT_RUN = re.compile(r"^<!--\s*not run:\s*(\S.*?)\s*-->\s*$")
+OUTPUT_HEADER = "Output"
+#: what a wildcard may not stand for
+FORBIDDEN = r"(?:\b[Nn]a[Nn]\b|\binf\b|\bfailed\b|\b[Ee]rror\b|\w+Error\b|Traceback)"
+NUMBER = r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
+_TOKEN = re.compile(r"\.\.\.|~" + NUMBER + r"| +")
+#: stdout lines that Ray forwards from its worker and daemon processes
+FORWARDED = re.compile(r"^\((?:[\w.:-]+ )?(?:pid=\d+|raylet|autoscaler|gcs_server|monitor)[^)]*\)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+@dataclass
+class Block:
+    page: str
+    line: int  # 1-based line of the opening fence
+    language: str
+    code: str
+    expected: str | None = None  # the Output block without its header line
+    not_run: str | None = None  # the reason given in <!-- not run: ... -->
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing the pages
+
+
+def parse_page(page: str, text: str) -> list[Block]:
+    """The fenced blocks of ``text``, each Output block attached to the code block right above it."""
+    lines, blocks, i = text.splitlines(), [], 0
+    previous = ""  # the last non-blank line outside a block
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            previous = lines[i] if lines[i].strip() else previous
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not FENCE.match(lines[i]):
+            body.append(lines[i])
+            i += 1
+        if i == len(lines):
+            raise AssertionError(f"{page}:{start + 1}: unclosed code block")
+        reason = NOT_RUN.match(previous)
+        block = Block(page, start + 1, m.group(1), "\n".join(body) + "\n", not_run=reason and reason.group(1))
+        if block.language == LISTING and body and body[0].strip() == OUTPUT_HEADER:
+            owner = blocks[-1] if blocks and previous == "```" else None
+            if owner is None or owner.language not in RUN_LANGUAGES or owner.expected is not None:
+                raise AssertionError(f"{page}:{start + 1}: an Output block that follows no code block")
+            owner.expected = "\n".join(body[1:])
+        else:
+            blocks.append(block)
+        previous = "```"
+        i += 1
+    return blocks
+
+
+def page_blocks() -> list[Block]:
+    return [b for page in PAGES for b in parse_page(page, (REPO / page).read_text(encoding="utf-8"))]
+
+
+BLOCKS = page_blocks()
+PYTHON = [b for b in BLOCKS if b.language == "python" and b.expected is not None]
+SHELL = [b for b in BLOCKS if b.language == "bash" and b.expected is not None]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Matching an output
+
+
+def _line_pattern(line: str) -> str:
+    out, pos = [], 0
+    for m in _TOKEN.finditer(line):
+        out.append(re.escape(line[pos:m.start()]))
+        token = m.group()
+        out.append(f"(?:(?!{FORBIDDEN}).)*?" if token == "..." else " +" if token.startswith(" ") else NUMBER)
+        pos = m.end()
+    out.append(re.escape(line[pos:]))
+    return "".join(out)
+
+
+def output_pattern(expected: str) -> re.Pattern:
+    """The regular expression an output (lines without trailing spaces, each ending in a newline) must
+    match in full to match ``expected``."""
+    parts = []
+    for line in _clean(expected).splitlines():
+        if line.strip() == "...":
+            parts.append(f"(?:(?:(?!{FORBIDDEN})[^\\n])*\\n)*?")
+        else:
+            parts.append(_line_pattern(line) + r"\n")
+    return re.compile("".join(parts))
+
+
+def _clean(text: str) -> str:
+    """Trailing spaces and the blank lines at both ends removed; every line ends in a newline."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return "".join(line + "\n" for line in lines)
+
+
+def printed(stdout: str) -> str:
+    """``stdout`` without the lines Ray forwards from other processes, cleaned as :func:`_clean`."""
+    lines = ANSI.sub("", stdout).splitlines()
+    return _clean("\n".join(line for line in lines if not FORWARDED.match(line)))
+
+
+def matches(expected: str, output: str) -> bool:
+    return output_pattern(expected).fullmatch(printed(output)) is not None
+
+
+def assert_prints(block: Block, stdout: str, stderr: str = "") -> None:
+    if not matches(block.expected, stdout):
+        raise AssertionError(f"{block.id}: the {block.language} block\n{block.code}\nprinted\n"
+                             f"{printed(stdout) or '(nothing)'}\nwhere the page says\n{_clean(block.expected)}"
+                             + (f"\nstderr (last 4000 characters):\n{stderr[-4000:]}" if stderr else ""))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks of the pages themselves (fast)
+
+
+def test_every_code_block_runs_or_says_why():
+    assert PYTHON and SHELL
+    for b in BLOCKS:
+        assert b.language in (*RUN_LANGUAGES, LISTING), f"{b.id}: language {b.language!r}; use python, bash or text"
+        if b.language in RUN_LANGUAGES:
+            assert (b.expected is None) != (b.not_run is None), (
+                f"{b.id}: a {b.language} block needs either an Output block after it or "
+                f"'<!-- not run: why -->' above it (not both)")
+
+
+def test_readme_is_short_and_maps_every_page():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 150
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+    for command in ("make demo", "make test", "source .venv/bin/activate", "python experiments/full_study.py",
+                    ".venv/bin/"):
+        assert command in readme, command
+    for result in ("trials.parquet", "curves.parquet", "plasticity.parquet", "report.html", "tb/", "probes/",
+                   "pretrained/", "data/"):
+        assert result in readme, result
+
+
+def test_pages_have_the_blocks_they_document():
+    text = "\n".join(b.code for b in PYTHON)
+    for api in ("raystudy.load_study", "restore_tuner", "open_split", "pair_rates", "run_plasticity",
+                "run_finetune", "train_local", "analyze", "prepare_default"):
+        assert api in text, api
+    commands = "\n".join(b.code for b in SHELL)
+    for command in ("raystudy study", "raystudy data info", "raystudy data prepare", "raystudy plasticity",
+                    "raystudy bounds", "raystudy finetune", "raystudy probe", "raystudy analyze", "raystudy report",
+                    "experiments/full_study.py"):
+        assert command in commands, command
+
+
+def test_expected_output_wildcards():
+    assert matches("ok ~0.3", "ok 0.4166\n") and matches("a\n...\nz", "a\nb\nc\nz\n") and matches("a\n...\nz", "a\nz")
+    assert matches("x  = ~1 ...", "x = 2.5e-3 and more\n") and matches("Output of ...", "Output of it\n")
+    assert matches("col    1", "col 1\n") and matches("", "(pid=12) worker chatter\n")
+    assert matches("a\nb", "a\n\x1b[36m(RayTrainWorker pid=3)\x1b[0m chatter\n(raylet) more\nb\n")
+
+
+def test_a_wildcard_never_stands_for_a_failure():
+    assert not matches("ok ~0.3", "failed nan\n")
+    assert not matches("ok ~0.3", "ok nan\n") and not matches("~1", "inf\n") and not matches("~1", "\n")
+    assert not matches("status ...", "status failed\n") and not matches("...", "test_acc nan\n")
+    assert not matches("a\n...\nz", "a\nTraceback (most recent call last):\nz\n")
+    assert not matches("...", "raystudy.data.store.StoreError: not a store\n")
+    assert not matches("ok\n...", "ok\nerror   WorkerGroupError: boom\n")
+    assert matches("0 failed, ...", "0 failed, 2 ok\n")  # spelt out, it matches
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running the blocks (slow: a demo study first)
+
+
+def _run(args: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def demo_cwd(tmp_path_factory) -> Path:
+    """A working directory with a small demo study at ``results/demo`` (its stores in ``results/demo/data``)."""
+    cwd = tmp_path_factory.mktemp("docs")
+    (cwd / "experiments").symlink_to(REPO / "experiments", target_is_directory=True)
+    (cwd / ".venv").symlink_to(sys.prefix, target_is_directory=True)  # the environment `make` creates
+    raystudy = [sys.executable, "-m", "raystudy"]
+    prep = _run([*raystudy, "data", "prepare", "synthetic", "--out", "results/demo/data", "--n-train", "400",
+                 "--n-test", "100"], cwd, timeout=300)
+    assert prep.returncode == 0, prep.stderr
+    study = _run([*raystudy, "study", "--preset", "demo", "--datasets", "shift-color", "--configurations",
+                  "MHA,Head", "--steps", "4", "--no-analysis", "--set", "builtin_data=false",
+                  "--set", "data_root=results/demo/data", "--set", "eval_period=2", "--set", "warmup_steps=1",
+                  "--set", "checkpoint_period=4", "--set", "optimizers={sgd: [0.03]}", "--set", "pretrain.steps=10",
+                  "--set", "pretrain.warmup_steps=2", "--set", "plasticity.pairs=32",
+                  "--set", "plasticity.batch_size=32"], cwd, timeout=900)
+    assert study.returncode == 0, f"{study.stdout}\n{study.stderr}"
+    for name in ("trials.parquet", "curves.parquet", "plasticity.parquet", "spec.yaml", "pretrained/model.safetensors"):
+        assert (cwd / "results" / "demo" / name).is_file(), name
+    return cwd
+
+
+RUNNER = """
+import json, sys, time, traceback
+blocks = json.load(open(sys.argv[1]))
+for i, (name, code) in enumerate(blocks):
+    t0, error = time.time(), None
+    print("\\0BLOCK-START", flush=True)
+    print("\\0BLOCK-START", file=sys.stderr, flush=True)
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        error = traceback.format_exc()
+    sys.stdout.flush()
+    print("\\0BLOCK-END", file=sys.stderr, flush=True)
+    print("\\0BLOCK-END " + json.dumps({"index": i, "error": error, "seconds": time.time() - t0}), flush=True)
+"""
+
+
+@pytest.fixture(scope="session")
+def python_results(demo_cwd) -> dict[int, dict]:
+    """``{index in PYTHON: {"error": traceback or None, "stdout": ..., "seconds": ...}}`` of one run of
+    every python block, in page order, in one interpreter."""
+    (demo_cwd / "blocks.json").write_text(json.dumps([[f"<{b.id}>", b.code] for b in PYTHON]))
+    proc = _run([sys.executable, "-c", RUNNER, "blocks.json"], demo_cwd, timeout=1800)
+    stderr = [part.split("\0BLOCK-END")[0] for part in proc.stderr.split("\0BLOCK-START\n")[1:]]
+    results, lines = {}, []
+    for line in proc.stdout.splitlines():
+        if line.startswith("\0BLOCK-START"):
+            lines = []
+        elif line.startswith("\0BLOCK-END "):
+            r = json.loads(line[len("\0BLOCK-END "):])
+            results[r["index"]] = {**r, "stdout": "\n".join(lines), "stderr": stderr[r["index"]]}
+        else:
+            lines.append(line)
+    assert len(results) == len(PYTHON), f"the runner stopped early:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(PYTHON)), ids=[b.id for b in PYTHON])
+def test_python_block_prints_its_output(index, python_results):
+    block, result = PYTHON[index], python_results[index]
+    assert result["error"] is None, f"{block.id}: the block raised\n{block.code}\n{result['error']}"
+    assert_prints(block, result["stdout"], result["stderr"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
+def test_shell_block_prints_its_output(block, demo_cwd):
+    proc = _run(["bash", "-e", "-c", block.code], demo_cwd, timeout=900)
+    assert proc.returncode == 0, (f"{block.id}: exit status {proc.returncode}\n{block.code}\n"
+                                  f"{proc.stdout}\n{proc.stderr[-4000:]}")
+    assert_prints(block, proc.stdout, proc.stderr)
