@@ -26,6 +26,7 @@ from raystudy.core.expressions import Budgeted, normalise, resolve
 from raystudy.core.finetune import FinetuneConfig
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
+from raystudy.distributed.probe import ProbeJob
 from raystudy.io import read_result
 from raystudy.settings import (
     DeviceSettings,
@@ -134,7 +135,7 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
     ``amp_bf16``) and the ``plasticity`` section's :class:`PlasticitySettings`; a text model (``hf:...``)
     gets no ``img_size``.
     """
-    from raystudy.distributed.plasticity import PlasticityJob  # Ray: imported by the jobs that run on it
+    from raystudy.distributed.plasticity import PlasticityJob  # matplotlib (its figures): trials stay without it
 
     names = [datasets] if isinstance(datasets, str) else list(datasets)
     model = {**values(ModelSettings, spec), "amp_bf16": spec.amp_bf16}
@@ -153,7 +154,5 @@ def probe_job(spec: StudySpec, dataset: str, out_dir: str):
     :class:`DeviceSettings` (the study's ``data_path``, ``precision`` (``amp_bf16``: bf16), ``cache_dir``)
     and the ``probe`` section's :class:`ProbeSettings`, written to ``out_dir/probe.json``.
     """
-    from raystudy.distributed.probe import ProbeJob  # Ray: imported by the jobs that run on it
-
     return ProbeJob(**values(ModelSettings, spec), **values(DeviceSettings, spec), **values(ProbeSettings, spec.probe),
                     store=spec.store_path(spec.datasets[dataset]), out_dir=str(out_dir))

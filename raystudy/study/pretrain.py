@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from raystudy import storage
+from raystudy.core.finetune import train_local
+from raystudy.data.synthetic import prepare_default
 from raystudy.study.jobs import pretrain_job
 from raystudy.study.progress import echo as _echo
 from raystudy.study.spec import SpecError, StudySpec
@@ -31,8 +33,6 @@ def prepare_builtin_data(spec: StudySpec, echo=_echo, **sizes) -> dict[str, str]
     """Prepare the built-in procedural stores under ``data_root`` (kept when already there); returns
     ``{store name: path}``. Every dataset of the spec must be one of them. ``sizes`` go to
     :func:`~raystudy.data.prepare_default` (``n_train``, ``n_test``, ...; default: its own, the demo's)."""
-    from raystudy.data.synthetic import prepare_default
-
     root = spec.resolved_data_root()
     t0 = time.time()
     stores = prepare_default(root, **sizes)
@@ -50,8 +50,6 @@ def pretrain_weights(spec: StudySpec, weights_path: str, *, echo=_echo) -> dict:
     learned the pretraining task). The run's curves and TensorBoard events stay in
     ``<dirname(weights_path)>/run/``.
     """
-    from raystudy.core.finetune import train_local
-
     if storage.is_uri(weights_path):
         raise ValueError(f"weights: pretraining writes a local file, got the URI {weights_path}")
     t = spec.pretrain
