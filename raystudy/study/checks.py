@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import pyarrow.fs as pafs
 
 from raystudy import storage
-from raystudy.core.expressions import Budgeted, ExpressionError, canonical, parse
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import check_pretrain_split
 from raystudy.data.store import StoreError, check_store
@@ -68,6 +67,8 @@ def _check_names(spec: StudySpec) -> None:
 def _check_configurations(spec: StudySpec) -> None:
     """Each configuration parses (a name, a union, a depth range, a budget or LoRA: the error points at
     the offending character); no two spell the same selection; ``auto:`` needs the measured plasticity."""
+    from raystudy.core.expressions import Budgeted, ExpressionError, canonical, parse  # torch: --help stays light
+
     for c in spec.configurations:
         try:
             tree = parse(c)

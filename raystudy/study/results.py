@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from raystudy.io import TableError, read_result, write_result
 from raystudy.storage import exists, filesystem, join, move_aside, read_text
+from raystudy.study.spec import grid_point
 from raystudy.vocab import FINAL_STATUSES, LINEAR_PROBE, SCHEMAS, STATUSES, columns
 
 #: columns every row has beyond the schema's: the model's constructor arguments (JSON, sorted keys)
@@ -82,8 +83,6 @@ def read_trial_curves(study_dir: str, trial_id: str) -> pd.DataFrame | None:
 def _point_of(study_dir: str, tid: str, datasets: list[str]) -> dict[str, Any] | None:
     """The grid point of trial directory ``tid`` from its summary (configuration, optimizer, lr, seed) and
     the one dataset of ``datasets`` whose trial id it is; ``None`` when there is none."""
-    from raystudy.study.spec import grid_point  # torch (spec -> core): load_study stays without it
-
     s = read_trial_summary(study_dir, tid)
     try:
         values = (s.get("configuration") or s["component"], s["optimizer"], float(s["lr"]), int(s["seed"]))

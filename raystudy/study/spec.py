@@ -56,8 +56,6 @@ from typing import Any, ClassVar
 import yaml
 
 from raystudy import storage
-from raystudy.core.expressions import path_safe, split_configurations
-from raystudy.core.models import resolve_img_size
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -298,6 +296,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
             elif parts == ["configurations"] and isinstance(value, str):
+                from raystudy.core.expressions import split_configurations  # torch (raystudy.core): --help stays light
+
                 value = split_configurations(value)
             elif parts == ["tracking"] and isinstance(value, str):
                 value = _split_names(value)
@@ -310,6 +310,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
         if isinstance(self.seeds, int):
             self.seeds = [self.seeds]
         if isinstance(self.configurations, str):
+            from raystudy.core.expressions import split_configurations  # torch (raystudy.core): --help stays light
+
             self.configurations = split_configurations(self.configurations)
         if self.configurations is None:
             self.configurations = []
@@ -457,6 +459,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
         """Field ``name`` as a trial uses it: ``img_size`` and ``warmup_steps`` with their None resolved
         (the model's size; 20% of ``steps``), so that a spec spelling the default and one leaving it out agree."""
         if name == "img_size":
+            from raystudy.core.models import resolve_img_size  # torch (raystudy.core): --help stays light
+
             return resolve_img_size(self.model, self.model_kwargs, self.img_size)
         if name == "warmup_steps":
             return warmup_of(self.steps, self.warmup_steps)
@@ -512,6 +516,8 @@ def format_lr(lr: float) -> str:
 def trial_id(dataset: str, configuration: str, optimizer: str, lr: float, seed: int) -> str:
     """The stable id of a grid point, e.g. ``cifar10-MHA-sgd-lr0.01-s0`` (an expression's canonical,
     path-safe spelling: ``FC1+MHA`` and ``MHA+FC1`` are one trial, ``auto:5%`` becomes ``auto_5pct``)."""
+    from raystudy.core.expressions import path_safe  # torch (raystudy.core): --help stays light
+
     return f"{dataset}-{path_safe(configuration)}-{optimizer}-lr{format_lr(lr)}-s{int(seed)}"
 
 
