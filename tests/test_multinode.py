@@ -91,14 +91,20 @@ def alive():
 def lose_a_node():
     frozen = report["frozen"]  # trial id -> [pid, node id]
     try:
-        while True:  # until run_study has connected this process to the cluster
-            try:
-                alive()
-                break
+        while True:  # until run_study has connected this process to the cluster (the GCS table may answer
+            try:         # empty before ray.init, once Ray's modules are imported: wait for the connection)
+                if ray.is_initialized():
+                    alive()
+                    break
             except ray.exceptions.RaySystemError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
         while set(frozen) != grid:
-            now = alive()
+            try:
+                now = alive()
+            except ray.exceptions.RaySystemError:  # between two connections of the driver (e.g. a stage's own)
+                time.sleep(0.1)
+                continue
             by_port = {a["Address"]["Port"]: a for a in now}
             for a in now:
                 tid = trial_of(a, by_port) if a["ActorClassName"] in trainers else None
