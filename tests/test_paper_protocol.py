@@ -74,17 +74,19 @@ def test_full_study_script_dry_run_json_is_the_papers_study(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "full_study.py"), "--preset", "paper",
                         "--out", str(tmp_path / "p"), "--dry-run", "--json"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    _check_paper_json(json.loads(r.stdout))  # the whole stdout is one JSON object
+    assert r.returncode == 1, r.stderr  # no store prepared, no weights file here: listed as problems
+    obj = json.loads(r.stdout)  # the whole stdout is one JSON object
+    _check_paper_json(obj)
+    assert any(p.startswith("weights: file not found") for p in obj["problems"]), obj["problems"]
     assert not (tmp_path / "p").exists()
 
 
 def test_raystudy_study_dry_run_json_and_text(tmp_path, capsys):
     """``raystudy study`` with the same flags prints the same object; the text dry run shows each dataset's
     steps / eval period / lr grids and the run count."""
-    assert cli(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--dry-run", "--json"]) == 0
+    assert cli(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--dry-run", "--json"]) == 1  # no data
     _check_paper_json(json.loads(capsys.readouterr().out))
-    assert cli(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--dry-run"]) == 0
+    assert cli(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--dry-run"]) == 1
     out = capsys.readouterr().out
     assert "grid: 888 trials, 0 done, 888 to run (sgd 792, adamw 96)" in out
     assert "probes: 11 (linear probe once per dataset" in out
@@ -188,10 +190,10 @@ def test_resume_with_a_changed_dataset_field_is_refused_naming_it(tmp_path, caps
     base = ["study", "--preset", "paper", "--out", out, "--dry-run"]
     stored = resolve_paths(load_preset("paper").with_overrides({"out": out}))
     write_spec(stored)
-    assert cli(base) == 0
+    assert cli(base) == 1  # accepted; exit 1: the stores and weights it lists as problems are absent here
     capsys.readouterr()
     for grow in ("datasets.clipart.seeds={adamw: [0, 42]}", "datasets.pets.optimizers={sgd: [0.001, 0.1]}"):
-        assert cli([*base, "--set", grow]) == 0, capsys.readouterr().err  # a grid that grows: fine
+        assert cli([*base, "--set", grow]) == 1, capsys.readouterr().err  # a grid that grows: fine
     capsys.readouterr()
 
     assert cli([*base, "--set", "datasets.clipart.steps=10000"]) == 2

@@ -298,17 +298,17 @@ def test_cli_dry_run_prints_the_grid(capsys, tmp_path):
     from raystudy.cli import main
 
     rc = main(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--dry-run"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "grid: 888 trials, 0 done, 888 to run (sgd 792, adamw 96)" in out
+    out = capsys.readouterr().out  # exit 1 below: the paper's stores and weights are absent here
+    assert rc == 1 and "grid: 888 trials, 0 done, 888 to run (sgd 792, adamw 96)" in out
     assert "cifar10-LN1-sgd-lr0.001-s0" in out
     rc = main(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--datasets", "flowers102,pets",
                "--configurations", "MHA,LN1", "--seeds", "0", "--set", "optimizers={sgd: [0.01]}", "--dry-run"])
-    assert rc == 0 and "grid: 4 trials, 0 done, 4 to run" in capsys.readouterr().out
+    assert rc == 1 and "grid: 4 trials, 0 done, 4 to run" in capsys.readouterr().out
     # --seeds is every run's (sketch's own adamw seeds are replaced); --set optimizers is the study's field,
     # which sketch's own optimizers override: 2 configurations x (4 sgd + 4 adamw lrs) x 1 seed + pets' 2
     rc = main(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--datasets", "sketch,pets",
                "--configurations", "MHA,LN1", "--seeds", "0", "--set", "optimizers={sgd: [0.01]}", "--dry-run"])
-    assert rc == 0 and "grid: 18 trials, 0 done, 18 to run (sgd 10, adamw 8)" in capsys.readouterr().out
+    assert rc == 1 and "grid: 18 trials, 0 done, 18 to run (sgd 10, adamw 8)" in capsys.readouterr().out
 
 
 def test_cli_print_spec_is_the_resolved_yaml(capsys, tmp_path):

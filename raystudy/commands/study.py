@@ -138,18 +138,30 @@ def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
 
 
 def dry_run(spec, *, as_json: bool = False) -> int:
-    """Validate ``spec`` (without its files; against the spec of the study already in ``out``, if any) and
-    print what the study would run (``as_json``: as one JSON object, :func:`dry_run_json`); launches
-    nothing."""
-    from raystudy.study.results import ResultTables  # pandas: --help stays light
-    from raystudy.study.tune import check_stored, resolve_paths  # torch, pandas, matplotlib: --help stays light
+    """Validate ``spec`` (against the spec of the study already in ``out``, if any), print what the study
+    would run (``as_json``: as one JSON object, :func:`dry_run_json`, with its ``problems``) and check every
+    file and folder a launch would read or write (:func:`raystudy.study.preflight.launch_problems`): each
+    problem listed on stderr, exit status 1 when there is any. Launches nothing, writes nothing."""
+    from raystudy.study.preflight import preflight  # torch (weights, model), pandas: --help stays light
 
-    spec.validate(check_files=False)
-    spec = resolve_paths(spec)
-    check_stored(spec)  # a study directory created with another protocol is refused, naming the fields
+    spec, problems = preflight(spec)  # a study directory created with another protocol is refused here
     if as_json:
-        print(json.dumps(dry_run_json(spec), indent=1))
-        return 0
+        print(json.dumps({**dry_run_json(spec), "problems": problems}, indent=1))
+    else:
+        print_plan(spec)
+        if problems:
+            print(f"{len(problems)} problem(s) a launch would meet:", file=sys.stderr)
+            for problem in problems:
+                print(f"  - {problem}", file=sys.stderr)
+        else:
+            print("  checked: every store, weights file and output folder a launch needs")
+    return 1 if problems else 0
+
+
+def print_plan(spec) -> None:
+    """The dry run's text: the study, its plasticity and probes, the per-dataset protocol and the grid."""
+    from raystudy.study.results import ResultTables  # pandas: --help stays light
+
     tables = ResultTables(spec.out) if exists(spec.out) else None
     done = tables.done_ids() if tables else set()
     print(f"study {spec.name!r} -> {spec.out}")
@@ -162,7 +174,7 @@ def dry_run(spec, *, as_json: bool = False) -> int:
               f"augment={spec.probe.augment}, seed {spec.probe.seed})")
     if not spec.configurations:
         print("  grid: 0 trials (plasticity only)")
-        return 0
+        return
     print(f"  {len(spec.configurations)} configuration(s) {spec.configurations}; batch {spec.batch_size}, "
           f"{spec.workers_per_trial} worker(s)/trial, {spec.gpus_per_worker} GPU/worker, "
           f"max concurrent {spec.max_concurrent_trials or 'unlimited'}")
@@ -171,7 +183,6 @@ def dry_run(spec, *, as_json: bool = False) -> int:
         print_grid(spec.grid(), done)
     else:
         print(f"  optuna: {spec.samples} runs in each of {len(spec.groups())} cells = {spec.total_trials()} trials")
-    return 0
 
 
 def print_protocols(spec) -> None:

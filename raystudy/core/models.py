@@ -37,9 +37,54 @@ def _read_safetensors(path: Path) -> dict:
         raise WeightsError(f"cannot read weights file {path}: not a valid .safetensors file ({e})") from e
 
 
+#: how the files :func:`load_state_dict_file` reads begin: torch.save's zip archive, a pickle (protocol 2+:
+#: torch.save's legacy format), and a safetensors header (8-byte little-endian length, then a JSON object)
+_ZIP, _PICKLE = b"PK\x03\x04", b"\x80"
+
+
+def _looks_like_safetensors(head: bytes) -> bool:
+    return len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 100_000_000
+
+
+def _is_safetensors(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return _looks_like_safetensors(f.read(9))
+
+
+def _not_weights_reason(path: Path) -> str | None:
+    """Why ``path`` is neither a PyTorch checkpoint nor a safetensors file (from its first bytes), or None."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if not head:
+        return "the file is empty"
+    if head.startswith((_ZIP, _PICKLE)) or _looks_like_safetensors(head):
+        return None
+    try:
+        kind = f"a text file (it begins {head.decode('utf-8').splitlines()[0][:40]!r})"
+    except (UnicodeDecodeError, IndexError):
+        kind = f"of an unknown format (it begins {head[:8]!r})"
+    return (f"not a weights file: {kind}; expected a .safetensors file or a PyTorch checkpoint written by "
+            f"torch.save")
+
+
+def check_weights_format(path: str | Path) -> None:
+    """Raise :class:`WeightsError` naming ``path`` when its first bytes show it is no weights file (empty,
+    text, another format); cheap: nothing is loaded (:func:`load_state_dict_file` checks the rest)."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"weights file not found: {path}")
+    reason = _not_weights_reason(path)
+    if reason is not None and not (path.suffix == ".safetensors" and reason != "the file is empty"):
+        raise WeightsError(f"cannot read weights file {path}: {reason}")
+
+
 def _read_torch(path: Path) -> object:
     """A PyTorch checkpoint read with ``torch.load(weights_only=True)``: a pickle that would build any object
-    other than tensors and plain containers (and so could run code) is refused, never executed."""
+    other than tensors and plain containers (and so could run code) is refused, never executed. A file that
+    is neither (text, an image, ...) is refused from its first bytes, before the unpickler sees it."""
+    reason = _not_weights_reason(path)
+    if reason is not None:
+        raise WeightsError(f"cannot read weights file {path}: {reason}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError (refused globals), truncated zip, EOFError, ...
@@ -80,7 +125,7 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file not found: {path}")
-    state = _read_safetensors(path) if path.suffix == ".safetensors" else _read_torch(path)
+    state = _read_safetensors(path) if path.suffix == ".safetensors" or _is_safetensors(path) else _read_torch(path)
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise WeightsError(f"{path} does not hold a state dict of tensors")

@@ -41,7 +41,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from raystudy.core.models import build_model
+from raystudy.core.models import WeightsError, build_model, check_weights_format
 from raystudy.data.cache import kind_of
 from raystudy.data.store import SPLITS, read_meta
 from raystudy.distributed.cache import build_caches
@@ -216,6 +216,15 @@ class StudyPlan:
     probes: list[str] = field(default_factory=list)
 
 
+def check_weights_format_of(spec: StudySpec) -> None:
+    """A local weights file that is no weights file at all (text, empty) stops the study at once."""
+    if spec.weights is not None and not is_uri(spec.weights):
+        try:
+            check_weights_format(spec.weights)
+        except WeightsError as e:
+            raise SpecError(f"weights: {e}") from None
+
+
 def check_weights_load(spec: StudySpec) -> None:
     """Build the model with its weights once in the driver, as every trial will, so a checkpoint that does
     not fit the model (wrong architecture, missing keys) stops the study before any launch."""
@@ -243,6 +252,7 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
     spec.check_files(weights=False)  # stores, before any work
     if spec.pretrain.enabled:
         if exists(spec.weights):
+            check_weights_format_of(spec)
             echo(f"[{spec.name}] pretrained weights found: {spec.weights}")
         else:
             pretrain_weights(spec, spec.weights, echo=echo)

@@ -1,0 +1,114 @@
+"""What a newcomer and an unlucky user hit (issue "What a newcomer and an attacker hit"), one test per item.
+
+Item 2: ``--dry-run`` validates every file and folder a launch would read or write, lists each problem and
+exits non-zero (the grid is still printed). Item 3: a text file given as weights is refused at once, in one
+line naming the file, before any other work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import STUDY_MODEL, STUDY_TINY
+
+from raystudy.cli import main as cli
+from raystudy.core.models import WeightsError, check_weights_format, load_state_dict_file
+from raystudy.study.spec import load_preset
+
+
+def _spec_file(builtin, tmp_path: Path, **overrides) -> str:
+    """A preset file: the built-in stores, the tiny model and its weights, one trial."""
+    spec = dict(name="pre", out=str(tmp_path / "study"), model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32,
+                weights=builtin["weights"], data_root=builtin["data_root"], pretrain_store="pretrain",
+                datasets={"color": "shift-color"}, configurations=["MHA"], optimizers={"sgd": [0.1]}, seeds=[0],
+                steps=4, batch_size=8, plasticity={"enabled": False}, analysis=False)
+    spec.update(overrides)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def _dry_run(capsys, *args) -> tuple[int, str, str]:
+    rc = cli(["study", *args, "--dry-run"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Item 2: --dry-run validates
+
+
+def test_item2_dry_run_of_the_paper_preset_without_data_lists_every_missing_file(tmp_path, capsys):
+    rc, out, err = _dry_run(capsys, "--preset", "paper", "--out", str(tmp_path / "p"))
+    assert rc == 1
+    assert "grid: 888 trials, 0 done, 888 to run" in out  # the grid is still printed
+    problems = [line[4:] for line in err.splitlines() if line.startswith("  - ")]
+    paper = load_preset("paper")
+    expected = {f"datasets.{name}" for name in paper.datasets} | {"pretrain_store", "weights"}
+    assert {p.split(":")[0] for p in problems} == expected, err
+    assert f"{len(problems)} problem(s) a launch would meet:" in err
+    assert any(p.startswith("weights: file not found: ") and p.endswith(paper.weights) for p in problems), err
+    assert not (tmp_path / "p").exists()  # a dry run writes nothing
+    # the JSON form carries the same list and the same exit status
+    rc = cli(["study", "--preset", "paper", "--out", str(tmp_path / "p"), "--dry-run", "--json"])
+    assert rc == 1 and json.loads(capsys.readouterr().out)["problems"] == problems
+
+
+def test_item2_dry_run_of_a_launchable_study_passes(builtin, tmp_path, capsys):
+    rc, out, err = _dry_run(capsys, "--preset", _spec_file(builtin, tmp_path))
+    assert rc == 0, err
+    assert "grid: 1 trials, 0 done, 1 to run" in out and "checked: every store" in out
+    # the demo builds its stores and pretrains its weights: nothing is missing before its first launch
+    rc, out, err = _dry_run(capsys, "--preset", "demo", "--out", str(tmp_path / "demo"))
+    assert rc == 0, err
+
+
+def test_item2_dry_run_names_a_store_weights_that_do_not_fit_and_an_unwritable_out(builtin, tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"blocks.0.norm1.weight": torch.ones(7)}, tmp_path / "other.safetensors")
+    (tmp_path / "a-file").write_text("x")
+    spec = _spec_file(builtin, tmp_path, weights=str(tmp_path / "other.safetensors"),
+                      datasets={"color": "shift-color", "gone": str(tmp_path / "no-store")},
+                      out=str(tmp_path / "a-file" / "study"))
+    rc, out, err = _dry_run(capsys, "--preset", spec)
+    assert rc == 1 and "grid: 2 trials" in out
+    assert f"datasets.gone: store not usable: {tmp_path / 'no-store'}" in err
+    assert f"weights: {tmp_path / 'other.safetensors'} cannot be loaded into {STUDY_MODEL}" in err
+    assert f"out: {tmp_path / 'a-file' / 'study'}: {tmp_path / 'a-file'} is a file, not a folder" in err
+    assert "datasets.color" not in err  # the prepared store is fine
+
+
+def test_item2_dry_run_checks_the_text_models_tokenizer(tmp_path, capsys):
+    rc, out, err = _dry_run(capsys, "--preset", "text-demo", "--out", str(tmp_path / "t"),
+                            "--set", f"plasticity.tokenizer={tmp_path / 'missing.json'}")
+    assert rc == 1 and "plasticity.tokenizer: cannot load the tokenizer" in err and "missing.json" in err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Item 3: a text file as weights
+
+
+def test_item3_a_text_file_as_weights_is_refused_in_one_line(builtin, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("remember to download the weights\n")
+    for read in (check_weights_format, load_state_dict_file):
+        with pytest.raises(WeightsError, match=rf"cannot read weights file {notes}: not a weights file: a text file "
+                                               r"\(it begins 'remember to download the weights'\)"):
+            read(notes)
+    # the dry run lists it; the study stops before building or pretraining anything, in one line, exit 2
+    rc, _, err = _dry_run(capsys, "--preset", _spec_file(builtin, tmp_path), "--weights", str(notes))
+    assert rc == 1 and f"weights: {notes} cannot be loaded" in err and "not a weights file" in err
+    spec = _spec_file(builtin, tmp_path, weights=str(notes), pretrain={"enabled": True, "steps": 2})
+    assert cli(["study", "--preset", spec]) == 2
+    out, err = capsys.readouterr()
+    assert "pretrained weights found" not in out and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(f"weights: cannot read weights file {notes}: not a weights file: "
+                                                 "a text file (it begins 'remember to download the weights'); "
+                                                 "expected a .safetensors file or a PyTorch checkpoint written by "
+                                                 "torch.save")
+    assert not (tmp_path / "study" / "trials").exists()
