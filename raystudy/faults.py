@@ -7,8 +7,10 @@ few places a fault can be injected; with the variable unset (always, outside tes
 without touching the disk. The file is read at each call, so one Ray session serves many tests.
 
 Kinds in use: ``fail_after_step`` (a finetuning run, keyed by its output folder's name: the first attempt
-raises after that step's checkpoint) and ``crash_at_batch`` (the plasticity pipeline: the first actor to
-reach that batch kills its own process).
+raises after that step's checkpoint), ``hold_after_checkpoint`` (a finetuning run, keyed by its folder's name:
+the first attempt waits after its first checkpoint until its folder holds ``.release`` or that many seconds
+pass, so that a test can act on a run known to be mid-way) and ``crash_at_batch`` (the plasticity pipeline:
+the first actor to reach that batch kills its own process).
 """
 
 from __future__ import annotations

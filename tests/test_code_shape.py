@@ -317,7 +317,7 @@ PRODUCTION_CONFIGS = {
     "raystudy.distributed.plasticity": "PlasticityJob",
     "raystudy.study.spec": "StudySpec",
 }
-TEST_ONLY_NAMES = ("fail_after_step", "crash_at_batch", "inject_failures")
+TEST_ONLY_NAMES = ("fail_after_step", "hold_after_checkpoint", "crash_at_batch", "inject_failures")
 
 
 def _is_test_hook(field: str) -> bool:

@@ -131,6 +131,27 @@ def failure_due(ft: Finetuner, ev: Event, fail_after: int | None) -> bool:
             and not (Path(ft.cfg.out_dir) / INJECTED_MARKER).exists())
 
 
+#: a held run waits at its first checkpoint until its folder holds this file (or the hold's seconds pass)
+RELEASE_MARKER = ".release"
+
+
+def hold_due(ft: Finetuner, ev: Event, hold: float | None) -> bool:
+    """Whether the test fault ``hold_after_checkpoint`` (:mod:`raystudy.faults`) holds the run at ``ev``:
+    its first checkpoint of the run's first attempt (nothing restored yet)."""
+    return hold is not None and ev.checkpoint and not ev.final and not ft.restores and ft.rank == 0 \
+        and not (Path(ft.cfg.out_dir) / RELEASE_MARKER).exists()
+
+
+def hold_run(ft: Finetuner, seconds: float) -> None:
+    """Wait until the run's folder holds :data:`RELEASE_MARKER` or ``seconds`` have passed, then mark it
+    released (a run is held once)."""
+    release = Path(ft.cfg.out_dir) / RELEASE_MARKER
+    deadline = time.monotonic() + seconds
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release.touch()
+
+
 def inject_failure(ft: Finetuner, ev: Event) -> None:
     """Mark the run's first attempt as failed (rank 0) and raise :class:`InjectedFailure`."""
     if ft.rank == 0:
@@ -150,8 +171,10 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
     ``all_reduce``). With ``resume``, the run continues from ``checkpointer.restore``. At each event of the
     loop: TensorBoard on worker 0 (with ``tensorboard``), ``checkpointer.saved`` at checkpoint steps (and at
     the end when ``checkpointer.final``), ``reporter.report``, then the test fault ``fail_after_step`` of the
-    run's folder name (after that step's checkpoint and report). The summary's ``wall_seconds`` is the wall
-    time of the loop; worker 0 writes the run's weights (:func:`save_weights`) with ``write_weights``.
+    run's folder name (after that step's checkpoint and report) and the test fault ``hold_after_checkpoint``
+    (the first attempt waits after its first checkpoint, see :func:`hold_run`). The summary's
+    ``wall_seconds`` is the wall time of the loop; worker 0 writes the run's weights (:func:`save_weights`)
+    with ``write_weights``.
     """
     ft = Finetuner(cfg, **placement)
     checkpointer = checkpointer if checkpointer is not None else NoCheckpoints()
@@ -161,6 +184,7 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
     tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None) \
         if tensorboard and ft.rank == 0 else None
     fail_after = injected("fail_after_step", Path(cfg.out_dir).name)
+    hold = injected("hold_after_checkpoint", Path(cfg.out_dir).name)
 
     def on_event(ev: Event) -> None:
         if tb is not None:
@@ -168,6 +192,8 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
         save = ev.checkpoint and (checkpointer.final or not ev.final)
         with checkpointer.saved(ft, ev) if save else contextlib.nullcontext() as folder:
             reporter.report(event_metrics(ev), folder)
+        if hold_due(ft, ev, hold):
+            hold_run(ft, hold)
         if failure_due(ft, ev, fail_after):
             reporter.before_failure()
             inject_failure(ft, ev)
