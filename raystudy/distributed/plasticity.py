@@ -102,6 +102,7 @@ from raystudy.data.modality import (  # noqa: F401  (the pairs.parquet schemas: 
     PAIRS_SCHEMA,
     TEXT_PAIRS_SCHEMA,
     PairPlan,
+    absolute_model,
     modality_of_model,
     resolve_modality,
 )
@@ -203,7 +204,7 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         self.pretrain, self.out_dir = absolute_path(self.pretrain), absolute_path(self.out_dir)
         self.downstream = [absolute_path(s) for s in self.downstream]
         self.weights, self.tokenizer = absolute_path(self.weights), absolute_path(self.tokenizer)
-        self.stage_dir = absolute_path(self.stage_dir)
+        self.stage_dir, self.model = absolute_path(self.stage_dir), absolute_model(self.model)
         self.model_kwargs = dict(self.model_kwargs or {})
         if not isinstance(self.pretrain_split, str):
             self.pretrain_split = [str(s) for s in self.pretrain_split]

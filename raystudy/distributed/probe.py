@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from raystudy import storage
+from raystudy.data.modality import absolute_model
 from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
 from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, setting
@@ -78,6 +79,7 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
             self.precision = "bf16"  # the older spelling
         self.store, self.out_dir = absolute_path(self.store), absolute_path(self.out_dir)
         self.weights, self.cache_dir = absolute_path(self.weights), absolute_path(self.cache_dir)
+        self.model = absolute_model(self.model)
 
 
     def validate(self) -> None:

@@ -13,6 +13,7 @@ import sys
 
 import yaml
 
+from raystudy.data.modality import absolute_model
 from raystudy.storage import exists, is_uri, join, read_text, write_text_atomic
 from raystudy.study.spec import SpecError, StudySpec, load_spec_file
 
@@ -34,7 +35,8 @@ def resolve_paths(spec: StudySpec) -> StudySpec:
     cache_dir = spec.cache_dir
     if cache_dir is not None and not is_uri(cache_dir):
         cache_dir = os.path.abspath(cache_dir)
-    resolved = spec.with_overrides({"out": out, "data_root": data_root, "weights": weights, "cache_dir": cache_dir})
+    resolved = spec.with_overrides({"out": out, "data_root": data_root, "weights": weights, "cache_dir": cache_dir,
+                                    "model": absolute_model(spec.model)})
     resolved.datasets = resolved.dataset_stores()
     if resolved.pretrain_store is not None:
         resolved.pretrain_store = resolved.pretrain_store_path()

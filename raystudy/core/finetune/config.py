@@ -16,6 +16,7 @@ import torch
 
 from raystudy.core.expressions import Budgeted, Combination, ExpressionError, parse
 from raystudy.core.models import resolve_img_size
+from raystudy.data.modality import absolute_model
 from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-exported by raystudy.core.finetune
     HEAD_INITS,  # noqa: F401
     WARMUP_FRACTION,  # noqa: F401  (re-exported by raystudy.core.finetune)
@@ -98,6 +99,7 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
             self.precision = "bf16"
         for name in PATH_FIELDS:
             setattr(self, name, absolute_path(getattr(self, name)))
+        self.model = absolute_model(self.model)
         if self.img_size is None:
             self.img_size = resolve_img_size(self.model, self.model_kwargs)
 
