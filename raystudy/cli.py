@@ -18,8 +18,16 @@ import raystudy.commands
 from raystudy.distributed.cluster import quiet_ray_logs  # logging only, no Ray import
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (the problem and where to read more), not the usage
+    of every flag; its sub-command parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="raystudy",
         description="Ray-distributed studies of how transformer components adapt during finetuning.",
     )
@@ -66,6 +74,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"raystudy {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        return interrupted(f"raystudy {args.command}", e)
+
+
+#: the exit status of a command stopped by Ctrl-C (128 + SIGINT), as a shell reports it
+INTERRUPTED_STATUS = 130
+
+
+def interrupted(prog: str, e: KeyboardInterrupt) -> int:
+    """Ctrl-C: one line on stderr (what was stopped, how to resume) and exit status 130, never 0."""
+    print(f"{prog}: {e or 'interrupted (Ctrl-C)'}", file=sys.stderr)
+    return INTERRUPTED_STATUS
 
 
 if __name__ == "__main__":

@@ -134,8 +134,14 @@ def _is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+#: the largest batch a run or a plasticity pass may ask for (a larger one only exhausts memory: its index
+#: arrays alone take gigabytes before the first image is read)
+MAX_BATCH_SIZE = 65_536
+
 #: check name -> (holds, what it requires)
 CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "batch_size": (lambda v: _is_int(v) and 1 <= v <= MAX_BATCH_SIZE,
+                   f"must be an integer between 1 and {MAX_BATCH_SIZE:,}"),
     "positive_int": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
     "optional_positive_int": (lambda v: v is None or (_is_int(v) and v >= 1), "must be None or an integer >= 1"),
     "non_negative_int": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
@@ -330,7 +336,7 @@ class ProtocolSettings(DeviceSettings):
     """The finetuning protocol (the paper's, Appendix D): what every run of a study shares."""
 
     steps: int = setting(10_000, check="positive_int", help="optimizer steps of a run")
-    batch_size: int = setting(512, check="positive_int", help="global batch over all workers")
+    batch_size: int = setting(512, check="batch_size", help="global batch over all workers")
     eval_period: int = setting(500, check="positive_int", help="evaluate on val every this many steps")
     warmup_steps: int | None = setting(None, check="optional_non_negative_int",
                                        help="linear warmup steps; None: 20% of steps (the paper's 2000/10000)")

@@ -80,7 +80,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Any]:
     """
     fs, p = filesystem(path)
     parent, name = p.rsplit("/", 1)
-    fs.create_dir(parent, recursive=True)
+    create_dir(fs, parent)
     tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
     try:
         with fs.open_output_stream(tmp) as f:
@@ -157,7 +157,7 @@ def publish(local: str | os.PathLike, uri: str | None) -> None:
     if uri is None:
         return
     fs, path = pafs.FileSystem.from_uri(uri)
-    fs.create_dir(path, recursive=True)
+    create_dir(fs, path)
     fs.delete_dir_contents(path, missing_dir_ok=True)
     pafs.copy_files(str(Path(local).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=fs)
@@ -166,7 +166,7 @@ def publish(local: str | os.PathLike, uri: str | None) -> None:
 def upload_dir(local: str | os.PathLike, uri: str) -> None:
     """Copy the local folder ``local`` into ``uri`` (kept files there stay; same names are overwritten)."""
     fs, path = pafs.FileSystem.from_uri(uri)
-    fs.create_dir(path, recursive=True)
+    create_dir(fs, path)
     pafs.copy_files(str(Path(local).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=fs)
 
@@ -221,3 +221,38 @@ def check_path_name(name: object, what: str) -> str:
         raise ValueError(f"{what}: {name!r} is not a valid name: it {problem}; it becomes a file name, "
                          "so it must be one path component")
     return name
+
+
+class FolderError(ValueError):
+    """A folder that cannot be created or written: a file where a folder must be, a read-only mount, no
+    permission (a ``ValueError``: the command line prints it in one line)."""
+
+
+def create_dir(fs: pafs.FileSystem, path: str) -> None:
+    """``fs.create_dir(path, recursive=True)``; a file on the way or an unwritable place raises
+    :class:`FolderError` naming the folder and why."""
+    try:
+        fs.create_dir(path, recursive=True)
+    except OSError:
+        why = folder_problem(path) if isinstance(fs, pafs.LocalFileSystem) else None
+        if why is None:  # e.g. a full disk, which the study reports as such
+            raise
+        raise FolderError(f"cannot create the folder {why}") from None
+
+
+def folder_problem(path: str | None) -> str | None:
+    """Why a folder a launch writes cannot be created or written (an existing file on the way, no write
+    permission), or None; remote URIs are not checked."""
+    if path is None or is_uri(path):
+        return None
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{path}: {probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{path}: {probe} is not writable (a read-only mount, or no permission)"
+    return None

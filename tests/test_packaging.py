@@ -39,8 +39,10 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
     shutil.copytree(REPO / "raystudy", src / "raystudy", ignore=shutil.ignore_patterns("__pycache__"))
-    _run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(root / "dist")],
-         cwd=src)
+    built = _run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-v", "-w",
+                  str(root / "dist")], cwd=src)
+    # the licence as an SPDX expression: setuptools warns about the older table form at every install
+    assert "project.license" not in built.stdout + built.stderr, built.stderr[-2000:]
     wheels = list((root / "dist").glob("raystudy-*.whl"))
     assert len(wheels) == 1, wheels
 

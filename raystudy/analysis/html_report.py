@@ -21,7 +21,7 @@ from raystudy.analysis.figures import CONFIGURATION_COLORS
 from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis
 from raystudy.analysis.render import fmt_num, pct
-from raystudy.vocab import TRIALS_CONFIGURATIONS
+from raystudy.vocab import LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1d2733;
@@ -110,17 +110,21 @@ def _summary(res: AnalysisResult) -> str:
     items = [("study directory", _e(res.study_dir))]
     if inp.trials is not None:
         t = inp.trials
-        counted = [x for x in (inp.counted, inp.probes) if x is not None]
-        n_ok = sum(len(x) for x in counted)
-        n_div = sum(int(x["diverged"].sum()) for x in counted)
+        probe_rows = t["configuration"].astype(str) == LINEAR_PROBE  # counted apart: a probe is no trial
+        n_trials, n_probes = int((~probe_rows).sum()), int(probe_rows.sum())
+        n_ok = 0 if inp.counted is None else len(inp.counted)
+        n_div = 0 if inp.counted is None else int(inp.counted["diverged"].sum())
         items += [("models", _e(_join(sorted(t["model"].astype(str).unique())))),
                   ("datasets", _e(_join(sorted(t["dataset"].astype(str).unique())))),
                   ("configurations", _e(_join(_configurations(t["configuration"])))),
                   ("optimizers", _e(_join(sorted(t["optimizer"].dropna().astype(str).unique())))),
                   ("learning rates", _e(_join(f"{v:g}" for v in sorted(pd.to_numeric(t["lr"]).dropna().unique())))),
                   ("seeds", _e(_join(sorted(t["seed"].dropna().unique())))),
-                  ("trials", _e(f"{len(t)} in total, {n_ok} counted ({n_div} of them diverged, counted with "
-                                f"their pre-divergence best-validation accuracy), {len(t) - n_ok} excluded"))]
+                  ("trials", _e(f"{n_trials} in total, {n_ok} counted ({n_div} of them diverged, counted with "
+                                f"their pre-divergence best-validation accuracy), {n_trials - n_ok} excluded"))]
+        if n_probes:
+            n_fit = 0 if inp.probes is None else len(inp.probes)
+            items.append(("linear probes", _e(f"{n_probes} ({n_fit} counted), one per dataset; not trials")))
     if inp.plasticity is not None:
         p = inp.plasticity
         items += [("plasticity", _e(f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from raystudy.cli import setup_logging
+from raystudy.cli import Parser, interrupted, setup_logging
 from raystudy.settings import add_flags
 from raystudy.storage import exists
 from raystudy.study.spec import TRACKERS, StudySpec, load_preset, preset_names
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None, *, prog: str = "full_study.py", preset_p
     ``preset_prefix`` is prepended to a preset name (``plasticity_study.py`` uses ``plasticity-``, so its
     default presets are ``plasticity-demo`` and, with ``--address``, ``plasticity-paper``).
     """
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser = Parser(prog=prog, description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, Ray's own logs")
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -268,3 +268,5 @@ def main(argv: list[str] | None = None, *, prog: str = "full_study.py", preset_p
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        return interrupted(prog, e)

@@ -328,6 +328,29 @@ def _shard_tally(path: Path, listed_rows: int | None) -> Counter:
     return Counter(zip(splits, labels))
 
 
+def _check_labels(store: str | os.PathLike, meta: dict, tally: Counter) -> None:
+    """Every label of a labelled store is a class index ``0 <= label < num_classes``: a label outside
+    passes a checksum but fails every run that draws it (``IndexError: Target 12 is out of bounds``)."""
+    num_classes = meta.get("num_classes")
+    if not num_classes:
+        return
+    for (split, label), n in sorted(tally.items(), key=str):
+        if label is not None and not (isinstance(label, int) and 0 <= label < int(num_classes)):
+            raise StoreError(f"{store}: split {split!r} holds label {label!r} ({n} row(s)), outside the classes "
+                             f"0..{int(num_classes) - 1} of dataset.json (num_classes {num_classes}); fix the "
+                             "labels and prepare the store again")
+
+
+def required_splits_problem(store: str | os.PathLike, meta: dict, splits: tuple[str, ...]) -> str | None:
+    """Why ``store`` cannot serve a run that reads ``splits`` (one of them has no rows), or None."""
+    empty = [s for s in splits if not meta.get("counts", {}).get(s)]
+    if empty:
+        counts = ", ".join(f"{k} {v}" for k, v in meta.get("counts", {}).items()) or "none"
+        return (f"{store}: split(s) {empty} hold no rows (rows per split: {counts}); a finetuning run "
+                f"needs {list(splits)}")
+    return None
+
+
 def _check_counts(store: str | os.PathLike, meta: dict, tally: Counter) -> None:
     """Rows per split, in total and per class as found in the shards = what ``dataset.json`` says."""
     per_split = Counter()
@@ -342,6 +365,7 @@ def _check_counts(store: str | os.PathLike, meta: dict, tally: Counter) -> None:
     if meta.get("num_rows", total) != total:
         raise StoreError(f"{store}: the shards hold {total} rows, dataset.json 'num_rows' says {meta['num_rows']}; "
                          "prepare the store again")
+    _check_labels(store, meta, tally)
     for split, listed in (meta.get("label_counts") or {}).items():
         found = [tally.get((split, label), 0) for label in range(len(listed))]
         if list(listed) != found:

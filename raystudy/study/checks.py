@@ -19,7 +19,8 @@ import pyarrow.fs as pafs
 from raystudy import storage
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import check_pretrain_split
-from raystudy.data.store import StoreError, check_store
+from raystudy.data.splits import SPLITS
+from raystudy.data.store import StoreError, check_store, required_splits_problem
 from raystudy.settings import ModelSettings, PlasticitySettings, ProbeSettings, ProtocolSettings, problems
 from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, check_name
 
@@ -48,7 +49,8 @@ def validate(spec: StudySpec, *, files: bool = True) -> None:
     pretraining create them).
     """
     for check in (_check_names, _check_grid, _check_datasets, _check_protocol, _check_dataset_overrides,
-                  _check_resources, _check_tracking, _check_plasticity, _check_pretrain, _check_probe):
+                  _check_grid_size, _check_resources, _check_tracking, _check_plasticity, _check_pretrain,
+                  _check_probe):
         check(spec)
     if files:
         check_files(spec)
@@ -98,6 +100,23 @@ def _check_grid(spec: StudySpec) -> None:
         raise SpecError("seeds: at least one seed is required")
     _unique(spec.seeds, "seeds")
     _check_seed_range(spec.seeds, "seeds")
+
+#: the most trials one study may hold (the engine is built for studies of 10,000; a bigger grid is a typo or
+#: an attack, and listing it alone would take minutes)
+MAX_TRIALS = 1_000_000
+
+
+def _check_grid_size(spec: StudySpec) -> None:
+    """The grid's size counted without listing it: at most :data:`MAX_TRIALS` trials."""
+    n, protocols = len(spec.configurations), spec.protocols().values()
+    if spec.search == "optuna":  # runs per (dataset, configuration, optimizer, seed) cell
+        total = n * spec.samples * sum(len(p.seeds[o]) for p in protocols for o in p.optimizers)
+    else:
+        total = sum(p.trials(n) for p in protocols)
+    if total > MAX_TRIALS:
+        raise SpecError(f"the grid holds {total:,} trials, more than the {MAX_TRIALS:,} a study may hold "
+                        "(datasets x configurations x learning rates x seeds); split it into several studies")
+
 
 def _check_datasets(spec: StudySpec) -> None:
     if not spec.datasets and not spec.builtin_data:
@@ -204,15 +223,25 @@ def _check_probe(spec: StudySpec) -> None:
             raise SpecError(f"probe.{name}: {getattr(spec.probe, name)!r} {why}")
 
 
+def dataset_store_problem(spec: StudySpec, path: str) -> str | None:
+    """Why the store of one of ``spec``'s datasets cannot serve its trials, or None: its shards against its
+    ``dataset.json`` (a truncated shard, a label outside the classes) and, when the grid finetunes, rows in
+    every split a run reads."""
+    try:
+        meta = check_store(path)  # footers and row counts against dataset.json: a truncated shard stops here
+    except StoreError as e:
+        return str(e)
+    return required_splits_problem(path, meta, SPLITS) if spec.configurations else None
+
+
 def check_files(spec: StudySpec, *, weights: bool | None = None) -> None:
     """Every store and the weights file exist. ``weights=None`` checks the weights file unless
     pretraining will produce it."""
 
     for name, path in spec.dataset_stores().items():
-        try:
-            check_store(path)  # footers and row counts against dataset.json: a truncated shard stops here
-        except StoreError as e:
-            raise SpecError(f"datasets.{name}: store not usable: {e}") from None
+        problem = dataset_store_problem(spec, path)
+        if problem:
+            raise SpecError(f"datasets.{name}: store not usable: {problem}")
     if spec.pretrain_store is not None and (spec.plasticity.enabled or spec.pretrain.enabled):
         try:
             check_store(spec.pretrain_store_path())

@@ -11,11 +11,10 @@ import importlib.util
 import os
 import sys
 
-import yaml
-
 from raystudy.data.modality import absolute_model
 from raystudy.storage import exists, is_uri, join, read_text, write_text_atomic
 from raystudy.study.spec import SpecError, StudySpec, load_spec_file
+from raystudy.study.spec_values import load_yaml
 
 SPEC_FILE = "spec.yaml"
 #: the package each ``tracking`` entry needs (Ray Tune's integration imports it)
@@ -47,7 +46,7 @@ def stored_spec(study_dir: str) -> StudySpec | None:
     """The spec a study directory was created with, or ``None`` for a new directory."""
     path = join(study_dir, SPEC_FILE)
     text = read_text(path)
-    return None if text is None else StudySpec.from_dict(yaml.safe_load(text) or {}, where=path)
+    return None if text is None else StudySpec.from_dict(load_yaml(text, path) or {}, where=path)
 
 
 def load_study_spec(study_dir: str) -> StudySpec:
@@ -55,7 +54,9 @@ def load_study_spec(study_dir: str) -> StudySpec:
     path = join(study_dir, SPEC_FILE)
     if not exists(path):
         raise SpecError(f"--resume: {study_dir} holds no study ({SPEC_FILE} not found)")
-    return stored_spec(study_dir) if is_uri(path) else load_spec_file(path)
+    spec = stored_spec(study_dir) if is_uri(path) else load_spec_file(path)
+    # the directory given, not the `out` stored in it: a copied or moved study continues where it is now
+    return spec.with_overrides({"out": study_dir if is_uri(study_dir) else os.path.abspath(study_dir)})
 
 
 def check_stored(spec: StudySpec) -> None:
@@ -72,6 +73,13 @@ def check_stored(spec: StudySpec) -> None:
                 f"out: {spec.out} already holds a study created with another spec ({'; '.join(conflicts)}); "
                 "choose another --out, or continue that study with --resume"
             )
+
+
+def row_conflicts_message(spec: StudySpec, changed: list[str]) -> str:
+    """The error for a spec that disagrees with how the study's finished trials ran (``changed``: the
+    fields of :meth:`StudySpec.row_conflicts`)."""
+    return (f"out: {spec.out} holds trials that ran with another protocol than this spec's "
+            f"({'; '.join(changed)}); was spec.yaml edited? Choose another --out")
 
 
 def write_spec(spec: StudySpec) -> None:

@@ -9,14 +9,14 @@ pretraining step writes are not problems while they are absent.
 
 from __future__ import annotations
 
-import os
-
 from raystudy.core.models import WeightsError, build_model, check_weights_format
 from raystudy.data.modality import modality_of_model, resolve_modality
-from raystudy.data.store import StoreError, check_store, read_meta
-from raystudy.storage import exists, is_uri
-from raystudy.study.persist import check_stored, resolve_paths
-from raystudy.study.spec import StudySpec
+from raystudy.data.store import StoreError, check_store
+from raystudy.storage import exists, folder_problem, is_uri, join
+from raystudy.study.checks import dataset_store_problem
+from raystudy.study.persist import check_stored, resolve_paths, row_conflicts_message
+from raystudy.study.results import ResultTables
+from raystudy.study.spec import SpecError, StudySpec
 
 
 def preflight(spec: StudySpec) -> tuple[StudySpec, list[str]]:
@@ -26,7 +26,17 @@ def preflight(spec: StudySpec) -> tuple[StudySpec, list[str]]:
     spec.validate(check_files=False)
     spec = resolve_paths(spec)
     check_stored(spec)
+    check_rows(spec)
     return spec, launch_problems(spec)
+
+
+def check_rows(spec: StudySpec) -> None:
+    """Refuse a spec that disagrees with how the study's finished trials ran (their rows in
+    ``trials.parquet``: :meth:`StudySpec.row_conflicts`), as the launch itself does."""
+    if exists(join(spec.out, "trials.parquet")):
+        changed = spec.row_conflicts(ResultTables(spec.out).rows)
+        if changed:
+            raise SpecError(row_conflicts_message(spec, changed))
 
 
 def launch_problems(spec: StudySpec) -> list[str]:
@@ -59,11 +69,14 @@ def _store_problems(spec: StudySpec, problems: list[str]) -> dict[str, dict]:
         if spec.builtin_data and not exists(path):
             continue  # the launch prepares the built-in stores first
         try:
-            check_store(path)
-            metas[field] = read_meta(path)
-            resolve_modality(spec.model, metas[field], path)
+            problem = dataset_store_problem(spec, path) if field.startswith("datasets.") else None
+            if problem is None:
+                metas[field] = check_store(path)
+                resolve_modality(spec.model, metas[field], path)
         except (StoreError, ValueError) as e:
-            problems.append(f"{field}: store not usable: {e}")
+            problem = str(e)
+        if problem:
+            problems.append(f"{field}: store not usable: {problem}")
     return metas
 
 
@@ -90,21 +103,3 @@ def _tokenizer_problems(spec: StudySpec, problems: list[str]) -> None:
         modality_of_model(spec.model).load_tokenizer(spec.model, spec.plasticity.tokenizer)
     except Exception as e:  # a missing file, or tokenizers' own error for a file that is no tokenizer.json
         problems.append(f"plasticity.tokenizer: cannot load the tokenizer: {e}")
-
-
-def folder_problem(path: str | None) -> str | None:
-    """Why a folder a launch writes cannot be created or written (an existing file on the way, no write
-    permission), or None; remote URIs are not checked."""
-    if path is None or is_uri(path):
-        return None
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            return None
-        probe = parent
-    if not os.path.isdir(probe):
-        return f"{path}: {probe} is a file, not a folder"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{path}: {probe} is not writable"
-    return None

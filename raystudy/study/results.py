@@ -28,6 +28,7 @@ Studies written before the vocabulary was unified call the ``configuration`` col
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ OLD_SENTINELS = ("trainable_params", "best_val_step", "steps_completed")
 #: the grid's axes: the order of ``trials.parquet``
 SORT_KEYS = ["dataset", "configuration", "optimizer", "lr", "seed"]
 
+log = logging.getLogger(__name__)
+
 
 def trial_dir(study_dir: str, trial_id: str) -> str:
     return join(study_dir, "trials", trial_id)
@@ -62,14 +65,28 @@ def quarantine(path: str) -> str:
 
 
 def read_trial_summary(study_dir: str, trial_id: str) -> dict[str, Any] | None:
-    """``trials/<id>/summary.json`` as a dict, or ``None`` when the trial has not finished."""
-    text = read_text(join(trial_dir(study_dir, trial_id), "summary.json"))
+    """``trials/<id>/summary.json`` as a dict, or ``None`` when the trial has not finished. A summary that is
+    no run's (not a JSON object, an unknown ``status``) makes the trial ``failed``, with the file named in its
+    ``error``, so that the study goes on and runs that trial again."""
+    path = join(trial_dir(study_dir, trial_id), "summary.json")
+    text = read_text(path)
     if text is None:
         return None
     try:
-        return json.loads(text)
+        summary = json.loads(text)
     except json.JSONDecodeError:
         return None  # a torn write of a killed run: treat the trial as unfinished
+    if not isinstance(summary, dict):
+        return _malformed(path, f"a JSON {type(summary).__name__}, not an object")
+    if summary.get("status") not in STATUSES:
+        return _malformed(path, f"status {summary.get('status')!r} not in {STATUSES}")
+    return summary
+
+
+def _malformed(path: str, reason: str) -> dict[str, Any]:
+    log.warning("%s: %s; the trial counts as failed and runs again", path, reason)
+    blank = dict.fromkeys(SCHEMAS["trials"].names)  # every column a row holds, null: nothing was measured
+    return {**blank, "status": "failed", "error": f"{path}: {reason}"}
 
 
 def read_trial_curves(study_dir: str, trial_id: str) -> pd.DataFrame | None:
@@ -320,6 +337,9 @@ class Study:
     def __repr__(self) -> str:
         parts = [f"{name}: {len(df)} rows" for name in ("trials", "curves", "plasticity", "rates", "bounds")
                  if (df := getattr(self, name)) is not None]
+        probes = int((self.trials["configuration"].astype(str) == LINEAR_PROBE).sum()) if len(self.trials) else 0
+        if probes:  # the linear probes' rows are counted apart, as the command line and the report count them
+            parts[0] = f"trials: {len(self.trials) - probes} rows (+ {probes} rows of linear probes)"
         return f"Study({self.path!r}; {', '.join(parts)})"
 
 

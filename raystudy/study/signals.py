@@ -1,10 +1,11 @@
-"""SIGTERM in a study's driver: a clean stop (Ray shut down, the study lock released), not Ray's abort."""
+"""SIGTERM and Ctrl-C in a study's driver: a clean stop (Ray shut down, the study lock released), not Ray's
+abort, and never an exit status that says the study succeeded."""
 
 from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from raystudy.study.progress import Echo
@@ -27,13 +28,50 @@ def sigterm_exits(echo: Echo = _echo, prefix: str = "study") -> Iterator[None]:
         yield
         return
 
+    received: list[int] = []
+
     def handler(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        received.append(signum)
         echo(f"[{prefix}] SIGTERM: stopping (run the same command again to resume)")
         raise Terminated(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
+    except BaseException:
+        # raised inside a wait of Ray's core worker, Terminated comes out as Ray's own SystemExit(1)
+        if received:
+            raise Terminated(128 + received[0]) from None
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the driver when Ctrl-C (SIGINT) stopped a Tune launch: Tune ended its trials gracefully (their
+    checkpoints are kept) and the study stops there, without analysing its partial results; the command
+    line exits with status 130."""
+
+
+@contextmanager
+def sigint_noticed() -> Iterator[Callable[[], bool]]:
+    """While the block runs (a Tune launch), ``interrupted()`` (the yielded function) tells whether Ctrl-C
+    stopped it.
+
+    ``Tuner.fit`` installs its own SIGINT handler, which ends the experiment gracefully and then puts back
+    the handler it found: the one installed here, which acts as Python's default (a second Ctrl-C raises
+    KeyboardInterrupt at once). Found back in place after ``fit``, it shows that Tune was interrupted.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

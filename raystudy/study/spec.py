@@ -84,11 +84,15 @@ from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTO
     _split_override,
     _sub,
     _to_int,
+    is_missing,
+    load_yaml,
+    unknown_field,
 )
 from raystudy.vocab import (
     BASELINES,
     COMPONENTS,
     EXECUTIONS,
+    LINEAR_PROBE,
     SEARCHES,
 )
 
@@ -258,7 +262,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
                 log.debug("%s: ignoring the old field %r (%s)", where, key, DROPPED_FIELDS[key])
                 continue
             if key not in known:
-                raise SpecError(f"{where}: unknown field {key!r} (known: {sorted(known)})")
+                raise unknown_field(where, key, known)
             if key in cls.SECTIONS:
                 kwargs[key] = _sub(cls.SECTIONS[key], value, f"{where}: {key}")
             else:
@@ -452,8 +456,12 @@ class StudySpec(ModelSettings, ProtocolSettings):
     TRIAL_FIELDS: ClassVar[tuple[str, ...]] = (
         "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
         "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search", "momentum", "betas",
-        "weight_decay", "clip_norm", "head_init", "include_layerscale",
+        "weight_decay", "clip_norm", "head_init", "include_layerscale", "precision", "data_path",
     )
+    #: what each finished trial's row records of how it ran, checked against the spec at every launch (a
+    #: hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean): the dataset's resolved
+    #: protocol for ``steps``, the study's value for the others (``precision`` when the spec fixes it)
+    ROW_FIELDS: ClassVar[tuple[str, ...]] = ("steps", "batch_size", "data_path", "precision")
 
     def trial_value(self, name: str) -> Any:
         """Field ``name`` as a trial uses it: ``img_size`` and ``warmup_steps`` with their None resolved
@@ -478,7 +486,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         protocol, a dataset's store, a dataset's resolved protocol where either spec overrides it
         (``datasets.clipart.steps: stored 20000, given 10000``), the probe's settings, and the plasticity
         pairing when both specs measure plasticity (:attr:`PLASTICITY_FIELDS`)."""
-        out = []
+        out = [] if self.name == stored.name else [f"name: stored {stored.name!r}, given {self.name!r}"]
         for name in self.TRIAL_FIELDS:
             a, b = self.trial_value(name), stored.trial_value(name)
             if a != b:
@@ -496,6 +504,21 @@ class StudySpec(ModelSettings, ProtocolSettings):
             out += [f"probe.{f}: stored {getattr(stored.probe, f)!r}, given {getattr(self.probe, f)!r}"
                     for f in self.PROBE_FIELDS if getattr(self.probe, f) != getattr(stored.probe, f)]
         return out + self._plasticity_conflicts(stored)
+
+    def row_conflicts(self, rows: dict[str, dict]) -> list[str]:
+        """Fields of :attr:`ROW_FIELDS` in which finished trials' rows (``{trial id: row}``) disagree with
+        this spec (``trials/<id>: steps ran 6, the spec says 9``), one per field, the first trial named."""
+        out: dict[str, str] = {}
+        for tid, row in sorted(rows.items()):
+            if (row.get("status") not in ("ok", "diverged") or row.get("dataset") not in self.datasets
+                    or row.get("configuration") == LINEAR_PROBE):  # a probe has its own batch, no steps
+                continue
+            for name in self.ROW_FIELDS:
+                want = self.protocol(row["dataset"]).steps if name == "steps" else getattr(self, name)
+                have = row.get(name)
+                if name not in out and want is not None and not is_missing(have) and have != want:
+                    out[name] = f"{name}: trials/{tid} ran with {have!r}, the spec says {want!r}"
+        return list(out.values())
 
     def _plasticity_conflicts(self, stored: StudySpec) -> list[str]:
         """:attr:`PLASTICITY_FIELDS` (and ``batch_size`` under sequential pairing) that differ, when both
@@ -551,10 +574,7 @@ def load_preset(name_or_path: str) -> StudySpec:
 
 
 def load_spec_file(path: str | Path) -> StudySpec:
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as e:
-        raise SpecError(f"{path}: invalid YAML ({e})") from None
+    data = load_yaml(Path(path).read_text(), str(path)) or {}
     return StudySpec.from_dict(data, where=str(path))
 
 

@@ -5,6 +5,7 @@ error names the field (``datasets.<name>.<field>``) as :class:`~raystudy.study.c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -125,9 +126,9 @@ def _override_target(data: dict[str, Any], key: str, sections: Iterable[str]) ->
     if len(parts) == 3 and parts[0] == "datasets":
         known = ["store", *(f.name for f in dataclasses.fields(DatasetOverrides))]
         if leaf not in known:
-            raise SpecError(f"--set {key}: unknown field {leaf!r} (a dataset entry may set {known})")
+            raise unknown_field(f"--set {key}", leaf, known)
     elif leaf not in target:
-        raise SpecError(f"--set {key}: unknown field {leaf!r} (known: {sorted(target)})")
+        raise unknown_field(f"--set {key}", leaf, target)
     return target
 
 
@@ -146,9 +147,45 @@ def _split_override(text: str) -> tuple[str, str]:
 
 def _parse_value(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return load_yaml(text, "--set")
+    except SpecError:
         return text
+
+
+#: the largest spec text read (the paper's preset is ~10 KB; parsing tens of megabytes takes minutes)
+MAX_SPEC_BYTES = 1 << 20
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``, refusing aliases (``*name``: a few hundred bytes of them expand into
+    gigabytes once the spec is copied) and texts over :data:`MAX_SPEC_BYTES`, with a one-line error naming
+    ``where``, the line and column."""
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(f"{where}: {len(text):,} bytes, more than the {MAX_SPEC_BYTES:,} a spec may hold")
+    try:
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise SpecError(f"{where}: YAML aliases (*name) are not allowed in a spec; write the values out")
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise SpecError(f"{where}: not valid YAML{at}: {problem}") from None
+
+
+def is_missing(value: Any) -> bool:
+    """A table cell that holds nothing: None, NaN or pandas' NA."""
+    try:
+        return value is None or bool(value != value)
+    except TypeError:  # pd.NA: its comparisons are NA, whose truth is ambiguous
+        return True
+
+
+def unknown_field(where: str, key: str, known) -> SpecError:
+    """The error for an unknown field ``key``: the closest known name first ("did you mean"), then all."""
+    close = difflib.get_close_matches(key, [str(k) for k in known], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return SpecError(f"{where}: unknown field {key!r}{hint} (known: {', '.join(sorted(map(str, known)))})")
 
 
 def _select_datasets(available: dict[str, str], names) -> dict[str, str]:

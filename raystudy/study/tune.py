@@ -47,7 +47,7 @@ from raystudy.data.store import SPLITS, read_meta
 from raystudy.distributed.cache import build_caches
 from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
 from raystudy.distributed.reaper import start_reaper
-from raystudy.storage import exists, is_uri, join, subdirs
+from raystudy.storage import exists, folder_problem, is_uri, join, subdirs
 from raystudy.study.health import (  # noqa: F401  (re-exported: their home before the split)
     RAY_SNAPSHOT,
     StudyStorageError,
@@ -66,6 +66,7 @@ from raystudy.study.persist import (  # noqa: F401  (re-exported: their home bef
     check_tracking,
     load_study_spec,
     resolve_paths,
+    row_conflicts_message,
     stored_spec,
     write_spec,
 )
@@ -74,7 +75,12 @@ from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
 from raystudy.study.progress import echo as _echo
 from raystudy.study.results import ResultTables
-from raystudy.study.signals import Terminated, sigterm_exits  # noqa: F401  (re-exported)
+from raystudy.study.signals import (  # noqa: F401  (Terminated: re-exported)
+    Interrupted,
+    Terminated,
+    sigint_noticed,
+    sigterm_exits,
+)
 from raystudy.study.spec import SpecError, StudySpec
 from raystudy.study.trial import TrialFailed, final_report, local_dir_for, run_trial, trainable  # noqa: F401
 
@@ -139,12 +145,17 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     echo(f"[{spec.name}] launching {n} trial(s) as Tune experiment {join(spec.out, 'tune', name)}")
     tuner = tune.Tuner(trainable(spec), param_space=param_space, tune_config=tune_config, run_config=run_config)
     try:
-        with orphaned_placement_groups_removed():  # a Ray Train controller lost with its node leaves one
+        # a Ray Train controller lost with its node leaves a placement group behind
+        with orphaned_placement_groups_removed(), sigint_noticed() as interrupted:
             results = tuner.fit()
+            stopped = interrupted()
     except Exception:
         if study_callback.disk_full:  # e.g. Tune reading back an error file the full disk left empty
             raise StudyStorageError(disk_full_message(spec.out, f" ({study_callback.disk_full})")) from None
         raise
+    if stopped:
+        raise Interrupted(f"[{spec.name}] interrupted (Ctrl-C): the launch stopped with {len(tables.done_ids())}/"
+                          f"{total} trials done; nothing was analysed. Run the same command again to resume")
     progress.show("launch finished")
     if study_callback.disk_full:
         raise StudyStorageError(disk_full_message(spec.out, f" ({study_callback.disk_full})"))
@@ -270,6 +281,9 @@ def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> Stu
         for path, moved in tables.repaired:
             echo(f"[{spec.name}] {path} was unreadable (moved aside to {moved}); rebuilt the tables from the "
                  f"summaries of {len(rebuilt)} trial(s) in {join(spec.out, 'trials')}")
+    changed = spec.row_conflicts(tables.rows)
+    if changed:
+        raise SpecError(row_conflicts_message(spec, changed))
     todo = plasticity_todo(spec)
     if spec.plasticity.enabled and not todo:
         echo(f"[{spec.name}] plasticity: all {len(spec.datasets)} dataset(s) already measured")
@@ -334,6 +348,10 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
     t_start = time.monotonic()
     spec.validate(check_files=False)
     out = spec.out if is_uri(spec.out) else os.path.abspath(spec.out)
+    for name, folder in (("out", out), ("cache_dir", spec.cache_dir)):
+        why = folder_problem(folder)  # a file on the way, a read-only mount: one line, before the lock file
+        if why:
+            raise SpecError(f"{name}: {why}")
     with StudyLock(out, echo=echo), sigterm_exits(echo, spec.name), storage_errors(out):
         spec = prepare_study(spec, echo)
         tables = ResultTables(spec.out, repair=True)
