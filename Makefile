@@ -27,9 +27,10 @@ lint: venv
 	$(BIN)/ruff check .
 
 # TEST_WORKERS=2: two pytest processes, a test file each at a time (--dist loadfile: a file's session
-# fixtures, e.g. its Ray instance, stay in one process). Measured on the 2-core machine: 26m37s instead of
-# ~27 min serially, and the multi-node Ray Train test then lost its checkpoint restore under the load, so
-# the default stays one process (0).
+# fixtures, e.g. its Ray instance, stay in one process; tests/conftest.py collects the slowest files first).
+# Measured on the 2-core machine (fresh clones, 2026-12-02): 24m44s with two processes, 30m30s with one; each
+# Ray-heavy test runs ~1.5x slower beside another, and the multi-node test is flakier then, so the default
+# stays one process (0).
 TEST_WORKERS ?= 0
 
 test: lint
