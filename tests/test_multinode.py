@@ -199,9 +199,9 @@ def uninterrupted(study_dir: Path, tid: str, out: Path) -> tuple[dict, pd.DataFr
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "open (#19 follow-up), flaky on the 2-core machine: of four runs on 2026-12-02, execution train failed the "
-    "three in which the watcher froze runs on the snapshot's mere existence (the lost trial re-ran from scratch, "
-    "num_restores 0) and passed once it waited for a registered checkpoint; execution actor failed once"))
+    "open (#19 follow-up), flaky on the 2-core machine: in six runs on 2026-12-02 each variant failed at least "
+    "once; the last two failed both with 'frozen': {} although the runs were held at their checkpoint, i.e. the "
+    "watcher found no trainer actor in the GCS actor table to freeze (its view of the table is the suspect)"))
 @pytest.mark.parametrize("execution", ["actor", "train"])
 def test_lost_worker_node_study_ends_with_the_grid(builtin, tmp_path, execution):
     t0 = time.monotonic()
