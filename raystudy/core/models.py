@@ -42,21 +42,24 @@ def _read_safetensors(path: Path) -> dict:
 _ZIP, _PICKLE = b"PK\x03\x04", b"\x80"
 
 
+def _head(path: Path) -> bytes:
+    """The first bytes of ``path``: enough to tell the formats apart."""
+    with open(path, "rb") as f:
+        return f.read(64)
+
+
 def _looks_like_safetensors(head: bytes) -> bool:
     return len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 100_000_000
 
 
-def _is_safetensors(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return _looks_like_safetensors(f.read(9))
+#: what :func:`_not_weights_reason` says of an empty file
+_EMPTY = "the file is empty"
 
 
-def _not_weights_reason(path: Path) -> str | None:
-    """Why ``path`` is neither a PyTorch checkpoint nor a safetensors file (from its first bytes), or None."""
-    with open(path, "rb") as f:
-        head = f.read(64)
+def _not_weights_reason(head: bytes) -> str | None:
+    """Why a file beginning with ``head`` is neither a PyTorch checkpoint nor a safetensors file, or None."""
     if not head:
-        return "the file is empty"
+        return _EMPTY
     if head.startswith((_ZIP, _PICKLE)) or _looks_like_safetensors(head):
         return None
     try:
@@ -69,12 +72,13 @@ def _not_weights_reason(path: Path) -> str | None:
 
 def check_weights_format(path: str | Path) -> None:
     """Raise :class:`WeightsError` naming ``path`` when its first bytes show it is no weights file (empty,
-    text, another format); cheap: nothing is loaded (:func:`load_state_dict_file` checks the rest)."""
+    text, another format); cheap: nothing is loaded (:func:`load_state_dict_file` checks the rest). A
+    ``.safetensors`` file is judged here only by being empty: its reader names what else is wrong."""
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"weights file not found: {path}")
-    reason = _not_weights_reason(path)
-    if reason is not None and not (path.suffix == ".safetensors" and reason != "the file is empty"):
+    reason = _not_weights_reason(_head(path))
+    if reason is not None and (path.suffix != ".safetensors" or reason == _EMPTY):
         raise WeightsError(f"cannot read weights file {path}: {reason}")
 
 
@@ -82,9 +86,7 @@ def _read_torch(path: Path) -> object:
     """A PyTorch checkpoint read with ``torch.load(weights_only=True)``: a pickle that would build any object
     other than tensors and plain containers (and so could run code) is refused, never executed. A file that
     is neither (text, an image, ...) is refused from its first bytes, before the unpickler sees it."""
-    reason = _not_weights_reason(path)
-    if reason is not None:
-        raise WeightsError(f"cannot read weights file {path}: {reason}")
+    check_weights_format(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError (refused globals), truncated zip, EOFError, ...
@@ -125,7 +127,8 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file not found: {path}")
-    state = _read_safetensors(path) if path.suffix == ".safetensors" or _is_safetensors(path) else _read_torch(path)
+    is_safetensors = path.suffix == ".safetensors" or _looks_like_safetensors(_head(path))
+    state = _read_safetensors(path) if is_safetensors else _read_torch(path)
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise WeightsError(f"{path} does not hold a state dict of tensors")

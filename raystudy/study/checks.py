@@ -223,15 +223,16 @@ def _check_probe(spec: StudySpec) -> None:
             raise SpecError(f"probe.{name}: {getattr(spec.probe, name)!r} {why}")
 
 
-def dataset_store_problem(spec: StudySpec, path: str) -> str | None:
-    """Why the store of one of ``spec``'s datasets cannot serve its trials, or None: its shards against its
+def dataset_store_problem(spec: StudySpec, path: str) -> tuple[dict | None, str | None]:
+    """``(metadata, problem)`` of the store of one of ``spec``'s datasets: its shards against its
     ``dataset.json`` (a truncated shard, a label outside the classes) and, when the grid finetunes, rows in
-    every split a run reads."""
+    every split a run reads; the metadata is None when the store cannot be read, the problem None when it
+    can serve the trials."""
     try:
         meta = check_store(path)  # footers and row counts against dataset.json: a truncated shard stops here
     except StoreError as e:
-        return str(e)
-    return required_splits_problem(path, meta, SPLITS) if spec.configurations else None
+        return None, str(e)
+    return meta, required_splits_problem(path, meta, SPLITS) if spec.configurations else None
 
 
 def check_files(spec: StudySpec, *, weights: bool | None = None) -> None:
@@ -239,7 +240,7 @@ def check_files(spec: StudySpec, *, weights: bool | None = None) -> None:
     pretraining will produce it."""
 
     for name, path in spec.dataset_stores().items():
-        problem = dataset_store_problem(spec, path)
+        _, problem = dataset_store_problem(spec, path)
         if problem:
             raise SpecError(f"datasets.{name}: store not usable: {problem}")
     if spec.pretrain_store is not None and (spec.plasticity.enabled or spec.pretrain.enabled):

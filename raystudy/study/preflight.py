@@ -9,7 +9,7 @@ pretraining step writes are not problems while they are absent.
 
 from __future__ import annotations
 
-from raystudy.core.models import WeightsError, build_model, check_weights_format
+from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model, resolve_modality
 from raystudy.data.store import StoreError, check_store
 from raystudy.storage import exists, folder_problem, is_uri, join
@@ -62,17 +62,20 @@ def _stores(spec: StudySpec) -> dict[str, str]:
 
 
 def _store_problems(spec: StudySpec, problems: list[str]) -> dict[str, dict]:
-    """Check every store (footers, row counts, the model's modality); returns the metadata of the readable
-    ones by spec field."""
+    """Check every store (footers, row counts, labels, the splits a run reads, the model's modality);
+    returns the metadata of the readable ones by spec field."""
     metas = {}
     for field, path in _stores(spec).items():
         if spec.builtin_data and not exists(path):
             continue  # the launch prepares the built-in stores first
         try:
-            problem = dataset_store_problem(spec, path) if field.startswith("datasets.") else None
-            if problem is None:
-                metas[field] = check_store(path)
-                resolve_modality(spec.model, metas[field], path)
+            if field.startswith("datasets."):
+                meta, problem = dataset_store_problem(spec, path)
+            else:
+                meta, problem = check_store(path), None
+            if meta is not None:
+                metas[field] = meta
+                resolve_modality(spec.model, meta, path)
         except (StoreError, ValueError) as e:
             problem = str(e)
         if problem:
@@ -81,20 +84,29 @@ def _store_problems(spec: StudySpec, problems: list[str]) -> dict[str, dict]:
 
 
 def _weights_problems(spec: StudySpec, metas: dict[str, dict], problems: list[str]) -> None:
-    """The weights file exists (unless pretraining writes it), is a weights file and fits the model."""
+    """The weights file exists (unless pretraining writes it) and loads into the model as every trial
+    loads it (:func:`weights_load_error`; a file that is no weights file is refused from its first bytes)."""
     if spec.weights is None or is_uri(spec.weights):
         return
     if not exists(spec.weights):
         if not spec.pretrain.enabled:
             problems.append(f"weights: file not found: {spec.weights}")
         return
+    num_classes = next((int(m["num_classes"]) for f, m in metas.items() if f.startswith("datasets.")), 2)
+    error = weights_load_error(spec, num_classes)
+    if error:
+        problems.append(error)
+
+
+def weights_load_error(spec: StudySpec, num_classes: int) -> str | None:
+    """Build the model with its local weights file once, as every trial will: why that fails (the file,
+    the model and the reason, e.g. missing keys), or None."""
+    kwargs = {k: v for k, v in spec.model_kwargs.items() if k != "img_size"}
     try:
-        check_weights_format(spec.weights)
-        num_classes = next((int(m["num_classes"]) for f, m in metas.items() if f.startswith("datasets.")), 2)
-        kwargs = {k: v for k, v in spec.model_kwargs.items() if k != "img_size"}
         build_model(spec.model, num_classes=num_classes, weights=spec.weights, img_size=spec.img_size, **kwargs)
-    except (WeightsError, ValueError, TypeError, RuntimeError, OSError) as e:
-        problems.append(f"weights: {spec.weights} cannot be loaded into {spec.model}: {e}")
+    except (ValueError, TypeError, RuntimeError, OSError) as e:  # WeightsError is a ValueError
+        return f"weights: {spec.weights} cannot be loaded into {spec.model}: {e}"
+    return None
 
 
 def _tokenizer_problems(spec: StudySpec, problems: list[str]) -> None:

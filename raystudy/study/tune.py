@@ -41,7 +41,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from raystudy.core.models import WeightsError, build_model, check_weights_format
+from raystudy.core.models import WeightsError, check_weights_format
 from raystudy.data.cache import kind_of
 from raystudy.data.store import SPLITS, read_meta
 from raystudy.distributed.cache import build_caches
@@ -70,6 +70,7 @@ from raystudy.study.persist import (  # noqa: F401  (re-exported: their home bef
     stored_spec,
     write_spec,
 )
+from raystudy.study.preflight import weights_load_error
 from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
@@ -241,13 +242,9 @@ def check_weights_load(spec: StudySpec) -> None:
     not fit the model (wrong architecture, missing keys) stops the study before any launch."""
     if spec.weights is None or is_uri(spec.weights):
         return
-    num_classes = int(read_meta(next(iter(spec.datasets.values())))["num_classes"])
-    kwargs = dict(spec.model_kwargs)
-    kwargs.pop("img_size", None)
-    try:
-        build_model(spec.model, num_classes=num_classes, weights=spec.weights, img_size=spec.img_size, **kwargs)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise SpecError(f"weights: {spec.weights} cannot be loaded into {spec.model}: {e}") from None
+    error = weights_load_error(spec, int(read_meta(next(iter(spec.datasets.values())))["num_classes"]))
+    if error:
+        raise SpecError(error)
 
 
 def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
