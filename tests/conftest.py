@@ -5,7 +5,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,6 +101,55 @@ def builtin(tmp_path_factory):
     weights = root / "tiny.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
     return {"data_root": str(root / "data"), "stores": stores, "weights": str(weights)}
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: the ``demo`` preset shrunk by flags (one dataset, MHA and Head, a few steps, few pairs), on smaller built-in
+#: stores prepared first at ``results/demo/data``: what the pages' blocks read after ``make demo``
+DEMO_FLAGS = ["--datasets", "shift-color", "--configurations", "MHA,Head", "--steps", "4", "--no-analysis",
+              "--set", "builtin_data=false", "--set", "data_root=results/demo/data", "--set", "eval_period=2",
+              "--set", "warmup_steps=1", "--set", "checkpoint_period=4", "--set", "optimizers={sgd: [0.03]}",
+              "--set", "pretrain.steps=10", "--set", "pretrain.warmup_steps=2", "--set", "plasticity.pairs=32",
+              "--set", "plasticity.batch_size=32"]
+
+
+def user_env() -> dict:
+    """The environment of a user's terminal: no Ray address, progress bars on, this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TQDM_DISABLE", "RAY_AUTH_MODE")}
+    env["PYTHONPATH"] = str(REPO)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def _build_demo_study(cwd: Path) -> dict:
+    (cwd / "experiments").symlink_to(REPO / "experiments", target_is_directory=True)
+    (cwd / ".venv").symlink_to(sys.prefix, target_is_directory=True)  # the environment `make` creates
+    run = dict(cwd=cwd, env=user_env(), capture_output=True, text=True)
+    prep = subprocess.run([sys.executable, "-m", "raystudy", "data", "prepare", "synthetic", "--out",
+                           "results/demo/data", "--n-train", "400", "--n-test", "100"], timeout=300, **run)
+    assert prep.returncode == 0, prep.stderr
+    study = subprocess.run([sys.executable, "experiments/full_study.py", *DEMO_FLAGS], timeout=900, **run)
+    return {"cwd": str(cwd), "returncode": study.returncode, "stdout": study.stdout, "stderr": study.stderr}
+
+
+@pytest.fixture(scope="session")
+def demo_study(tmp_path_factory) -> dict:
+    """A small demo study run once per test session as a user runs it (``experiments/full_study.py``, what
+    ``make demo`` runs) in a fresh working directory: ``{"cwd", "returncode", "stdout", "stderr"}``, the study
+    at ``<cwd>/results/demo``. Under pytest-xdist the processes share one run (a file lock; the first builds)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return _build_demo_study(tmp_path_factory.mktemp("demo"))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # one folder for all the processes of this session
+    record = shared / "demo-study.json"
+    with FileLock(str(record) + ".lock"):
+        if not record.is_file():
+            cwd = shared / "demo-study"
+            cwd.mkdir()
+            record.write_text(json.dumps(_build_demo_study(cwd)))
+    return json.loads(record.read_text())
 
 
 class Killed(Exception):

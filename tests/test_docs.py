@@ -234,22 +234,11 @@ def _run(args: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="session")
-def demo_cwd(tmp_path_factory) -> Path:
-    """A working directory with a small demo study at ``results/demo`` (its stores in ``results/demo/data``)."""
-    cwd = tmp_path_factory.mktemp("docs")
-    (cwd / "experiments").symlink_to(REPO / "experiments", target_is_directory=True)
-    (cwd / ".venv").symlink_to(sys.prefix, target_is_directory=True)  # the environment `make` creates
-    raystudy = [sys.executable, "-m", "raystudy"]
-    prep = _run([*raystudy, "data", "prepare", "synthetic", "--out", "results/demo/data", "--n-train", "400",
-                 "--n-test", "100"], cwd, timeout=300)
-    assert prep.returncode == 0, prep.stderr
-    study = _run([*raystudy, "study", "--preset", "demo", "--datasets", "shift-color", "--configurations",
-                  "MHA,Head", "--steps", "4", "--no-analysis", "--set", "builtin_data=false",
-                  "--set", "data_root=results/demo/data", "--set", "eval_period=2", "--set", "warmup_steps=1",
-                  "--set", "checkpoint_period=4", "--set", "optimizers={sgd: [0.03]}", "--set", "pretrain.steps=10",
-                  "--set", "pretrain.warmup_steps=2", "--set", "plasticity.pairs=32",
-                  "--set", "plasticity.batch_size=32"], cwd, timeout=900)
-    assert study.returncode == 0, f"{study.stdout}\n{study.stderr}"
+def demo_cwd(demo_study) -> Path:
+    """The working directory of the session's demo study (``conftest.demo_study``): the study at
+    ``results/demo``, its stores in ``results/demo/data``."""
+    assert demo_study["returncode"] == 0, f"{demo_study['stdout']}\n{demo_study['stderr']}"
+    cwd = Path(demo_study["cwd"])
     for name in ("trials.parquet", "curves.parquet", "plasticity.parquet", "spec.yaml", "pretrained/model.safetensors"):
         assert (cwd / "results" / "demo" / name).is_file(), name
     return cwd

@@ -161,19 +161,21 @@ def test_item3_a_text_file_as_weights_is_refused_in_one_line(builtin, tmp_path, 
 
 
 def test_item6_probes_are_counted_apart_from_trials(tmp_path):
-    from test_analysis import make_study
+    from test_analysis import DATASETS, make_study
 
-    from raystudy.analysis import report
+    from raystudy.analysis.html_report import write_report
+    from raystudy.analysis.pipeline import run_analysis
     from raystudy.io import read_result
     from raystudy.study.results import load_study
 
-    path = make_study(tmp_path / "s", probe=True, plasticity=False, bounds=False)
+    path = make_study(tmp_path / "s", probe=True, plasticity=False, bounds=False, curves=False,
+                      datasets=DATASETS[:2])
     trials = read_result(path, "trials")
     n_probes = int((trials.configuration == "LP").sum())
     n_trials = len(trials) - n_probes
     assert n_probes >= 1 and n_trials > n_probes
     assert f"trials: {n_trials} rows (+ {n_probes} rows of linear probes)" in repr(load_study(str(path)))
-    html = Path(report(str(path))).read_text()
+    html = Path(write_report(run_analysis(str(path), figures=False))).read_text()  # the counts, not the figures
     assert f"{n_trials} in total, " in html and f"{len(trials)} in total" not in html
     assert f"{n_probes} ({n_probes} counted), one per dataset; not trials" in html
 

@@ -5,17 +5,14 @@ demo's CLI and a bare ``init_ray`` in subprocesses and read every line they prin
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import user_env
 
 from raystudy.study.progress import Progress, fmt_seconds
-
-ROOT = Path(__file__).resolve().parents[1]
 
 #: the line formats of Ray's own output (Python loggers, C++ logs, forwarded worker / raylet output)
 RAY_LINE_FORMATS = [
@@ -122,36 +119,24 @@ def test_ray_line_formats_match_what_ray_prints():
 # --------------------------------------------------------------------------------------------------
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TQDM_DISABLE", "RAY_AUTH_MODE")}
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
 @pytest.mark.slow
 def test_init_ray_starts_a_local_instance_silently():
     code = ("from raystudy.distributed.cluster import init_ray\nimport ray\n"
             "assert init_ray(num_cpus=1)\nassert ray.cluster_resources()['CPU'] == 1\nray.shutdown()\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=user_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "" and proc.stderr == "", (proc.stdout, proc.stderr)
 
 
 @pytest.mark.slow
-def test_demo_cli_prints_only_raystudy_lines(tmp_path):
-    """``make demo`` shrunk (one dataset, one configuration, one lr, a few steps, few pairs): every line it
-    prints is the study's own or a progress bar."""
-    argv = [sys.executable, str(ROOT / "experiments" / "full_study.py"), "--out", str(tmp_path / "demo"),
-            "--datasets", "shift-color", "--configurations", "MHA", "--steps", "4", "--no-analysis",
-            "--set", "optimizers={sgd: [0.03]}", "--set", "eval_period=2", "--set", "checkpoint_period=2",
-            "--set", "warmup_steps=1", "--set", "plasticity.pairs=8", "--set", "plasticity.batch_size=8",
-            "--set", "pretrain.steps=2", "--set", "pretrain.warmup_steps=1", "--set", "pretrain.batch_size=16"]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+def test_demo_cli_prints_only_raystudy_lines(demo_study):
+    """``make demo`` shrunk (``conftest.demo_study``: one dataset, MHA and Head, one lr, a few steps, few pairs):
+    every line it prints is the study's own or a progress bar."""
+    out = demo_study["stdout"] + demo_study["stderr"]
+    assert demo_study["returncode"] == 0, out[-4000:]
     assert ray_lines(out) == [], out[-4000:]
-    tid = "shift-color-MHA-sgd-lr0.03-s0"
-    lines = proc.stdout.splitlines()
-    assert [ln for ln in lines if ln.startswith(f"[demo] ok {tid}: test acc ")], proc.stdout
-    assert any(ln.startswith("[demo] 1/1 done, 0 running, 0 failed, 0 pending") for ln in lines), proc.stdout
+    lines = demo_study["stdout"].splitlines()
+    for tid in ("shift-color-MHA-sgd-lr0.03-s0", "shift-color-Head-sgd-lr0.03-s0"):
+        assert [ln for ln in lines if ln.startswith(f"[demo] ok {tid}: test acc ")], demo_study["stdout"]
+    assert any(ln.startswith("[demo] 2/2 done, 0 running, 0 failed, 0 pending") for ln in lines), demo_study["stdout"]
     assert any("plasticity done" in ln for ln in lines)
