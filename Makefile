@@ -26,12 +26,10 @@ demo-text: venv
 lint: venv
 	$(BIN)/ruff check .
 
-# TEST_WORKERS=2: two pytest processes, a test file each at a time (--dist loadfile: a file's session
-# fixtures, e.g. its Ray instance, stay in one process; tests/conftest.py collects the slowest files first).
-# Measured on the 2-core machine (fresh clones, 2026-12-02): 24m44s with two processes, 30m30s with one; each
-# Ray-heavy test runs ~1.5x slower beside another, and the multi-node test is flakier then, so the default
-# stays one process (0).
-TEST_WORKERS ?= 0
+# Two pytest processes (pytest-xdist), a test file each at a time (--dist loadfile: a file's session fixtures,
+# e.g. its Ray instance, stay in one process; tests/conftest.py collects the slowest files first and shares
+# one demo study between the processes). TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
