@@ -87,6 +87,14 @@ SCHEMAS: dict[str, pa.Schema] = {
     ]),
 }
 
+#: Counts of a run's summary that ``trials.parquet`` stores beside the schema's columns: nullable integers
+#: (null where a failed trial has none), whichever row is written first.
+TRIAL_COUNT_EXTRAS: tuple[str, ...] = (
+    "steps_completed", "diverged_step", "workers", "num_classes", "num_restores", "restored_from_step",
+    "worker_failures", "trial_restarts", "grad_memory_bytes", "optimizer_memory_bytes",
+    "grad_memory_bytes_analytic", "optimizer_memory_bytes_analytic",
+)
+
 #: The columns of one run's own ``curves.parquet`` (a trial directory: no ``trial_id`` yet, two extras).
 RUN_CURVE_COLUMNS: tuple[str, ...] = (
     "step", "lr", "train_loss", "grad_norm", "component_grad_norm", "images_per_s", "val_loss", "val_acc",

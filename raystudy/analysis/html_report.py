@@ -130,8 +130,11 @@ def _summary(res: AnalysisResult) -> str:
         items += [("plasticity", _e(f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
                                     f"modes {_join(sorted(p['mode'].unique()))}, {p['layer'].nunique()} layers"))]
     o = res.options
-    items.append(("tests", _e(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, "
-                              f"paired by {o['pair_by'].replace('_', ' and ')}")))
+    if "wilcoxon" in res.tables:
+        items.append(("tests", _e(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, "
+                                  f"paired by {o['pair_by'].replace('_', ' and ')}")))
+    else:
+        items.append(("tests", _e(f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)")))
     colours = "".join(f'<span class="swatch" style="background:{c}"></span>{_e(n)}'
                       for n, c in CONFIGURATION_COLORS.items())
     items.append(("colours", colours))

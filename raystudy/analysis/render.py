@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from raystudy.analysis.figures import _fmt_lr
+from raystudy.analysis.stats import statistic_note
 from raystudy.analysis.tables import OVERALL, best_component, recorded_counts
-from raystudy.vocab import LINEAR_PROBE, TRIALS_CONFIGURATIONS
+from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 #: Appended to a cell whose value includes diverged runs.
 DIVERGED_MARK = " ‡"
@@ -178,10 +179,20 @@ def _mark(r) -> str:
     return DIVERGED_MARK if _finite(n) and n > 0 else ""
 
 
-def _notes(t: pd.DataFrame, *notes: str) -> list[str]:
-    """``notes`` plus the std note, plus the diverged note when ``t`` counts diverged runs."""
+def _notes(t: pd.DataFrame, *notes: str | None) -> list[str]:
+    """``notes`` (but ``None``) plus the std note, plus the diverged note when ``t`` counts diverged runs."""
     diverged = "n_diverged" in t.columns and (t["n_diverged"].fillna(0) > 0).any()
-    return [*notes, STD_NOTE, *([DIVERGED_NOTE] if diverged else [])]
+    return [*(n for n in notes if n), STD_NOTE, *([DIVERGED_NOTE] if diverged else [])]
+
+
+def _bold_note(t: pd.DataFrame, where: str = "", lead: str = "the best of") -> str | None:
+    """"Bold: <lead> <the components t holds> <where>."; ``None`` below two components (nothing is marked)."""
+    present = [c for c in COMPONENTS if c in set(t["configuration"])]
+    if len(present) < 2:
+        return None
+    names = f"the five components ({', '.join(COMPONENTS)})" if len(present) == len(COMPONENTS) else \
+        f"the components {', '.join(present)}"
+    return f"Bold: {lead} {names}{' ' + where if where else ''}."
 
 
 def _groups(df: pd.DataFrame, keys: list[str]):
@@ -235,14 +246,14 @@ def render_best_lr(t: pd.DataFrame) -> Rendered:
                     "Test accuracy (%) at the learning rate with the highest mean over seeds: mean ± std over "
                     "seeds, the learning rate in parentheses (the paper's Table 8; LP: the linear probe, fit "
                     "once per dataset).", blocks,
-                    _notes(t, "Bold: the best of the five components (LN1, MHA, LN2, FC1, FC2) for the dataset."))
+                    _notes(t, _bold_note(t, "for the dataset")))
 
 
 def render_lr_grid(t: pd.DataFrame) -> Rendered:
     blocks = _wide(t, lambda r: pm(r["mean"], r["std"]) + _mark(r), bold=best_component(t))
     return Rendered("lr_grid", "Accuracy over the learning-rate grid",
                     "Test accuracy (%): mean ± std over learning rates of the mean over seeds, one block per "
-                    "optimizer.", blocks, _notes(t, "Bold: the best of the five components for the dataset."))
+                    "optimizer.", blocks, _notes(t, _bold_note(t, "for the dataset")))
 
 
 def _subset_text(subset: pd.DataFrame) -> str:
@@ -261,7 +272,7 @@ def render_optimizers(t: pd.DataFrame, subset: pd.DataFrame) -> Rendered:
                     "Test accuracy (%) over the learning-rate grid: mean ± std over every learning rate and "
                     "seed (the paper's Tables 2 and 10), computed only where every optimizer ran: "
                     f"{_subset_text(subset)}. The overall row averages the means and the stds over datasets.",
-                    blocks, _notes(t, "Bold: the best of the five components for the dataset and optimizer."))
+                    blocks, _notes(t, _bold_note(t, "for the dataset and optimizer")))
 
 
 def render_overall(t: pd.DataFrame, wilcoxon: pd.DataFrame | None = None, reference: str = "MHA") -> Rendered:
@@ -286,7 +297,7 @@ def render_overall(t: pd.DataFrame, wilcoxon: pd.DataFrame | None = None, refere
                                       "lr-grid accuracy (%)", "datasets"], rows, bold))
     notes = _notes(t, "Best-lr accuracy: mean over datasets of the best-lr mean accuracy; lr-grid accuracy: mean "
                       "over datasets of the lr-grid mean ± the mean over datasets of the std across learning rates.",
-                   "Bold: the best of the five components per optimizer.")
+                   _bold_note(t, "per optimizer"))
     if sig:
         notes.append(f"†: significantly different from {reference} (Wilcoxon signed-rank test, 5%).")
     return Rendered("overall", "Overall accuracy (mean over datasets)",
@@ -304,7 +315,7 @@ def render_relative_gain(t: pd.DataFrame) -> Rendered:
     return Rendered("relative_gain", "Relative gain over linear probing",
                     f"Percentage improvement of the best-lr accuracy over {what}, (acc − acc_{ref}) / acc_{ref}, "
                     "per dataset (the paper's Table 8 and Fig. 2, right); the overall row averages the "
-                    "per-dataset gains.", blocks, ["Bold: the largest gain among the five components."])
+                    "per-dataset gains.", blocks, [n for n in [_bold_note(t, lead="the largest gain among")] if n])
 
 
 def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, reference: str) -> Rendered:
@@ -322,8 +333,8 @@ def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, referenc
            "two-sided": "two-sided"}[alternative]
     return Rendered("wilcoxon", f"Wilcoxon signed-rank tests of {reference} against every other configuration",
                     f"scipy.stats.wilcoxon, {alt}; paired over {pairs}.", blocks,
-                    ["statistic: the sum of the ranks of the positive differences (reference − other); "
-                     "p-value '–' when there are no pairs or every difference is zero.",
+                    [f"{statistic_note(alternative, 'reference − other')}; p-value '–' when there are no "
+                     "pairs or every difference is zero.",
                      "With n pairs the smallest attainable one-sided exact p-value is 2^-n (0.125 for 3 pairs)."])
 
 
@@ -333,7 +344,7 @@ def render_stability(t: pd.DataFrame) -> Rendered:
     return Rendered("stability", "Stability over learning rates × seeds",
                     "Std / range (max − min) of test accuracy (percentage points) over every learning rate and "
                     "seed; the overall row averages over datasets.", blocks,
-                    _notes(t, "Bold: the smallest std among the five components."))
+                    _notes(t, _bold_note(t, lead="the smallest std among")))
 
 
 def render_ranking(t: pd.DataFrame) -> Rendered:

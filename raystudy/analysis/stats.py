@@ -60,6 +60,14 @@ def signed_rank_test(ref: pd.Series, other: pd.Series, alternative: str) -> tupl
     return float(res.statistic), float(res.pvalue), len(joined)
 
 
+def statistic_note(alternative: str, difference: str) -> str:
+    """What ``scipy.stats.wilcoxon``'s statistic is under ``alternative`` (``difference``: e.g. "reference − other")."""
+    if alternative == "two-sided":
+        return (f"statistic: min(W+, W−), the smaller of the rank sums of the positive and of the negative "
+                f"differences ({difference}), as scipy reports it for a two-sided test")
+    return f"statistic: W+, the sum of the ranks of the positive differences ({difference})"
+
+
 def wilcoxon_table(best_lr: pd.DataFrame, counted: pd.DataFrame, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                    alpha: float = ALPHA, probes: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -154,6 +162,17 @@ def _match_models(plast: pd.DataFrame, accuracy: pd.DataFrame, notes: list[str])
     return plast
 
 
+def _undefined_notes(rows: list[dict], notes: list[str]) -> None:
+    """Say why a ranking row's correlations are undefined ('–'): too few components, or a constant ranking."""
+    few = sorted({r["n_components"] for r in rows if r["n_components"] < 3})
+    if few:
+        notes.append(f"Ranking agreement: Spearman and Kendall need at least 3 components; rows with "
+                     f"{' or '.join(map(str, few))} of them show '–'.")
+    if any(r["n_components"] >= 3 and np.isnan(r["spearman"]) for r in rows):
+        notes.append("Ranking agreement: '–' in rows with 3 or more components: the plasticities or the "
+                     "accuracies are all equal there (a constant ranking has no correlation).")
+
+
 def _ranking_rows(pm: pd.DataFrame, bo: pd.DataFrame, **keys) -> list[dict]:
     """Rows of one model, mode and optimizer: each shared dataset, then the mean over them (``overall``)."""
     datasets = sorted(set(pm["dataset"]) & set(bo["dataset"]))
@@ -186,6 +205,10 @@ def ranking_table(plasticity: pd.DataFrame, best_lr: pd.DataFrame, counted: pd.D
     b = _with_model(best_lr, counted)
     # Only the five one-component configurations have a plasticity to compare with.
     b = b[b["configuration"].isin(COMPONENTS)].rename(columns={"configuration": "component"})
+    if b.empty:
+        notes.append(f"Ranking agreement omitted: no trial trains one of the five components alone "
+                     f"({', '.join(COMPONENTS)}), the configurations plasticity ranks.")
+        return None
     plast = plasticity.groupby(["model", "dataset", "mode", "component"], sort=False)["plasticity"].mean()
     plast = _match_models(plast.reset_index(), b, notes)
     if plast is None:
@@ -196,6 +219,7 @@ def ranking_table(plasticity: pd.DataFrame, best_lr: pd.DataFrame, counted: pd.D
             rows += _ranking_rows(pm, bo, model=model, optimizer=opt, mode=mode)
     if not rows:
         return None
+    _undefined_notes(rows, notes)
     cols = ["dataset", "optimizer", "mode", "spearman", "spearman_p", "kendall", "kendall_p", "n_components",
             "plasticity_ranking", "accuracy_ranking"]
     return finish(pd.DataFrame(rows), cols, n_models(counted))

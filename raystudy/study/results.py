@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 from raystudy.io import TableError, read_result, write_result
 from raystudy.storage import exists, filesystem, join, move_aside, read_text
 from raystudy.study.spec import grid_point
-from raystudy.vocab import FINAL_STATUSES, LINEAR_PROBE, SCHEMAS, STATUSES, columns
+from raystudy.vocab import FINAL_STATUSES, LINEAR_PROBE, SCHEMAS, STATUSES, TRIAL_COUNT_EXTRAS, columns
 
 #: columns every row has beyond the schema's: the model's constructor arguments (JSON, sorted keys)
 TRIAL_EXTRAS = ("model_kwargs",)
@@ -135,8 +135,8 @@ def trial_row(point: dict[str, Any], model: str, summary: dict[str, Any],
 
 def _typed(df: pd.DataFrame, schema_cols: list[str], int_columns: set[str]) -> pd.DataFrame:
     """Schema columns as their Arrow types (integers nullable: a failed trial's counts are null); extra
-    columns that are integers in the file read (``int_columns``) or hold only integers stay (nullable)
-    integers, not floats because one row lacks them."""
+    columns that are counts (:data:`~raystudy.vocab.TRIAL_COUNT_EXTRAS`), integers in the file read
+    (``int_columns``) or hold only integers stay (nullable) integers, not floats because one row lacks them."""
     for name in schema_cols:
         kind = SCHEMAS["trials"].field(name).type
         if str(kind) == "int64":
@@ -145,7 +145,7 @@ def _typed(df: pd.DataFrame, schema_cols: list[str], int_columns: set[str]) -> p
             df[name] = pd.to_numeric(df[name], errors="coerce").astype("float64")
     for name in df.columns.difference(schema_cols):
         values = df[name].dropna()
-        if name in int_columns or (
+        if name in int_columns or name in TRIAL_COUNT_EXTRAS or (
                 len(values) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)):
             df[name] = pd.to_numeric(df[name], errors="coerce").astype("Int64")
     return df
