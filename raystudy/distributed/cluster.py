@@ -123,6 +123,27 @@ def _divert_native_stderr() -> str | None:
     return path
 
 
+def token_file() -> str:
+    """Where Ray keeps its authentication token (``~/.ray/auth_token``)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import _get_default_token_path
+
+        return str(_get_default_token_path())
+    except Exception:  # an internal of Ray: its documented default
+        return os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+
+
+def restrict_token_file() -> None:
+    """Make Ray's token file readable by its owner only (Ray writes it with the umask's mode, e.g. 0644,
+    and whoever reads it can run code on the cluster)."""
+    path = token_file()
+    try:
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o600)
+    except OSError:  # no token (authentication off), or not ours to change
+        pass
+
+
 def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any) -> bool:
     """Connect to ``address`` (a cluster; default ``RAY_ADDRESS``) or start a local Ray.
 
@@ -130,8 +151,9 @@ def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any
     Ray was already initialised. Extra ``kwargs`` go to ``ray.init`` (e.g. ``num_cpus`` in tests).
 
     Authentication is Ray's own: a local instance gets token authentication (Ray's default, token in
-    ``~/.ray/auth_token``), a cluster keeps whatever its operator configured; only the notice Ray prints
-    about the local default is dropped (:data:`BENIGN_NOTICES`), ``RAY_AUTH_MODE`` is never changed.
+    ``~/.ray/auth_token``, made owner-only: :func:`restrict_token_file`), a cluster keeps whatever its
+    operator configured; only the notice Ray prints about the local default is dropped
+    (:data:`BENIGN_NOTICES`), ``RAY_AUTH_MODE`` is never changed.
     """
     import ray
 
@@ -148,6 +170,7 @@ def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any
         options["include_dashboard"] = False
     options.update(kwargs)
     ray.init(address=address, **options)
+    restrict_token_file()
     if not verbose:
         _quiet_ray_data()
         _silence_forwarded_messages()
