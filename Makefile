@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo demo-text test test-fast lint bench clean
+.PHONY: venv demo demo-text test test-fast lint bench constraints clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,12 @@ test: lint
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# cluster/constraints.txt: this environment's versions, which every cluster node installs (cluster/*.yaml)
+constraints: venv
+	{ echo "# The versions raystudy's tests ran with (\`make constraints\` writes this file from .venv): every cluster node"; \
+	  echo "# installs the project under these constraints (cluster/*.yaml), so that all nodes run the same torch, timm, peft..."; \
+	  $(BIN)/python -m pip list --format=freeze --exclude-editable --exclude pip; } > cluster/constraints.txt
 
 bench: venv
 	$(BIN)/python benchmarks/plasticity_bench.py
