@@ -91,7 +91,7 @@ SCHEMAS: dict[str, pa.Schema] = {
 #: (null where a failed trial has none), whichever row is written first.
 TRIAL_COUNT_EXTRAS: tuple[str, ...] = (
     "steps_completed", "diverged_step", "workers", "num_classes", "num_restores", "restored_from_step",
-    "worker_failures", "trial_restarts", "grad_memory_bytes", "optimizer_memory_bytes",
+    "worker_failures", "trial_restarts", "checkpoints_skipped", "grad_memory_bytes", "optimizer_memory_bytes",
     "grad_memory_bytes_analytic", "optimizer_memory_bytes_analytic",
 )
 

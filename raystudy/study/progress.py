@@ -109,5 +109,9 @@ class Progress:
         wall = row.get("wall_seconds")
         took = f" ({fmt_seconds(wall)})" if isinstance(wall, float) else ""
         detail = f": {row['error']}" if status == "failed" and row.get("error") else ""
+        skipped = row.get("checkpoints_skipped")
+        if isinstance(skipped, int) and skipped > 0:
+            detail += (f" ({skipped} unusable checkpoint(s) moved aside: checkpoint_warnings in "
+                       f"trials/{trial_id}/summary.json)")
         self.echo(f"[{self.prefix}] {status} {trial_id}: {acc}{took}{detail} | {self.done}/{self.total} done, "
                   f"ETA {fmt_seconds(self.eta())}")

@@ -32,8 +32,19 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from raystudy.core.finetune.loop import Event, Finetuner
-from raystudy.core.finetune.state import checkpoint_problem
-from raystudy.storage import delete_dir, download_dir, exists, is_uri, join, publish, staged, subdirs, write_text_atomic
+from raystudy.core.finetune.state import ForeignCheckpoint, checkpoint_problem
+from raystudy.storage import (
+    delete_dir,
+    download_dir,
+    exists,
+    is_uri,
+    join,
+    move_aside,
+    publish,
+    staged,
+    subdirs,
+    write_text_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +99,8 @@ def save_checkpoint(ft: Finetuner, storage: str, keep: int | None) -> str:
     mark_complete(target, ft.step)
     complete = checkpoint_steps(storage)
     stale = {checkpoint_path(storage, s) for s in (complete[:-keep] if keep else [])}
-    stale |= {join(storage, n) for n in subdirs(storage) if n.startswith(CHECKPOINT_PREFIX)} \
-        - {checkpoint_path(storage, s) for s in complete}
+    stale |= {checkpoint_path(storage, s) for s in _steps(storage, CHECKPOINT_PREFIX)} \
+        - {checkpoint_path(storage, s) for s in complete}  # (folders moved aside, ``.foreign-1``, are kept)
     for folder in sorted(stale):
         delete_dir(folder)
     return target
@@ -106,18 +117,26 @@ def _candidates(storage: str) -> list[str]:
 def resume_latest(ft: Finetuner, storage: str) -> dict | None:
     """Load the newest complete checkpoint under ``storage`` into ``ft``; its restore record, or None.
 
-    A checkpoint whose files do not verify (:func:`~raystudy.core.finetune.state.checkpoint_problem`) is
-    skipped with a warning for the one before it."""
+    A checkpoint that cannot be resumed from, because its files do not verify
+    (:func:`~raystudy.core.finetune.state.checkpoint_problem`) or another run wrote it
+    (:class:`~raystudy.core.finetune.state.ForeignCheckpoint`), is moved aside (``<folder>.corrupt-<n>`` or
+    ``.foreign-<n>``: kept, never read again, so a re-run does not meet it), noted in
+    ``ft.skipped_checkpoints`` (the run's summary) and the one before it is tried."""
     for folder in _candidates(storage):
         with tempfile.TemporaryDirectory(prefix="raystudy-resume-") as tmp:
             local = folder
             if is_uri(folder):
                 download_dir(folder, tmp)
                 local = tmp
-            problem = checkpoint_problem(local)
+            problem, tag = checkpoint_problem(local), "corrupt"
             if problem is None:
-                return ft.load(local)
-        log.warning("skipping checkpoint %s: %s", folder, problem)
+                try:
+                    return ft.load(local)
+                except ForeignCheckpoint as e:
+                    problem, tag = str(e), "foreign"
+        message = f"skipped checkpoint {folder}: {problem}; moved aside to {move_aside(folder, tag)}"
+        ft.skipped_checkpoints.append(message)
+        log.warning("%s", message)
     return None
 
 

@@ -164,6 +164,7 @@ class Finetuner:
         self.curves: list[dict] = []
         self.memory: dict[str, int] = {}
         self.restores: list[dict] = []
+        self.skipped_checkpoints: list[str] = []  # the unusable checkpoints a resume moved aside, and why
         self.train_seconds = 0.0
         self.images_per_s = self.cpu_ms_per_image = self.test_acc = float("nan")
 
@@ -304,7 +305,8 @@ class Finetuner:
             images_per_s=self.images_per_s, cpu_ms_per_image=self.cpu_ms_per_image, workers=self.world_size,
             num_classes=self.num_classes, num_restores=len(self.restores),
             restored_from_step=self.restores[-1]["step"] if self.restores else None, precision=self.precision,
-            compile=self.cfg.compile, units=self.selection.chosen, **self.memory,
+            compile=self.cfg.compile, units=self.selection.chosen, checkpoints_skipped=len(self.skipped_checkpoints),
+            checkpoint_warnings=list(self.skipped_checkpoints), **self.memory,
         )
 
     # ---- data ---------------------------------------------------------------------------------------

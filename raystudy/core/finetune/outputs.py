@@ -29,6 +29,8 @@ RESULT_DEFAULTS: dict = {
     "steps_completed": None, "diverged_step": None, "final_train_loss": _nan, "images_per_s": _nan,
     "cpu_ms_per_image": _nan, "workers": None, "num_classes": None, "num_restores": None,
     "restored_from_step": None, "precision": None, "compile": None, "units": None, **dict.fromkeys(MEMORY_KEYS),
+    # unusable checkpoints a resume moved aside: how many (a trials.parquet column) and why (summary.json)
+    "checkpoints_skipped": None, "checkpoint_warnings": None,
 }
 #: The hyperparameters of a run in its TensorBoard HParams record, and the metrics recorded with them.
 HPARAM_KEYS = ("configuration", "optimizer", "lr", "seed", "steps", "batch_size", "model", "model_kwargs")

@@ -126,11 +126,15 @@ def checkpoint_problem(directory: str | os.PathLike) -> str | None:
     return None
 
 
+class ForeignCheckpoint(ValueError):
+    """A checkpoint written by another run (other settings) or for another store than the one resuming."""
+
+
 def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows: int,
                checksum: str | None) -> dict:
     """The run state of a checkpoint, checked to belong to ``cfg`` on a store with ``train_rows`` train
-    rows and this ``checksum`` (``ValueError`` otherwise). Checkpoints of older versions name the
-    configuration ``component``; it is renamed on read."""
+    rows and this ``checksum`` (:class:`ForeignCheckpoint` otherwise; ``ValueError`` for an unreadable one).
+    Checkpoints of older versions name the configuration ``component``; it is renamed on read."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
@@ -148,9 +152,10 @@ def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows:
     saved.setdefault("precision", mine["precision"])  # older checkpoints did not record it
     changed = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
     if changed:
-        raise ValueError(f"checkpoint {directory} belongs to another run: (checkpoint, now) differ for {changed}")
+        raise ForeignCheckpoint(f"checkpoint {directory} belongs to another run: (checkpoint, now) differ for "
+                                f"{changed}")
     if state["data"]["train_rows"] != train_rows or state["data"]["checksum"] != checksum:
-        raise ValueError(f"checkpoint {directory} was written for another store than {cfg.store}")
+        raise ForeignCheckpoint(f"checkpoint {directory} was written for another store than {cfg.store}")
     state["config"] = saved
     return state
 
