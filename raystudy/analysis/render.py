@@ -21,6 +21,7 @@ import pandas as pd
 from raystudy.analysis.figures import _fmt_lr
 from raystudy.analysis.stats import statistic_note
 from raystudy.analysis.tables import OVERALL, best_component, recorded_counts
+from raystudy.data.modality import modality_of_model
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 #: Appended to a cell whose value includes diverged runs.
@@ -102,14 +103,15 @@ class Rendered:
 
 #: Characters a name may carry that Markdown would read as markup: HTML (``<script>``), table cell breaks,
 #: links, code spans, emphasis. A backslash is escaped too, so one in the name cannot undo an escape.
-_MD_ESCAPES = {"\\": "\\\\", "&": "&amp;", "<": "&lt;", ">": "&gt;", "|": "\\|", "[": "\\[", "]": "\\]",
+_MD_ESCAPES = {"\\": "\\\\", "&": "&amp;", "<": "&lt;", "|": "\\|", "[": "\\[", "]": "\\]",
                "`": "\\`", "*": "\\*", "\r": " ", "\n": " "}
 _MD_TABLE = str.maketrans(_MD_ESCAPES)
 
 
 def md_escape(text: object) -> str:
-    """``text`` as one line of literal Markdown: HTML special characters as entities, ``\\ | [ ] ` *``
-    backslash-escaped, line breaks as spaces (a cell, heading or list item built from names stays one)."""
+    """``text`` as one line of literal Markdown: ``&`` and ``<`` as entities (no tag can open; ``>`` stays, as
+    in the rankings "MHA > FC1"), ``\\ | [ ] ` *`` backslash-escaped, line breaks as spaces (a cell, heading or
+    list item built from names stays one)."""
     return str(text).translate(_MD_TABLE)
 
 
@@ -379,7 +381,7 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
                          str(int(r["n_trials"])), *([fmt_num(r["images_per_s"], 1)] if speed else [])])
         blocks.append(Block(heading, ["optimizer", "configuration", "trainable parameters",
                                       *[labels[c] for c in mem], "wall time per ok trial", "total wall time",
-                                      "trials", *(["images/s"] if speed else [])], rows))
+                                      "trials", *([f"{_inputs(trials)}/s"] if speed else [])], rows))
     notes = ["Trainable parameters and memory: median over the configuration's trials (they vary only with the "
              "classifier head, i.e. the number of classes); total wall time includes failed trials."]
     if not mem:
@@ -388,6 +390,14 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
         notes.append(spread)
     return Rendered("cost", "Cost per configuration", "Trainable parameters, gradient and optimizer-state memory, "
                     "and wall time per configuration.", blocks, notes)
+
+
+def _inputs(trials: pd.DataFrame | None) -> str:
+    """What the study's throughput counts: its models' inputs (``images``, ``sequences``; ``inputs`` if mixed)."""
+    if trials is None or "model" not in trials.columns:
+        return "images"
+    kinds = {modality_of_model(str(m)).inputs for m in trials["model"].dropna().unique()}
+    return kinds.pop() if len(kinds) == 1 else "inputs"
 
 
 def _params_spread(trials: pd.DataFrame) -> str:

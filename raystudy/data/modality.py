@@ -98,12 +98,14 @@ class Modality(ABC):
         takes_images: whether the model takes pixels (and so has an input size ``img_size``).
         caches_images: whether the uint8 image caches (:mod:`raystudy.data.cache`) apply to its stores.
         pairs_schema: the schema of ``pairs.parquet`` for its pairs.
+        inputs: what one input is, in throughputs (a run's ``images_per_s`` counts these per second).
     """
 
     kind: str
     takes_images: bool
     caches_images: bool
     pairs_schema: pa.Schema
+    inputs: str
 
     def build_name(self, model: str) -> str:
         """The name :func:`raystudy.core.models.build_model` gets for ``model``."""
@@ -151,6 +153,7 @@ class ImageModality(Modality):
     """A timm model on image stores (module docstring)."""
 
     kind, takes_images, caches_images, pairs_schema = IMAGE_KIND, True, True, PAIRS_SCHEMA
+    inputs = "images"
 
     def input_limits(self, model, *, img_size, seq_len):
         return []
@@ -185,6 +188,7 @@ class TextModality(Modality):
     """A Hugging Face text model (``hf:...``) on text stores: token windows (:mod:`raystudy.data.text_rows`)."""
 
     kind, takes_images, caches_images, pairs_schema = TEXT_KIND, False, False, TEXT_PAIRS_SCHEMA
+    inputs = "sequences"
 
     def build_name(self, model):
         return f"{TEXT_MODEL_PREFIX}{hf_source(model)}"
