@@ -49,11 +49,11 @@ def stored_spec(study_dir: str) -> StudySpec | None:
     return None if text is None else StudySpec.from_dict(load_yaml(text, path) or {}, where=path)
 
 
-def load_study_spec(study_dir: str) -> StudySpec:
-    """The spec stored in a study directory (for ``--resume DIR``)."""
+def load_study_spec(study_dir: str, *, what: str | None = "--resume") -> StudySpec:
+    """The spec stored in a study directory (for ``--resume DIR``; ``what`` prefixes the error, if given)."""
     path = join(study_dir, SPEC_FILE)
     if not exists(path):
-        raise SpecError(f"--resume: {study_dir} holds no study ({SPEC_FILE} not found)")
+        raise SpecError(f"{what + ': ' if what else ''}{study_dir} holds no study ({SPEC_FILE} not found)")
     spec = stored_spec(study_dir) if is_uri(path) else load_spec_file(path)
     # the directory given, not the `out` stored in it: a copied or moved study continues where it is now
     return spec.with_overrides({"out": study_dir if is_uri(study_dir) else os.path.abspath(study_dir)})

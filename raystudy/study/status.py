@@ -1,0 +1,111 @@
+"""A study's progress read from its directory alone (``raystudy status DIR``): no Ray, no driver needed.
+
+A trial is *final* (``ok``, ``diverged``, ``failed``) once its ``trials/<id>/summary.json`` is written, *running*
+while its folder exists without one and the study's driver holds ``study.lock`` (without a live driver the same
+trial is *unfinished*: an interrupted launch left it, and ``--resume`` continues it), and *pending* before its
+folder exists. The ETA is the remaining trials times the median wall time of the final ones, divided by the
+number running (one when none runs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from raystudy.storage import exists, join, read_text, subdirs
+from raystudy.study.lock import LOCK_FILE, describe, holder_alive
+from raystudy.study.persist import load_study_spec
+from raystudy.study.progress import fmt_seconds
+from raystudy.study.results import read_trial_summary, trial_dir
+
+#: how many of the latest failed trials :func:`study_status` reports
+LAST_ERRORS = 3
+
+
+@dataclass
+class StudyStatus:
+    """What :func:`study_status` found: per state the trial ids (grid order), the driver, the ETA (seconds,
+    NaN when unknown) and the latest errors ``[(trial_id, first line)]``."""
+
+    name: str
+    study_dir: str
+    trials: dict[str, list[str]] = field(default_factory=dict)
+    driver: str = "none"
+    eta_seconds: float = math.nan
+    median_trial_seconds: float = math.nan
+    last_errors: list[tuple[str, str]] = field(default_factory=list)
+
+    def count(self, state: str) -> int:
+        return len(self.trials.get(state, []))
+
+    def lines(self) -> list[str]:
+        """The report :func:`raystudy status <raystudy.commands.status>` prints."""
+        total = sum(len(v) for v in self.trials.values())
+        final = self.count("ok") + self.count("diverged")
+        out = [f"Study {self.name!r} ({self.study_dir}): {final}/{total} trials done "
+               f"(ok {self.count('ok')}, diverged {self.count('diverged')}), failed {self.count('failed')}, "
+               f"running {self.count('running')}, unfinished {self.count('unfinished')}, "
+               f"pending {self.count('pending')}",
+               f"  driver: {self.driver}"]
+        if self.count("running") or self.count("pending") or self.count("unfinished"):
+            out.append(f"  ETA {fmt_seconds(self.eta_seconds)} (median trial {fmt_seconds(self.median_trial_seconds)}, "
+                       f"{max(1, self.count('running'))} at a time)")
+        if self.last_errors:
+            out.append("  last errors:")
+            out += [f"    {tid}: {line}" for tid, line in self.last_errors]
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str)
+
+
+def _driver(study_dir: str) -> tuple[str, bool]:
+    """The lock holder's description and whether it is running (a holder on another host counts as running)."""
+    text = read_text(join(study_dir, LOCK_FILE))
+    if text is None:
+        return "none (no launch running)", False
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        return f"unknown ({join(study_dir, LOCK_FILE)} is unreadable)", False
+    alive = holder_alive(holder)
+    if alive is False:
+        return f"none (the last launch, {describe(holder)}, is gone)", False
+    return f"running ({describe(holder)})" + ("" if alive else ", another host: not checked"), True
+
+
+def study_status(study_dir: str | os.PathLike) -> StudyStatus:
+    """The state of every grid trial of the study in ``study_dir`` (see the module docstring)."""
+    study_dir = str(study_dir)
+    spec = load_study_spec(study_dir, what=None)
+    driver, live = _driver(study_dir)
+    status = StudyStatus(spec.name, study_dir, {s: [] for s in ("ok", "diverged", "failed", "running",
+                                                                 "unfinished", "pending")}, driver)
+    started = set(subdirs(join(study_dir, "trials")))
+    walls, failed = [], []
+    for point in spec.grid():
+        tid = point["trial_id"]
+        summary = read_trial_summary(study_dir, tid)
+        if summary is not None:
+            state = summary.get("status", "failed")
+            status.trials[state if state in status.trials else "failed"].append(tid)
+            wall = summary.get("wall_seconds")
+            if isinstance(wall, int | float) and math.isfinite(wall) and state != "failed":
+                walls.append(float(wall))
+            if state == "failed":
+                path = join(trial_dir(study_dir, tid), "summary.json")
+                mtime = os.path.getmtime(path) if exists(path) and "://" not in path else 0.0
+                failed.append((mtime, tid, str(summary.get("error") or "no error recorded").splitlines()[0][:200]))
+        elif tid in started:
+            status.trials["running" if live else "unfinished"].append(tid)
+        else:
+            status.trials["pending"].append(tid)
+    status.last_errors = [(tid, line) for _, tid, line in sorted(failed, reverse=True)[:LAST_ERRORS]]
+    if walls:
+        status.median_trial_seconds = statistics.median(walls)
+        remaining = status.count("running") + status.count("pending") + status.count("unfinished")
+        status.eta_seconds = remaining * status.median_trial_seconds / max(1, status.count("running"))
+    return status
