@@ -382,15 +382,9 @@ def render_unit_gain(t: pd.DataFrame) -> Rendered:
                     ["p-values two-sided, exact up to 8 units (all n! pairings)."])
 
 
-#: Colour and marker of each family of expressions (paper names keep theirs).
-FAMILY_STYLE = {"auto": ("#D62728", "*"), "random": ("#1F77B4", "P"), "lora": ("#9467BD", "d"),
-                "combination": ("#4D4D4D", "h")}
-
-
-def _style(configuration: str, fam: str) -> tuple[str, str]:
-    if fam in FAMILY_STYLE:
-        return FAMILY_STYLE[fam]
-    return F.CONFIGURATION_COLORS.get(configuration, "#333333"), F.MARKERS.get(configuration, "o")
+def _style(configuration: str, configurations) -> tuple[str, str]:
+    """Colour and marker of ``configuration`` among ``configurations`` (:func:`figures.configuration_styles`)."""
+    return F.configuration_styles([*configurations, configuration])[configuration]
 
 
 def _count_label(n: float) -> str:
@@ -401,20 +395,20 @@ def _count_label(n: float) -> str:
     return f"{n:g}"
 
 
-def _frontier_panel(ax, rows: pd.DataFrame) -> None:
-    """Every configuration (frontier ones large, outlined, joined and labelled in black; others faded with a
-    grey label) at its trainable parameters (log x) and best-lr accuracy (%)."""
+def _frontier_panel(ax, rows: pd.DataFrame, configurations: list[str]) -> None:
+    """Every configuration in its colour and marker (frontier ones large, outlined and joined; others faded) at
+    its trainable parameters (log x) and best-lr accuracy (%); only frontier points are labelled, alternately
+    above and below (the legend names every point)."""
     rows = rows.dropna(subset=["trainable_params", "mean"])
     for r in rows.itertuples():
-        color, marker = _style(r.configuration, r.family)
+        color, marker = _style(r.configuration, configurations)
         ax.scatter(r.trainable_params, 100 * r.mean, color=color, marker=marker, s=70 if r.on_frontier else 30,
                    alpha=1.0 if r.on_frontier else 0.45, edgecolor="black" if r.on_frontier else "none", zorder=3)
     front = rows[rows["on_frontier"]].sort_values("trainable_params")
     ax.plot(front["trainable_params"], 100 * front["mean"], color="black", lw=1.2, zorder=2)
-    for r in rows.itertuples():
+    for k, r in enumerate(front.itertuples()):
         ax.annotate(r.configuration, (r.trainable_params, 100 * r.mean), textcoords="offset points",
-                    xytext=(4, 5), fontsize=8 if r.on_frontier else 6.5,
-                    color="black" if r.on_frontier else "#777777")
+                    xytext=(4, 6 if k % 2 == 0 else -11), fontsize=8)
     ax.set_xscale("log")
     ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _count_label(v)))
@@ -426,17 +420,18 @@ def _frontier_panel(ax, rows: pd.DataFrame) -> None:
 
 def plot_frontier(rows: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Best-lr accuracy against trainable parameters (log x) of one dataset (or ``overall``), a panel per
-    (model,) optimizer; frontier points large, outlined, joined by a line and labelled; others faded.
-    ``rows``: rows of :func:`frontier_table`."""
+    (model,) optimizer; every configuration in its own colour and marker (the legend), frontier points large,
+    outlined, joined by a line and labelled; others faded. ``rows``: rows of :func:`frontier_table`."""
     F._require(rows, ["optimizer", "configuration", "family", "trainable_params", "mean", "on_frontier"], "frontier")
     panels, constant = F._facets(rows, ("model", "optimizer"))
+    configurations = F._ordered(rows["configuration"].unique())
     fig, axes = F._grid(len(panels), width=6.0, height=4.4)
     for ax, (name, g) in zip(axes, panels):
-        _frontier_panel(ax, g)
+        _frontier_panel(ax, g, configurations)
         if name:
             ax.set_title(name)
-    fams = list(dict.fromkeys(rows.sort_values("configuration")["family"]))
-    handles = [Line2D([], [], ls="", color=_style(f, f)[0], marker=_style(f, f)[1], ms=7, label=f) for f in fams]
+    handles = [Line2D([], [], ls="", color=_style(c, configurations)[0], marker=_style(c, configurations)[1], ms=7,
+                      label=c) for c in configurations]
     handles.append(Line2D([], [], color="black", lw=1.2, label="Pareto frontier"))
     fig.legend(handles=handles, loc="outside right center", frameon=False, title="configuration")
     F._title(fig, title or "Accuracy against trainable parameters", constant)

@@ -13,6 +13,8 @@ When a table holds several models, datasets or modes, each combination gets its 
 
 from __future__ import annotations
 
+import hashlib
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,6 +49,14 @@ MARKERS: dict[str, str] = {
     "LN1": "v", "MHA": "o", "LN2": "^", "FC1": "s", "FC2": "D", "Emb": "P", "All": "*", "Head": "X", "LP": "x",
 }
 
+#: Colours and markers of the configurations outside the vocabulary (expressions: ``MHA+FC1``, ``auto:10%``,
+#: ``lora:r=8``, ...), none of them a colour above; see :func:`configuration_styles`.
+EXTRA_COLORS: tuple[str, ...] = (
+    "#1F77B4", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#BCBD22", "#17BECF",
+    "#393B79", "#637939", "#8C6D31", "#843C39", "#7B4173", "#3182BD", "#E6550D", "#31A354",
+)
+EXTRA_MARKERS: tuple[str, ...] = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p")
+
 #: Columns that split a table into panels when they hold more than one value.
 FACET_KEYS: tuple[str, ...] = ("model", "dataset", "mode", "optimizer")
 
@@ -73,8 +83,37 @@ def _ordered(names) -> list[str]:
     return [c for c in TRIALS_CONFIGURATIONS if c in names] + sorted(names - set(TRIALS_CONFIGURATIONS))
 
 
-def _color(name: str) -> str:
-    return CONFIGURATION_COLORS.get(name, "#333333")
+def configuration_styles(names) -> dict[str, tuple[str, str]]:
+    """``{name: (colour, marker)}`` for the configurations ``names`` of one figure.
+
+    The vocabulary's configurations keep :data:`CONFIGURATION_COLORS` and :data:`MARKERS`. Every other one
+    (in sorted order) takes the colour of :data:`EXTRA_COLORS` its name hashes to, or the next one no other
+    configuration of the figure has (distinct colours up to 16 of them), and a marker that makes its
+    (colour, marker) pair unique (up to 192). The hash makes a configuration's style the same in every figure
+    that shows it, unless two of them hashed alike and one figure shows only one of the two.
+    """
+    names = list(dict.fromkeys(map(str, names)))
+    styles = {n: (CONFIGURATION_COLORS[n], MARKERS[n]) for n in names if n in CONFIGURATION_COLORS}
+    n_colors, n_markers = len(EXTRA_COLORS), len(EXTRA_MARKERS)
+    colors, pairs = set(), set()
+    for name in sorted(set(names) - set(styles)):
+        h = int(hashlib.sha256(name.encode()).hexdigest(), 16)
+        c = next(((h + k) % n_colors for k in range(n_colors) if (h + k) % n_colors not in colors), h % n_colors)
+        m0 = (h // n_colors) % n_markers
+        m = next(((m0 + k) % n_markers for k in range(n_markers) if (c, (m0 + k) % n_markers) not in pairs), m0)
+        colors.add(c)
+        pairs.add((c, m))
+        styles[name] = (EXTRA_COLORS[c], EXTRA_MARKERS[m])
+    return styles
+
+
+def _color(name: str, names: Sequence[str] = ()) -> str:
+    """The colour of configuration ``name`` in a figure showing ``names`` (:func:`configuration_styles`)."""
+    return configuration_styles([*names, name])[str(name)][0]
+
+
+def _marker(name: str, names: Sequence[str] = ()) -> str:
+    return configuration_styles([*names, name])[str(name)][1]
 
 
 def _facets(df: pd.DataFrame, keys: Sequence[str] = FACET_KEYS) -> tuple[list[tuple[str, pd.DataFrame]], str]:
@@ -107,7 +146,13 @@ def _title(fig: Figure, title: str, constant: str) -> None:
     if constant:
         text = f"{text} — {constant}" if text else constant
     if text:
-        fig.suptitle(text, fontsize=13)
+        fig.suptitle(wrap_title(fig, text), fontsize=13)
+
+
+def wrap_title(fig: Figure, text: str, fontsize: float = 13) -> str:
+    """``text`` broken into lines that fit the figure's width (a character ~0.55 of the font size wide)."""
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.55 * fontsize)))
+    return textwrap.fill(text, width=chars, break_long_words=False, break_on_hyphens=False)
 
 
 def _fmt_lr(lr: float) -> str:
@@ -206,14 +251,14 @@ def _violins(ax, groups: list[tuple[str, np.ndarray]], *, log: bool, ylabel: str
         parts = ax.violinplot([kde_data[i] for i in idx], positions=positions[idx], widths=0.8,
                               showextrema=False)
         for body, i in zip(parts["bodies"], idx):
-            body.set_facecolor(_color(names[i]))
-            body.set_edgecolor(_color(names[i]))
+            body.set_facecolor(_color(names[i], names))
+            body.set_edgecolor(_color(names[i], names))
             body.set_alpha(0.55)
     for pos, d, name in zip(positions, data, names):
         q1, med, q3 = np.percentile(d, [25, 50, 75])
         ax.vlines(pos, q1, q3, color="black", lw=3)
         ax.scatter([pos], [med], color="white", edgecolor="black", zorder=3, s=22)
-        ax.hlines([d.min(), d.max()], pos - 0.12, pos + 0.12, color=_color(name), lw=1)
+        ax.hlines([d.min(), d.max()], pos - 0.12, pos + 0.12, color=_color(name, names), lw=1)
     ax.set_xticks(positions, names)
     if log:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -333,8 +378,8 @@ def plot_accuracy_distribution(counted: pd.DataFrame, path_stem: str | Path, *, 
         groups = [(c, 100 * rows.loc[rows["configuration"] == c, "test_acc"].to_numpy(float)) for c in configs]
         _violins(ax, groups, log=False, ylabel="test accuracy (%)")
         for pos, (config, v) in enumerate(groups, start=1):
-            ax.scatter(pos + rng.uniform(-0.15, 0.15, v.size), v, s=9, color=_color(config), edgecolor="black",
-                       linewidth=0.3, alpha=0.8, zorder=4)
+            ax.scatter(pos + rng.uniform(-0.15, 0.15, v.size), v, s=9, color=_color(config, configs),
+                       edgecolor="black", linewidth=0.3, alpha=0.8, zorder=4)
         ax.set_xlabel("configuration")
         if name:
             ax.set_title(name)
@@ -362,14 +407,15 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path,
     mine = curves[curves["trial_id"].isin(set(runs["trial_id"]))]
     for ax, col, label in zip(axes, ("grad_norm", "val_loss"), ("gradient norm", "validation loss")):
         drawn = False
-        for config in _ordered(runs["configuration"].unique()):
+        configs = _ordered(runs["configuration"].unique())
+        for config in configs:
             r = runs[runs["configuration"] == config].iloc[0]
             c = mine[mine["trial_id"] == r["trial_id"]].dropna(subset=[col]).sort_values("step")
             if c.empty:
                 continue
             lr = f", lr {_fmt_lr(r['lr'])}" if "lr" in r and pd.notna(r["lr"]) else ""
-            ax.plot(c["step"], c[col], color=_color(config), lw=1.5, marker="o" if len(c) < 30 else None, ms=3,
-                    label=f"{config}{lr}")
+            ax.plot(c["step"], c[col], color=_color(config, configs), lw=1.5,
+                    marker="o" if len(c) < 30 else None, ms=3, label=f"{config}{lr}")
             drawn = True
         if drawn and _needs_log(mine[col].to_numpy()):
             ax.set_yscale("log")
@@ -379,8 +425,7 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path,
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     _legend(fig, axes, "best run")
-    if title:
-        fig.suptitle(title, fontsize=13)
+    _title(fig, title, "")
     return save_figure(fig, path_stem)
 
 
@@ -396,8 +441,8 @@ def grouped_bars(ax, rows: pd.DataFrame, value: str, *, err: str | None = None, 
         r = r.set_index(r["dataset"].astype(str))
         y = [scale * float(r[value].get(d, np.nan)) for d in datasets]
         yerr = [scale * float(r[err].get(d, np.nan)) for d in datasets] if err else None
-        ax.bar(x + (k - (len(configs) - 1) / 2) * width, y, width, yerr=yerr, color=_color(config), label=config,
-               edgecolor="white", linewidth=0.5, error_kw=dict(lw=0.8, capsize=1.5, ecolor="#333333"))
+        ax.bar(x + (k - (len(configs) - 1) / 2) * width, y, width, yerr=yerr, color=_color(config, configs),
+               label=config, edgecolor="white", linewidth=0.5, error_kw=dict(lw=0.8, capsize=1.5, ecolor="#333333"))
     if "overall" in datasets and len(datasets) > 1:
         ax.axvline(len(datasets) - 1.5, color="grey", lw=0.8, ls=":")
     tilt = len(datasets) > 4

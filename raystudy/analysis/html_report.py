@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from raystudy import __version__, storage
-from raystudy.analysis.figures import CONFIGURATION_COLORS
+from raystudy.analysis.figures import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis
 from raystudy.analysis.render import fmt_num, pct
@@ -135,8 +135,9 @@ def _summary(res: AnalysisResult) -> str:
                                   f"paired by {o['pair_by'].replace('_', ' and ')}")))
     else:
         items.append(("tests", _e(f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)")))
+    names = _configurations(inp.trials["configuration"]) if inp.trials is not None else list(CONFIGURATION_COLORS)
     colours = "".join(f'<span class="swatch" style="background:{c}"></span>{_e(n)}'
-                      for n, c in CONFIGURATION_COLORS.items())
+                      for n, (c, _marker) in configuration_styles(names).items())
     items.append(("colours", colours))
     body = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
     heads = _headlines(res)

@@ -17,14 +17,15 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import NullFormatter
 
 from raystudy.analysis.figures import (
-    MARKERS,
     _color,
     _facets,
     _fmt_lr,
     _grid,
     _legend,
+    _marker,
     _needs_log,
     _ordered,
     _require,
@@ -123,15 +124,14 @@ def plot_sweep_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str |
                 ax.text(0.5, 0.5, f"no {label}", ha="center", va="center", transform=ax.transAxes, fontsize=8)
             ax.grid(alpha=0.3)
             ax.set_ylabel(label, fontsize=9)
-        pair[0].set_title(config, color=_color(config), fontweight="bold")
+        pair[0].set_title(config, color=_color(config, configs), fontweight="bold")
         pair[1].set_xlabel("step")
         pair[1].tick_params(labelbottom=True)
     for k, (col, _label) in enumerate(CURVE_QUANTITIES):
         if _needs_log(mine[col].to_numpy()):
             pairs[0][k].set_yscale("log")
     _curve_legend(fig, colors, seeds)
-    if title:
-        fig.suptitle(title, fontsize=13)
+    _title(fig, title, "")
     return save_figure(fig, path_stem)
 
 
@@ -144,9 +144,10 @@ def _seed_points(ax, rows: pd.DataFrame, configs: list[str]) -> None:
             continue
         acc, div = 100 * r["test_acc"].to_numpy(float), _is_diverged(r).to_numpy()
         x = pos + rng.uniform(-0.12, 0.12, acc.size)
-        ax.scatter(x[~div], acc[~div], s=14, color=_color(config), edgecolor="black", linewidth=0.3, zorder=3)
+        ax.scatter(x[~div], acc[~div], s=14, color=_color(config, configs), edgecolor="black", linewidth=0.3,
+                   zorder=3)
         ax.scatter(x[div], acc[div], **DIVERGED_STYLE)
-        ax.hlines(acc.mean(), pos - 0.3, pos + 0.3, color=_color(config), lw=2.2, zorder=2)
+        ax.hlines(acc.mean(), pos - 0.3, pos + 0.3, color=_color(config, configs), lw=2.2, zorder=2)
 
 
 def _row_limits(rows: pd.DataFrame) -> tuple[float, float]:
@@ -186,14 +187,15 @@ def plot_accuracy_fixed_lr(counted: pd.DataFrame, path_stem: str | Path, *, titl
 
 def _lr_lines(ax, rows: pd.DataFrame) -> None:
     """Mean over seeds (line) +- std (band, ddof 0) against lr per configuration; ``x`` where runs diverged."""
-    for config in _ordered(rows["configuration"].unique()):
+    configs = _ordered(rows["configuration"].unique())
+    for config in configs:
         r = rows[rows["configuration"] == config].assign(div=lambda d: _is_diverged(d).astype(int))
         g = r.groupby("lr")
         m = g["test_acc"].mean() * 100
         sd = g["test_acc"].agg(population_std) * 100
-        ax.plot(m.index, m.to_numpy(), color=_color(config), marker=MARKERS.get(config, "o"), ms=4, lw=1.6,
-                label=config)
-        ax.fill_between(m.index, m - sd, m + sd, color=_color(config), alpha=0.15, lw=0)
+        ax.plot(m.index, m.to_numpy(), color=_color(config, configs), marker=_marker(config, configs), ms=4,
+                lw=1.6, label=config)
+        ax.fill_between(m.index, m - sd, m + sd, color=_color(config, configs), alpha=0.15, lw=0)
         hit = (g["div"].sum() > 0).to_numpy()
         if hit.any():
             ax.scatter(m.index[hit], m.to_numpy()[hit], **DIVERGED_STYLE)
@@ -219,6 +221,7 @@ def plot_accuracy_vs_lr(counted: pd.DataFrame, path_stem: str | Path, probes: pd
                 ax.axhline(100 * lp["test_acc"].mean(), color=_color(LINEAR_PROBE), ls="--", lw=1.4,
                            label=LINEAR_PROBE)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # labels at the decades only: minor ones collide
         ax.set_xlabel("learning rate")
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3, which="both")
@@ -272,12 +275,11 @@ def plot_accuracy_vs_params(overall: pd.DataFrame, cost: pd.DataFrame, path_stem
     _require(data, ["trainable_params"], "overall x cost")
     panels, constant = _facets(data, ("model", "optimizer"))
     fig, axes = _grid(len(panels), width=5.4, height=4.0)
+    configs = _ordered(data["configuration"].unique())
     for ax, (name, rows) in zip(axes, panels):
-        for r in rows.itertuples():
-            ax.errorbar(r.trainable_params, 100 * r.mean, yerr=100 * r.std, color=_color(r.configuration),
-                        marker=MARKERS.get(r.configuration, "o"), ms=7, capsize=2, lw=1, label=r.configuration)
-            ax.annotate(r.configuration, (r.trainable_params, 100 * r.mean), textcoords="offset points",
-                        xytext=(5, 4), fontsize=8)
+        for r in rows.itertuples():  # named by the legend: labels beside the points overlap
+            ax.errorbar(r.trainable_params, 100 * r.mean, yerr=100 * r.std, color=_color(r.configuration, configs),
+                        marker=_marker(r.configuration, configs), ms=7, capsize=2, lw=1, label=r.configuration)
         ax.set_xscale("log")
         ax.set_xlabel("trainable parameters (log scale)")
         ax.set_ylabel("best-lr test accuracy (%), mean over datasets")
