@@ -27,12 +27,13 @@ lint: venv
 	$(BIN)/ruff check .
 
 # Two pytest processes (pytest-xdist), a test file each at a time (--dist loadfile: a file's session fixtures,
-# e.g. its Ray instance, stay in one process; tests/conftest.py collects the slowest files first and shares
-# one demo study between the processes). TEST_WORKERS=0 runs everything in this process.
+# e.g. its Ray instance, stay in one process), in collection order (--no-loadscope-reorder: tests/conftest.py
+# collects the slowest files first; it also shares one demo study between the processes). TEST_WORKERS=0 runs
+# everything in this process.
 TEST_WORKERS ?= 2
 
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"

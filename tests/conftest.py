@@ -22,6 +22,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # Ray Train's controller polls its workers every 2 s by default and every report waits for a poll: 0.2 s
 # keeps the Ray Train tests (and the studies run in subprocesses, which inherit it) from idling
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# Ray starts its workers at niceness 15: beside a second pytest process (`make test` runs two) they starve
+# behind its driver, and a 12 s test took 141 s. At 0 both processes' Ray workers share the CPUs fairly.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def tiny_vit(**overrides):
@@ -168,12 +171,14 @@ def kill_at_first_checkpoint(ft, ckdir) -> None:
         ft.run(kill, progress=False)
 
 
-#: the slowest test files, slowest first (measured serially on the 2-core machine: test_docs ~370 s,
-#: test_finetune_ray ~170 s, ...). They are collected first so that `make test`'s two pytest processes
-#: (pytest-xdist, ``--dist loadfile``: a file stays in one process) start on them and end together.
-SLOW_FILES = ("test_docs.py", "test_finetune_ray.py", "test_multinode.py", "test_study.py", "test_analysis.py",
-              "test_hardening_study.py", "test_terminal.py", "test_distributed_plasticity.py",
-              "test_expressions_wired.py", "test_analysis_paper.py", "test_probe.py")
+#: the slowest test files, slowest first (measured serially on the 2-core machine, 2026-12-02: test_docs ~300 s
+#: with the shared demo study, test_multinode ~170 s, test_newcomer ~150 s, ...). They are collected first, and
+#: `make test` keeps that order (`--no-loadscope-reorder`: pytest-xdist would otherwise send the files with
+#: the most tests first), so that its two pytest processes start on them and end together.
+SLOW_FILES = ("test_docs.py", "test_multinode.py", "test_newcomer.py", "test_finetune_ray.py", "test_study.py",
+              "test_analysis.py", "test_hardening_study.py", "test_distributed_plasticity.py",
+              "test_expressions_wired.py", "test_analysis_paper.py", "test_probe.py", "test_analysis_browser.py",
+              "test_text_plasticity.py", "test_text_finetune.py")
 
 
 def pytest_collection_modifyitems(items):
