@@ -167,6 +167,14 @@ def assert_prints(block: Block, stdout: str, stderr: str = "") -> None:
                              + (f"\nstderr (last 4000 characters):\n{stderr[-4000:]}" if stderr else ""))
 
 
+def assert_quiet(block: Block, stdout: str, stderr: str) -> None:
+    """No line of Ray's own on stdout or stderr: the library and the CLI keep Ray's logs in its log files."""
+    from test_terminal import ray_lines
+
+    noise = ray_lines(stdout + "\n" + stderr)
+    assert not noise, f"{block.id}: Ray's own lines reached the terminal:\n" + "\n".join(noise[:20])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Checks of the pages themselves (fast)
 
@@ -287,6 +295,7 @@ def test_python_block_prints_its_output(index, python_results):
     block, result = PYTHON[index], python_results[index]
     assert result["error"] is None, f"{block.id}: the block raised\n{block.code}\n{result['error']}"
     assert_prints(block, result["stdout"], result["stderr"])
+    assert_quiet(block, result["stdout"], result["stderr"])
 
 
 @pytest.mark.slow
@@ -296,3 +305,4 @@ def test_shell_block_prints_its_output(block, demo_cwd):
     assert proc.returncode == 0, (f"{block.id}: exit status {proc.returncode}\n{block.code}\n"
                                   f"{proc.stdout}\n{proc.stderr[-4000:]}")
     assert_prints(block, proc.stdout, proc.stderr)
+    assert_quiet(block, proc.stdout, proc.stderr)

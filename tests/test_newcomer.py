@@ -157,6 +157,128 @@ def test_item3_a_text_file_as_weights_is_refused_in_one_line(builtin, tmp_path, 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Item 5: notes and footnotes that say what the analysis did
+
+
+def _configuration_study(path: Path, configurations: set[str], *, relabel=None, constant_plasticity=False) -> Path:
+    """test_analysis_beyond's synthetic study (5 datasets, 2 lrs, 2 seeds) restricted to ``configurations``
+    (after ``relabel``: e.g. ``{"MHA@0": "LN1"}`` makes a one-component configuration of a single unit)."""
+    import numpy as np
+    import pandas as pd
+    from test_analysis_beyond import _plasticity, _rows
+
+    from raystudy.io import write_result
+
+    rng = np.random.default_rng(7)
+    rows = [{**r, "configuration": (relabel or {}).get(r["configuration"], r["configuration"])} for r in _rows(rng)]
+    write_result(pd.DataFrame([r for r in rows if r["configuration"] in configurations]), path, "trials")
+    plasticity = _plasticity(rng)
+    if constant_plasticity:
+        plasticity["plasticity"] = 1.0
+    write_result(plasticity, path, "plasticity")
+    return path
+
+
+def _notes_of(res) -> str:
+    return "\n".join(res.notes + [n for r in res.rendered.values() for n in r.footnotes])
+
+
+def test_item5_each_reason_the_ranking_is_omitted_or_undefined_is_noted(tmp_path):
+    from raystudy.analysis.pipeline import run_analysis
+
+    composite = run_analysis(_configuration_study(tmp_path / "a", {"Head", "MHA+FC1", "MHA@2-3", "auto:10%"}),
+                             figures=False)
+    assert "ranking" not in composite.tables
+    assert "no trial trains one of the five components alone" in _notes_of(composite)
+    assert "no model appears in both" not in _notes_of(composite)  # the model is in both tables
+    two = run_analysis(_configuration_study(tmp_path / "b", {"Head", "MHA", "LN1"}, relabel={"MHA@0": "LN1"}),
+                       figures=False)
+    assert set(two.tables["ranking"]["n_components"]) == {2} and two.tables["ranking"]["spearman"].isna().all()
+    assert "need at least 3 components; rows with 2 of them show '–'" in _notes_of(two)
+    flat = run_analysis(_configuration_study(tmp_path / "c", {"MHA", "LN1", "FC1"}, constant_plasticity=True,
+                                             relabel={"MHA@0": "LN1", "FC1@0": "FC1"}), figures=False)
+    assert set(flat.tables["ranking"]["n_components"]) == {3} and flat.tables["ranking"]["spearman"].isna().all()
+    assert "the plasticities or the accuracies are all equal there" in _notes_of(flat)
+    assert "need at least 3" not in _notes_of(flat)
+
+
+def test_item5_the_summary_and_the_bold_notes_name_what_the_tables_hold(tmp_path):
+    from raystudy.analysis.html_report import write_report
+    from raystudy.analysis.pipeline import run_analysis
+
+    composite = run_analysis(_configuration_study(tmp_path / "a", {"Head", "MHA+FC1", "auto:10%"}), figures=False)
+    assert "wilcoxon" not in composite.tables  # no MHA trials: nothing to test against
+    html = Path(write_report(composite)).read_text()
+    assert "<dt>tests</dt><dd>none: the Wilcoxon tests against MHA were omitted (see the notes)</dd>" in html
+    assert "Wilcoxon vs MHA" not in html
+    assert "Bold:" not in _notes_of(composite)
+    some = run_analysis(_configuration_study(tmp_path / "b", {"Head", "MHA", "LN1", "FC1"},
+                                             relabel={"MHA@0": "LN1", "FC1@0": "FC1"}), figures=False)
+    assert "Bold: the best of the components LN1, MHA, FC1 for the dataset." in some.rendered["best_lr"].footnotes
+    assert "Wilcoxon vs MHA, alternative greater" in Path(write_report(some)).read_text()
+
+
+@pytest.mark.parametrize("alternative", ["greater", "two-sided"])
+def test_item5_the_wilcoxon_footnotes_name_the_statistic_they_print(tmp_path, alternative):
+    """scipy prints W+ for a one-sided test and min(W+, W−) for a two-sided one: each footnote says which,
+    and the numbers are those (rank sums computed here)."""
+    import numpy as np
+    from scipy import stats
+
+    from raystudy.analysis.pipeline import run_analysis
+
+    study = _configuration_study(tmp_path / "s", {"Head", "MHA", "All", "auto:10%", "random:10%", "lora:r=12"})
+    res = run_analysis(study, alternative=alternative, pair_by="dataset", figures=False)
+    said = "W+, the sum of the ranks of the positive differences (reference − other)" if alternative == "greater" \
+        else "min(W+, W−), the smaller of the rank sums of the positive and of the negative differences"
+    assert any(said in n for n in res.rendered["wilcoxon"].footnotes), res.rendered["wilcoxon"].footnotes
+    assert any("min(W+, W−)" in n for n in res.rendered["matched_budget"].footnotes)  # always two-sided
+    acc = res.tables["best_lr"].pivot(index="dataset", columns="configuration", values="mean")
+
+    def rank_sums(a, b):
+        d = (acc[a] - acc[b]).to_numpy()
+        d = d[d != 0]
+        r = stats.rankdata(np.abs(d))
+        return r[d > 0].sum(), r[d < 0].sum()
+
+    for row in res.tables["wilcoxon"].itertuples():
+        plus, minus = rank_sums(row.reference, row.other)
+        assert row.statistic == pytest.approx(plus if alternative == "greater" else min(plus, minus), abs=1e-9)
+    for row in res.tables["matched_budget"].itertuples():
+        plus, minus = rank_sums(row.first, row.second)
+        assert row.statistic == pytest.approx(min(plus, minus), abs=1e-9) and plus != minus
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Item 7: the Python API is as quiet as the CLI, beside another Ray instance
+
+
+@pytest.mark.slow
+def test_item7_the_python_api_prints_no_ray_lines_beside_another_ray_instance(ray_session, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import make_store, user_env
+    from test_terminal import ray_lines
+
+    assert ray_session.is_initialized()  # this test session's instance: another one on the machine
+    store = make_store(tmp_path / "store", n_per_split=(16, 8, 8))
+    code = f"""
+from raystudy.core.finetune import FinetuneConfig
+from raystudy.distributed.train import run_finetune
+cfg = FinetuneConfig(model="vit_tiny_patch16_224", model_kwargs={STUDY_TINY!r}, img_size=32, store={store!r},
+                     out_dir="run", configuration="MHA", steps=2, batch_size=8, eval_period=2, log_period=1)
+summary = run_finetune(cfg)
+print("status", summary["status"], summary["steps_completed"])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=user_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "status ok 2", proc.stdout
+    assert ray_lines(proc.stdout + proc.stderr) == [], (proc.stdout + proc.stderr)[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Item 6: the linear probes are not counted as trials
 
 
@@ -455,3 +577,250 @@ def test_item9_an_interrupted_study_exits_non_zero_without_analysing(builtin, tm
     assert said in stdout + stderr, (stdout[-3000:], stderr[-3000:])
     assert "Traceback" not in stderr, stderr[-3000:]
     assert not (tmp_path / "study" / "analysis").exists() and not (tmp_path / "study" / "report.html").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Item 15: the smaller ones
+
+
+def test_item15_counts_stay_integers_when_the_first_row_written_is_a_failed_trial(tmp_path):
+    import pyarrow.parquet as pq
+
+    from raystudy.core.finetune import FinetuneConfig
+    from raystudy.core.finetune.driver import failed_summary, finished_summary
+    from raystudy.study.results import ResultTables, trial_row
+    from raystudy.study.spec import grid_point
+
+    cfg = FinetuneConfig(model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32, store=str(tmp_path / "none"),
+                         out_dir=str(tmp_path / "run"), configuration="MHA", steps=8)
+    failed = finished_summary(failed_summary(cfg, "RuntimeError: boom"), wall_seconds=1.0, workers=1,
+                              execution="actor")
+    ok = {**failed, "status": "ok", "steps_completed": 8, "best_val_step": 8, "num_restores": 0, "workers": 1,
+          "num_classes": 10, "test_acc": 0.5, "best_val_acc": 0.5}
+    first, second = (grid_point("color", "MHA", "sgd", lr, 0) for lr in (0.1, 0.2))
+    tables = ResultTables(str(tmp_path / "s"))
+    tables.add(trial_row(first, STUDY_MODEL, failed))  # written alone: every count null
+    tables = ResultTables(str(tmp_path / "s"))  # a later driver reads it back, then adds an ok trial
+    tables.add(trial_row(second, STUDY_MODEL, ok))
+    schema = pq.read_schema(tmp_path / "s" / "trials.parquet")
+    for name in ("steps_completed", "num_restores", "workers", "num_classes", "best_val_step"):
+        assert str(schema.field(name).type) == "int64", (name, schema.field(name).type)
+
+
+@pytest.mark.slow
+def test_item15_rays_token_file_is_readable_by_its_owner_only(tmp_path):
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from conftest import user_env
+
+    code = ("from raystudy.distributed.cluster import init_ray\nimport ray\n"
+            "assert init_ray(num_cpus=1)\nray.shutdown()\n")
+    env = {**user_env(), "HOME": str(tmp_path)}  # a machine where Ray has made no token yet
+    env.pop("RAY_AUTH_MODE", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    token = tmp_path / ".ray" / "auth_token"
+    assert token.is_file() and stat.S_IMODE(os.stat(token).st_mode) == 0o600, oct(os.stat(token).st_mode)
+
+
+@pytest.mark.parametrize("config", ["gpu.yaml", "local.yaml"])
+def test_item15_cluster_nodes_install_the_tested_versions(config):
+    """Every install of the project on a node goes through cluster/constraints.txt, which pins each dependency
+    of pyproject.toml at the version this environment (the tests') has."""
+    import importlib.metadata as md
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    pins = {}
+    for line in (root / "cluster" / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"cluster/constraints.txt: {line!r} is not pinned (name==version)"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", dep).group()).lower()
+        assert pins.get(name) == md.version(name), (name, pins.get(name), md.version(name))
+    commands = [c for k, v in yaml.safe_load((root / "cluster" / config).read_text()).items()
+                if k.endswith("_commands") for c in v or []]
+    installs = [c for c in commands if re.search(r"\bpip install\b", c) and "raystudy" in c]
+    assert installs and all("-c ~/raystudy/cluster/constraints.txt" in c for c in installs), installs
+
+
+def test_item15_unusable_checkpoints_are_moved_aside_and_reported(tmp_path):
+    """Another run's checkpoints in a run's folder, then a truncated one: each is moved aside (kept), the run
+    goes on from what it can use, and its summary and the study's line for the trial say so."""
+    import dataclasses
+
+    from conftest import make_store
+
+    from raystudy.core.finetune import FinetuneConfig, train_local
+    from raystudy.study.progress import Progress
+
+    store = make_store(tmp_path / "store", n_per_split=(16, 8, 8))
+    ck = tmp_path / "ck"
+    a = FinetuneConfig(model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32, store=store, configuration="MHA",
+                       steps=6, batch_size=8, eval_period=2, checkpoint_period=2, lr=0.1, out_dir=str(tmp_path / "a"))
+    train_local(a, checkpoint_dir=ck, tensorboard=False)  # leaves checkpoint_00000002 and _00000004 (not the last)
+    b = dataclasses.replace(a, lr=0.05, out_dir=str(tmp_path / "b"))
+    summary, _ = train_local(b, checkpoint_dir=ck, resume=True, tensorboard=False)
+    fresh, _ = train_local(dataclasses.replace(b, out_dir=str(tmp_path / "fresh")), tensorboard=False)
+    assert summary["status"] == "ok" and summary["num_restores"] == 0 and summary["checkpoints_skipped"] == 2
+    assert summary["test_acc"] == fresh["test_acc"] and summary["final_val_loss"] == fresh["final_val_loss"]
+    assert all("belongs to another run" in w and ".foreign-1" in w for w in summary["checkpoint_warnings"])
+    for step in (2, 4):
+        assert (ck / f"checkpoint_{step:08d}.foreign-1" / "state.pt").is_file()  # kept, never read again
+    # b's own checkpoints are there now: the newest truncated, the run resumes from the one before
+    state = ck / "checkpoint_00000004" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    again, _ = train_local(dataclasses.replace(b, out_dir=str(tmp_path / "again")), checkpoint_dir=ck, resume=True,
+                           tensorboard=False)
+    assert again["restored_from_step"] == 2 and again["checkpoints_skipped"] == 1
+    assert (ck / "checkpoint_00000004.corrupt-1").is_dir() and ".corrupt-1" in again["checkpoint_warnings"][0]
+    lines = []
+    progress = Progress(total=1, done_before=0, prefix="s", echo=lines.append)
+    progress.trial_finished("t1", {"status": "ok", "test_acc": 0.5, "wall_seconds": 1.0, "checkpoints_skipped": 1})
+    assert "(1 unusable checkpoint(s) moved aside: checkpoint_warnings in trials/t1/summary.json)" in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Item 8 (the rest)
+
+
+def test_item8_markdown_tables_show_rankings_as_written(tmp_path):
+    from raystudy.analysis.pipeline import run_analysis
+
+    res = run_analysis(_configuration_study(tmp_path / "s", {"MHA", "LN1", "FC1"},
+                                            relabel={"MHA@0": "LN1", "FC1@0": "FC1"}), figures=False)
+    md = (res.out_dir / "ranking.md").read_text()
+    assert "&gt;" not in md and " > " in md
+    ranking = res.tables["ranking"]["plasticity_ranking"].iloc[0]
+    assert ranking.count(" > ") == 2 and ranking in md
+
+
+@pytest.mark.parametrize("model, unit", [("vit_tiny", "images/s"), ("hf:sentence-transformers/all-MiniLM-L6-v2",
+                                                                   "sequences/s")])
+def test_item8_the_cost_table_counts_the_models_inputs(tmp_path, model, unit):
+    import numpy as np
+    import pandas as pd
+    from test_analysis_beyond import _rows
+
+    from raystudy.analysis.pipeline import run_analysis
+    from raystudy.io import write_result
+
+    rows = [{**r, "model": model, "images_per_s": 100.0} for r in _rows(np.random.default_rng(0))
+            if r["configuration"] in ("MHA", "Head")]
+    write_result(pd.DataFrame(rows), tmp_path / "s", "trials")
+    cost = run_analysis(tmp_path / "s", figures=False).rendered["cost"]
+    assert cost.blocks[0].columns[-1] == unit
+
+
+# ---------------------------------------------------------------------------------------------------------
+# raystudy status DIR
+
+
+def test_status_reads_a_studys_progress_from_its_directory(tmp_path, capsys):
+    import json as _json
+
+    from raystudy.study.lock import StudyLock
+    from raystudy.study.persist import write_spec
+    from raystudy.study.results import trial_dir
+    from raystudy.study.spec import load_spec_file
+
+    spec = load_spec_file(_spec_file({"weights": str(tmp_path / "w.safetensors"), "data_root": str(tmp_path)},
+                                     tmp_path, configurations=["MHA", "LN1", "FC1", "Head"]))
+    write_spec(spec)
+    ok, failed, started, pending = (p["trial_id"] for p in spec.grid())
+    for tid, body in ((ok, {"status": "ok", "wall_seconds": 10.0}),
+                      (failed, {"status": "failed", "error": "RuntimeError: boom\nTraceback ..."})):
+        Path(trial_dir(spec.out, tid)).mkdir(parents=True)
+        (Path(trial_dir(spec.out, tid)) / "summary.json").write_text(_json.dumps(body))
+    Path(trial_dir(spec.out, started)).mkdir(parents=True)  # a trial whose run began, no summary yet
+
+    assert cli(["status", spec.out]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"Study 'pre' ({spec.out}): 1/4 trials done (ok 1, diverged 0), failed 1, running 0, "
+                      "unfinished 1, pending 1")
+    assert out[1] == "  driver: none (no launch running)"
+    assert out[2] == "  ETA 20s (median trial 10s, 1 at a time)"  # 2 left x 10 s / 1
+    assert out[3:] == ["  last errors:", f"    {failed}: RuntimeError: boom"]
+    with StudyLock(spec.out):  # a live driver: the started trial is running
+        assert cli(["status", spec.out, "--json"]) == 0
+        status = _json.loads(capsys.readouterr().out)
+    assert status["trials"]["running"] == [started] and status["trials"]["pending"] == [pending]
+    assert status["driver"].startswith("running (host ") and status["eta_seconds"] == 20.0
+    assert cli(["status", str(tmp_path / "nothing")]) == 2
+    assert "holds no study (spec.yaml not found)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Item 4: figures a reader can use
+
+
+BEYOND_8 = ("MHA+FC1", "MHA@2-3", "MHA@0", "MHA@3", "FC1@0", "auto:10%", "random:10%", "lora:r=12")
+
+
+def test_item4_every_figure_of_8_configurations_gives_each_its_own_colour_and_marker(tmp_path, monkeypatch):
+    import numpy as np
+    from matplotlib.colors import to_hex
+
+    from raystudy.analysis import figures as F
+    from raystudy.analysis import sweep_figures as SF
+    from raystudy.analysis.pipeline import run_analysis
+
+    drawn = {}
+    save = F.save_figure
+
+    def keep(fig, stem):
+        drawn[Path(stem).name] = fig
+        return save(fig, stem)
+
+    monkeypatch.setattr(F, "save_figure", keep)
+    monkeypatch.setattr(SF, "save_figure", keep)
+    res = run_analysis(_configuration_study(tmp_path / "s", set(BEYOND_8)))
+    assert {f.name for f in res.figures} == set(drawn)
+    assert {"accuracy_vs_params", "accuracy_vs_lr", "best_accuracy", "frontier_overall"} <= set(drawn)
+    seen = {}  # configuration -> (colour, marker) across every figure
+    for name, fig in drawn.items():
+        renderer = fig.canvas.get_renderer()
+        fig.canvas.draw()
+        if fig._suptitle is not None:  # the title inside the figure, not clipped on either side
+            box = fig._suptitle.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (name, box, fig.bbox.width)
+        for legend in fig.legends:
+            styles = {}
+            for handle, text in zip(legend.legend_handles, legend.get_texts()):
+                label = text.get_text()
+                if label in BEYOND_8:
+                    color = handle.get_color() if hasattr(handle, "get_color") else handle.get_facecolor()
+                    color = np.asarray(color) if not isinstance(color, str) else color
+                    marker = handle.get_marker() if hasattr(handle, "get_marker") else None
+                    styles[label] = (to_hex(color[0] if getattr(color, "ndim", 0) == 2 else color), marker)
+            if styles:
+                assert len(styles) == 8, (name, styles)
+                assert len({c for c, _ in styles.values()}) == 8, (name, styles)  # 8 distinct colours
+                for label, style in styles.items():
+                    if style[1] is not None and label in seen and seen[label][1] is not None:
+                        assert seen[label] == style, (name, label)  # the same in every figure
+                    seen.setdefault(label, style)
+    assert len(seen) == 8
+
+
+def test_item4_a_title_longer_than_its_figure_is_wrapped_not_clipped():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from raystudy.analysis.figures import _title
+
+    fig = Figure(figsize=(3.5, 3), layout="constrained")
+    FigureCanvasAgg(fig)
+    fig.subplots()
+    _title(fig, "Test accuracy at each fixed learning rate of every configuration", "model vit_tiny · sgd")
+    fig.canvas.draw()
+    box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    assert fig._suptitle.get_text().count("\n") >= 1
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width)

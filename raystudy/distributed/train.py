@@ -62,6 +62,7 @@ from raystudy.core.finetune.driver import event_metrics as event_metrics
 from raystudy.core.finetune.driver import failed_summary as failed_summary
 from raystudy.core.finetune.driver import failure_due as failure_due
 from raystudy.core.finetune.driver import inject_failure as inject_failure
+from raystudy.distributed.cluster import init_ray
 from raystudy.settings import ResourceSettings, problems
 from raystudy.storage import filesystem, join, read_text, write_json_atomic
 
@@ -378,12 +379,15 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
                  callbacks: list | None = None, on_report: Callable[[dict], None] | None = None) -> dict:
     """Run one finetuning run on Ray Train and return its summary (also written to ``cfg.out_dir``).
 
+    Starts a quiet local Ray (:func:`~raystudy.distributed.cluster.init_ray`) when none runs.
+
     Never raises for a run that diverges (status ``diverged``) or whose workers fail beyond
     ``resources.max_failures`` (status ``failed``, with ``error``); invalid settings raise ``ValueError``.
     ``wall_seconds`` is the driver's wall time of ``fit()``, Ray Train start-up included. ``on_report``
     receives worker 0's metrics of every report while the run lives (``raystudy finetune`` prints them).
     """
     resources = (resources or TrainResources()).validate(cfg.validate())
+    init_ray()  # from Python: a quiet local Ray of its own (Ray Train's own ray.init logs, and joins any instance)
     t0 = time.perf_counter()
     payload, error, result = None, None, None
     try:
