@@ -702,7 +702,7 @@ def test_item8_markdown_tables_show_rankings_as_written(tmp_path):
     assert ranking.count(" > ") == 2 and ranking in md
 
 
-@pytest.mark.parametrize("model, unit", [("vit_tiny", "images/s"), ("hf:sentence-transformers/all-MiniLM-L6-v2",
+@pytest.mark.parametrize("model, unit", [(STUDY_MODEL, "images/s"), ("hf:sentence-transformers/all-MiniLM-L6-v2",
                                                                    "sequences/s")])
 def test_item8_the_cost_table_counts_the_models_inputs(tmp_path, model, unit):
     import numpy as np
@@ -710,9 +710,12 @@ def test_item8_the_cost_table_counts_the_models_inputs(tmp_path, model, unit):
     from test_analysis_beyond import _rows
 
     from raystudy.analysis.pipeline import run_analysis
+    from raystudy.core.finetune import FinetuneConfig
+    from raystudy.core.finetune.outputs import run_summary
     from raystudy.io import write_result
 
-    rows = [{**r, "model": model, "images_per_s": 100.0} for r in _rows(np.random.default_rng(0))
+    inputs = run_summary(FinetuneConfig(model=model, store="s", out_dir="o"))["inputs"]  # what a run records
+    rows = [{**r, "model": model, "images_per_s": 100.0, "inputs": inputs} for r in _rows(np.random.default_rng(0))
             if r["configuration"] in ("MHA", "Head")]
     write_result(pd.DataFrame(rows), tmp_path / "s", "trials")
     cost = run_analysis(tmp_path / "s", figures=False).rendered["cost"]

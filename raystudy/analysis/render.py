@@ -21,7 +21,6 @@ import pandas as pd
 from raystudy.analysis.figures import _fmt_lr
 from raystudy.analysis.stats import statistic_note
 from raystudy.analysis.tables import OVERALL, best_component, recorded_counts
-from raystudy.data.modality import modality_of_model
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 #: Appended to a cell whose value includes diverged runs.
@@ -393,11 +392,12 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
 
 
 def _inputs(trials: pd.DataFrame | None) -> str:
-    """What the study's throughput counts: its models' inputs (``images``, ``sequences``; ``inputs`` if mixed)."""
-    if trials is None or "model" not in trials.columns:
+    """What the study's throughput counts: its runs' ``inputs`` (``images``, ``sequences``; ``inputs`` if they
+    differ; ``images`` for studies older than the column)."""
+    if trials is None or "inputs" not in trials.columns:
         return "images"
-    kinds = {modality_of_model(str(m)).inputs for m in trials["model"].dropna().unique()}
-    return kinds.pop() if len(kinds) == 1 else "inputs"
+    kinds = set(trials["inputs"].dropna().astype(str))
+    return kinds.pop() if len(kinds) == 1 else ("inputs" if kinds else "images")
 
 
 def _params_spread(trials: pd.DataFrame) -> str:

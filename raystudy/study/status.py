@@ -15,7 +15,7 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from raystudy.storage import exists, join, read_text, subdirs
+from raystudy.storage import exists, is_uri, join, read_text, subdirs
 from raystudy.study.lock import LOCK_FILE, describe, holder_alive
 from raystudy.study.persist import load_study_spec
 from raystudy.study.progress import fmt_seconds
@@ -97,7 +97,7 @@ def study_status(study_dir: str | os.PathLike) -> StudyStatus:
                 walls.append(float(wall))
             if state == "failed":
                 path = join(trial_dir(study_dir, tid), "summary.json")
-                mtime = os.path.getmtime(path) if exists(path) and "://" not in path else 0.0
+                mtime = 0.0 if is_uri(path) or not exists(path) else os.path.getmtime(path)
                 failed.append((mtime, tid, str(summary.get("error") or "no error recorded").splitlines()[0][:200]))
         elif tid in started:
             status.trials["running" if live else "unfinished"].append(tid)

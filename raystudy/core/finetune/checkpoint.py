@@ -134,7 +134,7 @@ def resume_latest(ft: Finetuner, storage: str) -> dict | None:
                     return ft.load(local)
                 except ForeignCheckpoint as e:
                     problem, tag = str(e), "foreign"
-        message = f"skipped checkpoint {folder}: {problem}; moved aside to {move_aside(folder, tag)}"
+        message = f"skipping checkpoint {folder}: {problem}; moved aside to {move_aside(folder, tag)}"
         ft.skipped_checkpoints.append(message)
         log.warning("%s", message)
     return None

@@ -13,6 +13,7 @@ import torch
 
 from raystudy.core.expressions import Budgeted, canonical, normalise
 from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.data.modality import modality_of_model
 from raystudy.storage import join, write_bytes_atomic, write_json_atomic, write_parquet_atomic
 from raystudy.vocab import RUN_CURVE_COLUMNS
 
@@ -42,7 +43,8 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     then every key of :data:`RESULT_DEFAULTS` (``results`` or the default) and ``error`` when given.
 
     The ``trials.parquet`` columns less trial_id, dataset and model, plus throughput, memory and restores,
-    the data path, the precision the run used (``fp32`` | ``bf16``) and whether it was compiled.
+    the data path, what its throughput counts (``inputs``: images, sequences), the precision the run used
+    (``fp32`` | ``bf16``) and whether it was compiled.
     ``units`` is the canonical expression of what the run trained (:attr:`Selection.chosen`: a budget's
     units, the configuration otherwise); without a result it is known from ``cfg`` except for a
     ``random:B`` resolved by the run itself (then None).
@@ -54,7 +56,7 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
         "configuration": cfg.configuration, "optimizer": cfg.optimizer, "lr": float(cfg.lr), "seed": cfg.seed,
         "steps": cfg.steps, "batch_size": cfg.batch_size, "warmup_steps": cfg.warmup, "model_name": cfg.model,
         "model_kwargs": dict(cfg.model_kwargs), "img_size": cfg.img_size, "train_final_norm": cfg.train_final_norm,
-        "data_path": cfg.data_path,
+        "data_path": cfg.data_path, "inputs": modality_of_model(cfg.model).inputs,
     }
     return {**protocol, **RESULT_DEFAULTS, "units": _known_units(cfg), **results}
 
