@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,6 +80,10 @@ def _quiet_ray_data() -> None:
         if handler.get_name() == "console":
             handler.setLevel(logging.WARNING)
     DataContext.get_current().enable_progress_bars = False
+    # torch's notice when Ray Data wraps a read-only Arrow buffer in a tensor (iter_torch_batches): the
+    # batches are never written to in place
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                            module=r"ray\.data")
 
 
 def _silence_forwarded_messages() -> None:
