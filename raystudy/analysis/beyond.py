@@ -382,11 +382,6 @@ def render_unit_gain(t: pd.DataFrame) -> Rendered:
                     ["p-values two-sided, exact up to 8 units (all n! pairings)."])
 
 
-def _style(configuration: str, configurations) -> tuple[str, str]:
-    """Colour and marker of ``configuration`` among ``configurations`` (:func:`figures.configuration_styles`)."""
-    return F.configuration_styles([*configurations, configuration])[configuration]
-
-
 def _count_label(n: float) -> str:
     """``20000 -> "20k"``, ``2.5e6 -> "2.5M"``: a parameter count as an axis label."""
     for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -395,13 +390,13 @@ def _count_label(n: float) -> str:
     return f"{n:g}"
 
 
-def _frontier_panel(ax, rows: pd.DataFrame, configurations: list[str]) -> None:
+def _frontier_panel(ax, rows: pd.DataFrame, styles: dict[str, tuple[str, str]]) -> None:
     """Every configuration in its colour and marker (frontier ones large, outlined and joined; others faded) at
     its trainable parameters (log x) and best-lr accuracy (%); only frontier points are labelled, alternately
     above and below (the legend names every point)."""
     rows = rows.dropna(subset=["trainable_params", "mean"])
     for r in rows.itertuples():
-        color, marker = _style(r.configuration, configurations)
+        color, marker = styles[r.configuration]
         ax.scatter(r.trainable_params, 100 * r.mean, color=color, marker=marker, s=70 if r.on_frontier else 30,
                    alpha=1.0 if r.on_frontier else 0.45, edgecolor="black" if r.on_frontier else "none", zorder=3)
     front = rows[rows["on_frontier"]].sort_values("trainable_params")
@@ -424,14 +419,14 @@ def plot_frontier(rows: pd.DataFrame, path_stem: str | Path, *, title: str = "")
     outlined, joined by a line and labelled; others faded. ``rows``: rows of :func:`frontier_table`."""
     F._require(rows, ["optimizer", "configuration", "family", "trainable_params", "mean", "on_frontier"], "frontier")
     panels, constant = F._facets(rows, ("model", "optimizer"))
-    configurations = F._ordered(rows["configuration"].unique())
+    styles = F.configuration_styles(F._ordered(rows["configuration"].unique()))  # {configuration: (colour, marker)}
     fig, axes = F._grid(len(panels), width=6.0, height=4.4)
     for ax, (name, g) in zip(axes, panels):
-        _frontier_panel(ax, g, configurations)
+        _frontier_panel(ax, g, styles)
         if name:
             ax.set_title(name)
-    handles = [Line2D([], [], ls="", color=_style(c, configurations)[0], marker=_style(c, configurations)[1], ms=7,
-                      label=c) for c in configurations]
+    handles = [Line2D([], [], ls="", color=color, marker=marker, ms=7, label=c)
+               for c, (color, marker) in styles.items()]
     handles.append(Line2D([], [], color="black", lw=1.2, label="Pareto frontier"))
     fig.legend(handles=handles, loc="outside right center", frameon=False, title="configuration")
     F._title(fig, title or "Accuracy against trainable parameters", constant)
