@@ -8,10 +8,12 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Installed under cluster/constraints.txt, the versions the cluster nodes install too: what the tests check is
+# what runs on every node, and a package index that moves on does not change the environment under the tests.
+$(STAMP): pyproject.toml cluster/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip >/dev/null
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install -e '.[dev]' -c cluster/constraints.txt
 	touch $(STAMP)
 
 demo: venv
