@@ -722,6 +722,25 @@ def test_item8_the_cost_table_counts_the_models_inputs(tmp_path, model, unit):
     assert cost.blocks[0].columns[-1] == unit
 
 
+@pytest.mark.parametrize("expression, spelt", [("MHA@2-3", "MHA@2-3"), ("auto:16%", "auto_16pct"),
+                                               ("lora:r=22:qkv,fc1", "lora_r=22_fc1,qkv"),
+                                               ("FC1+MHA@3,2", "MHA@2-3+FC1"), ("random:0.5%", "random_0.5pct"),
+                                               ("auto:2M", "auto_2M"), ("LN1+LN2", "LN1+LN2")])
+def test_item8_trial_ids_spell_configurations_by_one_rule(tmp_path, expression, spelt):
+    """One rule (docs/studies.md): the canonical spelling with ``:`` and ``%``, the grammar's only characters a
+    path or URI cannot carry as they are, written ``_`` and ``pct``; the id is a file name on POSIX and Windows
+    and a URI path segment that needs no escaping."""
+    import urllib.parse
+
+    from raystudy.study.spec import trial_id
+
+    tid = trial_id("ds", expression, "sgd", 0.01, 0)
+    assert tid == f"ds-{spelt}-sgd-lr0.01-s0"
+    assert not set(tid) & set('<>:"/\\|?*%') and urllib.parse.quote(tid, safe="+,=@") == tid
+    (tmp_path / tid).mkdir()
+    assert [p.name for p in tmp_path.iterdir()] == [tid]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # raystudy status DIR
 
