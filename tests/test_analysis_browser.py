@@ -155,7 +155,7 @@ class Browser:
 
 @pytest.fixture()
 def browser(tmp_path):
-    b = Browser(require_chromium(), tmp_path / "profile")
+    b = Browser(require_chromium(), tmp_path / "profile", width=1400)  # the window the issue's reader used
     yield b
     b.close()
 
@@ -166,6 +166,8 @@ PAGE_STATE = """({
   tables: Array.from(document.querySelectorAll('table[data-table]')).map(t => [t.dataset.table,
           t.querySelectorAll('tbody tr').length, t.getBoundingClientRect().width]),
   headings: Array.from(document.querySelectorAll('h2')).map(h => h.textContent),
+  scrolling: Array.from(document.querySelectorAll('.table-scroll')).filter(d => d.scrollWidth > d.clientWidth + 1)
+             .map(d => d.querySelector('table').dataset.table),
   text: document.body.innerText,
 })"""
 
@@ -192,6 +194,7 @@ def test_report_renders_in_headless_chromium(tmp_path, browser):
               "cost"):
         assert t in names
     assert all(rows > 0 and width > 200 for _, rows, width in state["tables"])
+    assert state["scrolling"] == []  # every table fits a 1,400 px window (the cost table needed scrolling)
     assert state["headings"] == ["Summary", "Notes", "Tables", "Figures"]
     # A value computed here from the raw trials is on the page as a percentage.
     _lr, mean, std, _n = expected_best(raw_trials(d))[("vit_tiny", "cifar10", "sgd", "MHA")]

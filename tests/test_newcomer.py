@@ -247,6 +247,27 @@ def test_item5_the_wilcoxon_footnotes_name_the_statistic_they_print(tmp_path, al
     for row in res.tables["matched_budget"].itertuples():
         plus, minus = rank_sums(row.first, row.second)
         assert row.statistic == pytest.approx(min(plus, minus), abs=1e-9) and plus != minus
+    # the smallest attainable p-value, for the study's 5 pairs: scipy's p when every difference has one sign
+    for name, alt in (("wilcoxon", alternative), ("matched_budget", "two-sided")):
+        floor = stats.wilcoxon(np.arange(1.0, 6.0), np.zeros(5), alternative=alt).pvalue
+        assert f"{floor:.3g} for n = 5 here." in res.rendered[name].footnotes[-1], res.rendered[name].footnotes
+
+
+def test_item5_spreads_that_are_zero_by_construction_are_noted(tmp_path):
+    import pandas as pd
+
+    from raystudy.analysis.pipeline import run_analysis
+    from raystudy.io import read_result, write_result
+
+    full = _configuration_study(tmp_path / "full", {"Head", "MHA", "auto:10%"})
+    assert "by construction" not in _notes_of(run_analysis(full, figures=False))  # 2 lrs x 2 seeds
+    trials = read_result(full, "trials")
+    lr = trials["lr"].min()
+    for name, keep, said in (("one", (trials["lr"] == lr) & (trials["seed"] == 0), "one learning rate and one seed"),
+                             ("seeds", trials["lr"] == lr, "one learning rate per dataset")):
+        write_result(pd.DataFrame(trials[keep]), tmp_path / name, "trials")
+        notes = _notes_of(run_analysis(tmp_path / name, figures=False))
+        assert f"Each configuration ran {said}" in notes and "0 by construction" in notes
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from scipy import stats
 
 from raystudy.analysis import figures as F
 from raystudy.analysis.render import STD_NOTE, Block, Rendered, fmt_count, fmt_lr, fmt_num, fmt_p, pct
-from raystudy.analysis.stats import _match_models, signed_rank_test, spearman_p_value, statistic_note
+from raystudy.analysis.stats import _match_models, signed_rank_test, smallest_p_note, spearman_p_value, statistic_note
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models, population_std, recorded_counts
 from raystudy.core.expressions import Budgeted, Combination, ExpressionError, LoRA, parse
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
@@ -365,7 +365,7 @@ def render_matched_budget(t: pd.DataFrame) -> Rendered:
                     f"{MATCHED_ALTERNATIVE}, paired over datasets (best-lr means over seeds).", blocks,
                     [f"{statistic_note(MATCHED_ALTERNATIVE, 'first − second')}; p-value '–' without pairs or "
                      "when every difference is zero.",
-                     "With n pairs the smallest attainable two-sided exact p-value is 2^(1-n) (0.25 for 3 pairs)."])
+                     smallest_p_note(MATCHED_ALTERNATIVE, t["n_pairs"])])
 
 
 def render_unit_gain(t: pd.DataFrame) -> Rendered:

@@ -40,7 +40,8 @@ h4 { margin: .8rem 0 .3rem; color: #44505c; }
 p.caption { margin-top: 0; color: #44505c; font-size: .92rem; }
 table { border-collapse: collapse; margin: .4rem 0 .8rem; font-size: .88rem; font-variant-numeric: tabular-nums; }
 th, td { padding: .28rem .6rem; border-bottom: 1px solid #e3e6ea; text-align: right; white-space: nowrap; }
-thead th { background: #eef1f4; text-align: center; }
+/* long headers wrap, so that the widest table (cost) fits a 1,400 px window without scrolling */
+thead th { background: #eef1f4; text-align: center; white-space: normal; vertical-align: bottom; }
 tbody th { text-align: left; font-weight: 600; }
 tbody tr:hover { background: #f3f7fc; }
 td strong, th strong { color: #0b4f9c; }

@@ -104,6 +104,18 @@ def _subset_notes(tables: dict, counted: pd.DataFrame, notes: list[str]) -> None
                          f"({r['min']}–{r['max']} datasets); overall means cover different datasets.")
 
 
+def _spread_notes(counted: pd.DataFrame, notes: list[str]) -> None:
+    """Spreads that are 0 because nothing varied: one learning rate (and one seed) per configuration."""
+    per = counted.groupby([c for c in ("model", "dataset", "optimizer", "configuration") if c in counted.columns])
+    if per.size().max() <= 1:
+        notes.append("Each configuration ran one learning rate and one seed per dataset: the spreads of the "
+                     "learning-rate grid and of the stability table are 0 by construction, not a measured "
+                     "stability.")
+    elif per["lr"].nunique().max() <= 1:
+        notes.append("Each configuration ran one learning rate per dataset: the learning-rate grid's spread is 0 "
+                     "by construction.")
+
+
 def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **options) -> dict:
     """The tables built on the counted trials' accuracies (every one but ``cost``); omitted ones noted."""
     tables = {"best_lr": best_lr_table(ok, inputs.probes), "lr_grid": lr_grid_table(ok)}
@@ -122,6 +134,7 @@ def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **
         ref = options["reference"]
         notes.append(f"No {ref} trials: the Wilcoxon tests against {ref} are omitted.")
     tables["stability"] = stability_table(ok)
+    _spread_notes(ok, notes)
     if inputs.plasticity is not None:
         ranking = ranking_table(inputs.plasticity, tables["best_lr"], ok, notes)
         if ranking is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from raystudy.analysis.figures import _fmt_lr
-from raystudy.analysis.stats import statistic_note
+from raystudy.analysis.stats import smallest_p_note, statistic_note
 from raystudy.analysis.tables import OVERALL, best_component, recorded_counts
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
@@ -336,7 +336,7 @@ def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, referenc
                     f"scipy.stats.wilcoxon, {alt}; paired over {pairs}.", blocks,
                     [f"{statistic_note(alternative, 'reference − other')}; p-value '–' when there are no "
                      "pairs or every difference is zero.",
-                     "With n pairs the smallest attainable one-sided exact p-value is 2^-n (0.125 for 3 pairs)."])
+                     smallest_p_note(alternative, t["n_pairs"])])
 
 
 def render_stability(t: pd.DataFrame) -> Rendered:

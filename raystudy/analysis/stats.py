@@ -68,6 +68,16 @@ def statistic_note(alternative: str, difference: str) -> str:
     return f"statistic: W+, the sum of the ranks of the positive differences ({difference})"
 
 
+def smallest_p_note(alternative: str, n_pairs) -> str:
+    """The smallest exact p-value a Wilcoxon test can reach with the pair counts ``n_pairs`` of a table:
+    ``2^-n`` one-sided, ``2^(1-n)`` two-sided (every difference of one sign)."""
+    two = alternative == "two-sided"
+    ns = sorted({int(n) for n in n_pairs if n == n and n > 0})
+    reach = ", ".join(f"{min(1.0, 2.0 ** ((1 if two else 0) - n)):.3g} for n = {n}" for n in ns)
+    return (f"With n pairs the smallest attainable {'two' if two else 'one'}-sided exact p-value is "
+            f"{'2^(1-n)' if two else '2^-n'}" + (f": {reach} here." if reach else "."))
+
+
 def wilcoxon_table(best_lr: pd.DataFrame, counted: pd.DataFrame, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                    alpha: float = ALPHA, probes: pd.DataFrame | None = None) -> pd.DataFrame:
