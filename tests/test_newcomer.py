@@ -834,6 +834,10 @@ def test_item4_every_figure_of_8_configurations_gives_each_its_own_colour_and_ma
         if fig._suptitle is not None:  # the title inside the figure, not clipped on either side
             box = fig._suptitle.get_window_extent(renderer)
             assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (name, box, fig.bbox.width)
+        for ax in fig.axes:  # category tick labels side by side never overlap (8 configuration names)
+            boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+            for a, b in zip(boxes, boxes[1:]):
+                assert not a.overlaps(b), (name, [t.get_text() for t in ax.get_xticklabels()])
         for legend in fig.legends:
             styles = {}
             for handle, text in zip(legend.legend_handles, legend.get_texts()):

@@ -181,6 +181,16 @@ def save_figure(fig: Figure, path_stem: str | Path) -> list[Path]:
     return paths
 
 
+def category_ticks(ax, positions, labels, *, pad: float = 4.0) -> None:
+    """Tick labels ``labels`` at ``positions`` on ``ax``'s x axis, turned vertical when side by side they
+    would touch (as the fixed-lr figure draws them): many or long configuration names never overlap."""
+    ax.set_xticks(positions, labels)
+    renderer = ax.figure.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer).padded(pad) for t in ax.get_xticklabels() if t.get_text()]
+    if any(a.overlaps(b) for a, b in zip(boxes, boxes[1:])):
+        ax.set_xticks(positions, labels, rotation=90)
+
+
 def _legend(fig: Figure, axes: list, title: str = "component") -> None:
     """One legend for the figure, right of the panels, from the first panel that has entries."""
     for ax in axes:
@@ -259,7 +269,7 @@ def _violins(ax, groups: list[tuple[str, np.ndarray]], *, log: bool, ylabel: str
         ax.vlines(pos, q1, q3, color="black", lw=3)
         ax.scatter([pos], [med], color="white", edgecolor="black", zorder=3, s=22)
         ax.hlines([d.min(), d.max()], pos - 0.12, pos + 0.12, color=_color(name, names), lw=1)
-    ax.set_xticks(positions, names)
+    category_ticks(ax, positions, names)
     if log:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"$10^{{{v:g}}}$"))
@@ -445,8 +455,7 @@ def grouped_bars(ax, rows: pd.DataFrame, value: str, *, err: str | None = None, 
                label=config, edgecolor="white", linewidth=0.5, error_kw=dict(lw=0.8, capsize=1.5, ecolor="#333333"))
     if "overall" in datasets and len(datasets) > 1:
         ax.axvline(len(datasets) - 1.5, color="grey", lw=0.8, ls=":")
-    tilt = len(datasets) > 4
-    ax.set_xticks(x, datasets, rotation=30 if tilt else 0, ha="right" if tilt else "center")
+    category_ticks(ax, x, datasets)
     ax.grid(axis="y", alpha=0.3)
 
 
