@@ -564,3 +564,24 @@ def test_dataloader_processes_give_the_same_run(store, tmp_path):
     assert [r["train_loss"] for r in a.curves] == [r["train_loss"] for r in b.curves]
     for (n, p), (_, q) in zip(a.selection.trainable, b.selection.trainable):
         assert torch.equal(p, q), n
+
+
+def test_a_run_reads_its_stores_metadata_once(store, tmp_path, monkeypatch):
+    """One ``Finetuner`` opens its store once (``data.store.Store``) and hands the object on: building it and
+    evaluating on val and test read ``dataset.json`` once (its caches built beforehand, as a study does)."""
+    from pathlib import Path
+
+    warm = Finetuner(tiny_cfg(store, tmp_path / "warm"))  # builds the caches
+    warm.evaluate("val"), warm.evaluate("test")
+    reads = []
+    real = Path.read_text
+
+    def spy(self, *args, **kwargs):
+        if self.name == "dataset.json":
+            reads.append(str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", spy)
+    ft = Finetuner(tiny_cfg(store, tmp_path / "run"))
+    ft.evaluate("val"), ft.evaluate("test")
+    assert reads == [str(Path(store) / "dataset.json")]

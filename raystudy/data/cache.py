@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raystudy.data.store import iter_split, read_meta, read_split, shard_paths
+from raystudy.data.store import Store, iter_split, read_meta, read_split, shard_paths
 from raystudy.data.transforms import decode
 from raystudy.storage import atomic_output, join, read_text, write_json_atomic
 
@@ -235,8 +235,9 @@ class CachePlan:
 
     def build_local(self) -> dict[int, dict]:
         """Build the ``todo`` shards in this process: ``{shard: manifest entry}``."""
+        store = Store.open(self.store)  # dataset.json read once for every shard
         try:
-            return {s: build_shard(self.store, self.split, self.kind, self.size, self.folder, s,
+            return {s: build_shard(store, self.split, self.kind, self.size, self.folder, s,
                                    self.rows_per_shard) for s in self.todo}
         finally:
             release_reads()

@@ -219,8 +219,11 @@ def _write_shards(rows, tmp: Path, *, name, source, classes, rows_per_shard, ext
     return meta
 
 
-def read_meta(store: str | os.PathLike) -> dict:
-    """``dataset.json`` of a store; raises :class:`StoreError` naming the path when absent or invalid."""
+def read_meta(store: str | os.PathLike | Store) -> dict:
+    """``dataset.json`` of a store; raises :class:`StoreError` naming the path when absent or invalid.
+    An opened :class:`Store` returns the metadata it read (nothing is read again)."""
+    if isinstance(store, Store):
+        return store.meta
     path = Path(store) / META_FILE
     if not path.is_file():
         raise StoreError(f"{store} is not a prepared store: {path} not found")
@@ -243,18 +246,27 @@ def read_meta(store: str | os.PathLike) -> dict:
     return meta
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Store:
     """A prepared store opened once: its path and its ``dataset.json`` (read and checked by :func:`read_meta`),
-    passed on instead of the path so that the consumers of one job do not read the metadata again."""
+    passed on instead of the path so that the consumers of one job do not read the metadata again. It is a
+    path-like object (``Path(store)``, ``open``, ``os.path``) and every function of this module that takes a
+    store path takes it."""
 
     path: str
     meta: dict
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> Store:
-        """Read ``dataset.json`` of the store at ``path`` (:func:`read_meta`; raises :class:`StoreError`)."""
-        return cls(str(path), read_meta(path))
+    def open(cls, path: str | os.PathLike | Store) -> Store:
+        """Read ``dataset.json`` of the store at ``path`` (:func:`read_meta`; raises :class:`StoreError`);
+        an opened store is returned as it is."""
+        return path if isinstance(path, Store) else cls(str(path), read_meta(path))
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
 
     @property
     def kind(self) -> str:

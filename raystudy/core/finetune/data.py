@@ -35,7 +35,7 @@ from raystudy.core.finetune.augment import augment, sample_crops, to_float
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.finetune.text import TextBatch, TextSplitData, is_text_store, open_text_split
 from raystudy.data.cache import ImageCache, kind_of
-from raystudy.data.store import read_split
+from raystudy.data.store import Store, read_split
 from raystudy.data.transforms import sample_seed, transform_batch
 
 
@@ -167,24 +167,28 @@ def to_device(batch, device: torch.device, *, size: int | None = None,
     return x, y
 
 
-def open_split_data(cfg: FinetuneConfig, split: str) -> SplitData | CachedSplitData | TextSplitData:
+def open_split_data(cfg: FinetuneConfig, split: str,
+                    store: Store | None = None) -> SplitData | CachedSplitData | TextSplitData:
     """The data of ``split``: a text store's tokenised texts (:func:`~.text.open_text_split`), else the
-    images on ``cfg.data_path``, the train split cropped when ``cfg.augment``."""
-    if is_text_store(cfg.store):
-        return open_text_split(cfg, split)
+    images on ``cfg.data_path``, the train split cropped when ``cfg.augment``. ``store``: ``cfg.store``
+    already opened (its ``dataset.json`` is then not read again)."""
+    store = Store.open(cfg.store if store is None else store)
+    if is_text_store(store):
+        return open_text_split(cfg, split, store)
     if cfg.data_path == "decode":
-        return SplitData(cfg.store, split)
+        return SplitData(store, split)
 
-    return CachedSplitData(cfg.store, split, size=cfg.img_size, crop=kind_of(split, cfg.augment) == "crop",
+    return CachedSplitData(store, split, size=cfg.img_size, crop=kind_of(split, cfg.augment) == "crop",
                            root=cfg.cache_dir)
 
 
 def prepare_caches(cfg: FinetuneConfig) -> None:
     """Build (or verify and repair) the caches a run on the cache path reads, before its workers start
     (a text store has none)."""
-    if cfg.data_path == "cache" and not is_text_store(cfg.store):
+    store = Store.open(cfg.store)
+    if cfg.data_path == "cache" and not is_text_store(store):
         for split in ("train", "val", "test"):
-            open_split_data(cfg, split)
+            open_split_data(cfg, split, store)
 
 
 class MicroBatches(torch.utils.data.Dataset):

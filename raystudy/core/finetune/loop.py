@@ -38,7 +38,7 @@ from raystudy.core.finetune.step import (
     train_step,
 )
 from raystudy.core.lora import merge
-from raystudy.data.store import read_meta
+from raystudy.data.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +146,15 @@ class Finetuner:
         self.rank, self.world_size, self.share = rank, world_size, cfg.batch_size // world_size
         self.device = torch.device(device or "cpu")
         self.all_reduce = all_reduce
-        self.meta = read_meta(cfg.store)
+        self.store = Store.open(cfg.store)  # dataset.json read once for the whole run
+        self.meta = self.store.meta
         self.num_classes = cfg.num_classes or int(self.meta["num_classes"])
         self.precision = cfg.resolved_precision(self.device)
         self.channels_last = self.device.type == "cuda"
         self._build_model(wrap)
         self.optimizer = make_optimizer(self.trainable, cfg)  # fused kernels on CUDA
         self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.train_data = open_split_data(cfg, "train")
+        self.train_data = open_split_data(cfg, "train", self.store)
         self._eval_data: dict[str, SplitData | CachedSplitData] = {}
         self._eval_cache: dict[str, list] = {}
         # the run's progress and results (all of it is checkpointed, see state_dict)
@@ -339,7 +340,7 @@ class Finetuner:
             yield from (self._to_device(b) for b in self._eval_cache[split])
             return
         if split not in self._eval_data:
-            self._eval_data[split] = open_split_data(self.cfg, split)
+            self._eval_data[split] = open_split_data(self.cfg, split, self.store)
         data = self._eval_data[split]
         rows = np.array_split(np.arange(len(data)), self.world_size)[self.rank]
         cached = isinstance(data, CachedSplitData)

@@ -30,7 +30,7 @@ from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.hf import classifier_pad_id
 from raystudy.data.modality import hf_source, modality_of_model, modality_of_store
 from raystudy.data.splits import SPLITS  # every split's texts set the default seq_len (the longest text)
-from raystudy.data.store import StoreError, read_meta, read_split
+from raystudy.data.store import Store, StoreError, read_meta, read_split
 from raystudy.data.text_stream import load_tokenizer
 
 
@@ -89,11 +89,12 @@ def _longest(store: str, tokenizer: str, checksum: str | None) -> int:
     return max((len(e.ids) for e in tok.encode_batch(texts)), default=2)
 
 
-def resolved_seq_len(cfg: FinetuneConfig) -> int:
-    """``cfg.seq_len``, else the store's longest encoded text capped at the model's positions."""
+def resolved_seq_len(cfg: FinetuneConfig, store: Store | None = None) -> int:
+    """``cfg.seq_len``, else the store's longest encoded text capped at the model's positions (``store``:
+    ``cfg.store`` already opened)."""
     if cfg.seq_len is not None:
         return cfg.seq_len
-    longest = _longest(str(cfg.store), tokenizer_file(cfg), read_meta(cfg.store).get("checksum"))
+    longest = _longest(str(cfg.store), tokenizer_file(cfg), read_meta(store or cfg.store).get("checksum"))
     cap = max_positions(_model_config(cfg.model))
     return min(longest, cap) if cap else longest
 
@@ -140,11 +141,13 @@ class TextSplitData:
     load = batch
 
 
-def open_text_split(cfg: FinetuneConfig, split: str) -> TextSplitData:
-    """``split`` of the text store ``cfg.store`` tokenised for ``cfg.model`` (module docstring)."""
+def open_text_split(cfg: FinetuneConfig, split: str, store: Store | None = None) -> TextSplitData:
+    """``split`` of the text store ``cfg.store`` (or its opened ``store``) tokenised for ``cfg.model``
+    (module docstring)."""
     if modality_of_model(cfg.model).takes_images:
         raise ValueError(f"FinetuneConfig.model={cfg.model!r}: a text store ({cfg.store}) needs a text model "
                          "(hf:<dir>)")
     pad = classifier_pad_id(_model_config(cfg.model))
-    return TextSplitData(cfg.store, split, tokenizer=tokenizer_file(cfg), seq_len=resolved_seq_len(cfg),
+    store = Store.open(cfg.store if store is None else store)
+    return TextSplitData(store, split, tokenizer=tokenizer_file(cfg), seq_len=resolved_seq_len(cfg, store),
                          pad_id=0 if pad is None else pad)
