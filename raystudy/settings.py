@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-from raystudy.vocab import DATA_PATHS, MODES, OPTIMIZERS, PAIRINGS, PRECISIONS
+from raystudy.vocab import DATA_PATHS, GATED_FC1, MHA_INPUTS, MODES, OPTIMIZERS, PAIRINGS, PRECISIONS, TEXT_ROWS
 
 #: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's) or zeros (the original
 #: ViT finetuning recipe).
@@ -385,6 +385,9 @@ class PlasticitySettings:
                               help="pairs per actor call; with sequential pairing also where a short side "
                                    "starts over (after its last full batch)")
     mode: str = setting("embedding", choices=MODES, help="rate definition (embedding: the paper's)")
+    mha_input: str = setting("raw", choices=MHA_INPUTS,
+                             help="embedding mode: MHA of the embeddings (raw: the paper's) or of LN1 of them "
+                                  "(normed: the authors' GPT-2 script)")
     pairing: str = setting("random", choices=PAIRINGS,
                            help="random: a seeded shuffle of each side; sequential: the i-th input of each "
                                 "side in store order (the authors' way)")
@@ -403,6 +406,12 @@ class PlasticitySettings:
                                         help="intra-op threads of a CPU actor; None: its CPUs")
     seq_len: int | None = setting(None, check="optional_positive_int", metavar="N",
                                   help="text stores: tokens per window (each side of a pair is one window)")
+    gated_fc1: str = setting("stacked", choices=GATED_FC1,
+                             help="a gated MLP's FC1: the stacked [W_g; W_x] or the value projection W_x alone "
+                                  "(up: timm's fc1_x, the authors' DINOv3 script)")
+    text_rows: str = setting("windows", choices=TEXT_ROWS,
+                             help="text stores: windows of seq_len real tokens, or each text's first seq_len "
+                                  "tokens padded to seq_len (padded: the authors' GPT-2 loaders)")
     tokenizer: str | None = setting(None, metavar="FILE",
                                     help="text models: the tokenizer.json (None: the hf: model folder's)")
 

@@ -49,6 +49,15 @@ EXECUTIONS: tuple[str, ...] = ("auto", "train", "actor")
 #: How plasticity pairs pretraining and downstream images: seeded random, or the i-th with the i-th
 #: (the authors' unshuffled loaders; :mod:`raystudy.distributed.pairing`).
 PAIRINGS: tuple[str, ...] = ("random", "sequential")
+#: what MHA receives in ``embedding`` mode: the embeddings themselves (the paper's definition) or the
+#: embeddings through the block's LN1 (the authors' GPT-2 script, ``get_decomposition``)
+MHA_INPUTS: tuple[str, ...] = ("raw", "normed")
+#: the rows of a text side: non-overlapping windows of real tokens, or each text's first n tokens padded to n
+#: (the authors' GPT-2 loaders: ``truncation=True, padding="max_length"``)
+TEXT_ROWS: tuple[str, ...] = ("windows", "padded")
+#: FC1 of a gated MLP (SwiGLU): the stacked input projections [W_g; W_x] or the value projection W_x alone
+#: (timm's ``fc1_x``, the ``up_proj`` the authors' DINOv3 script measures)
+GATED_FC1: tuple[str, ...] = ("stacked", "up")
 
 _str, _int, _float = pa.string(), pa.int64(), pa.float64()
 

@@ -197,6 +197,22 @@ def test_prepare_wikitext103_paragraphs(tmp_path, capsys):
     assert {r[1] for r in rows.values()} == {None}
 
 
+def test_prepare_wikitext103_lines_as_hugging_faces_rows(tmp_path, capsys):
+    """``--unit line``: the rows of Hugging Face's ``wikitext-103-raw-v1`` (a file's lines with their newline,
+    as ``for row in file`` reads them) whose ``strip()`` is not empty, headings included: the authors' texts."""
+    import io
+
+    root = write_wikitext(tmp_path / "src")
+    rc, _, _ = prepare_cli(capsys, "wikitext103", "--root", root, "--out", tmp_path / "s", "--unit", "line")
+    assert rc == 0
+    expected = [(row, split) for split, raw in (("train", WIKI_TRAIN), ("val", WIKI_VALID), ("test", WIKI_TEST))
+                for row in io.StringIO(raw) if row.strip()]
+    rows = store_rows(tmp_path / "s")
+    assert len(expected) == 16 and expected[0] == (" = Valkyria Chronicles III = \n", "train")
+    assert [(rows[i][0], rows[i][2]) for i in range(len(rows))] == expected
+    assert verify_store(tmp_path / "s")["unit"] == "line"
+
+
 # ----------------------------------------------------------------------------- text folders
 
 

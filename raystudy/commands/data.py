@@ -64,7 +64,8 @@ def register(subparsers) -> None:
 def _add_text_and_synthetic_flags(pp: argparse.ArgumentParser) -> None:
     txt = pp.add_argument_group("text")
     txt.add_argument("--unit", choices=WIKITEXT_UNITS, default="document",
-                     help="wikitext103: one row per article (default) or per paragraph")
+                     help="wikitext103: one row per article (default), per paragraph, or per non-empty line "
+                          "as Hugging Face's wikitext-103-raw-v1 rows (line: the authors' GPT-2 measurement)")
     syn = pp.add_argument_group("synthetic")
     syn.add_argument("--variant", action="append", choices=VARIANTS,
                      help=f"variant(s) to prepare (repeatable; default: {', '.join(DEFAULT_NAMES)})")

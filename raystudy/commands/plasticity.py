@@ -60,12 +60,12 @@ def register(sub) -> None:
     local.add_argument("--dataset", default=None, help="dataset name for the tables (default: y's name)")
     ray = p.add_argument_group("prepared stores (Ray pipeline)")
     add_flags(ray, PlasticityRun, ["pretrain", "downstream"])
-    add_flags(ray, PlasticitySettings, ["pretrain_split", "seq_len", "radius", "workers", "cpus_per_worker",
-                                        "gpus_per_worker", "torch_threads"])
+    add_flags(ray, PlasticitySettings, ["pretrain_split", "seq_len", "text_rows", "radius", "workers",
+                                        "cpus_per_worker", "gpus_per_worker", "torch_threads"])
     ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     ray.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     add_flags(p, PlasticitySettings, ["pairs"], unset=True, help={"pairs": PAIRS_HELP})
-    add_flags(p, PlasticitySettings, ["pairing", "batch_size", "mode"])
+    add_flags(p, PlasticitySettings, ["pairing", "batch_size", "mode", "mha_input", "gated_fc1"])
     add_flags(p, PlasticityRun, ["amp_bf16"])
     p.set_defaults(func=run)
 
@@ -188,7 +188,8 @@ def run_local(args) -> int:
     with tqdm(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
         for i in range(0, len(x), args.batch_size):
             xb, yb = x[i:i + args.batch_size].to(device), y[i:i + args.batch_size].to(device)
-            frames.append(pair_rates(model, xb, yb, mode=args.mode, amp_dtype=amp, pair_offset=i))
+            frames.append(pair_rates(model, xb, yb, mode=args.mode, amp_dtype=amp, pair_offset=i,
+                                     mha_input=args.mha_input, gated_fc1=args.gated_fc1))
             bar.update(len(xb))
     rates = pd.concat(frames, ignore_index=True)
     rates.insert(0, "mode", args.mode)

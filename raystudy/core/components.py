@@ -107,6 +107,11 @@ class StackedLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
 
     @property
+    def parts(self) -> tuple[nn.Linear, ...]:
+        """The stacked layers, in order (a SwiGLU's ``(fc1_g, fc1_x)``)."""
+        return self._parts
+
+    @property
     def weight(self) -> torch.Tensor:
         """The stacked weight ``(h_1 + ... + h_k, d)``."""
         return torch.cat([p.weight for p in self._parts], dim=0)

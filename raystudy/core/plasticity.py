@@ -18,6 +18,12 @@ Modes
     each component receives its true input inside the forward pass of ``x`` and ``y`` (FC2 gets the real
     ``h``-dimensional activation, no lift).
 
+In ``embedding`` mode ``mha_input="normed"`` feeds MHA with ``LN1(x)`` and ``LN1(y)`` instead (the rate keeps
+the denominator ``||x - y||_F``): how the authors' GPT-2 script measures it (``get_decomposition``:
+``attn(ln_1(e))``); ``"raw"``, the default, is the paper's definition. ``gated_fc1="up"`` measures a
+gated MLP's FC1 as its value projection ``W_x`` alone (timm's ``fc1_x``: the ``up_proj`` of the authors'
+DINOv3 script) instead of the stacked ``[W_g; W_x]``; it changes nothing for an ungated MLP.
+
 Implementation (fast path)
 --------------------------
 ``x`` and ``y`` go through the network as one batch of ``2N``; all reductions stay on the device and only
@@ -43,9 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raystudy.core.components import get_adapter
+from raystudy.core.components import StackedLinear, get_adapter
 from raystudy.core.input_checks import PlasticityInputError, check_pair_batches  # noqa: F401  (public here)
-from raystudy.vocab import COMPONENTS, MODES, columns
+from raystudy.vocab import COMPONENTS, GATED_FC1, MHA_INPUTS, MODES, columns
 
 #: Columns that label a whole run of rates (added by the callers); :func:`summarize` groups by them too.
 GROUP_KEYS = ("model", "dataset", "mode")
@@ -64,6 +70,22 @@ def _check_denominator(den: torch.Tensor, what: str) -> None:
             f"pair(s) {zero.nonzero().flatten().tolist()[:10]} have identical {what} (x == y): the rate "
             "||f(x) - f(y)|| / ||x - y|| is undefined; remove duplicate pairs"
         )
+
+
+def fc1_weight(b, gated_fc1: str = "stacked") -> torch.Tensor:
+    """The weight whose rate is FC1's: ``b.FC1.weight``, or with ``gated_fc1="up"`` a SwiGLU's value
+    projection ``fc1_x`` alone (``(h, d)``). A gated MLP that packs both projections in one ``fc1``
+    (``out_features`` twice FC2's input) cannot be split here and is refused."""
+    if gated_fc1 not in GATED_FC1:
+        raise PlasticityInputError(f"unknown gated_fc1 {gated_fc1!r}; expected one of {GATED_FC1}")
+    if gated_fc1 == "stacked":
+        return b.FC1.weight
+    if isinstance(b.FC1, StackedLinear):
+        return b.FC1.parts[-1].weight
+    if b.FC1.weight.shape[0] != b.FC2.weight.shape[1]:
+        raise PlasticityInputError("gated_fc1='up' needs the gate and value projections apart (timm's SwiGLU); "
+                                   "this MLP packs them in one fc1")
+    return b.FC1.weight
 
 
 def _pair_norm(t: torch.Tensor) -> torch.Tensor:
@@ -105,6 +127,8 @@ def pair_rates_tensor(
     *,
     mode: str = "embedding",
     amp_dtype: torch.dtype | None = None,
+    mha_input: str = "raw",
+    gated_fc1: str = "stacked",
 ) -> torch.Tensor:
     """Rates of change for every pair, block and component, as a device tensor.
 
@@ -114,6 +138,9 @@ def pair_rates_tensor(
             adapter's ``check_inputs`` accepts) on the model's device; pair ``i`` is ``(x[i], y[i])``.
         mode: ``"embedding"`` (paper) or ``"hidden"``.
         amp_dtype: e.g. ``torch.bfloat16`` to run the forward under autocast; norms stay float32.
+        mha_input: ``"raw"`` (the paper) or ``"normed"`` (MHA of ``LN1`` of the embeddings; ``embedding``
+            mode only, where MHA's true input in ``hidden`` mode is normed already).
+        gated_fc1: ``"stacked"`` (``[W_g; W_x]``) or ``"up"`` (``W_x``) for a gated MLP's FC1 (:func:`fc1_weight`).
 
     Returns:
         float32 tensor ``(N, L, 5)``: ``rates[i, l, c]`` for pair ``i``, block ``l`` and component
@@ -121,6 +148,11 @@ def pair_rates_tensor(
     """
     if mode not in MODES:
         raise PlasticityInputError(f"unknown mode {mode!r}; expected one of {MODES}")
+    if mha_input not in MHA_INPUTS:
+        raise PlasticityInputError(f"unknown mha_input {mha_input!r}; expected one of {MHA_INPUTS}")
+    if mha_input != "raw" and mode != "embedding":
+        raise PlasticityInputError(f"mha_input={mha_input!r} applies to mode 'embedding' (in mode {mode!r} MHA "
+                                   "receives its true input)")
     adapter = get_adapter(model)
     adapter.check_inputs(x, y)
     n = x.shape[0]
@@ -136,17 +168,18 @@ def pair_rates_tensor(
             d = dz.shape[-1]
             for layer, b in enumerate(blocks):
                 rates[:, layer, 0] = _half_diff_norm(b.LN1(z), n) / den
-                rates[:, layer, 1] = _half_diff_norm(b.MHA(z, **attn_kw), n) / den
+                mha_in = z if mha_input == "raw" else b.LN1(z)
+                rates[:, layer, 1] = _half_diff_norm(b.MHA(mha_in, **attn_kw), n) / den
                 rates[:, layer, 2] = _half_diff_norm(b.LN2(z), n) / den
-                rates[:, layer, 3] = _pair_norm(F.linear(dz, b.FC1.weight)) / den
+                rates[:, layer, 3] = _pair_norm(F.linear(dz, fc1_weight(b, gated_fc1))) / den
                 # zero-lifted input [dz, 0, ..., 0]: only the first d input columns of W2 act on it
                 rates[:, layer, 4] = _pair_norm(F.linear(dz, b.FC2.weight[:, :d])) / den
         else:
-            _hidden_rates(adapter, z, n, rates)
+            _hidden_rates(adapter, z, n, rates, gated_fc1)
     return rates
 
 
-def _hidden_rates(adapter, z: torch.Tensor, n: int, rates: torch.Tensor) -> None:
+def _hidden_rates(adapter, z: torch.Tensor, n: int, rates: torch.Tensor, gated_fc1: str = "stacked") -> None:
     """Run the blocks on the stacked ``(2N, n, d)`` batch; forward hooks reduce each component on the fly.
 
     LN1, MHA, LN2: ``||f(x) - f(y)||`` from the outputs. FC1, FC2 (linear): ``||W (x - y)||`` from the inputs
@@ -177,7 +210,7 @@ def _hidden_rates(adapter, z: torch.Tensor, n: int, rates: torch.Tensor) -> None
         for layer, b in enumerate(adapter.blocks()):
             for c, name in enumerate(COMPONENTS):
                 if name in LINEAR_COMPONENTS:
-                    hook = on_input(layer, c, b[name].weight)
+                    hook = on_input(layer, c, fc1_weight(b, gated_fc1) if name == "FC1" else b[name].weight)
                     handles.append(b.input_module(name).register_forward_pre_hook(hook))
                 else:
                     handles.append(b[name].register_forward_hook(on_output(layer, c)))
@@ -226,13 +259,16 @@ def pair_rates(
     mode: str = "embedding",
     amp_dtype: torch.dtype | None = None,
     pair_offset: int = 0,
+    mha_input: str = "raw",
+    gated_fc1: str = "stacked",
 ) -> pd.DataFrame:
     """Per-pair rates of change as a DataFrame with columns ``pair, layer, component, rate``.
 
     One row per pair, block and component; see :func:`pair_rates_tensor` for the arguments.
     ``pair_offset`` numbers the pairs from that value (for batches of a larger stream).
     """
-    return rates_frame(pair_rates_tensor(model, x, y, mode=mode, amp_dtype=amp_dtype), pair_offset=pair_offset)
+    rates = pair_rates_tensor(model, x, y, mode=mode, amp_dtype=amp_dtype, mha_input=mha_input, gated_fc1=gated_fc1)
+    return rates_frame(rates, pair_offset=pair_offset)
 
 
 def summarize(rates: pd.DataFrame) -> pd.DataFrame:

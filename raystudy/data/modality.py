@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from raystudy.data.rows import (
     store_name,
 )
 from raystudy.data.store import IMAGE_KIND, TEXT_KIND, Store, store_kind
-from raystudy.data.text_rows import TextRows, locate_windows, stage_windows, staged_ids
+from raystudy.data.text_rows import TextRows, locate_padded, locate_windows, stage_windows, staged_ids
 from raystudy.data.text_stream import load_tokenizer
 from raystudy.vocab import SCHEMAS
 
@@ -128,8 +129,14 @@ class Modality(ABC):
         return None
 
     @abstractmethod
-    def locate(self, store: Store, splits: tuple[str, ...], *, tokenizer, seq_len: int | None) -> SplitRows | TextRows:
-        """One side's rows (images or token windows of ``splits``, store order) of ``store``."""
+    def locate(self, store: Store, splits: tuple[str, ...], *, tokenizer, seq_len: int | None,
+               text_rows: str = "windows", pad_id: int | None = None) -> SplitRows | TextRows:
+        """One side's rows (images, or token rows of ``splits`` as ``text_rows`` cuts them, store order) of
+        ``store``; ``pad_id``: the pad token of ``padded`` rows (:meth:`pad_id`)."""
+
+    def pad_id(self, model: str, tokenizer: str | None) -> int | None:
+        """The token id that pads a text row to ``seq_len`` (``None``: the inputs are not token ids)."""
+        return None
 
     @abstractmethod
     def stage(self, ray, sides: list, bucket_size: int, stage: Path) -> list[Layout]:
@@ -165,7 +172,7 @@ class ImageModality(Modality):
     def build_kwargs(self, *, pretrained, img_size):
         return {"pretrained": pretrained, "img_size": img_size}
 
-    def locate(self, store, splits, *, tokenizer, seq_len):
+    def locate(self, store, splits, *, tokenizer, seq_len, text_rows="windows", pad_id=None):
         return locate_split(store.path, splits, store.meta)
 
     def stage(self, ray, sides, bucket_size, stage):
@@ -204,8 +211,28 @@ class TextModality(Modality):
     def load_tokenizer(self, model, tokenizer):
         return load_tokenizer(tokenizer_path(model, tokenizer))
 
-    def locate(self, store, splits, *, tokenizer, seq_len):
-        return locate_windows(store.path, store_name(store.path, store.meta), splits, tokenizer, int(seq_len))
+    def locate(self, store, splits, *, tokenizer, seq_len, text_rows="windows", pad_id=None):
+        name = store_name(store.path, store.meta)
+        if text_rows == "padded":
+            return locate_padded(store.path, name, splits, tokenizer, int(seq_len), pad_id)
+        return locate_windows(store.path, name, splits, tokenizer, int(seq_len))
+
+    def pad_id(self, model, tokenizer):
+        """``pad_token_id``, else the (first) ``eos_token_id`` of the ``config.json`` beside the tokenizer
+        (GPT-2 has no pad token: the authors pad with its ``<|endoftext|>``)."""
+        config = Path(tokenizer_path(model, tokenizer)).parent / "config.json"
+        try:
+            cfg = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model {model}: padded text rows need the model's pad or eos token id from {config} "
+                             f"({e})") from e
+        pad = cfg.get("pad_token_id")
+        pad = cfg.get("eos_token_id") if pad is None else pad
+        pad = pad[0] if isinstance(pad, list) and pad else pad
+        if not isinstance(pad, int):
+            raise ValueError(f"{config}: neither pad_token_id nor eos_token_id is a token id: padded text rows "
+                             "need one")
+        return pad
 
     def stage(self, ray, sides, bucket_size, stage):
         # token windows are small: the driver stages them itself

@@ -19,7 +19,9 @@ Rows: AGNews: ``title + " " + description`` as in the CSV (as Hugging Face's ``a
 index - 1; index = the row in ``train.csv``, then ``test.csv`` offset by the train rows. WikiText-103
 (``unit="document"``, default): one row per article, from its `` = Title = `` line to the next one, each
 line stripped (so paragraphs are separated by an empty line); ``unit="paragraph"``: one row per
-paragraph line (headings and blank lines left out); no label; index = the running row number over the
+paragraph line (headings and blank lines left out); ``unit="line"``: one row per non-empty line as
+Hugging Face's ``wikitext-103-raw-v1`` rows hold it (headings included, unstripped, with the newline: the
+authors' GPT-2 measurement); no label; index = the running row number over the
 train, valid and test files. Text folders: a ``.txt`` file's label is its class folder
 (``[split/]<class>/<file>.txt``, as in IMDB's ``aclImdb``), a ``.jsonl``/``.csv`` row's its ``label``
 field; names sort into classes (all-integer labels are used as they are); index = the row's position
@@ -42,7 +44,7 @@ from .splits import RULE, assign_splits
 from .store import StoreError, write_store
 
 TEXT_SOURCES = ("agnews", "wikitext103", "textfolder")
-WIKITEXT_UNITS = ("document", "paragraph")
+WIKITEXT_UNITS = ("document", "paragraph", "line")
 TEXT_EXTENSIONS = (".txt", ".jsonl", ".csv")
 AGNEWS_CLASSES = ["World", "Sports", "Business", "Sci/Tech"]
 WIKITEXT_FILES = {"train": "wiki.train.raw", "val": "wiki.valid.raw", "test": "wiki.test.raw"}
@@ -170,6 +172,15 @@ def _wiki_paragraphs(lines: list[str]):
             yield lineno, s
 
 
+def _wiki_lines(text: str):
+    """Every non-empty line as Hugging Face's ``wikitext-103-raw-v1`` rows hold it: unstripped, with its
+    newline (the authors' GPT-2 script keeps ``row["text"]`` of the rows whose ``strip()`` is not empty)."""
+    segments = text.split("\n")
+    for lineno, segment in enumerate(segments, 1):
+        if segment.strip():
+            yield lineno, segment + ("\n" if lineno < len(segments) else "")
+
+
 def read_wikitext103(root, *, unit: str = "document") -> TextListing:
     """WikiText-103 raw (``wiki.{train,valid,test}.raw``) as articles or paragraphs (``unit``)."""
     if unit not in WIKITEXT_UNITS:
@@ -178,8 +189,11 @@ def read_wikitext103(root, *, unit: str = "document") -> TextListing:
     rows: list[TextRow] = []
     for split, fname in WIKITEXT_FILES.items():
         path = base / fname
-        lines = _read_lines(path)
-        units = _wiki_documents(path, lines) if unit == "document" else _wiki_paragraphs(lines)
+        if unit == "line":
+            units = _wiki_lines(_read_text(path))
+        else:
+            lines = _read_lines(path)
+            units = _wiki_documents(path, lines) if unit == "document" else _wiki_paragraphs(lines)
         first = len(rows)
         rows.extend([TextRow(first + i, text, None, split, f"{path}:{line}")
                      for i, (line, text) in enumerate(units)])

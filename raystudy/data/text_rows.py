@@ -12,6 +12,13 @@ at all raises naming the store, split and ``n``. ``pairs.parquet`` records each 
 the text's store ``index`` and the window's first token, so ``ids[start:start + n]`` of that text's
 encoding is the window.
 
+``text_rows="padded"`` (:func:`locate_padded`, the authors' GPT-2 loaders: ``tokenizer(texts,
+truncation=True, padding="max_length", max_length=n)``) makes one row per text instead: its first ``n``
+tokens (the tokenizer's own special tokens included, as that call adds them), padded on the right to ``n``
+with the model's pad token (its ``pad_token_id``, else its ``eos_token_id``: GPT-2 pads with
+``<|endoftext|>`` as the authors set it); the padding is part of the sequence and no attention mask is
+used (as the authors' ``attn(..., attention_mask=None)``). A text with no token gives no row; ``start`` is 0.
+
 The driver tokenises each side once (the Rust tokenizer, batched) and stages the chosen windows itself
 (``pair, ids`` Parquet, one row group per bucket of ``batch_size`` pairs): a window is ``4 n`` bytes, so
 ``N`` pairs of ``n = 128`` tokens are 6.5 MB per side, where images need gather tasks.
@@ -91,6 +98,33 @@ def locate_windows(store: str, name: str, splits: tuple[str, ...], tokenizer, n:
         log.info("%s (%s): %d of %d texts are shorter than %d tokens and give no window", store, split, short,
                  len(texts), n)
     return TextRows(str(store), name, split, np.asarray(index, np.int64), np.asarray(start, np.int64),
+                    np.asarray(ids, np.int32))
+
+
+def locate_padded(store: str, name: str, splits: tuple[str, ...], tokenizer, n: int, pad_id: int) -> TextRows:
+    """One row per text of ``splits``: its first ``n`` tokens padded to ``n`` with ``pad_id`` (module
+    docstring), through the tokenizer's own truncation and padding. Raises
+    :class:`~raystudy.data.store.StoreError` when no text has a token."""
+    texts, indices = _texts(store, splits)
+    tok = type(tokenizer).from_str(tokenizer.to_str())  # a copy: the caller's tokenizer keeps its settings
+    tok.enable_truncation(max_length=n)
+    tok.enable_padding(direction="right", pad_id=pad_id, pad_token=tok.id_to_token(pad_id) or "[PAD]", length=n)
+    index, ids, empty, cut, padded = [], [], 0, 0, 0
+    for lo in range(0, len(texts), _CHUNK):
+        for i, enc in zip(indices[lo:lo + _CHUNK], tok.encode_batch(texts[lo:lo + _CHUNK])):
+            if not any(enc.attention_mask):
+                empty += 1
+                continue
+            cut += bool(enc.overflowing)
+            padded += not all(enc.attention_mask)
+            index.append(i)
+            ids.append(enc.ids)
+    split = "+".join(splits)
+    if not ids:
+        raise StoreError(f"{store}: split {split!r} has no text with a token ({len(texts)} texts)")
+    log.info("%s (%s): %d texts as %d-token rows (%d truncated, %d padded, %d empty left out)", store, split,
+             len(ids), n, cut, padded, empty)
+    return TextRows(str(store), name, split, np.asarray(index, np.int64), np.zeros(len(index), np.int64),
                     np.asarray(ids, np.int32))
 
 

@@ -134,7 +134,7 @@ from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figur
 from raystudy.io import write_result
 from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings
 from raystudy.storage import absolute_path
-from raystudy.vocab import MODES, check_name
+from raystudy.vocab import GATED_FC1, MHA_INPUTS, MODES, TEXT_ROWS, check_name
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,10 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         torch_threads: intra-op threads of a CPU actor; ``None``: its CPUs, ``max(1, int(cpus_per_worker))``.
         stage_dir: where the (fresh, temporary) staging directory is made; default ``out_dir``.
         seq_len: text stores only: tokens ``n`` per window (each side of a pair is one window).
+        text_rows: text stores only: ``windows`` of ``seq_len`` real tokens, or ``padded``: each text's first
+            ``seq_len`` tokens, padded to ``seq_len`` (:mod:`raystudy.data.text_rows`).
+        mha_input: ``raw`` (the paper) or ``normed`` (MHA of LN1 of the embeddings; :mod:`raystudy.core.plasticity`).
+        gated_fc1: ``stacked`` or ``up``: a gated MLP's FC1 (:func:`raystudy.core.plasticity.fc1_weight`).
         tokenizer: text stores only: the ``tokenizer.json`` (or its folder); default ``<model dir>/tokenizer.json``.
     """
 
@@ -213,6 +217,12 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         """Raise ``ValueError`` naming the first bad parameter (``FileNotFoundError`` for the weights)."""
         check_name(self.mode, MODES, "plasticity job: mode")
         check_name(self.pairing, PAIRINGS, "plasticity job: pairing")
+        check_name(self.mha_input, MHA_INPUTS, "plasticity job: mha_input")
+        check_name(self.text_rows, TEXT_ROWS, "plasticity job: text_rows")
+        check_name(self.gated_fc1, GATED_FC1, "plasticity job: gated_fc1")
+        if self.mha_input != "raw" and self.mode != "embedding":
+            raise ValueError(f"plasticity job: mha_input={self.mha_input!r} applies to mode 'embedding' (in mode "
+                             f"{self.mode!r} MHA receives its true input)")
         check_pretrain_split(self.pretrain_split, "plasticity job: pretrain_split")
         for ok, msg in self._limits():
             if not ok:
@@ -280,7 +290,9 @@ def locate_side(job: PlasticityJob, store: Store, split: str | tuple[str, ...], 
     when the store's kind does not fit the model (:func:`~raystudy.data.modality.resolve_modality`)."""
     modality = resolve_modality(job.model, store.meta, store.path)
     splits = (split,) if isinstance(split, str) else tuple(split)
-    return modality.locate(store, splits, tokenizer=tokenizer, seq_len=job.seq_len)
+    pad_id = modality.pad_id(job.model, job.tokenizer) if job.text_rows == "padded" else None
+    return modality.locate(store, splits, tokenizer=tokenizer, seq_len=job.seq_len, text_rows=job.text_rows,
+                           pad_id=pad_id)
 
 
 def plan_pairs(job: PlasticityJob) -> PairPlan:
@@ -319,7 +331,8 @@ def actor_spec(job: PlasticityJob) -> dict:
         model_kwargs["img_size"] = job.img_size  # the model must accept the transformed images
     return {"model": modality.build_name(job.model), "weights": job.weights, "model_kwargs": model_kwargs,
             "seed": job.seed,
-            "mode": job.mode, "amp_bf16": job.amp_bf16, "gpus": job.gpus_per_worker, "cpus": job.cpus_per_worker,
+            "mode": job.mode, "mha_input": job.mha_input, "gated_fc1": job.gated_fc1, "amp_bf16": job.amp_bf16,
+            "gpus": job.gpus_per_worker, "cpus": job.cpus_per_worker,
             "threads": job.torch_threads, "crash_marker": str(Path(job.out_dir) / _CRASH_MARKER),
             "stats_dataset": STATS_DATASET}
 

@@ -108,7 +108,9 @@ class RateActor:
         self._maybe_crash()
         x = torch.from_numpy(np.ascontiguousarray(batch["x"])).to(self.device, non_blocking=True)
         y = torch.from_numpy(np.ascontiguousarray(batch["y"])).to(self.device, non_blocking=True)
-        rates = pair_rates_tensor(self.model, x, y, mode=self.spec["mode"], amp_dtype=self.amp)
+        rates = pair_rates_tensor(self.model, x, y, mode=self.spec["mode"], amp_dtype=self.amp,
+                                  mha_input=self.spec.get("mha_input", "raw"),
+                                  gated_fc1=self.spec.get("gated_fc1", "stacked"))
         want = np.asarray(batch["dataset"]) == self.spec["stats_dataset"]
         return {"dataset": np.asarray(batch["dataset"], dtype=np.int64),
                 "pair": np.asarray(batch["pair"], dtype=np.int64), "rates": rates.cpu().numpy(),
