@@ -41,7 +41,8 @@ from raystudy.vocab import DATA_PATHS, GATED_FC1, MHA_INPUTS, MODES, OPTIMIZERS,
 
 #: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's) or zeros (the original
 #: ViT finetuning recipe).
-HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero")
+#: the new head: truncated normal (std 0.02), zeros, or nn.Linear's own default (the paper authors' head)
+HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
 #: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
 DEFAULT_MODEL = "vit_base_patch16_224.augreg_in21k"
 #: Fraction of a run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).

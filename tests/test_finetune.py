@@ -585,3 +585,18 @@ def test_a_run_reads_its_stores_metadata_once(store, tmp_path, monkeypatch):
     ft = Finetuner(tiny_cfg(store, tmp_path / "run"))
     ft.evaluate("val"), ft.evaluate("test")
     assert reads == [str(Path(store) / "dataset.json")]
+
+
+def test_head_init_torch_default_is_nn_linears_own_initialisation():
+    """``head_init="torch_default"`` (the paper authors' head: the new ``nn.Linear`` as built) draws the
+    weight and the bias exactly as ``nn.Linear.reset_parameters`` does from the same seed."""
+    from raystudy.core.finetune.selection import reset_head
+
+    model = build_finetune_model(FinetuneConfig(model="vit_tiny_patch16_224", model_kwargs=TINY, img_size=32,
+                                                store="s", out_dir="o"), num_classes=C)
+    reset_head(model, seed=3, mode="torch_default")
+    torch.manual_seed(10_007 * 3 + 1)  # reset_head's seed, on the global generator nn.Linear draws from
+    ref = torch.nn.Linear(D, C)
+    torch.testing.assert_close(model.head.weight, ref.weight, rtol=0, atol=0)
+    torch.testing.assert_close(model.head.bias, ref.bias, rtol=0, atol=0)
+    assert model.head.bias.abs().max() > 0 and model.head.weight.abs().max() <= 1 / D ** 0.5

@@ -7,6 +7,7 @@ selection is made, so :func:`select_and_freeze` is called once per model, before
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,15 +33,28 @@ def build_finetune_model(cfg: FinetuneConfig, num_classes: int) -> nn.Module:
 
 
 def reset_head(model: nn.Module, *, seed: int, mode: str = "trunc_normal") -> None:
-    """Re-initialise the classifier: weights ~ truncated normal(0, 0.02) on [-0.04, 0.04] (or zeros), bias 0.
+    """Re-initialise the classifier: weights ~ truncated normal(0, 0.02) on [-0.04, 0.04] (or zeros), bias 0;
+    ``mode="torch_default"``: ``nn.Linear``'s own initialisation, weight and bias ~ U(-1/sqrt(fan_in),
+    1/sqrt(fan_in)) (``kaiming_uniform_(a=sqrt(5))``; the paper authors keep the new ``nn.Linear`` as built).
 
     Independent of any weights file, so the head is the same function of ``seed`` with or without
     pretrained weights.
     """
     gen = torch.Generator().manual_seed(10_007 * seed + 1)
     with torch.no_grad():
-        for _, p in head_parameters(model):
-            if p.ndim >= 2 and mode == "trunc_normal":
+        fan_in = {}
+        for name, p in head_parameters(model):
+            owner = name.rpartition(".")[0]
+            if mode == "torch_default":
+                if p.ndim >= 2:
+                    fan_in[owner] = p.shape[1]
+                    w = torch.empty(p.shape, dtype=torch.float32)
+                    nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)  # as nn.Linear.reset_parameters
+                else:
+                    bound = 1 / math.sqrt(fan_in[owner]) if fan_in.get(owner) else 0.0
+                    w = torch.empty(p.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
+                p.copy_(w)
+            elif p.ndim >= 2 and mode == "trunc_normal":
                 w = torch.empty(p.shape, dtype=torch.float32)
                 nn.init.trunc_normal_(w, std=0.02, a=-0.04, b=0.04, generator=gen)
                 p.copy_(w)
