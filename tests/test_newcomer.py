@@ -871,3 +871,34 @@ def test_item4_a_title_longer_than_its_figure_is_wrapped_not_clipped():
     box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
     assert fig._suptitle.get_text().count("\n") >= 1
     assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paper's Wilcoxon inputs: the values its tables print (issue "The paper, second pass", item 6)
+
+
+@pytest.mark.parametrize("round_to", [0, 2])
+def test_wilcoxon_on_values_rounded_as_printed(tmp_path, round_to, capsys):
+    """``analyze --round N`` tests the best-lr accuracies as percentages rounded to N decimals (scipy on the
+    rounded values, computed here from the best-lr table), and says so in the footnote and the summary."""
+    import numpy as np
+    from scipy import stats
+
+    from raystudy.analysis.html_report import write_report
+    from raystudy.analysis.pipeline import run_analysis
+
+    study = _configuration_study(tmp_path / "s", {"Head", "MHA", "LN1", "FC1"},
+                                 relabel={"MHA@0": "LN1", "FC1@0": "FC1"})
+    res = run_analysis(study, round_to=round_to, figures=False)
+    acc = (100 * res.tables["best_lr"].pivot(index="dataset", columns="configuration", values="mean")).round(round_to)
+    for row in res.tables["wilcoxon"].itertuples():
+        d = acc[row.reference] - acc[row.other]
+        if (d == 0).all():
+            assert np.isnan(row.p_value)
+            continue
+        ref = stats.wilcoxon(acc[row.reference], acc[row.other], alternative="greater")
+        assert (row.statistic, row.p_value) == pytest.approx((ref.statistic, ref.pvalue), abs=1e-12)
+    assert any(f"rounded to {round_to} decimal(s)" in n for n in res.rendered["wilcoxon"].footnotes)
+    assert f"on values rounded to {round_to} decimal(s) of a percent" in Path(write_report(res)).read_text()
+    assert cli(["analyze", str(study), "--no-figures", "--round", "9"]) == 2
+    assert "round_to: decimals of a percent from 0 to 6" in capsys.readouterr().err

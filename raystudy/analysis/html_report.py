@@ -133,7 +133,9 @@ def _summary(res: AnalysisResult) -> str:
     o = res.options
     if "wilcoxon" in res.tables:
         items.append(("tests", _e(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, "
-                                  f"paired by {o['pair_by'].replace('_', ' and ')}")))
+                                  f"paired by {o['pair_by'].replace('_', ' and ')}"
+                                  + (f", on values rounded to {o['round_to']} decimal(s) of a percent"
+                                     if o.get("round_to") is not None else ""))))
     else:
         items.append(("tests", _e(f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)")))
     names = _configurations(inp.trials["configuration"]) if inp.trials is not None else list(CONFIGURATION_COLORS)
@@ -206,10 +208,11 @@ def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> 
 
 def report(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
            alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-           out_dir: str | os.PathLike | None = None) -> Path:
+           round_to: int | None = None, out_dir: str | os.PathLike | None = None) -> Path:
     """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
     redundant) and write the self-contained ``<out_dir>/report.html`` (default
     ``<study_dir>/analysis/report.html``); returns its path (for a URI study directory: the local staged
     copy, uploaded to ``<study_dir>/analysis/report.html``)."""
-    res = run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by, out_dir=out_dir)
+    res = run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
+                       out_dir=out_dir)
     return write_report(res)

@@ -24,7 +24,13 @@ from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
 from raystudy.analysis import sweep_figures as SF
 from raystudy.analysis.inputs import StudyInputs, read_inputs
-from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE, check_options
+from raystudy.analysis.options import (
+    DEFAULT_ALTERNATIVE,
+    DEFAULT_PAIR_BY,
+    DEFAULT_REFERENCE,
+    DEFAULT_ROUND,
+    check_options,
+)
 from raystudy.analysis.stats import ranking_table, wilcoxon_table
 from raystudy.analysis.tables import (
     best_lr_table,
@@ -147,9 +153,9 @@ def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **
 
 def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-                   notes: list[str] | None = None) -> dict[str, pd.DataFrame]:
+                   round_to: int | None = DEFAULT_ROUND, notes: list[str] | None = None) -> dict[str, pd.DataFrame]:
     """Every table computable from ``inputs`` (pure: writes nothing). Omitted ones are explained in ``notes``."""
-    check_options(reference, alternative, pair_by)
+    check_options(reference, alternative, pair_by, round_to)
     notes = notes if notes is not None else []
     if inputs.trials is None:
         return {}
@@ -157,19 +163,20 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
     if ok is None or ok.empty:
         notes.append("No trial has a counted test accuracy: the accuracy tables and figures are omitted.")
         return {"cost": cost_table(inputs.trials, inputs.trials.iloc[0:0], inputs.probes)}
-    tables = _accuracy_tables(ok, inputs, notes, reference=reference, alternative=alternative, pair_by=pair_by)
+    tables = _accuracy_tables(ok, inputs, notes, reference=reference, alternative=alternative, pair_by=pair_by,
+                              round_to=round_to)
     tables["cost"] = cost_table(inputs.trials, ok, inputs.probes)
     return {k: tables[k] for k in TABLES if k in tables}
 
 
 def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, reference: str, alternative: str,
-                  pair_by: str, footnote: str) -> dict[str, R.Rendered]:
+                  pair_by: str, footnote: str, round_to: int | None = None) -> dict[str, R.Rendered]:
     out: dict[str, R.Rendered] = {}
     for name, df in tables.items():
         if name == "overall":
             r = R.render_overall(df, tables.get("wilcoxon"), reference)
         elif name == "wilcoxon":
-            r = R.render_wilcoxon(df, alternative=alternative, pair_by=pair_by, reference=reference)
+            r = R.render_wilcoxon(df, alternative=alternative, pair_by=pair_by, reference=reference, round_to=round_to)
         elif name == "cost":
             r = R.render_cost(df, inputs.trials)
         elif name == "optimizers":
@@ -336,14 +343,15 @@ def _write_notes(res: AnalysisResult) -> None:
 
 def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
                  alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-                 out_dir: str | os.PathLike | None = None, figures: bool = True) -> AnalysisResult:
+                 round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
+                 figures: bool = True) -> AnalysisResult:
     """Read ``study_dir``, write every table and figure to ``out_dir``; returns all of it.
 
     ``out_dir`` defaults to ``<study_dir>/analysis``; a URI there (or a URI study directory) is written
     through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``).
     """
-    check_options(reference, alternative, pair_by)
-    options = dict(reference=reference, alternative=alternative, pair_by=pair_by)
+    check_options(reference, alternative, pair_by, round_to)
+    options = dict(reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to)
     inputs = read_inputs(study_dir)
     out, uri = storage.staged(out_dir if out_dir is not None else storage.join(study_dir, "analysis"),
                               prefix="raystudy-analysis-")
@@ -365,14 +373,16 @@ def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFER
 
 def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
             alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-            out_dir: str | os.PathLike | None = None, figures: bool = True) -> dict[str, pd.DataFrame]:
+            round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
+            figures: bool = True) -> dict[str, pd.DataFrame]:
     """Analyse a study directory; write tables (CSV + Markdown) and figures under ``<study_dir>/analysis``.
 
     Returns the tables by name (``best_lr, lr_grid, overall, relative_gain, optimizers, wilcoxon, stability,
     ranking, cost``; the ones the inputs do not allow are absent and explained in ``analysis/notes.md``).
     ``reference``: the configuration the Wilcoxon tests compare against; ``alternative``: ``"greater"``
     (the reference is better), ``"two-sided"`` or ``"less"``; ``pair_by``: ``"dataset"`` (best-lr means)
-    or ``"dataset_seed"``. ``out_dir``: another folder or URI for the outputs.
+    or ``"dataset_seed"``; ``round_to``: test the accuracies rounded to that many decimals of a percent (the
+    paper's authors: 2). ``out_dir``: another folder or URI for the outputs.
     """
     return run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by,
-                        out_dir=out_dir, figures=figures).tables
+                        round_to=round_to, out_dir=out_dir, figures=figures).tables

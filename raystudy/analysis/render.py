@@ -319,7 +319,8 @@ def render_relative_gain(t: pd.DataFrame) -> Rendered:
                     "per-dataset gains.", blocks, [n for n in [_bold_note(t, lead="the largest gain among")] if n])
 
 
-def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, reference: str) -> Rendered:
+def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, reference: str,
+                    round_to: int | None = None) -> Rendered:
     blocks = []
     for heading, g in _groups(t, []):
         rows = [[r["optimizer"], r["reference"], r["other"], fmt_num(r["statistic"], 1), fmt_p(r["p_value"]),
@@ -336,7 +337,9 @@ def render_wilcoxon(t: pd.DataFrame, *, alternative: str, pair_by: str, referenc
                     f"scipy.stats.wilcoxon, {alt}; paired over {pairs}.", blocks,
                     [f"{statistic_note(alternative, 'reference − other')}; p-value '–' when there are no "
                      "pairs or every difference is zero.",
-                     smallest_p_note(alternative, t["n_pairs"])])
+                     smallest_p_note(alternative, t["n_pairs"]),
+                     *([f"Tested on the accuracies rounded to {round_to} decimal(s) of a percent (as a table prints "
+                        "them); pairs that rounding made equal are dropped."] if round_to is not None else [])])
 
 
 def render_stability(t: pd.DataFrame) -> Rendered:

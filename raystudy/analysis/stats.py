@@ -80,20 +80,25 @@ def smallest_p_note(alternative: str, n_pairs) -> str:
 
 def wilcoxon_table(best_lr: pd.DataFrame, counted: pd.DataFrame, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-                   alpha: float = ALPHA, probes: pd.DataFrame | None = None) -> pd.DataFrame:
+                   alpha: float = ALPHA, probes: pd.DataFrame | None = None,
+                   round_to: int | None = None) -> pd.DataFrame:
     """Wilcoxon signed-rank tests of ``reference`` against every other configuration.
 
     For each optimizer and each other configuration ``c``: pairs ``(a_ref[p], a_c[p])`` over the pairs
     ``p`` both have (see :func:`paired_samples`), ``scipy.stats.wilcoxon(a_ref, a_c, alternative=...)``
     (``"greater"``: the reference is better). ``statistic`` and ``p_value`` are NaN without pairs or when
-    every difference is zero; ``significant`` is ``p_value < alpha``. Columns: ``optimizer, reference,
+    every difference is zero; ``significant`` is ``p_value < alpha``. ``round_to``: test the accuracies as
+    percentages rounded to that many decimals (the paper's authors test the two-decimal values of their
+    Table 8, where scipy drops the pairs that rounding made equal). Columns: ``optimizer, reference,
     other, statistic, p_value, n_pairs, significant``.
     """
-    check_options(reference, alternative, pair_by)
+    check_options(reference, alternative, pair_by, round_to)
     samples = paired_samples(best_lr, counted, pair_by, probes)
     rows = []
     for (model, opt), grp in samples.groupby(["model", "optimizer"], sort=True):
         acc = {c: g.set_index("pair")["acc"] for c, g in grp.groupby("configuration", sort=False)}
+        if round_to is not None:
+            acc = {c: (100 * a).round(round_to) for c, a in acc.items()}
         if reference not in acc:
             continue
         for other in [c for c in TRIALS_CONFIGURATIONS if c != reference and c in acc]:

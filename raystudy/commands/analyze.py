@@ -26,6 +26,9 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair-by", default=DEFAULT_PAIR_BY, choices=PAIR_BY,
                    help="Wilcoxon pairs: datasets (best-lr means over seeds) or (dataset, seed) pairs at each "
                         f"configuration's best learning rate (default: {DEFAULT_PAIR_BY})")
+    p.add_argument("--round", dest="round_to", type=int, default=None, metavar="N",
+                   help="test the accuracies rounded to N decimals of a percent, as a table prints them (the "
+                        "paper's authors test their Table 8's two-decimal values: --round 2; default: unrounded)")
 
 
 def register(subparsers) -> None:
@@ -49,7 +52,7 @@ def _analysis(args: argparse.Namespace, *, figures: bool = True):
     from raystudy.analysis.pipeline import run_analysis  # torch, pandas, matplotlib: --help stays light
 
     res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
-                       pair_by=args.pair_by, out_dir=args.out, figures=figures)
+                       pair_by=args.pair_by, round_to=args.round_to, out_dir=args.out, figures=figures)
     for note in res.notes:
         print(f"note: {note}")
     return res
