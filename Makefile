@@ -32,8 +32,9 @@ lint: venv
 # e.g. its Ray instance, stay in one process), in collection order (--no-loadscope-reorder: tests/conftest.py
 # collects the slowest files first; it also shares one demo study between the processes). TEST_WORKERS=0 runs
 # everything in this process. Measured from fresh clones on a 2-core machine (2026-12-02, set-up excluded, 2m34s):
-# 14-17 minutes with two processes (15m42s for 833 tests at the last run; another machine of the same kind took
-# ~24), ~30 with one: the CPUs are the limit, every test runs ~1.6x slower beside another.
+# 14-19 minutes with two processes (15m42s and 18m47s for the last two runs of ~835 tests: the machine is shared;
+# another machine of the same kind took ~24), ~30 with one: the CPUs are the limit, every test runs ~1.6x slower
+# beside another.
 TEST_WORKERS ?= 2
 
 test: lint
