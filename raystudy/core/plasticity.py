@@ -72,12 +72,25 @@ def _check_denominator(den: torch.Tensor, what: str) -> None:
         )
 
 
-def fc1_weight(b, gated_fc1: str = "stacked") -> torch.Tensor:
-    """The weight whose rate is FC1's: ``b.FC1.weight``, or with ``gated_fc1="up"`` a SwiGLU's value
-    projection ``fc1_x`` alone (``(h, d)``). A gated MLP that packs both projections in one ``fc1``
-    (``out_features`` twice FC2's input) cannot be split here and is refused."""
+def check_rate_options(mode: str, mha_input: str = "raw", gated_fc1: str = "stacked") -> None:
+    """The rate definition's options, checked once (by :func:`pair_rates_tensor` and, before Ray starts,
+    by a plasticity job): :class:`PlasticityInputError` naming the option."""
+    if mode not in MODES:
+        raise PlasticityInputError(f"unknown mode {mode!r}; expected one of {MODES}")
+    if mha_input not in MHA_INPUTS:
+        raise PlasticityInputError(f"unknown mha_input {mha_input!r}; expected one of {MHA_INPUTS}")
     if gated_fc1 not in GATED_FC1:
         raise PlasticityInputError(f"unknown gated_fc1 {gated_fc1!r}; expected one of {GATED_FC1}")
+    if mha_input != "raw" and mode != "embedding":
+        raise PlasticityInputError(f"mha_input={mha_input!r} applies to mode 'embedding' (in mode {mode!r} MHA "
+                                   "receives its true input)")
+
+
+def fc1_weight(b, gated_fc1: str = "stacked") -> torch.Tensor:
+    """The weight whose rate is FC1's: ``b.FC1.weight``, or with ``gated_fc1="up"`` a SwiGLU's value
+    projection ``fc1_x`` alone (``(h, d)``); ``gated_fc1`` as checked by :func:`check_rate_options`. A gated
+    MLP that packs both projections in one ``fc1`` (``out_features`` twice FC2's input) cannot be split here
+    and is refused."""
     if gated_fc1 == "stacked":
         return b.FC1.weight
     if isinstance(b.FC1, StackedLinear):
@@ -146,13 +159,7 @@ def pair_rates_tensor(
         float32 tensor ``(N, L, 5)``: ``rates[i, l, c]`` for pair ``i``, block ``l`` and component
         ``COMPONENTS[c]``.
     """
-    if mode not in MODES:
-        raise PlasticityInputError(f"unknown mode {mode!r}; expected one of {MODES}")
-    if mha_input not in MHA_INPUTS:
-        raise PlasticityInputError(f"unknown mha_input {mha_input!r}; expected one of {MHA_INPUTS}")
-    if mha_input != "raw" and mode != "embedding":
-        raise PlasticityInputError(f"mha_input={mha_input!r} applies to mode 'embedding' (in mode {mode!r} MHA "
-                                   "receives its true input)")
+    check_rate_options(mode, mha_input, gated_fc1)
     adapter = get_adapter(model)
     adapter.check_inputs(x, y)
     n = x.shape[0]
@@ -167,9 +174,9 @@ def pair_rates_tensor(
             _check_denominator(den, "embeddings")
             d = dz.shape[-1]
             for layer, b in enumerate(blocks):
-                rates[:, layer, 0] = _half_diff_norm(b.LN1(z), n) / den
-                mha_in = z if mha_input == "raw" else b.LN1(z)
-                rates[:, layer, 1] = _half_diff_norm(b.MHA(mha_in, **attn_kw), n) / den
+                ln1 = b.LN1(z)
+                rates[:, layer, 0] = _half_diff_norm(ln1, n) / den
+                rates[:, layer, 1] = _half_diff_norm(b.MHA(z if mha_input == "raw" else ln1, **attn_kw), n) / den
                 rates[:, layer, 2] = _half_diff_norm(b.LN2(z), n) / den
                 rates[:, layer, 3] = _pair_norm(F.linear(dz, fc1_weight(b, gated_fc1))) / den
                 # zero-lifted input [dz, 0, ..., 0]: only the first d input columns of W2 act on it

@@ -97,6 +97,7 @@ from raystudy import storage
 from raystudy.core.bounds import TokenStats
 from raystudy.core.models import load_state_dict_file
 from raystudy.core.models import resolve_img_size as resolve_model_img_size
+from raystudy.core.plasticity import check_rate_options
 from raystudy.core.plasticity_stats import StreamingMoments, batch_token_stats
 from raystudy.data.modality import (  # noqa: F401  (the pairs.parquet schemas: importable here as before)
     PAIRS_SCHEMA,
@@ -134,7 +135,7 @@ from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figur
 from raystudy.io import write_result
 from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings
 from raystudy.storage import absolute_path
-from raystudy.vocab import GATED_FC1, MHA_INPUTS, MODES, TEXT_ROWS, check_name
+from raystudy.vocab import MODES, TEXT_ROWS, check_name
 
 log = logging.getLogger(__name__)
 
@@ -216,13 +217,9 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad parameter (``FileNotFoundError`` for the weights)."""
         check_name(self.mode, MODES, "plasticity job: mode")
+        check_rate_options(self.mode, self.mha_input, self.gated_fc1)  # the rate definition's own check
         check_name(self.pairing, PAIRINGS, "plasticity job: pairing")
-        check_name(self.mha_input, MHA_INPUTS, "plasticity job: mha_input")
         check_name(self.text_rows, TEXT_ROWS, "plasticity job: text_rows")
-        check_name(self.gated_fc1, GATED_FC1, "plasticity job: gated_fc1")
-        if self.mha_input != "raw" and self.mode != "embedding":
-            raise ValueError(f"plasticity job: mha_input={self.mha_input!r} applies to mode 'embedding' (in mode "
-                             f"{self.mode!r} MHA receives its true input)")
         check_pretrain_split(self.pretrain_split, "plasticity job: pretrain_split")
         for ok, msg in self._limits():
             if not ok:
