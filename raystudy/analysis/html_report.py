@@ -18,7 +18,7 @@ import pandas as pd
 
 from raystudy import __version__, storage
 from raystudy.analysis.figures import CONFIGURATION_COLORS, configuration_styles
-from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE
+from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE, DEFAULT_ROUND
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis
 from raystudy.analysis.render import fmt_num, pct
 from raystudy.vocab import LINEAR_PROBE, TRIALS_CONFIGURATIONS
@@ -135,7 +135,7 @@ def _summary(res: AnalysisResult) -> str:
         items.append(("tests", _e(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, "
                                   f"paired by {o['pair_by'].replace('_', ' and ')}"
                                   + (f", on values rounded to {o['round_to']} decimal(s) of a percent"
-                                     if o.get("round_to") is not None else ""))))
+                                     if o["round_to"] is not None else ""))))
     else:
         items.append(("tests", _e(f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)")))
     names = _configurations(inp.trials["configuration"]) if inp.trials is not None else list(CONFIGURATION_COLORS)
@@ -208,7 +208,7 @@ def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> 
 
 def report(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
            alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-           round_to: int | None = None, out_dir: str | os.PathLike | None = None) -> Path:
+           round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None) -> Path:
     """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
     redundant) and write the self-contained ``<out_dir>/report.html`` (default
     ``<study_dir>/analysis/report.html``); returns its path (for a URI study directory: the local staged

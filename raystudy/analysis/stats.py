@@ -15,6 +15,7 @@ from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
     DEFAULT_PAIR_BY,
     DEFAULT_REFERENCE,
+    DEFAULT_ROUND,
     check_options,
 )
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models
@@ -81,7 +82,7 @@ def smallest_p_note(alternative: str, n_pairs) -> str:
 def wilcoxon_table(best_lr: pd.DataFrame, counted: pd.DataFrame, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                    alpha: float = ALPHA, probes: pd.DataFrame | None = None,
-                   round_to: int | None = None) -> pd.DataFrame:
+                   round_to: int | None = DEFAULT_ROUND) -> pd.DataFrame:
     """Wilcoxon signed-rank tests of ``reference`` against every other configuration.
 
     For each optimizer and each other configuration ``c``: pairs ``(a_ref[p], a_c[p])`` over the pairs

@@ -9,6 +9,7 @@ from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
     DEFAULT_PAIR_BY,
     DEFAULT_REFERENCE,
+    DEFAULT_ROUND,
     PAIR_BY,
 )
 from raystudy.vocab import TRIALS_CONFIGURATIONS
@@ -26,7 +27,7 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair-by", default=DEFAULT_PAIR_BY, choices=PAIR_BY,
                    help="Wilcoxon pairs: datasets (best-lr means over seeds) or (dataset, seed) pairs at each "
                         f"configuration's best learning rate (default: {DEFAULT_PAIR_BY})")
-    p.add_argument("--round", dest="round_to", type=int, default=None, metavar="N",
+    p.add_argument("--round", dest="round_to", type=int, default=DEFAULT_ROUND, metavar="N",
                    help="test the accuracies rounded to N decimals of a percent, as a table prints them (the "
                         "paper's authors test their Table 8's two-decimal values: --round 2; default: unrounded)")
 
