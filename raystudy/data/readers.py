@@ -269,6 +269,28 @@ def read_domainnet(root, *, domain: str | None) -> Listing:
     return Listing(f"domainnet-{domain}", classes, cands, extra={"source_root": str(base), "domain": domain})
 
 
+def read_domainnet_folder(root, *, domain: str | None) -> Listing:
+    """A DomainNet domain as the paper's authors read it: torchvision ``ImageFolder`` over the whole domain
+    folder (classes = sorted sub-folders, files in its walk order), no list file; ``index`` = the position
+    in that order and every row without an official split (``--split authors`` draws train and test)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+    if not domain:
+        raise StoreError("domainnet needs --domain (e.g. clipart, sketch)")
+    base = _find_root(root, domain, ("domainnet", "DomainNet"))
+    folder = _require(base / domain, f"DomainNet image folder for domain {domain!r}")
+    try:
+        classes, class_to_idx = find_classes(str(folder))
+        samples = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS)
+    except (FileNotFoundError, OSError) as e:
+        raise StoreError(f"{folder}: not an image folder of class sub-folders ({e})") from e
+    cands = [Candidate(index=pos, label=int(label), split=None, load=_file_loader(Path(path)),
+                       ref=f"{path} (ImageFolder position {pos})")
+             for pos, (path, label) in enumerate(samples)]
+    return Listing(f"domainnet-{domain}", list(classes), cands,
+                   extra={"source_root": str(base), "domain": domain, "listing": "ImageFolder"})
+
+
 def _loadmat(path: Path, key: str) -> np.ndarray:
     from scipy.io import loadmat
 

@@ -51,17 +51,36 @@ from .readers import (  # noqa: F401  (the readers' public names, importable her
     read_cifar10c,
     read_cifar100,
     read_domainnet,
+    read_domainnet_folder,
     read_flowers102,
     read_imagefolder,
     read_pets,
 )
-from .splits import RULE, VTAB_TRAIN, VTAB_VAL, assign_splits, low_data_split
+from .splits import (
+    AUTHORS_RULE,
+    RULE,
+    SPLIT_RULES,
+    VTAB_TRAIN,
+    VTAB_VAL,
+    assign_splits,
+    authors_low_data,
+    authors_per_class,
+    deterministic_split,
+    low_data_split,
+)
 from .store import StoreError, write_store
 
 SOURCES = ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets", "imagenet", "imagefolder",
            "synthetic")
 BAD_IMAGE_POLICIES = ("error", "skip")
-LOW_DATA = ("vtab1k",)
+LOW_DATA = ("vtab1k", "authors")
+#: The store name's suffix of each low-data variant (``cifar100-ld``: the authors' ``cifar100ld``).
+LOW_DATA_SUFFIX = {"vtab1k": "-vtab1k", "authors": "-ld"}
+#: Sources the authors split with ``deterministic_split``, and whether their training pool is then sorted
+#: (CIFAR-10-C: ``np.sort`` before the low-data draw; DomainNet: drawn in permutation order).
+AUTHORS_SPLIT = {"cifar10c": True, "domainnet": False}
+#: Sources of the authors' low-data runs (``*ld.py``); the others have official train/test splits.
+AUTHORS_LOW_DATA_SOURCES = ("cifar100", "cifar10c", "domainnet", "pets")
 POOLABLE = ("val", "test")
 #: Sources torchvision can download into the layout the readers expect (``--download``).
 TORCHVISION = {"cifar10": "CIFAR10", "cifar100": "CIFAR100", "flowers102": "Flowers102", "pets": "OxfordIIITPet"}
@@ -107,6 +126,7 @@ def prepare_candidates(
     split_name: str | None = None,
     low_data: str | None = None,
     pool: tuple[str, ...] = (),
+    split_rule: str = "hashed",
     on_bad_image: str = "error",
     rows_per_shard: int = 2048,
     workers: int | None = None,
@@ -119,19 +139,24 @@ def prepare_candidates(
     official splits to ignore: ``"val"`` folds an official validation split into train (then 20% of train
     is drawn as val); ``"test"`` pools the official train and test rows and draws an 80/20 split (the
     paper's protocol for DomainNet). ``low_data="vtab1k"`` keeps 800 train / 200 val rows
-    (class-balanced) and the whole test split. Unreadable
+    (class-balanced) and the whole test split. ``split_rule="authors"`` draws the test split of a source
+    without one (CIFAR-10-C, DomainNet) by the authors' ``deterministic_split`` over the candidates in
+    order; ``low_data="authors"`` keeps the authors' ``1000 // C`` images per class of the training pool
+    (:mod:`raystudy.data.splits`), of which 20% go to val as usual. Unreadable
     images raise :class:`StoreError` naming the file, or with ``on_bad_image="skip"`` are left out and
     listed under ``skipped`` in ``dataset.json``.
     """
-    _check_options(on_bad_image, low_data, pool)
+    _check_options(on_bad_image, low_data, pool, split_rule, source)
     _check_candidates(candidates, name, len(classes))
     split_name = split_name or name
-    chosen = _choose_splits(candidates, split_name, pool, low_data)
+    chosen = _choose_splits(candidates, split_name, pool, low_data, split_rule=split_rule, source=source,
+                            n_classes=len(classes))
     # Filled in while the rows stream; write_store builds dataset.json after the last row, so the final
     # counts land in it (and nothing is dropped silently).
     info = {
-        "splits": {"rule": RULE, "key_name": split_name, "pooled": sorted(pool)},
-        "low_data": ({"variant": low_data, "n_train": VTAB_TRAIN, "n_val": VTAB_VAL} if low_data else None),
+        "splits": {"rule": AUTHORS_RULE if split_rule == "authors" else RULE, "split_rule": split_rule,
+                   "key_name": split_name, "pooled": sorted(pool)},
+        "low_data": _low_data_info(low_data, len(classes), source),
         "skipped": {"count": 0, "items": []},
         "reencoded": 0,
         **(extra or {}),
@@ -141,7 +166,8 @@ def prepare_candidates(
                        extra=info, allow_empty=False)
 
 
-def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...]) -> None:
+def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...], split_rule: str,
+                   source: str) -> None:
     if on_bad_image not in BAD_IMAGE_POLICIES:
         raise ValueError(f"on_bad_image must be one of {BAD_IMAGE_POLICIES}, got {on_bad_image!r}")
     if low_data is not None and low_data not in LOW_DATA:
@@ -149,6 +175,28 @@ def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...
     bad_pool = [p for p in pool if p not in POOLABLE]
     if bad_pool:
         raise ValueError(f"pool: unknown split(s) {bad_pool}; expected some of {POOLABLE}")
+    if split_rule not in SPLIT_RULES:
+        raise ValueError(f"split rule must be one of {SPLIT_RULES}, got {split_rule!r}")
+    if split_rule == "authors" and source not in AUTHORS_SPLIT:
+        raise ValueError(f"--split authors: the authors split only {sorted(AUTHORS_SPLIT)} this way; "
+                         f"{source} keeps its official splits")
+    if split_rule == "authors" and pool:
+        raise ValueError("--split authors draws its own train/test split; drop --pool")
+    if low_data == "authors":
+        if source not in AUTHORS_LOW_DATA_SOURCES:
+            raise ValueError(f"--low-data authors: the authors' low-data runs use {list(AUTHORS_LOW_DATA_SOURCES)}, "
+                             f"not {source}")
+        if source in AUTHORS_SPLIT and split_rule != "authors":
+            raise ValueError(f"--low-data authors for {source} draws from the authors' training pool: "
+                             "add --split authors")
+
+
+def _low_data_info(low_data: str | None, n_classes: int, source: str) -> dict | None:
+    if low_data == "vtab1k":
+        return {"variant": low_data, "n_train": VTAB_TRAIN, "n_val": VTAB_VAL}
+    if low_data == "authors":
+        return {"variant": low_data, "per_class": authors_per_class(n_classes, source)}
+    return None
 
 
 def _check_candidates(candidates: list[Candidate], name: str, k: int) -> None:
@@ -169,11 +217,40 @@ def _check_candidates(candidates: list[Candidate], name: str, k: int) -> None:
         keys[key] = c.ref
 
 
+def _authors_official(candidates: list[Candidate], source: str, low_data: str | None,
+                      n_classes: int) -> list[str | None]:
+    """The official split of each candidate under the authors' rules (``None``: left out of the store).
+
+    Their training pool, in their order: the deterministic split's (sorted or not, :data:`AUTHORS_SPLIT`)
+    or the official train split; the low-data variant keeps :func:`authors_low_data` of it.
+    """
+    if source in AUTHORS_SPLIT:
+        perm, n_train = deterministic_split(len(candidates))
+        official: list[str | None] = ["test"] * len(candidates)
+        train_pool = [int(p) for p in (np.sort(perm[:n_train]) if AUTHORS_SPLIT[source] else perm[:n_train])]
+        for p in train_pool:
+            official[p] = "train"
+    else:
+        official = [c.split for c in candidates]
+        train_pool = [p for p, c in enumerate(candidates) if c.split == "train"]
+    if low_data == "authors":
+        labels = [candidates[p].label for p in train_pool]
+        keep = {train_pool[i] for i in authors_low_data(labels, n_classes, authors_per_class(n_classes, source))}
+        official = [None if o == "train" and p not in keep else o for p, o in enumerate(official)]
+    return official
+
+
 def _choose_splits(candidates: list[Candidate], split_name: str, pool: tuple[str, ...],
-                   low_data: str | None) -> list[tuple[Candidate, str]]:
+                   low_data: str | None, *, split_rule: str = "hashed", source: str = "",
+                   n_classes: int = 0) -> list[tuple[Candidate, str]]:
     """``(candidate, split)`` of every row the store keeps, in candidate order (:mod:`.splits`' rules)."""
+    if split_rule == "authors" or low_data == "authors":
+        official = _authors_official(candidates, source, low_data, n_classes)
+        candidates = [c for c, o in zip(candidates, official) if o is not None]
+        official = [o for o in official if o is not None]
+    else:
+        official = [c.split for c in candidates]
     key_of = [c.index if c.key_id is None else c.key_id for c in candidates]
-    official = [c.split for c in candidates]
     if "val" in pool:
         official = ["train" if o == "val" else o for o in official]
     if "test" in pool:
@@ -225,8 +302,9 @@ def _load_rows(chosen: list[tuple[Candidate, str]], info: dict, *, name: str, on
 
 
 def list_source(source: str, root, *, corruption: str | None = None, severity: int = 5,
-                domain: str | None = None) -> Listing:
-    """The :class:`Listing` of one source (no image is decoded here)."""
+                domain: str | None = None, split_rule: str = "hashed") -> Listing:
+    """The :class:`Listing` of one source (no image is decoded here). DomainNet under the authors' split
+    rule is their ``ImageFolder`` of the domain folder, not the official lists."""
     if source not in SOURCES or source == "synthetic":
         raise ValueError(f"unknown source {source!r}; expected one of {SOURCES}")
     if root is None:
@@ -238,7 +316,7 @@ def list_source(source: str, root, *, corruption: str | None = None, severity: i
     if source == "cifar10c":
         return read_cifar10c(root, corruption=corruption, severity=severity)
     if source == "domainnet":
-        return read_domainnet(root, domain=domain)
+        return (read_domainnet_folder if split_rule == "authors" else read_domainnet)(root, domain=domain)
     if source == "flowers102":
         return read_flowers102(root)
     if source == "pets":
@@ -275,6 +353,7 @@ def prepare(
     domain: str | None = None,
     low_data: str | None = None,
     pool: tuple[str, ...] = (),
+    split_rule: str = "hashed",
     on_bad_image: str = "error",
     rows_per_shard: int = 2048,
     workers: int | None = None,
@@ -284,22 +363,25 @@ def prepare(
     """Read ``source`` under ``root`` and write the prepared store at ``out``; returns its metadata.
 
     ``download`` first fetches CIFAR-10/100, Flowers102 or Pets with torchvision into ``root`` (needs
-    internet; the readers themselves never do). ``pool``: see :func:`prepare_candidates`.
+    internet; the readers themselves never do). ``pool``, ``split_rule`` and ``low_data``: see
+    :func:`prepare_candidates`.
 
     The store is named ``name`` or the source's default (``cifar10``, ``cifar10c-<corruption>-<severity>``,
     ``domainnet-<domain>``, the folder name for ``imagefolder``, ..., with ``-vtab1k`` appended for the
-    low-data variant). Splits are keyed by the source's name (:mod:`raystudy.data.splits`); for
-    ``imagefolder`` by ``name`` when given, else the folder name.
+    low-data variant, ``-ld`` for the authors'). Splits are keyed by the source's name
+    (:mod:`raystudy.data.splits`); for ``imagefolder`` by ``name`` when given, else the folder name.
     """
     if download:
         download_source(source, root)
-    listing = list_source(source, root, corruption=corruption, severity=severity, domain=domain)
-    default_name = listing.name + (f"-{low_data}" if low_data else "")
+    _check_options(on_bad_image, low_data, tuple(pool), split_rule, source)
+    listing = list_source(source, root, corruption=corruption, severity=severity, domain=domain,
+                          split_rule=split_rule)
+    default_name = listing.name + (LOW_DATA_SUFFIX[low_data] if low_data else "")
     # The split key is the benchmark's own name (``--name`` only relabels it), except for a generic image
     # tree, whose identity is its name: the folder's, or ``--name`` when given.
     split_name = listing.split_name or (name if source == "imagefolder" and name else listing.name)
     return prepare_candidates(
         listing.candidates, out, name=name or default_name, source=source, classes=listing.classes,
-        split_name=split_name, low_data=low_data, pool=tuple(pool), on_bad_image=on_bad_image,
+        split_name=split_name, low_data=low_data, pool=tuple(pool), split_rule=split_rule, on_bad_image=on_bad_image,
         rows_per_shard=rows_per_shard, workers=workers, extra=listing.extra, progress=progress,
     )

@@ -18,6 +18,19 @@ The low-data variant (:func:`low_data_split`, VTAB-1k style) selects ``n_train +
 from the training pool (``train`` and ``val`` above), class-balanced where possible: rows are ordered by
 ``(rank within class, key)`` -- round-robin over classes -- and the first 1,000 are kept; of those,
 200 are taken for ``val`` by :func:`stratified_take`. The test split is unchanged.
+
+The paper authors' rules (``--split authors``, ``--low-data authors``; their ``src/vitef/utils.py`` and
+``src/vitef/data/images/*ld.py``, branch ``dev``), reproduced image for image:
+
+* :func:`deterministic_split` ``(n)``: ``np.random.seed(42)``, a permutation of ``range(n)``; its first
+  ``int(0.8 n)`` positions are the training pool (in permutation order), the rest the test set. They apply
+  it to CIFAR-10-C's 10,000-row severity block and to a DomainNet domain folder in torchvision
+  ``ImageFolder`` order; raystudy then draws ``val`` from that training pool as in rule 3.
+* :func:`authors_low_data` ``(pool labels, n_classes, per_class)``: ``np.random.seed(42)`` once, then for
+  each class ``c = 0..C-1`` in order a permutation of the pool positions of class ``c`` (in the pool's
+  order), of which the first ``per_class`` are kept (:func:`authors_per_class`: ``1000 // C``, DomainNet
+  10). The pool is the official training split (CIFAR-100; Pets' trainval), the sorted deterministic
+  training pool (CIFAR-10-C), or the unsorted one (DomainNet: 10 per class, 3,450).
 """
 
 from __future__ import annotations
@@ -26,16 +39,31 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 
+import numpy as np
+
 #: The splits of every prepared store (the ``split`` column), in store order.
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 TEST_FRACTION = 0.2
 VAL_FRACTION = 0.2
 VTAB_TRAIN, VTAB_VAL = 800, 200
+#: How a store's test split is drawn where the source has none: raystudy's hashed rule, or the authors'.
+SPLIT_RULES: tuple[str, ...] = ("hashed", "authors")
+AUTHORS_SEED = 42
+AUTHORS_TRAIN_SIZE = 0.8
+AUTHORS_LOW_DATA = 1000
+AUTHORS_PER_CLASS = {"domainnet": 10}
 
 RULE = (
     "official splits kept; no official test: round(0.2 n) to test by stratified_take(name, 'test'); "
     "no official val: round(0.2 n_train) of train to val by stratified_take(name, 'val'); "
     "key = blake2b('{name}:{purpose}:{index}')"
+)
+
+
+AUTHORS_RULE = (
+    "the authors' deterministic_split: np.random.seed(42), permutation of range(n), first int(0.8 n) to "
+    "the training pool, the rest to test; no official val: round(0.2 n_train) of train to val by "
+    "stratified_take(name, 'val')"
 )
 
 
@@ -123,3 +151,39 @@ def low_data_split(
     out = {i: ("val" if i in val else "train") for i in chosen}
     out.update({i: s for i, s in splits.items() if s == "test"})
     return out
+
+
+def deterministic_split(n: int, train_size: float = AUTHORS_TRAIN_SIZE) -> tuple[np.ndarray, int]:
+    """The authors' ``deterministic_split``: ``(permutation of range(n), n_train = int(train_size n))``.
+
+    Positions ``perm[:n_train]`` are the training pool, ``perm[n_train:]`` the test set. The permutation is
+    ``np.random.seed(42); np.random.permutation(range(n))``, drawn here from a private ``RandomState(42)``
+    (the same numbers) so that numpy's global state is left alone.
+    """
+    return np.random.RandomState(AUTHORS_SEED).permutation(int(n)), int(train_size * n)
+
+
+def authors_per_class(n_classes: int, source: str = "") -> int:
+    """Images per class of the authors' low-data subset: ``1000 // C``, but 10 for DomainNet
+    (``domainnetld.py``: 10 per class, 3,450 for its 345 classes)."""
+    per_class = AUTHORS_PER_CLASS.get(source, AUTHORS_LOW_DATA // n_classes)
+    if per_class < 1:
+        raise ValueError(f"the authors' low-data subset of {AUTHORS_LOW_DATA} images needs at most "
+                         f"{AUTHORS_LOW_DATA} classes, got {n_classes}")
+    return per_class
+
+
+def authors_low_data(labels: Sequence[int], n_classes: int, per_class: int) -> list[int]:
+    """The positions (into ``labels``, the training pool in the authors' order) of their low-data subset.
+
+    ``rng = RandomState(42)``; for ``c = 0..n_classes-1``: the positions of class ``c``, permuted by ``rng``,
+    their first ``per_class`` kept (classes absent from the pool draw nothing), in that order.
+    """
+    labels = np.asarray(labels)
+    rng = np.random.RandomState(AUTHORS_SEED)
+    chosen: list[int] = []
+    for c in range(n_classes):
+        members = np.flatnonzero(labels == c)
+        if len(members):
+            chosen.extend(int(i) for i in rng.permutation(members)[:per_class])
+    return chosen
