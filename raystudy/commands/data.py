@@ -12,6 +12,7 @@ import json
 
 from raystudy.data.modality import modality_of_store
 from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES, prepare
+from raystudy.data.splits import SPLIT_RULES
 from raystudy.data.store import read_meta, verify_store
 from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS, prepare_default
 from raystudy.data.text import TEXT_SOURCES, WIKITEXT_UNITS, prepare_text
@@ -37,7 +38,13 @@ def register(subparsers) -> None:
     pp.add_argument("--corruption", help="cifar10c: corruption, e.g. contrast, gaussian_noise, motion_blur")
     pp.add_argument("--severity", type=int, default=5, help="cifar10c: severity 1-5 (default 5)")
     pp.add_argument("--domain", help="domainnet: domain, e.g. clipart, sketch")
-    pp.add_argument("--low-data", choices=LOW_DATA, help="VTAB-1k variant: 800 train / 200 val, full test")
+    pp.add_argument("--low-data", choices=LOW_DATA,
+                    help="vtab1k: 800 train / 200 val, full test; authors: the paper authors' low-data subset "
+                         "(1000 // C images per class of the training pool, np.random.seed(42); 20%% to val)")
+    pp.add_argument("--split", dest="split_rule", choices=SPLIT_RULES, default="hashed",
+                    help="cifar10c, domainnet: how train/test are drawn: raystudy's hashed stratified 80/20 "
+                         "(default) or the authors' deterministic_split (np.random.seed(42) permutation; "
+                         "DomainNet then reads the whole domain folder as torchvision's ImageFolder)")
     pp.add_argument("--pool", action="append", choices=POOLABLE, default=[],
                     help="ignore an official split: 'val' folds it into train (val = 20%% of train), 'test' pools "
                          "train and test and draws 80/20 (the paper's DomainNet protocol); repeatable")
@@ -91,6 +98,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if args.source in TEXT_SOURCES:
         image_only = [flag for flag, given in (("--download", args.download), ("--low-data", args.low_data),
                                                ("--pool", args.pool), ("--domain", args.domain),
+                                               ("--split", args.split_rule != "hashed"),
                                                ("--corruption", args.corruption)) if given]
         if image_only:
             raise ValueError(f"{', '.join(image_only)}: image-source option(s), not for the text source "
@@ -103,7 +111,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     meta = prepare(
         args.source, args.root, args.out, name=args.name, corruption=args.corruption, severity=args.severity,
-        domain=args.domain, low_data=args.low_data, pool=tuple(args.pool), on_bad_image=args.on_bad_image,
+        domain=args.domain, low_data=args.low_data, pool=tuple(args.pool), split_rule=args.split_rule,
+        on_bad_image=args.on_bad_image,
         rows_per_shard=args.rows_per_shard, workers=args.workers, download=args.download, progress=True,
     )
     _print_summary(args.out, meta)
