@@ -209,3 +209,17 @@ def test_resume_with_a_changed_dataset_field_is_refused_naming_it(tmp_path, caps
     changed = stored.with_overrides(["datasets.cifar10c-snow.eval_period=500"])
     with pytest.raises(SpecError, match=r"datasets\.cifar10c-snow\.eval_period: stored 350, given 500"):
         check_stored(changed)
+
+
+def test_paper_low_data_dry_run_is_the_authors_low_data_protocol(tmp_path, capsys):
+    """``--preset paper-low-data --dry-run --json``: exactly the authors' 5 datasets x (All + 5 components),
+    SGD lr 1e-2, seed 0, 2,500 steps, eval every 125, their default warmup (finetuning_ld.sh, *ld.yaml)."""
+    assert cli(["study", "--preset", "paper-low-data", "--out", str(tmp_path / "p"), "--dry-run", "--json"]) == 1
+    obj = json.loads(capsys.readouterr().out)
+    assert list(obj["datasets"]) == ["cifar100", "cifar10c-motion_blur", "clipart", "sketch", "pets"]
+    for d in obj["datasets"].values():
+        assert (d["steps"], d["eval_period"], d["warmup_steps"]) == (2500, 125, 2000)
+        assert d["optimizers"] == {"sgd": [1e-2]} and d["seeds"] == {"sgd": [0]}
+    assert len(obj["trials"]) == len(set(obj["trials"])) == 5 * 6
+    spec = load_preset("paper-low-data")
+    assert spec.configurations == ["All", "LN1", "MHA", "LN2", "FC1", "FC2"] and spec.train_final_norm
