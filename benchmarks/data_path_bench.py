@@ -7,14 +7,15 @@ seconds of this process (``time.process_time``: insensitive to other load on the
 
 * ``decode``: :class:`raystudy.core.finetune.SplitData` decodes every JPEG, random-resized-crops it to
   224 (torchvision, antialiased), flips and normalises it on the CPU, at every step;
-* ``cache, per-step CPU``: what the CPU does per step when the augmentation runs on a GPU: read the uint8
-  rows of the cache (256 x 256 stored) and draw their crop boxes and flips
+* ``cache, per-step CPU``: what the CPU does per step when the augmentation runs on a GPU: draw the crop
+  boxes and flips on each image's original size and cut the boxes out of the cache's uint8 whole images
+  (the ``full`` kind: stored as decoded up to 512 on the shorter side)
   (:meth:`raystudy.core.finetune.CachedSplitData.batch`);
-* ``cache, augment on CPU``: the same plus the batched crop/resize/flip/normalise
+* ``cache, augment on CPU``: the same plus the antialiased resize/flip/normalise of every crop
   (:func:`raystudy.core.finetune.to_device`) run on this CPU instead of a GPU (one thread; a pessimistic
   bound: on a GPU this part costs no CPU).
 
-The cache's one-time build (decode + resize once per image) is timed separately.
+The cache's one-time build (decode, and downscale where the rule asks, once per image) is timed separately.
 
     .venv/bin/python benchmarks/data_path_bench.py                 # 256 images (~1-2 min on 2 cores)
     .venv/bin/python benchmarks/data_path_bench.py --images 1024 --width 500 --height 375
@@ -106,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'path':40s} {'img/s/core':>11s} {'vs decode':>10s}")
     for name, r in rates.items():
         print(f"{name:40s} {r:11.0f} {r / base:9.1f}x")
-    side = cached.cache.side
-    print(f"one-time cache build (decode + resize to {side}x{side}): {build:.0f} img/s/core, "
-          f"{3 * side * side / 1024:.0f} KiB per image")
+    h, w = (int(v) for v in cached.cache.shapes.mean(axis=0))
+    print(f"one-time cache build (decode, stored whole at {w}x{h} on average): {build:.0f} img/s/core, "
+          f"{cached.cache.bytes_per_image / 1024:.0f} KiB per image")
     return 0
 
 

@@ -3,7 +3,8 @@
 Every configuration of ``--configurations`` trains ``--model`` with the run's own code path
 (:func:`raystudy.core.finetune.build_finetune_model`, :func:`~raystudy.core.finetune.select_for`, SDPA
 attention, channels-last and fused optimizers on CUDA, ``--precision``, optional ``--compile``) on a
-synthetic uint8 batch already on the device, augmented there every step
+synthetic uint8 image stored as the cache's ``full`` kind keeps a 4:3 photo: every step draws each image's
+crop on its original size, cuts it on the CPU, moves the crops and resizes them on the device
 (:func:`raystudy.core.finetune.augment.augment`, the cache data path's GPU work), ``--steps`` timed steps
 after ``--warmup`` untimed ones.
 
@@ -118,19 +119,24 @@ def measure(args, configuration: str, device) -> dict:
     import torch
 
     from raystudy.core.finetune import train_step
-    from raystudy.core.finetune.augment import augment, sample_crops, stored_side
+    from raystudy.core.finetune.augment import augment, sample_crops, to_stored
+    from raystudy.data.cache import stored_shape
 
     cfg, model, net, selection, optimizer, scheduler = build(args, configuration, device)
     forward, training = train_flops(flop_records(model, args.img_size))
-    side = stored_side(args.img_size)
-    images = torch.randint(0, 256, (args.batch, 3, side, side), dtype=torch.uint8, device=device)
+    orig = (args.img_size * 15 // 7, args.img_size * 20 // 7)  # a 4:3 photo (480 x 640 for 224): stored whole
+    shape = stored_shape(*orig, args.img_size)
+    image = torch.randint(0, 256, (3, *shape), dtype=torch.uint8)
+    originals, shapes = np.array([orig] * args.batch), np.array([shape] * args.batch)
     labels = torch.randint(0, 10, (args.batch,), device=device)
     trainable, group = [p for _, p in selection.trainable], [p for _, p in selection.group]
     precision = cfg.resolved_precision(device)
 
     def step(k: int):
-        boxes, flips = sample_crops(np.arange(k * args.batch, (k + 1) * args.batch, dtype=np.uint64), side, side)
-        x = augment(images, torch.from_numpy(boxes), torch.from_numpy(flips), args.img_size)
+        boxes, flips = sample_crops(np.arange(k * args.batch, (k + 1) * args.batch, dtype=np.uint64), *orig)
+        boxes = to_stored(boxes, originals, shapes)
+        crops = torch.cat([image[:, t:t + h, c:c + w].reshape(-1) for t, c, h, w in boxes.tolist()])
+        x = augment(crops.to(device), torch.from_numpy(boxes[:, 2:].copy()), torch.from_numpy(flips), args.img_size)
         if device.type == "cuda":
             x = x.contiguous(memory_format=torch.channels_last)
         train_step(net, optimizer, scheduler, [(x, labels)], share=args.batch, trainable=trainable, group=group,

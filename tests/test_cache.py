@@ -29,19 +29,27 @@ def expected_rows(store, split: str, kind: str, size: int) -> np.ndarray:
     return np.stack([prepare_image(b, kind, size).numpy() for b in images])
 
 
+def cached_rows(cache: ImageCache, rows) -> np.ndarray:
+    """The stored images of ``rows`` one by one (the make_store images are all 20 x 24)."""
+    return np.stack([cache.image(int(r)) for r in rows])
+
+
 def test_layout_manifest_and_rows(store):
-    folder, manifest = ensure_cache(store, "train", kind="crop", size=32, rows_per_shard=4)
-    assert folder == str(Path(store) / "cache" / "train-crop37") and stored_size(224, "crop") == 256
+    folder, manifest = ensure_cache(store, "train", kind="full", size=32, rows_per_shard=4)
+    assert folder == str(Path(store) / "cache" / "train-full73") and stored_size(224, "full") == 512
     assert [e["rows"] for e in manifest["shards"]] == [4, 4, 2] and manifest["rows"] == 10
     for e in manifest["shards"]:
-        data = (Path(folder) / e["file"]).read_bytes()
-        assert len(data) == e["bytes"] == e["rows"] * 3 * 37 * 37
+        data, index = (Path(folder) / e["file"]).read_bytes(), (Path(folder) / e["index"]).read_bytes()
+        assert len(data) == e["bytes"] == e["rows"] * 3 * 20 * 24  # 20 x 24 originals, kept as they are
         assert hashlib.sha256(data).hexdigest() == e["sha256"]
+        assert hashlib.sha256(index).hexdigest() == e["index_sha256"]
+        ix = np.frombuffer(index, dtype="<i8").reshape(-1, 5)
+        assert (ix[:, 1:] == [20, 24, 20, 24]).all() and list(ix[:, 0]) == [3 * 20 * 24 * i for i in range(e["rows"])]
     assert json.loads((Path(folder) / "manifest.json").read_text()) == manifest
-    cache = ImageCache(store, "train", kind="crop", size=32)
+    cache = ImageCache(store, "train", kind="full", size=32)
     rows = np.array([9, 0, 5, 4])
-    assert np.array_equal(cache.read(rows), expected_rows(store, "train", "crop", 32)[rows])
-    assert cache.read(rows).dtype == np.uint8 and len(cache) == 10
+    assert np.array_equal(cached_rows(cache, rows), expected_rows(store, "train", "full", 32)[rows])
+    assert cache.image(3).dtype == np.uint8 and len(cache) == 10 and (cache.originals == [20, 24]).all()
     labels = read_split(store, "train", columns=["label"]).column("label").to_numpy()
     assert np.array_equal(cache.labels, labels)
 
@@ -99,15 +107,16 @@ def test_a_rebuild_that_differs_from_the_manifest_is_never_used(store, monkeypat
 
     folder, manifest = ensure_cache(store, "val", kind="eval", size=32, rows_per_shard=2)
     (Path(folder) / manifest["shards"][0]["file"]).write_bytes(b"x")
-    real = cache_mod._shard_array
-    monkeypatch.setattr(cache_mod, "_shard_array", lambda images, kind, size: real(images, kind, size) // 2)
+    real = cache_mod._shard_rows
+    monkeypatch.setattr(cache_mod, "_shard_rows",
+                        lambda images, kind, size: [(p // 2, hw) for p, hw in real(images, kind, size)])
     with caplog.at_level(logging.WARNING, logger="raystudy.data.cache"):
         _, rebuilt = ensure_cache(store, "val", kind="eval", size=32)
     assert "differ from the manifest; rebuilding it all" in caplog.text
     assert all(e["sha256"] != old["sha256"] for e, old in zip(rebuilt["shards"], manifest["shards"]))
     assert np.array_equal(ImageCache(store, "val", kind="eval", size=32).read(np.arange(4)),
                           expected_rows(store, "val", "eval", 32) // 2)  # one decoder for all shards
-    monkeypatch.setattr(cache_mod, "_shard_array", lambda images, kind, size: np.zeros((1, 3, 2, 2), np.uint8))
+    monkeypatch.setattr(cache_mod, "_shard_rows", lambda images, kind, size: [(np.zeros((3, 2, 2), np.uint8), (2, 2))])
     (Path(folder) / "manifest.json").unlink()
     with pytest.raises(CacheError, match="do not hold 4 images"):
         ensure_cache(store, "val", kind="eval", size=32)
@@ -125,7 +134,7 @@ def test_eval_kind_holds_the_eval_transforms_pixels(store):
 
 # ------------------------------------------------------------------------------ the Ray Data job
 
-KINDS_USED = ("crop", "eval", "eval")  # what a finetuning run with augmentation reads of train, val, test
+KINDS_USED = ("full", "eval", "eval")  # what a finetuning run with augmentation reads of train, val, test
 
 
 def interleaved_store(path) -> str:
@@ -163,15 +172,15 @@ def test_the_ray_job_builds_the_same_bytes_as_one_process(ray_built, tmp_path):
             mine = Path(cache_dir(store, split, kind, 32, str(tmp_path))) / e["file"]
             assert (Path(folder) / e["file"]).read_bytes() == mine.read_bytes()
     rows = np.arange(10)  # independent: the images decoded one by one, in the split's order
-    assert np.array_equal(ImageCache(store, "train", kind="crop", size=32, root=root).read(rows),
-                          expected_rows(store, "train", "crop", 32))
+    assert np.array_equal(cached_rows(ImageCache(store, "train", kind="full", size=32, root=root), rows),
+                          expected_rows(store, "train", "full", 32))
 
 
 def test_the_ray_job_rebuilds_a_corrupted_shard_and_nothing_valid(ray_built):
     from raystudy.distributed.cache import build_caches
 
     store, root, _, _ = ray_built
-    train = Path(cache_dir(store, "train", "crop", 32, root))
+    train = Path(cache_dir(store, "train", "full", 32, root))
     shard = train / "shard-00001.u8"
     good = shard.read_bytes()
     shard.write_bytes(good[:50] + bytes([good[50] ^ 0xFF]) + good[51:])  # same size: only the sha256 tells

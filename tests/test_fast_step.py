@@ -25,7 +25,7 @@ from raystudy.core.finetune import (
     to_device,
     train_step,
 )
-from raystudy.core.finetune.augment import augment, resized_crop, sample_crops, uniforms
+from raystudy.core.finetune.augment import augment, resize_crops, sample_crops, uniforms
 from raystudy.data.transforms import IMAGENET_MEAN, IMAGENET_STD, sample_seed
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
@@ -92,27 +92,26 @@ def test_uniforms_are_a_pure_function_of_seed_and_draw():
     assert abs(big.mean() - 0.5) < 0.01 and ks_2samp(big, np.random.default_rng(0).random(20_000)).pvalue > 0.01
 
 
-def test_resized_crop_matches_torchvision_per_image():
-    """Batched grid_sample == torchvision's resized_crop (bilinear, no antialias) image by image, within
-    1e-3 on the 0-255 scale (float rounding of the sampling coordinates); flips mirror the output."""
+def test_resize_crops_matches_torchvision_per_image():
+    """Flat crops resized on the device == torchvision's resized_crop (bilinear, antialias) of the same
+    boxes image by image, within 1e-3 on the 0-255 scale (float rounding); crops of one shape are resized
+    together with the same result; flips mirror the output; normalisation is (x / 255 - mean) / std."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (6, 3, 37, 37), dtype=torch.uint8, generator=g)
+    x = torch.randint(0, 256, (6, 3, 37, 45), dtype=torch.uint8, generator=g)
     seeds = np.array([sample_seed(1, 0, i) for i in range(6)], dtype=np.uint64)
-    boxes, flips = (torch.from_numpy(a) for a in sample_crops(seeds, 37, 37))
-    out = resized_crop(x, boxes, 32)
-    flipped = resized_crop(x, boxes, 32, torch.ones(6, dtype=torch.bool))
+    boxes, flips = sample_crops(seeds, 37, 45)
+    boxes[5] = boxes[4]  # two crops of one shape
+    flat = torch.cat([x[i, :, t:t + h, c:c + w].reshape(-1) for i, (t, c, h, w) in enumerate(boxes.tolist())])
+    shapes = torch.from_numpy(boxes[:, 2:].copy())
+    out = resize_crops(flat, shapes, 32)
     for i in range(6):
         top, left, h, w = boxes[i].tolist()
-        ref = TF.resized_crop(x[i].float(), top, left, h, w, [32, 32], antialias=False)
+        ref = TF.resized_crop(x[i].float(), top, left, h, w, [32, 32], antialias=True)
         torch.testing.assert_close(out[i], ref, rtol=0, atol=1e-3)
-        torch.testing.assert_close(flipped[i], ref.flip(-1), rtol=0, atol=1e-3)
-    full = torch.tensor([[0, 0, 37, 37]] * 6)
-    torch.testing.assert_close(resized_crop(x, full, 37), x.float(), rtol=0, atol=1e-3)  # identity box
-    # normalisation: (x / 255 - mean) / std
-    y = augment(x, boxes, flips, 32)
+    y = augment(flat, shapes, torch.from_numpy(flips), 32)
     mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
-    expected = (resized_crop(x, boxes, 32, flips) / 255 - mean) / std
-    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+    mirrored = torch.where(torch.from_numpy(flips)[:, None, None, None], out.flip(-1), out)
+    torch.testing.assert_close(y, (mirrored / 255 - mean) / std, rtol=1e-6, atol=1e-6)
 
 
 def test_same_seeds_same_crops_in_any_batch(store):
@@ -130,7 +129,7 @@ def test_same_seeds_same_crops_in_any_batch(store):
     assert torch.equal(tensors(rows[2:5]), full[2:5]) and torch.equal(tensors([3]), full[3:4])
     assert torch.equal(tensors(rows), full)
     assert not torch.equal(tensors(rows, epoch=1), full)
-    assert full.shape == (8, 3, 32, 32) and data.cache.side == 37  # stored 8/7 x larger
+    assert full.shape == (8, 3, 32, 32) and (data.cache.shapes == [20, 24]).all()  # whole images stored
 
 
 def test_cache_path_worker_slices_equal_the_single_worker_batch(store, tmp_path):
@@ -144,7 +143,7 @@ def test_cache_path_worker_slices_equal_the_single_worker_batch(store, tmp_path)
     whole = one[0]
     parts = [two[r][k] for r in (0, 1) for k in (0, 1)]
     assert isinstance(whole, CacheBatch)
-    for field in ("images", "labels", "boxes", "flips"):
+    for field in ("images", "labels", "shapes", "flips"):
         assert torch.equal(torch.cat([getattr(p, field) for p in parts]), getattr(whole, field)), field
     cpu = torch.device("cpu")
     x = torch.cat([to_device(p, cpu, size=32)[0] for p in parts])

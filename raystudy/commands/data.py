@@ -1,4 +1,5 @@
-"""``raystudy data prepare SOURCE --root DIR --out DIR`` and ``raystudy data info STORE``.
+"""``raystudy data prepare SOURCE --root DIR --out DIR``, ``raystudy data info STORE`` and ``raystudy data
+preview STORE --out DIR``.
 
 Choices come from the data layer itself (:mod:`raystudy.data.sources`, :mod:`raystudy.data.synthetic`,
 :mod:`raystudy.data.text`: numpy and pyarrow only, no torch or Ray). Flags follow the CLI convention
@@ -16,6 +17,7 @@ from raystudy.data.splits import SPLIT_RULES
 from raystudy.data.store import read_meta, verify_store
 from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS, prepare_default
 from raystudy.data.text import TEXT_SOURCES, WIKITEXT_UNITS, prepare_text
+from raystudy.storage import absolute_path
 
 
 def register(subparsers) -> None:
@@ -65,6 +67,7 @@ def register(subparsers) -> None:
                          "dataset.json) and recompute the checksum; fail naming the first mismatch")
     pi.add_argument("--json", action="store_true", help="print dataset.json as JSON")
     pi.set_defaults(func=cmd_info)
+    _add_preview(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
@@ -150,4 +153,33 @@ def cmd_info(args: argparse.Namespace) -> int:
         if args.verify:
             print(f"  checksum verified; {len(meta.get('shards', []))} shard(s) readable and unchanged, rows per "
                   "split and class match dataset.json")
+    return 0
+
+
+def _add_preview(sub) -> None:
+    pv = sub.add_parser(
+        "preview", help="write what the model sees in training: a grid of augmented images and their crop boxes",
+        description="Augment the first --n images of --split as a run of --seed does in epoch 0 and write "
+                    "DIR/preview.png (de-normalised) and DIR/boxes.csv (index,top,left,height,width,flip,"
+                    "orig_height,orig_width: each crop box in the original image's pixels).")
+    pv.add_argument("store", help="store folder")
+    pv.add_argument("--split", default="train", help="split to preview (default train)")
+    pv.add_argument("--n", type=int, default=16, help="images, the split's first rows (default 16)")
+    pv.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
+    pv.add_argument("--data-path", choices=("cache", "decode"), default="cache",
+                    help="whose crops: the uint8 cache's (default) or the decode path's torchvision transform")
+    pv.add_argument("--img-size", type=int, default=224, help="model input side (default 224)")
+    pv.add_argument("--cache-dir", help="root of the uint8 caches (default STORE/cache)")
+    pv.add_argument("--out", required=True, help="folder to write preview.png and boxes.csv into")
+    pv.set_defaults(func=cmd_preview)
+
+
+def cmd_preview(args: argparse.Namespace) -> int:
+    from raystudy.core.finetune.preview import preview_batch, write_preview  # torch: --help stays light
+
+    store, out = absolute_path(args.store), absolute_path(args.out)
+    x, table = preview_batch(store, args.split, n=args.n, seed=args.seed, data_path=args.data_path,
+                             size=args.img_size, root=absolute_path(args.cache_dir))
+    png, boxes = write_preview(x, table, out)
+    print(f"{len(table)} {args.split} image(s) of {store} ({args.data_path} path, seed {args.seed}): {png}, {boxes}")
     return 0

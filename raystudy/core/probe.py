@@ -27,9 +27,9 @@ and transforms it there (:func:`extract_features` of decoded batches); ``cache``
 split's cache (:mod:`raystudy.data.cache`, decoded once) and scales, normalises and (train split with
 augmentation) crops and flips them on the model's device (:func:`cached_features`). Without augmentation
 both paths feed the model the same tensors (the ``eval`` cache holds the eval transform's own pixels); with
-it, the cache path's random resized crop is cut from the stored ``8/7`` square on the device
-(:mod:`raystudy.core.finetune.augment`), seeded per image by ``(seed, epoch 0, index)`` like the decode
-path's, but not the same crop of the original image.
+it, the cache path's random resized crop is drawn on the original image as torchvision draws it and cut
+from the cached whole image (:mod:`raystudy.core.finetune.augment`), seeded per image by ``(seed, epoch 0,
+index)`` like the decode path's, but not the same crop (another generator).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def fit_probe(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.n
 #: the train split's transforms with augmentation, per data path
 TRAIN_TRANSFORMS = {
     "decode": "train (random resized crop + flip, seeded per image)",
-    "cache": "train (random resized crop of the cached 8/7 square + flip on the device, seeded per image)",
+    "cache": "train (random resized crop of the cached whole image + flip on the device, seeded per image)",
 }
 
 

@@ -1,25 +1,48 @@
-"""A uint8 image cache of a store split: every image decoded once, stored at a fixed resolution.
+"""A uint8 image cache of a store split: every image decoded once, stored as the model's crops need it.
 
 Layout (default root ``STORE/cache``; one folder per split, kind and resolution; a root given for several
-stores, ``cache_dir``, holds one folder per store, ``ROOT/{name}-{checksum[:12]}/train-crop256/...``)::
+stores, ``cache_dir``, holds one folder per store, ``ROOT/{name}-{checksum[:12]}/train-full512/...``)::
 
-    ROOT/train-crop256/           kind "crop": short side resized to S = round(8/7 size), center S x S
+    ROOT/train-full512/           kind "full": the whole image, aspect kept, shorter side at most R = 512
       manifest.json               version, store checksum, split, kind, size, stored, rows, shards (+ sha256)
-      shard-00000.u8              rows x 3 x S x S uint8, C order, rows in the split's store order
+      shard-00000.u8              the rows' pixels, each 3 x h x w uint8 in C order, one after the other
+      shard-00000.idx             (rows, 5) int64 little-endian: byte offset, h, w, original height, width
     ROOT/val-eval224/             kind "eval": the eval transform's pixels (resize short side, center crop)
 
-The ``crop`` kind leaves room around the ``size x size`` view for a random resized crop taken on the
-training device (:mod:`raystudy.core.finetune.augment`); the ``eval`` kind holds exactly the uint8 pixels
-the decode path's eval transform produces, so evaluation (and training without augmentation) sees the same
-tensors on both data paths. Labels and indices are read from the store itself (two small columns).
+The ``full`` kind (training with augmentation) keeps each image's whole field of view, so that the random
+resized crop drawn on the training device (:mod:`raystudy.core.finetune.augment`) is torchvision's
+``RandomResizedCrop`` of the original image: its box is drawn on the original ``(H, W)`` (kept per row)
+and mapped to the stored pixels. The stored resolution follows one rule (:func:`stored_shape`), with
+``R = round(16/7 size)`` (512 for 224) and ``P = 4 R^2`` pixels:
+
+* shorter side ``<= R`` and ``H W <= P``: the original pixels, unchanged (every photo up to 512 x 2048);
+* otherwise: downscaled (antialiased) by ``s = min(R / min(H, W), sqrt(P / (H W)))``.
+
+Only a downscaled image can lose detail, and only in crops whose stored side falls below ``size`` while the
+original's did not: the crop is then upsampled from fewer pixels than the original had. A crop's side is
+at least ``sqrt(0.08 * 3/4) = 0.245`` of ``sqrt(H W)``, so a stored side is at least ``0.245 R = 125``
+pixels (for 224). Of torchvision's boxes on an image downscaled to ``512 x 512``, 18 % have a stored side
+below 224 (on average 0.82 of it; 13 % on a 4:3 image stored at ``683 x 512``); in the old ``256 x 256``
+centre square it was 93 % (on average 0.69), for every image larger than 256 on its shorter side. Images of at
+most ``512`` on the shorter side (CIFAR; Flowers-102, whose shorter side is 500; 500 x 375 photos) are never
+resampled before the crop. The pixel cap only binds for aspect ratios beyond 4:1 (a 16.7:1 image, past which only the
+fallback crop fits, keeps a 251-pixel short side).
+
+Memory: ``3 h w`` bytes per image: a 500 x 375 photo 549 KiB (the old ``crop256`` square 192 KiB, 2.9x);
+a 1024 x 768 photo is stored at 683 x 512, 1.0 MiB; at most ``3 P`` = 3 MiB (224).
+
+The ``eval`` kind holds exactly the uint8 pixels the decode path's eval transform produces, so evaluation
+(and training without augmentation) sees the same tensors on both data paths; its rows are ``size x size``
+in the same shard format. Labels and indices are read from the store itself (two small columns).
 
 Every file is written atomically through :mod:`raystudy.storage`, the manifest last. :func:`plan_cache`
-checks every shard's size and SHA-256 against the manifest (once per process and file version): a missing,
-truncated or corrupted shard is rebuilt before it is used; a manifest of another store version, kind or
-resolution rebuilds the whole folder. The work is split so that it can run anywhere:
+checks every shard's size and SHA-256 (pixels and index) against the manifest (once per process and file
+version): a missing, truncated or corrupted shard is rebuilt before it is used; a manifest of another store
+version, cache version, kind or resolution rebuilds the whole folder. The work is split so that it can
+run anywhere:
 
 * :func:`build_shard` (store, split, kind, size, folder, shard) -> its manifest entry: decodes one shard's
-  rows (reading only the store shards that hold them) and writes the shard file;
+  rows (reading only the store shards that hold them) and writes the shard's two files;
 * :func:`finish_cache` (the caller, once every shard is in): checks and writes the manifest, or checks
   that repaired shards reproduce it.
 
@@ -33,10 +56,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,12 +70,19 @@ from raystudy.storage import atomic_output, join, read_text, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
-KINDS = ("crop", "eval")
+#: 2: variable-size rows with an index file per shard, the ``full`` kind (1: fixed squares, ``crop``)
+CACHE_VERSION = 2
+#: ``full``: the train split with augmentation (whole image); ``eval``: the eval transform's pixels
+KINDS = ("full", "eval")
 MANIFEST = "manifest.json"
-#: the ``crop`` kind's stored side relative to the training size (224 -> 256, as ImageNet's 256/224)
-CROP_MARGIN = 8 / 7
+#: the ``full`` kind's bound R on the stored shorter side, relative to the training size (224 -> 512)
+SHORT_SIDE_MARGIN = 16 / 7
+#: the ``full`` kind's bound on stored pixels, in units of R^2 (binds only beyond a 4:1 aspect ratio)
+PIXEL_CAP = 4
 ROWS_PER_SHARD = 256
+#: columns of a shard's index: byte offset of the row in the pixel file, stored h, w, original height, width
+INDEX_COLUMNS = ("offset", "height", "width", "orig_height", "orig_width")
+_INDEX_DTYPE = np.dtype("<i8")
 
 
 class CacheError(ValueError):
@@ -60,10 +90,22 @@ class CacheError(ValueError):
 
 
 def stored_size(size: int, kind: str) -> int:
-    """Side of the stored square: ``round(8/7 size)`` for ``crop``, ``size`` for ``eval``."""
+    """The kind's stored side for training at ``size``: the bound ``R = round(16/7 size)`` on the shorter side
+    for ``full``, the square's side ``size`` for ``eval``."""
     if kind not in KINDS:
         raise CacheError(f"cache kind {kind!r}: expected one of {list(KINDS)}")
-    return int(round(size * CROP_MARGIN)) if kind == "crop" else size
+    return int(round(size * SHORT_SIDE_MARGIN)) if kind == "full" else size
+
+
+def stored_shape(height: int, width: int, size: int) -> tuple[int, int]:
+    """The ``full`` kind's stored ``(h, w)`` of an ``height x width`` original: unchanged when its shorter
+    side is at most ``R`` and it has at most ``4 R^2`` pixels, else scaled by ``min(R / min(H, W),
+    sqrt(4 R^2 / (H W)))`` (both sides rounded, at least 1)."""
+    r = stored_size(size, "full")
+    s = min(1.0, r / min(height, width), math.sqrt(PIXEL_CAP * r * r / (height * width)))
+    if s == 1.0:
+        return height, width
+    return max(1, int(round(height * s))), max(1, int(round(width * s)))
 
 
 def cache_dir(store: str | os.PathLike, split: str, kind: str, size: int, root: str | None = None) -> str:
@@ -78,41 +120,75 @@ def cache_dir(store: str | os.PathLike, split: str, kind: str, size: int, root: 
 
 
 def prepare_image(image: bytes | torch.Tensor, kind: str, size: int) -> torch.Tensor:
-    """Encoded bytes (or a decoded ``(3, H, W)`` uint8 tensor) -> the stored ``(3, S, S)`` uint8 square."""
+    """Encoded bytes (or a decoded ``(3, H, W)`` uint8 tensor) -> the stored ``(3, h, w)`` uint8 pixels:
+    ``full``: :func:`stored_shape` (antialiased when downscaled); ``eval``: the eval transform's square."""
     from torchvision.transforms.v2 import functional as TF
 
+    x = decode(image)
+    if kind == "full":
+        shape = stored_shape(*x.shape[-2:], size)
+        return x if shape == tuple(x.shape[-2:]) else TF.resize(x, list(shape), antialias=True)
     side = stored_size(size, kind)
-    x = TF.resize(decode(image), [side], antialias=True)
+    x = TF.resize(x, [side], antialias=True)
     return TF.center_crop(x, [side, side]).contiguous()
 
 
+def kind_for(crop: bool) -> str:
+    """The kind of a split read with random resized crops (``full``) or without (``eval``)."""
+    return "full" if crop else "eval"
+
+
 def kind_of(split: str, augment: bool) -> str:
-    """The kind a finetuning run reads of ``split``: ``crop`` for the train split when it augments, else
+    """The kind a finetuning run reads of ``split``: ``full`` for the train split when it augments, else
     ``eval`` (the eval transform's pixels; see :mod:`raystudy.core.finetune.data`)."""
-    return "crop" if split == "train" and augment else "eval"
+    return kind_for(split == "train" and augment)
 
 
-def _shard_array(images: list, kind: str, size: int) -> np.ndarray:
-    """``(n, 3, S, S)`` uint8 of encoded ``images`` (one torch thread: per-image work, see transforms)."""
-    side = stored_size(size, kind)
-    out = np.empty((len(images), 3, side, side), dtype=np.uint8)
+def _shard_rows(images: list, kind: str, size: int) -> list[tuple[np.ndarray, tuple[int, int]]]:
+    """``(pixels (3, h, w) uint8, original (H, W))`` of each encoded image (one torch thread: per-image
+    work, see transforms)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for i, img in enumerate(images):
-            out[i] = prepare_image(img, kind, size).numpy()
+        out = []
+        for img in images:
+            x = decode(img)
+            out.append((prepare_image(x, kind, size).numpy(), (int(x.shape[-2]), int(x.shape[-1]))))
+        return out
     finally:
         torch.set_num_threads(threads)
-    return out
 
 
-def _write_shard(path: str, array: np.ndarray) -> dict:
-    """Write ``array``'s bytes atomically; returns its manifest entry (file, rows, bytes, sha256)."""
-    data = np.ascontiguousarray(array).tobytes()
+def pack_rows(rows: list[tuple[np.ndarray, tuple[int, int]]]) -> tuple[memoryview, np.ndarray]:
+    """The shard's pixel bytes (rows one after the other, C order) and its index ``(rows, 5)`` int64
+    (:data:`INDEX_COLUMNS`)."""
+    index = np.zeros((len(rows), len(INDEX_COLUMNS)), dtype=_INDEX_DTYPE)
+    offset = 0
+    for i, (pixels, (height, width)) in enumerate(rows):
+        index[i] = (offset, pixels.shape[1], pixels.shape[2], height, width)
+        offset += pixels.size
+    data = np.empty(offset, dtype=np.uint8)
+    for (pixels, _), lo in zip(rows, index[:, 0].tolist()):
+        data[lo:lo + pixels.size].reshape(pixels.shape)[:] = pixels  # one copy, also of a strided view
+    return memoryview(data), index
+
+
+def _write_file(path: str, data: bytes | memoryview) -> tuple[int, str]:
+    """Write ``data`` atomically; its size and SHA-256."""
     with atomic_output(path) as f:
         f.write(data)
-    return {"file": Path(path).name, "rows": len(array), "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def _write_shard(folder: str, shard: int, rows: list[tuple[np.ndarray, tuple[int, int]]]) -> dict:
+    """Write a shard's pixels (``shard-NNNNN.u8``) and index (``shard-NNNNN.idx``) atomically; returns its
+    manifest entry (file, rows, bytes, sha256, and the same of the index)."""
+    data, index = pack_rows(rows)
+    name = f"shard-{shard:05d}"
+    nbytes, digest = _write_file(join(folder, f"{name}.u8"), data)
+    index_bytes, index_digest = _write_file(join(folder, f"{name}.idx"), index.tobytes())
+    return {"file": f"{name}.u8", "rows": len(rows), "bytes": nbytes, "sha256": digest,
+            "index": f"{name}.idx", "index_bytes": index_bytes, "index_sha256": index_digest}
 
 
 @lru_cache(maxsize=16)
@@ -157,7 +233,7 @@ def read_images(store: str | os.PathLike, split: str, lo: int, hi: int) -> list[
 def build_shard(store: str | os.PathLike, split: str, kind: str, size: int, folder: str, shard: int,
                 rows_per_shard: int = ROWS_PER_SHARD) -> dict:
     """Decode shard ``shard`` of a cache (rows ``[shard R, min((shard+1) R, rows))`` of ``split``, ``R =
-    rows_per_shard``) and write ``folder/shard-NNNNN.u8``; returns its manifest entry.
+    rows_per_shard``) and write ``folder/shard-NNNNN.u8`` and ``.idx``; returns its manifest entry.
 
     The whole of a shard's work, callable from any process that sees the store and ``folder``: the
     caller gathers the entries and writes the manifest (:func:`finish_cache`).
@@ -166,8 +242,7 @@ def build_shard(store: str | os.PathLike, split: str, kind: str, size: int, fold
     lo, hi = shard * rows_per_shard, min((shard + 1) * rows_per_shard, rows)
     if not 0 <= lo < hi:
         raise CacheError(f"{folder}: no shard {shard} ({rows} rows, {rows_per_shard} per shard)")
-    array = _shard_array(read_images(store, split, lo, hi), kind, size)
-    return _write_shard(join(folder, f"shard-{shard:05d}.u8"), array)
+    return _write_shard(folder, shard, _shard_rows(read_images(store, split, lo, hi), kind, size))
 
 
 @lru_cache(maxsize=4096)
@@ -180,13 +255,18 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     return h.hexdigest()
 
 
-def shard_ok(path: str, entry: dict) -> bool:
-    """True when the shard file exists with the manifest's size and SHA-256."""
+def _file_ok(path: str, nbytes: int, digest: str) -> bool:
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return False
-    return st.st_size == entry["bytes"] and _file_digest(path, st.st_size, st.st_mtime_ns) == entry["sha256"]
+    return st.st_size == nbytes and _file_digest(path, st.st_size, st.st_mtime_ns) == digest
+
+
+def shard_ok(folder: str, entry: dict) -> bool:
+    """True when the shard's pixel and index files exist with the manifest's sizes and SHA-256s."""
+    return (_file_ok(join(folder, entry["file"]), entry["bytes"], entry["sha256"])
+            and _file_ok(join(folder, entry["index"]), entry["index_bytes"], entry["index_sha256"]))
 
 
 def _expected(store: str | os.PathLike, split: str, kind: str, size: int) -> dict:
@@ -204,11 +284,14 @@ def _read_manifest(folder: str) -> dict | None:
 
 
 def _geometry_ok(manifest: dict) -> bool:
-    """The manifest's shards cover its rows in order, each ``rows x 3 x S x S`` bytes."""
+    """The manifest's shards cover its rows in order, each with an index of ``rows x 5`` int64 and, for the
+    ``eval`` kind, ``rows x 3 x S x S`` pixel bytes."""
     try:
-        side, per, shards = manifest["stored"], manifest["rows_per_shard"], manifest["shards"]
+        per, shards, side = manifest["rows_per_shard"], manifest["shards"], manifest["stored"]
         rows = [min(per, manifest["rows"] - lo) for lo in range(0, manifest["rows"], per)]
-        return [e["rows"] for e in shards] == rows and all(e["bytes"] == e["rows"] * 3 * side * side for e in shards)
+        square = manifest["kind"] != "eval" or all(e["bytes"] == e["rows"] * 3 * side * side for e in shards)
+        return (square and [e["rows"] for e in shards] == rows
+                and all(e["index_bytes"] == e["rows"] * len(INDEX_COLUMNS) * _INDEX_DTYPE.itemsize for e in shards))
     except (KeyError, TypeError, ValueError):
         return False
 
@@ -247,7 +330,7 @@ def plan_cache(store: str | os.PathLike, split: str, *, kind: str, size: int, ro
                rows_per_shard: int = ROWS_PER_SHARD) -> CachePlan:
     """Check the cache of ``split`` against the store and every shard against its manifest entry.
 
-    No manifest, or one of another store checksum, kind, size, version or shard geometry: every shard is to
+    No manifest, or one of another store checksum, kind, size, cache version or shard geometry: every shard is to
     be built (``rows_per_shard`` each). Otherwise the missing, truncated or corrupted shards (size,
     SHA-256) are: none when the cache is valid.
     """
@@ -257,7 +340,7 @@ def plan_cache(store: str | os.PathLike, split: str, *, kind: str, size: int, ro
     plan = CachePlan(str(store), split, kind, size, folder, expected, rows_per_shard, None, ())
     if manifest is None or any(manifest.get(k) != v for k, v in expected.items()) or not _geometry_ok(manifest):
         return plan.whole()
-    bad = tuple(s for s, e in enumerate(manifest["shards"]) if not shard_ok(join(folder, e["file"]), e))
+    bad = tuple(s for s, e in enumerate(manifest["shards"]) if not shard_ok(folder, e))
     if bad:
         log.warning("uint8 cache %s: shard(s) %s missing or corrupted (size or sha256 mismatch); rebuilding",
                     folder, list(bad))
@@ -276,9 +359,8 @@ def finish_cache(plan: CachePlan, entries: dict[int, dict]) -> dict | None:
     manifest = {**plan.expected, "rows_per_shard": plan.rows_per_shard,
                 "shards": [entries[s] for s in sorted(entries)]}
     if not _geometry_ok(manifest):
-        side = plan.expected["stored"]
-        raise CacheError(f"{plan.folder}: the built shards do not hold {plan.expected['rows']} images of "
-                         f"3 x {side} x {side} bytes")
+        raise CacheError(f"{plan.folder}: the built shards do not hold {plan.expected['rows']} images "
+                         f"({plan.kind} kind, stored side {plan.expected['stored']})")
     write_json_atomic(join(plan.folder, MANIFEST), manifest)
     return manifest
 
@@ -304,20 +386,24 @@ def ensure_cache(store: str | os.PathLike, split: str, *, kind: str, size: int, 
 
 
 class ImageCache:
-    """One verified cached split (:func:`ensure_cache`): ``read(rows)`` gives ``(B, 3, S, S)`` uint8 rows.
+    """One verified cached split (:func:`ensure_cache`): each row's stored ``(3, h, w)`` uint8 pixels and its
+    original ``(H, W)``.
 
-    Shards are memory-mapped (opened lazily, so a copy sent to a ``DataLoader`` process maps its own);
-    ``labels`` and ``indices`` ``(N,)`` int64 come from the store in the same row order.
+    Shards are memory-mapped (opened lazily, so a copy sent to a ``DataLoader`` process maps its own); the
+    shards' indexes are read once, ``shapes`` and ``originals`` ``(N, 2)`` int64 ``(h, w)``; ``labels`` and
+    ``indices`` ``(N,)`` int64 come from the store in the same row order.
     """
 
     def __init__(self, store: str | os.PathLike, split: str, *, kind: str, size: int, root: str | None = None):
         self.folder, self.manifest = ensure_cache(store, split, kind=kind, size=size, root=root)
-        self.kind, self.side, self.per_shard = kind, self.manifest["stored"], self.manifest["rows_per_shard"]
+        self.kind, self.per_shard = kind, self.manifest["rows_per_shard"]
         table = read_split(store, split, columns=["label", "index"])
         self.labels = np.asarray(table.column("label").to_numpy(), dtype=np.int64)
         self.indices = np.asarray(table.column("index").to_numpy(), dtype=np.int64)
         if len(self.labels) != self.manifest["rows"]:
             raise CacheError(f"{self.folder}: {self.manifest['rows']} cached rows, the store has {len(self.labels)}")
+        index = _read_index(self.folder, self.manifest)
+        self.offsets, self.shapes, self.originals = index[:, 0], index[:, 1:3], index[:, 3:5]
         self._maps: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
@@ -326,20 +412,51 @@ class ImageCache:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": None}
 
+    @property
+    def bytes_per_image(self) -> float:
+        """Mean stored bytes of a row."""
+        return sum(e["bytes"] for e in self.manifest["shards"]) / max(1, len(self))
+
     def _shards(self) -> list[np.ndarray]:
         if self._maps is None:
-            s = self.side
-            self._maps = [np.memmap(join(self.folder, e["file"]), dtype=np.uint8, mode="r",
-                                    shape=(e["rows"], 3, s, s)) for e in self.manifest["shards"]]
+            self._maps = [np.memmap(join(self.folder, e["file"]), dtype=np.uint8, mode="r") if e["bytes"]
+                          else np.zeros(0, np.uint8) for e in self.manifest["shards"]]
         return self._maps
 
+    def image(self, row: int) -> np.ndarray:
+        """The stored pixels of ``row`` (a position in the split): ``(3, h, w)`` uint8, a read-only view."""
+        h, w = (int(v) for v in self.shapes[row])
+        lo = int(self.offsets[row])
+        return self._shards()[row // self.per_shard][lo:lo + 3 * h * w].reshape(3, h, w)
+
     def read(self, rows: np.ndarray) -> np.ndarray:
-        """The stored images of ``rows`` (positions in the split): ``(B, 3, S, S)`` uint8, a copy."""
+        """The stored images of ``rows``, all of one shape (the ``eval`` kind's): ``(B, 3, h, w)`` uint8, a copy."""
         rows = np.asarray(rows, dtype=np.int64)
-        shard, offset = np.divmod(rows, self.per_shard)
-        out = np.empty((len(rows), 3, self.side, self.side), dtype=np.uint8)
-        maps = self._shards()
-        for s in np.unique(shard):
-            m = shard == s
-            out[m] = maps[int(s)][offset[m]]
+        if len(rows) and (self.shapes[rows] != self.shapes[rows[0]]).any():
+            raise CacheError(f"{self.folder}: rows of several shapes; read them one by one (ImageCache.image)")
+        h, w = self.shapes[rows[0]] if len(rows) else (0, 0)
+        out = np.empty((len(rows), 3, h, w), dtype=np.uint8)
+        for i, r in enumerate(rows):
+            out[i] = self.image(int(r))
         return out
+
+    def cut(self, rows: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+        """The boxes ``(B, 4)`` ``(top, left, h, w)`` (stored pixels) of ``rows``, one after the other as flat
+        uint8 ``(sum 3 h_i w_i,)``, each crop ``(3, h_i, w_i)`` in C order."""
+        sizes = 3 * boxes[:, 2] * boxes[:, 3]
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        ends = np.cumsum(sizes)
+        for r, (top, left, h, w), end, n in zip(rows, boxes.tolist(), ends.tolist(), sizes.tolist()):
+            out[end - n:end].reshape(3, h, w)[:] = self.image(int(r))[:, top:top + h, left:left + w]
+        return out
+
+
+def _read_index(folder: str, manifest: dict) -> np.ndarray:
+    """The index ``(N, 5)`` int64 of every row (:data:`INDEX_COLUMNS`), checked against the pixel files' sizes."""
+    parts = [np.fromfile(join(folder, e["index"]), dtype=_INDEX_DTYPE).reshape(-1, len(INDEX_COLUMNS))
+             for e in manifest["shards"]]
+    for e, ix in zip(manifest["shards"], parts):
+        ends = ix[:, 0] + 3 * ix[:, 1] * ix[:, 2]
+        if len(ix) and (ix[0, 0] != 0 or (ix[1:, 0] != ends[:-1]).any() or ends[-1] != e["bytes"]):
+            raise CacheError(f"{folder}: {e['index']} does not describe the {e['bytes']} bytes of {e['file']}")
+    return np.concatenate(parts) if parts else np.zeros((0, len(INDEX_COLUMNS)), dtype=np.int64)

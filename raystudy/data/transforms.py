@@ -61,6 +61,19 @@ def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0)) -
     ])
 
 
+def train_params(image: torch.Tensor, seed: int, scale: tuple[float, float] = (0.08, 1.0)
+                 ) -> tuple[int, int, int, int, bool]:
+    """The crop box ``(top, left, h, w)`` (``image``'s pixels) and flip that :func:`train_transform` draws for
+    ``image`` ``(3, H, W)`` under the per-image ``seed``: torch's generator seeded as :func:`transform_batch`
+    seeds it, then the same draws in the same order (``RandomResizedCrop``'s parameters, then
+    ``RandomHorizontalFlip``'s ``rand(1) < 0.5``)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        p = T.RandomResizedCrop(1, scale=scale, antialias=True).make_params([image])
+        flip = bool(torch.rand(1) < 0.5)
+    return int(p["top"]), int(p["left"]), int(p["height"]), int(p["width"]), flip
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A stable 63-bit seed for one image's augmentation (same on every machine and process)."""
     digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()

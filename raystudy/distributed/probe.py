@@ -4,8 +4,8 @@ Two data paths (``ProbeJob.data_path``, as finetuning's)::
 
     cache (default)
       build      on the driver, once: the uint8 caches of the two splits (raystudy.data.cache.ensure_cache;
-                 the ``eval`` kind for the test split and for train with augment=False, the ``crop`` kind
-                 for train with augment=True)
+                 the ``eval`` kind for the test split and for train with augment=False, the ``full`` kind
+                 for train with augment=True: whole images, cropped as torchvision does)
       read       ray.data.from_items of row ranges [lo, hi) of the split (no decoding, no read task)
       features   Ray Data actor pool of K workers, each holding the model once on its device: reads the uint8
                  rows of its ranges from the cache, moves them to the device, scales and normalises (crops
@@ -189,7 +189,7 @@ class CacheFeatureActor(FeatureActor):
 
 
 def cache_args(job: ProbeJob, split: str, *, train: bool, img_size: int) -> dict:
-    """The :class:`raystudy.core.finetune.CachedSplitData` keyword arguments of ``split``: the ``crop`` kind
+    """The :class:`raystudy.core.finetune.CachedSplitData` keyword arguments of ``split``: the ``full`` kind
     for the train split with augmentation, else the ``eval`` kind."""
     return {"store": job.store, "split": split, "size": img_size, "crop": train, "root": job.cache_dir}
 
@@ -197,11 +197,11 @@ def cache_args(job: ProbeJob, split: str, *, train: bool, img_size: int) -> dict
 def prepare_probe_caches(job: ProbeJob, img_size: int) -> dict[str, int]:
     """Build (or verify and repair) the caches of the train and test splits once, before any feature pass;
     returns each split's number of rows."""
-    from raystudy.data.cache import ensure_cache  # torch: ProbeJob stays light
+    from raystudy.data.cache import ensure_cache, kind_for  # torch: ProbeJob stays light
 
     rows = {}
     for split, train in {"train": job.augment, "test": False}.items():
-        _, manifest = ensure_cache(job.store, split, kind="crop" if train else "eval", size=img_size,
+        _, manifest = ensure_cache(job.store, split, kind=kind_for(train), size=img_size,
                                    root=job.cache_dir)
         rows[split] = int(manifest["rows"])
     return rows

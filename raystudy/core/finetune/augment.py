@@ -1,15 +1,18 @@
 """Training augmentation in batches on the training device: random-resized-crop, flip, normalise.
 
-The crop parameters follow torchvision's ``RandomResizedCrop.get_params`` (scale ``(0.08, 1)``, ratio
-``(3/4, 4/3)``, 10 attempts, then a center-crop fallback) but are drawn from a counter-based generator keyed
-by the image's own seed (:func:`raystudy.data.transforms.sample_seed` of ``(seed, epoch, index)``): an
-image gets the same crop and flip in any batch, on any worker, on the CPU as on a GPU. They are sampled on
-the CPU in numpy (microseconds per image); the pixels are cut and resized on the device by one bilinear
-``grid_sample`` over the whole batch (no antialiasing: crops of the cache's ``8/7 x`` stored image shrink
-by at most ``1.14 x``).
+The crop boxes follow torchvision's ``RandomResizedCrop.get_params`` on each image's ORIGINAL size (scale
+``(0.08, 1)`` of its whole area, ratio ``(3/4, 4/3)``, 10 attempts, then a centered fallback) but are drawn
+from a counter-based generator keyed by the image's own seed (:func:`raystudy.data.transforms.sample_seed`
+of ``(seed, epoch, index)``): an image gets the same crop and flip in any batch, on any worker, on the CPU
+as on a GPU. They are sampled on the CPU in numpy (microseconds per image), vectorised over images of
+different sizes, and mapped to the cache's stored pixels (:func:`to_stored`: the identity unless the
+cache downscaled the image, :mod:`raystudy.data.cache`). The CPU cuts each box (a slice of the stored
+image); the device resizes every crop to ``size x size`` with ``interpolate(bilinear, antialias=True)``,
+as torchvision's ``resized_crop(antialias=True)`` does, then flips and normalises the batch.
 
-Shapes: images ``(B, C, H, W)`` (uint8 or float), boxes ``(B, 4)`` int64 ``(top, left, height, width)``
-in pixels of the stored image, flips ``(B,)`` bool, outputs ``(B, C, size, size)`` float32.
+Shapes: boxes ``(B, 4)`` int64 ``(top, left, h, w)``, heights/widths ``(B,)``, flips ``(B,)`` bool; crops
+travel as one flat uint8 tensor ``(sum 3 h_i w_i,)`` with their shapes ``(B, 2)`` ``(h_i, w_i)``; outputs
+are ``(B, C, size, size)`` float32.
 """
 
 from __future__ import annotations
@@ -20,18 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raystudy.data.cache import stored_size
 from raystudy.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 ATTEMPTS = 10
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def stored_side(size: int) -> int:
-    """Side of the cache's stored square for training at ``size`` (:func:`raystudy.data.cache.stored_size`)."""
-    return stored_size(size, "crop")
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -52,32 +49,35 @@ def uniforms(seeds: np.ndarray, n: int) -> np.ndarray:
     return (_splitmix64(x) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
-def _fallback(height: int, width: int, ratio: tuple[float, float]) -> tuple[int, int]:
-    """torchvision's fallback crop ``(h, w)``: the whole image, its aspect ratio clamped to ``ratio``."""
+def _fallback(height: np.ndarray, width: np.ndarray, ratio: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """torchvision's fallback crop ``(h, w)`` per image: the whole image, its aspect ratio clamped to ``ratio``
+    (``round`` as Python's, half to even)."""
     in_ratio = width / height
-    if in_ratio < min(ratio):
-        return int(round(width / min(ratio))), width
-    if in_ratio > max(ratio):
-        return height, int(round(height * max(ratio)))
-    return height, width
+    narrow, wide = in_ratio < min(ratio), in_ratio > max(ratio)
+    h = np.where(narrow, np.rint(width / min(ratio)), height).astype(np.int64)
+    w = np.where(wide, np.rint(height * max(ratio)), width).astype(np.int64)
+    return h, w
 
 
-def sample_crops(seeds: np.ndarray, height: int, width: int, scale: tuple[float, float] = SCALE,
+def sample_crops(seeds: np.ndarray, height, width, scale: tuple[float, float] = SCALE,
                  ratio: tuple[float, float] = RATIO, attempts: int = ATTEMPTS) -> tuple[np.ndarray, np.ndarray]:
-    """Crop boxes ``(B, 4)`` int64 ``(top, left, h, w)`` and flips ``(B,)`` bool of images ``height x width``.
+    """Crop boxes ``(B, 4)`` int64 ``(top, left, h, w)`` and flips ``(B,)`` bool of images ``height x width``
+    (each an int or a ``(B,)`` array: one size per image).
 
-    Per image: up to ``attempts`` draws of an area ``A U(scale)`` and a log aspect ratio
+    Per image: up to ``attempts`` draws of an area ``H W U(scale)`` and a log aspect ratio
     ``U(log ratio)``, ``w = round(sqrt(area r))``, ``h = round(sqrt(area / r))``; the first that fits is
     placed uniformly (``top ~ U{0..H-h}``, ``left ~ U{0..W-w}``); none fits: the centered fallback crop.
     """
     u = uniforms(seeds, 2 * attempts + 3)
     b = len(u)
-    area = height * width * (scale[0] + (scale[1] - scale[0]) * u[:, :attempts])
+    height = np.broadcast_to(np.asarray(height, dtype=np.int64), (b,))
+    width = np.broadcast_to(np.asarray(width, dtype=np.int64), (b,))
+    area = (height * width)[:, None] * (scale[0] + (scale[1] - scale[0]) * u[:, :attempts])
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = np.exp(lo + (hi - lo) * u[:, attempts:2 * attempts])
     w = np.rint(np.sqrt(area * aspect)).astype(np.int64)
     h = np.rint(np.sqrt(area / aspect)).astype(np.int64)
-    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    fits = (w > 0) & (w <= width[:, None]) & (h > 0) & (h <= height[:, None])
     first = fits.argmax(axis=1)
     found = fits[np.arange(b), first]
     fh, fw = _fallback(height, width, ratio)
@@ -88,36 +88,34 @@ def sample_crops(seeds: np.ndarray, height: int, width: int, scale: tuple[float,
     return np.stack([top, left, h, w], axis=1), u[:, -1] < 0.5
 
 
-def _source_pixels(start: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:
-    """``(B, size)`` source coordinates of the output pixels: ``start + (u + 0.5) length / size - 0.5``
-    (bilinear ``interpolate``'s half-pixel rule), clamped to the box like a crop before the resize."""
-    u = torch.arange(size, device=start.device, dtype=torch.float64)
-    p = start[:, None] + (u[None, :] + 0.5) * length[:, None] / size - 0.5
-    return torch.minimum(torch.maximum(p, start[:, None]), (start + length - 1)[:, None])
+def to_stored(boxes: np.ndarray, originals: np.ndarray, shapes: np.ndarray) -> np.ndarray:
+    """Boxes ``(B, 4)`` in original pixels -> the same boxes in stored pixels: each edge scaled by
+    ``stored / original`` per axis and rounded (half up), at least one pixel; the identity where an image
+    was stored unchanged. ``originals``, ``shapes``: ``(B, 2)`` ``(h, w)``."""
+    scale = shapes / originals  # (B, 2): y, x
+    start = np.floor(boxes[:, :2] * scale + 0.5).astype(np.int64)
+    end = np.floor((boxes[:, :2] + boxes[:, 2:]) * scale + 0.5).astype(np.int64)
+    start = np.minimum(start, shapes - 1)
+    end = np.clip(end, start + 1, shapes)
+    return np.concatenate([start, end - start], axis=1)
 
 
-def crop_grid(boxes: torch.Tensor, flips: torch.Tensor | None, height: int, width: int, size: int,
-              device: torch.device) -> torch.Tensor:
-    """The ``grid_sample`` grid ``(B, size, size, 2)`` (x, y in ``[-1, 1]``, ``align_corners=False``) that
-    resizes box ``(top, left, h, w)`` to ``size x size`` as torchvision's ``resized_crop`` (bilinear, no
-    antialias) does, mirrored left-right where ``flips``. Elementwise per image: an image's grid does not
-    depend on the rest of the batch."""
-    top, left, h, w = boxes.to(device=device, dtype=torch.float64).unbind(1)
-    px, py = _source_pixels(left, w, size), _source_pixels(top, h, size)
-    if flips is not None:
-        px = torch.where(flips.to(device)[:, None], px.flip(1), px)
-    gx, gy = (2 * px + 1) / width - 1, (2 * py + 1) / height - 1
-    grid = torch.stack(torch.broadcast_tensors(gx[:, None, :], gy[:, :, None]), dim=-1)
-    return grid.float()
-
-
-def resized_crop(images: torch.Tensor, boxes: torch.Tensor, size: int,
-                 flips: torch.Tensor | None = None) -> torch.Tensor:
-    """Bilinear crop-and-resize of every image of the batch to its box: ``(B, C, size, size)`` float32 in
-    the input's value range (uint8 inputs give ``[0, 255]``)."""
-    height, width = images.shape[-2:]
-    grid = crop_grid(boxes, flips, height, width, size, images.device)
-    return F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+def resize_crops(pixels: torch.Tensor, shapes: torch.Tensor, size: int) -> torch.Tensor:
+    """Flat uint8 crops ``(sum 3 h_i w_i,)`` of shapes ``(B, 2)`` (on the CPU) -> ``(B, 3, size, size)``
+    float32 in ``[0, 255]`` on ``pixels``' device: each resized by bilinear ``interpolate`` with
+    ``antialias=True`` (torchvision's ``resized_crop(antialias=True)``; a crop's output does not depend on
+    the rest of the batch). Crops of one shape are resized together."""
+    dims = shapes.tolist()
+    parts = torch.split(pixels, [3 * h * w for h, w in dims])
+    out = torch.empty(len(dims), 3, size, size, device=pixels.device, dtype=torch.float32)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, hw in enumerate(dims):
+        groups.setdefault(tuple(hw), []).append(i)
+    for (h, w), members in groups.items():
+        x = torch.stack([parts[i].view(3, h, w) for i in members]).float()
+        y = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        out[members] = y
+    return out
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -127,10 +125,13 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     return x.sub_(mean).div_(std)
 
 
-def augment(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 ``(B, 3, H, W)`` -> the normalised training batch ``(B, 3, size, size)`` float32: random
-    resized crop to ``boxes``, horizontal flip where ``flips``, scale to ``[0, 1]``, normalise."""
-    return normalize(resized_crop(images, boxes, size, flips).mul_(1.0 / 255.0))
+def augment(pixels: torch.Tensor, shapes: torch.Tensor, flips: torch.Tensor, size: int) -> torch.Tensor:
+    """Flat uint8 crops (:func:`resize_crops`) -> the normalised training batch ``(B, 3, size, size)``
+    float32: each crop resized to ``size``, mirrored left-right where ``flips``, scaled to ``[0, 1]``,
+    normalised."""
+    x = resize_crops(pixels, shapes, size)
+    x = torch.where(flips.to(x.device)[:, None, None, None], x.flip(-1), x)
+    return normalize(x.mul_(1.0 / 255.0))
 
 
 def to_float(images: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,10 @@ Two data paths (``FinetuneConfig.data_path``) read the same rows in the same ord
 * ``decode`` (:class:`SplitData`): every step decodes and transforms the encoded images on the CPU
   (torchvision's ``RandomResizedCrop`` of the original image, seeded per image);
 * ``cache`` (:class:`CachedSplitData`): the rows are read as uint8 from the split's cache
-  (:mod:`raystudy.data.cache`, decoded once) with their crop boxes and flips drawn from the same per-image
-  seeds (:func:`~raystudy.core.finetune.augment.sample_crops`); :func:`to_device` crops, resizes and
+  (:mod:`raystudy.data.cache`, decoded once, whole images) with their crop boxes drawn on each image's
+  original size, as torchvision's ``RandomResizedCrop`` draws them, and their flips, from the same
+  per-image seeds (:func:`~raystudy.core.finetune.augment.sample_crops`; not torchvision's generator, so
+  not the same crop as the decode path's); the CPU cuts the boxes and :func:`to_device` resizes, flips and
   normalises the batch on the training device. Without augmentation, and for evaluation, both paths give
   the same tensors (the cache holds the eval transform's own uint8 pixels).
 
@@ -31,10 +33,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from raystudy.core.finetune.augment import augment, sample_crops, to_float
+from raystudy.core.finetune.augment import augment, sample_crops, to_float, to_stored
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.finetune.text import TextBatch, TextSplitData, is_text_store, open_text_split
-from raystudy.data.cache import ImageCache, kind_of
+from raystudy.data.cache import ImageCache, kind_for, kind_of
 from raystudy.data.store import Store, read_split
 from raystudy.data.transforms import sample_seed, transform_batch
 
@@ -102,23 +104,23 @@ class SplitData:
 class CacheBatch(NamedTuple):
     """A batch of the cache path before it reaches the device: uint8 rows plus their augmentation."""
 
-    images: torch.Tensor  # (B, 3, S, S) uint8 stored images
+    images: torch.Tensor  # shapes None: (B, 3, S, S) uint8 whole images; else the crops, flat uint8 (sum 3 h w,)
     labels: torch.Tensor  # (B,) int64
-    boxes: torch.Tensor | None  # (B, 4) int64 crop boxes (top, left, h, w) in the stored image; None: no crop
-    flips: torch.Tensor | None  # (B,) bool horizontal flips (None with boxes None)
+    shapes: torch.Tensor | None  # (B, 2) int64 (h, w) of each crop in ``images`` (stays on the CPU); None: no crop
+    flips: torch.Tensor | None  # (B,) bool horizontal flips (None with shapes None)
 
 
 class CachedSplitData:
     """One split read from its uint8 cache (:class:`raystudy.data.cache.ImageCache`).
 
-    ``crop=True`` (training with augmentation) opens the ``crop`` kind (stored side ``8/7 size``) and
-    batches carry per-image crop boxes and flips; ``crop=False`` opens the ``eval`` kind (the eval
-    transform's pixels at ``size``) and batches need only scaling and normalising.
+    ``crop=True`` (training with augmentation) opens the ``full`` kind (whole images) and batches carry each
+    image's crop, cut on the CPU, and flip; ``crop=False`` opens the ``eval`` kind (the eval transform's
+    pixels at ``size``) and batches need only scaling and normalising.
     """
 
     def __init__(self, store: str | os.PathLike, split: str, *, size: int, crop: bool, root: str | None = None):
         self.store, self.split, self.size, self.crop = str(store), split, size, crop
-        self.cache = ImageCache(store, split, kind="crop" if crop else "eval", size=size, root=root)
+        self.cache = ImageCache(store, split, kind=kind_for(crop), size=size, root=root)
         self.labels, self.indices = self.cache.labels, self.cache.indices
 
     def __len__(self) -> int:
@@ -132,14 +134,24 @@ class CachedSplitData:
             raise ValueError(f"{self.split} cache opened for size={self.size}, crop={self.crop}; asked for "
                              f"size={size}, train={train}")
         rows = np.asarray(rows, dtype=np.int64)
-        images, labels = torch.from_numpy(self.cache.read(rows)), torch.from_numpy(self.labels[rows].copy())
+        labels = torch.from_numpy(self.labels[rows].copy())
         if not train:
-            return CacheBatch(images, labels, None, None)
+            return CacheBatch(torch.from_numpy(self.cache.read(rows)), labels, None, None)
+        boxes, flips = self.crops(rows, seed=seed, epochs=epochs)
+        stored = to_stored(boxes, self.cache.originals[rows], self.cache.shapes[rows])
+        return CacheBatch(torch.from_numpy(self.cache.cut(rows, stored)), labels,
+                          torch.from_numpy(stored[:, 2:].copy()), torch.from_numpy(flips))
+
+    def crops(self, rows: np.ndarray, *, seed: int = 0, epochs: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Crop boxes ``(B, 4)`` ``(top, left, h, w)`` in each ORIGINAL image's pixels and flips ``(B,)`` of
+        ``rows``, drawn from ``sample_seed(seed, epoch, index)`` on the original ``(H, W)``."""
+        rows = np.asarray(rows, dtype=np.int64)
         epochs = np.zeros(len(rows), np.int64) if epochs is None else np.asarray(epochs)
         seeds = np.array([sample_seed(seed, int(e), int(i)) for e, i in zip(epochs, self.indices[rows])],
                          dtype=np.uint64)
-        boxes, flips = sample_crops(seeds, self.cache.side, self.cache.side)
-        return CacheBatch(images, labels, torch.from_numpy(boxes), torch.from_numpy(flips))
+        originals = self.cache.originals[rows]
+        return sample_crops(seeds, originals[:, 0], originals[:, 1])
 
     def load(self, rows: np.ndarray, *, size: int, train: bool, seed: int = 0,
              epochs: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,14 +163,15 @@ class CachedSplitData:
 def to_device(batch, device: torch.device, *, size: int | None = None,
               channels_last: bool = False) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
     """``(x, y)`` on ``device``: a decode-path ``(x, y)`` is moved; a :class:`CacheBatch` is moved as uint8
-    and augmented (:func:`~raystudy.core.finetune.augment.augment`) or only normalised there.
+    (its crops, when it has them) and augmented (:func:`~raystudy.core.finetune.augment.augment`) or only
+    normalised there.
     ``x`` ``(B, 3, size, size)`` float32, in channels-last memory order when asked. A :class:`TextBatch`
     gives ``x`` = the model's keyword inputs (``input_ids``, ``attention_mask``, each ``(B, n)`` int64)."""
     if isinstance(batch, TextBatch):
         return batch.inputs(device), batch.labels.to(device, non_blocking=True)
     if isinstance(batch, CacheBatch):
         images = batch.images.to(device, non_blocking=True)
-        x = to_float(images) if batch.boxes is None else augment(images, batch.boxes, batch.flips, size)
+        x = to_float(images) if batch.shapes is None else augment(images, batch.shapes, batch.flips, size)
         y = batch.labels.to(device, non_blocking=True)
     else:
         x, y = (t.to(device, non_blocking=True) for t in batch)
@@ -178,7 +191,8 @@ def open_split_data(cfg: FinetuneConfig, split: str,
     if cfg.data_path == "decode":
         return SplitData(store, split)
 
-    return CachedSplitData(store, split, size=cfg.img_size, crop=kind_of(split, cfg.augment) == "crop",
+    crop = kind_of(split, cfg.augment) == kind_for(True)
+    return CachedSplitData(store, split, size=cfg.img_size, crop=crop,
                            root=cfg.cache_dir)
 
 

@@ -344,7 +344,7 @@ class Finetuner:
         data = self._eval_data[split]
         rows = np.array_split(np.arange(len(data)), self.world_size)[self.rank]
         cached = isinstance(data, CachedSplitData)
-        per_image = (3 * data.cache.side ** 2 if cached  # uint8
+        per_image = (data.cache.bytes_per_image if cached  # uint8
                      else 3 * self.cfg.img_size ** 2 * 4 if isinstance(data, SplitData) else None)  # float32
         keep = per_image is not None and len(rows) * per_image <= self.cfg.eval_cache_mb * 2 ** 20
         out = []
