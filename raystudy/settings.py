@@ -43,6 +43,9 @@ from raystudy.vocab import DATA_PATHS, GATED_FC1, MHA_INPUTS, MODES, OPTIMIZERS,
 #: ViT finetuning recipe).
 #: the new head: truncated normal (std 0.02), zeros, or nn.Linear's own default (the paper authors' head)
 HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
+#: How val/test accuracy is averaged: over images, or the mean over eval batches of each batch's
+#: accuracy (the paper authors' run_evaluation, where a short last batch weighs as a full one).
+ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
 #: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
 DEFAULT_MODEL = "vit_base_patch16_224.augreg_in21k"
 #: Fraction of a run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
@@ -359,6 +362,9 @@ class ProtocolSettings(DeviceSettings):
     head_init: str = setting("trunc_normal", choices=HEAD_INITS, help="initialisation of the new head")
     include_layerscale: bool = setting(False, help="train a component's LayerScale with it")
     eval_batch_size: int = setting(256, check="positive_int", help="images per evaluation forward pass")
+    accuracy: str = setting("per_sample", choices=ACCURACIES,
+                            help="val/test accuracy: over images (per_sample) or the mean of the accuracies of "
+                                 "the split's consecutive eval_batch_size batches (per_batch: the authors')")
     eval_cache_mb: int = setting(512, check="non_negative_int",
                                  help="val/test data kept resident per worker up to this size")
     loader_workers: int = setting(0, check="non_negative_int", help="DataLoader processes per worker (decode path)")

@@ -25,7 +25,7 @@ FINETUNE = {
     "compile": "compile", "cache_dir": "cache_dir", "momentum": "momentum", "betas": "betas",
     "weight_decay": "weight_decay", "clip_norm": "clip_norm", "head_init": "head_init",
     "include_layerscale": "include_layerscale", "eval_batch_size": "eval_batch_size",
-    "eval_cache_mb": "eval_cache_mb", "loader_workers": "loader_workers",
+    "eval_cache_mb": "eval_cache_mb", "loader_workers": "loader_workers", "accuracy": "accuracy",
 }
 #: spec field -> TrainResources field (the Ray Train workers of a run)
 RESOURCES = {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
@@ -66,6 +66,7 @@ SPEC = dict(
     checkpoint_period=80, amp_bf16=True, train_final_norm=True, precision="bf16", data_path="decode",
     compile=True, cache_dir="/caches", momentum=0.8, betas=(0.85, 0.99), weight_decay=0.05, clip_norm=2.0,
     head_init="zero", include_layerscale=True, eval_batch_size=100, eval_cache_mb=64, loader_workers=2,
+    accuracy="per_batch",
     workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
                     cpus_per_worker=1.5, torch_threads=3, pairing="sequential", pretrain_split=["val", "test"],

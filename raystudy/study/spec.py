@@ -456,7 +456,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
     TRIAL_FIELDS: ClassVar[tuple[str, ...]] = (
         "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
         "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search", "momentum", "betas",
-        "weight_decay", "clip_norm", "head_init", "include_layerscale", "precision", "data_path",
+        "weight_decay", "clip_norm", "head_init", "include_layerscale", "precision", "data_path", "accuracy",
     )
     #: what each finished trial's row records of how it ran, checked against the spec at every launch (a
     #: hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean): the dataset's resolved
@@ -465,13 +465,16 @@ class StudySpec(ModelSettings, ProtocolSettings):
 
     def trial_value(self, name: str) -> Any:
         """Field ``name`` as a trial uses it: ``img_size`` and ``warmup_steps`` with their None resolved
-        (the model's size; 20% of ``steps``), so that a spec spelling the default and one leaving it out agree."""
+        (the model's size; 20% of ``steps``), so that a spec spelling the default and one leaving it out agree;
+        ``accuracy`` ``per_batch`` with its ``eval_batch_size`` (the batches its mean is over)."""
         if name == "img_size":
             from raystudy.core.models import resolve_img_size  # torch (raystudy.core): --help stays light
 
             return resolve_img_size(self.model, self.model_kwargs, self.img_size)
         if name == "warmup_steps":
             return warmup_of(self.steps, self.warmup_steps)
+        if name == "accuracy" and self.accuracy == "per_batch":
+            return f"per_batch of {self.eval_batch_size}"
         value = getattr(self, name)
         return tuple(value) if name == "betas" else value
     #: plasticity fields whose change alters which pairs (or bounds) a measured dataset's rows mean; with

@@ -31,7 +31,9 @@ from raystudy.core.finetune.state import (
 )
 from raystudy.core.finetune.step import (
     StepResult,
+    accuracy_of,
     analytic_memory,
+    correct_by_batch,
     evaluate,
     measured_memory,
     set_matmul_precision,
@@ -342,7 +344,7 @@ class Finetuner:
         if split not in self._eval_data:
             self._eval_data[split] = open_split_data(self.cfg, split, self.store)
         data = self._eval_data[split]
-        rows = np.array_split(np.arange(len(data)), self.world_size)[self.rank]
+        rows = self._eval_rows(len(data))
         cached = isinstance(data, CachedSplitData)
         per_image = (data.cache.bytes_per_image if cached  # uint8
                      else 3 * self.cfg.img_size ** 2 * 4 if isinstance(data, SplitData) else None)  # float32
@@ -358,15 +360,23 @@ class Finetuner:
         if keep:
             self._eval_cache[split] = out
 
+    def _eval_rows(self, rows: int) -> np.ndarray:
+        """This worker's contiguous share of an evaluation split of ``rows`` rows."""
+        return np.array_split(np.arange(rows), self.world_size)[self.rank]
+
     def evaluate(self, split: str, model: nn.Module | None = None) -> tuple[float, float]:
-        """Mean loss and accuracy of ``model`` (default: the run's) on ``split`` over all workers (each
-        evaluates its slice; sums all-reduced)."""
-        loss_sum, correct, count = evaluate(model if model is not None else self.model, self._eval_batches(split),
-                                            device=self.device, precision=self.precision)
+        """Mean loss and accuracy (``cfg.accuracy``: per sample, or the mean over the split's consecutive
+        batches of ``cfg.eval_batch_size`` rows, whichever worker holds them; :func:`accuracy_of`) of ``model``
+        (default: the run's) on ``split`` over all workers (each evaluates its slice; sums all-reduced)."""
+        loss_sum, hits = evaluate(model if model is not None else self.model, self._eval_batches(split),
+                                  device=self.device, precision=self.precision)
+        rows, size = len(self._eval_data[split]), self.cfg.eval_batch_size
+        share = self._eval_rows(rows)
+        correct = correct_by_batch(hits, int(share[0]) if len(share) else 0, rows, size)
         if self.all_reduce is not None and self.world_size > 1:
-            t = self.all_reduce(torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=self.device))
-            loss_sum, correct, count = float(t[0]), float(t[1]), float(t[2])
-        return loss_sum / count, correct / count
+            t = self.all_reduce(torch.tensor([loss_sum, *correct], dtype=torch.float64, device=self.device))
+            loss_sum, correct = float(t[0]), t[1:].cpu().numpy()
+        return loss_sum / rows, accuracy_of(correct, rows, size, self.cfg.accuracy)
 
     # ---- state ------------------------------------------------------------------------------------
 

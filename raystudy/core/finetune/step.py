@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -122,20 +123,39 @@ def train_step(
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device,
-             precision: str = "fp32") -> tuple[float, int, int]:
-    """Sum of cross-entropy, number correct and number of images (texts) over ``batches`` of ``(x, y)``
-    (``x`` ``(B, 3, H, W)`` or a text model's keyword inputs, ``y`` ``(B,)``), in inference mode (no autograd
-    records, no version counters)."""
+             precision: str = "fp32") -> tuple[float, np.ndarray]:
+    """Sum of cross-entropy over ``batches`` of ``(x, y)`` (``x`` ``(B, 3, H, W)`` or a text model's keyword
+    inputs, ``y`` ``(B,)``) and whether each row is predicted right (``(N,)`` bool, in the batches' order), in
+    inference mode (no autograd records, no version counters)."""
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum, hits = 0.0, []
     for x, y in batches:
         x, y = move(x, device), y.to(device)
         with autocast(device, precision == "bf16"):
             logits = logits_of(model, x)
         loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == y).sum())
-        count += len(y)
-    return loss_sum, correct, count
+        hits.append((logits.argmax(dim=1) == y).cpu().numpy())
+    return loss_sum, np.concatenate(hits) if hits else np.zeros(0, dtype=bool)
+
+
+def correct_by_batch(hits: np.ndarray, first_row: int, rows: int, batch_size: int) -> np.ndarray:
+    """Correct predictions ``c_k`` in each batch ``k`` of a split of ``rows`` rows cut in order into
+    ``K = ceil(rows / batch_size)`` batches (the last one shorter), ``(K,)`` float64, counting the ``hits``
+    (``(n,)`` bool) of rows ``first_row ... first_row + n - 1``: a worker's contiguous share, so that the
+    workers' vectors sum to the split's."""
+    k = (first_row + np.arange(len(hits))) // batch_size
+    return np.bincount(k, weights=hits.astype(np.float64), minlength=-(-rows // batch_size))
+
+
+def accuracy_of(correct: np.ndarray, rows: int, batch_size: int, mode: str) -> float:
+    """Accuracy from the correct counts ``c_k`` of :func:`correct_by_batch`: ``per_sample`` is
+    ``sum_k c_k / rows``; ``per_batch`` is ``(1/K) sum_k c_k / n_k`` with ``n_k = min(B, rows - k B)``, the mean
+    of the batches' accuracies (the paper authors' ``run_evaluation``: a short last batch weighs as a full
+    one)."""
+    if mode == "per_sample":
+        return float(correct.sum() / rows)
+    sizes = np.minimum(batch_size, rows - batch_size * np.arange(len(correct)))
+    return float(np.mean(correct / sizes))
 
 
 def analytic_memory(num_params: int, optimizer: str, bytes_per_value: int = 4) -> dict[str, int]:
