@@ -48,7 +48,7 @@ MODEL = ("model", "model_kwargs", "weights", "img_size", "amp_bf16")
 STUDY_ONLY = {
     "name", "out", "data_root", "builtin_data", "pretrain_store", "datasets", "configurations", "optimizers",
     "seeds", "trial_driver_cpus", "max_concurrent_trials", "trial_retries", "search", "samples", "plasticity",
-    "pretrain", "analysis", "tracking", "dataset_overrides", "probe", "execution",
+    "pretrain", "analysis", "tracking", "dataset_overrides", "probe", "execution", "analysis_seeds", "fixed_run",
 }
 #: the protocol fields a dataset entry overrides -> FinetuneConfig field
 PER_DATASET = {"steps": "steps", "eval_period": "eval_period", "warmup_steps": "warmup_steps",

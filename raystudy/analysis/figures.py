@@ -404,10 +404,21 @@ def best_runs(counted: pd.DataFrame) -> pd.DataFrame:
     return t.drop_duplicates(["model", "dataset", "optimizer", "configuration"]).reset_index(drop=True)
 
 
-def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+def fixed_runs(runs: pd.DataFrame, seed: int, lr: float) -> pd.DataFrame:
+    """The trial at ``seed`` and ``lr`` (equal to 1e-9 relative) of each model, dataset, optimizer and
+    configuration among ``runs`` (ties: the first ``trial_id``): the paper's Fig. 5 (middle and right) draws
+    Sketch's runs at seed 42 and lr 1e-2."""
+    t = runs[(runs["seed"] == seed) & np.isclose(runs["lr"].astype(float), lr, rtol=1e-9, atol=0.0)]
+    t = t.sort_values("trial_id", kind="stable")
+    return t.drop_duplicates(["model", "dataset", "optimizer", "configuration"]).reset_index(drop=True)
+
+
+def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path, *, title: str = "",
+                legend: str = "best run") -> list[Path]:
     """Gradient norm (left) and validation loss (right) against the step for the given runs.
 
-    ``runs``: one trial per configuration (e.g. :func:`best_runs` for one dataset and optimizer) with
+    ``runs``: one trial per configuration (e.g. :func:`best_runs` or :func:`fixed_runs` for one dataset and
+    optimizer; ``legend`` titles the legend) with
     ``trial_id, configuration, lr``; ``curves`` follows ``curves.parquet``. Rows without a value (validation
     loss between evaluations) are skipped; log axis when a quantity spans more than :data:`LOG_RATIO`.
     """
@@ -434,7 +445,7 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path,
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    _legend(fig, axes, "best run")
+    _legend(fig, axes, legend)
     _title(fig, title, "")
     return save_figure(fig, path_stem)
 

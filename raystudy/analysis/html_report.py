@@ -18,7 +18,14 @@ import pandas as pd
 
 from raystudy import __version__, storage
 from raystudy.analysis.figures import CONFIGURATION_COLORS, configuration_styles
-from raystudy.analysis.options import DEFAULT_ALTERNATIVE, DEFAULT_PAIR_BY, DEFAULT_REFERENCE, DEFAULT_ROUND
+from raystudy.analysis.options import (
+    DEFAULT_ALTERNATIVE,
+    DEFAULT_FIXED_RUN,
+    DEFAULT_PAIR_BY,
+    DEFAULT_REFERENCE,
+    DEFAULT_ROUND,
+    DEFAULT_SEEDS,
+)
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis
 from raystudy.analysis.render import fmt_num, pct
 from raystudy.vocab import LINEAR_PROBE, TRIALS_CONFIGURATIONS
@@ -208,11 +215,13 @@ def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> 
 
 def report(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
            alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-           round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None) -> Path:
+           round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
+           seeds: list[int] | None = DEFAULT_SEEDS, fixed_run: dict | None = DEFAULT_FIXED_RUN) -> Path:
     """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
     redundant) and write the self-contained ``<out_dir>/report.html`` (default
     ``<study_dir>/analysis/report.html``); returns its path (for a URI study directory: the local staged
-    copy, uploaded to ``<study_dir>/analysis/report.html``)."""
+    copy, uploaded to ``<study_dir>/analysis/report.html``); ``seeds`` and ``fixed_run``: as
+    :func:`raystudy.analysis.pipeline.run_analysis`."""
     res = run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
-                       out_dir=out_dir)
+                       out_dir=out_dir, seeds=seeds, fixed_run=fixed_run)
     return write_report(res)

@@ -17,7 +17,7 @@ once per dataset by the probe, no optimizer or learning rate) are kept apart in 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
@@ -52,6 +52,20 @@ class StudyInputs:
 
     def path(self, table: str) -> str:
         return table_path(self.study_dir, table)
+
+
+def only_seeds(inputs: StudyInputs, seeds) -> StudyInputs:
+    """``inputs`` with the finetuning trials (all, counted and excluded) of ``seeds`` alone; the linear probes
+    (one per dataset, not per seed) and the per-trial tables (curves: joined by trial id) stay whole."""
+    keep = {int(s) for s in seeds}
+
+    def of(df: pd.DataFrame | None) -> pd.DataFrame | None:
+        if df is None:
+            return None
+        probe = df["configuration"] == LINEAR_PROBE
+        return df[probe | df["seed"].isin(keep)].reset_index(drop=True)
+
+    return replace(inputs, trials=of(inputs.trials), counted=of(inputs.counted), excluded=of(inputs.excluded))
 
 
 def _fail(path: str, column: str, message: str) -> TableError:

@@ -21,6 +21,13 @@ DEFAULT_PAIR_BY = "dataset"
 #: authors test the two-decimal values of their Table 8: ``--round 2``)
 DEFAULT_ROUND: int | None = None
 MAX_ROUND = 6
+#: every seed's trials (None), or only these seeds' in every table and figure (the paper's Table 9 reads
+#: seed 0 alone: apps/plots/ablation_model_size.py, ``seeds = [0]``)
+DEFAULT_SEEDS: tuple[int, ...] | None = None
+#: the keys of a fixed run: Fig. 5 (middle and right) drawn from one dataset's runs at one seed and one lr
+#: (the paper's: Sketch, seed 42, lr 1e-2, apps/plots/finetuning.py); None: only the best-run figures
+FIXED_RUN_KEYS: tuple[str, ...] = ("dataset", "seed", "lr")
+DEFAULT_FIXED_RUN: dict | None = None
 
 
 def check_options(reference: str, alternative: str, pair_by: str, round_to: int | None = None) -> None:
@@ -30,3 +37,19 @@ def check_options(reference: str, alternative: str, pair_by: str, round_to: int 
     check_name(pair_by, PAIR_BY, "pair_by")
     if round_to is not None and (type(round_to) is not int or not 0 <= round_to <= MAX_ROUND):
         raise ValueError(f"round_to: decimals of a percent from 0 to {MAX_ROUND}, or None; got {round_to!r}")
+
+
+def check_selection(seeds, fixed_run) -> None:
+    """Reject a ``seeds`` that is not None or a non-empty list of ints, and a ``fixed_run`` that is not None
+    or a mapping of exactly :data:`FIXED_RUN_KEYS` (a dataset name, an int seed, a positive lr)."""
+    if seeds is not None and (isinstance(seeds, str | bytes) or not hasattr(seeds, "__iter__") or not list(seeds)
+                              or any(type(s) is not int for s in seeds)):
+        raise ValueError(f"seeds: a non-empty list of integer seeds, or None; got {seeds!r}")
+    if fixed_run is None:
+        return
+    if not isinstance(fixed_run, dict) or set(fixed_run) != set(FIXED_RUN_KEYS):
+        raise ValueError(f"fixed_run: a mapping of {', '.join(FIXED_RUN_KEYS)}, or None; got {fixed_run!r}")
+    d, seed, lr = (fixed_run[k] for k in FIXED_RUN_KEYS)
+    if not isinstance(d, str) or type(seed) is not int or isinstance(lr, bool) or not isinstance(lr, int | float) \
+            or not lr > 0:
+        raise ValueError(f"fixed_run: dataset a name, seed an int, lr a positive number; got {fixed_run!r}")

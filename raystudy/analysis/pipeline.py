@@ -23,13 +23,16 @@ from raystudy.analysis import beyond as B
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
 from raystudy.analysis import sweep_figures as SF
-from raystudy.analysis.inputs import StudyInputs, read_inputs
+from raystudy.analysis.inputs import StudyInputs, only_seeds, read_inputs
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
+    DEFAULT_FIXED_RUN,
     DEFAULT_PAIR_BY,
     DEFAULT_REFERENCE,
     DEFAULT_ROUND,
+    DEFAULT_SEEDS,
     check_options,
+    check_selection,
 )
 from raystudy.analysis.stats import ranking_table, wilcoxon_table
 from raystudy.analysis.tables import (
@@ -225,12 +228,33 @@ def _swept_runs(inputs: StudyInputs) -> pd.DataFrame:
     return pd.concat([inputs.counted, late], ignore_index=True) if late is not None else inputs.counted
 
 
-def _curve_figures(inputs: StudyInputs, curves: pd.DataFrame, notes: list[str]) -> list[FigureJob]:
-    """Per (model,) dataset and optimizer: the best run of each configuration (Fig. 5, middle and right) and
-    every run of the sweep (Figs. 21-58)."""
+def _fixed_run_job(curves: pd.DataFrame, rr: pd.DataFrame, fixed_run: dict, label: str, parts: tuple,
+                   notes: list[str]) -> list[FigureJob]:
+    """The fixed-run figure of one (model,) dataset and optimizer (none when no run is at that seed and lr),
+    a note naming the configurations that have no such run."""
+    seed, lr = fixed_run["seed"], fixed_run["lr"]
+    chosen = F.fixed_runs(rr, seed, lr)
+    if chosen.empty:
+        return []
+    missing = [c for c in F._ordered(rr["configuration"].unique()) if c not in set(chosen["configuration"])]
+    if missing:
+        notes.append(f"fixed_run: no run of {', '.join(missing)} at seed {seed}, lr {lr:g} on {label}: the "
+                     "fixed-run figure shows the other configurations.")
+    title = f"Gradient norm and validation loss at seed {seed}, lr {lr:g} — {label}"
+    return [(_slug("curves", "fixed", *parts), title,
+             f"The run at seed {seed} and lr {lr:g} of each configuration on {label} (the paper's Fig. 5, middle "
+             "and right, fixes Sketch, seed 42, lr 1e-2), beside the best runs.",
+             lambda s: F.plot_curves(curves, chosen, s, title=f"{label} · seed {seed} · lr {lr:g}",
+                                     legend="fixed run"))]
+
+
+def _curve_figures(inputs: StudyInputs, curves: pd.DataFrame, notes: list[str],
+                   fixed_run: dict | None = DEFAULT_FIXED_RUN) -> list[FigureJob]:
+    """Per (model,) dataset and optimizer: the best run of each configuration (Fig. 5, middle and right),
+    the ``fixed_run``'s on its dataset, and every run of the sweep (Figs. 21-58)."""
     best, runs = F.best_runs(inputs.counted), _swept_runs(inputs)
     many_models = runs["model"].nunique() > 1
-    jobs = []
+    jobs, fixed = [], []
     for (model, ds, opt), rr in runs.groupby(["model", "dataset", "optimizer"], sort=True):
         if not set(rr["trial_id"]) & set(curves["trial_id"]):
             notes.append(f"curves.parquet has no rows for the runs on {ds} / {opt}.")
@@ -242,10 +266,16 @@ def _curve_figures(inputs: StudyInputs, curves: pd.DataFrame, notes: list[str]) 
             jobs.append((_slug("curves", *parts), f"Gradient norm and validation loss — {label}",
                          f"Best run (highest test accuracy) of each configuration on {label}.",
                          lambda s, bb=bb, label=label: F.plot_curves(curves, bb, s, title=label)))
+        if fixed_run is not None and ds == fixed_run["dataset"]:
+            fixed = _fixed_run_job(curves, rr, fixed_run, label, parts, notes)
+            jobs += fixed
         jobs.append((_slug("curves", "all", *parts), f"Every run: gradient norm and validation loss — {label}",
                      f"Every learning rate and seed on {label} (the paper's Figs. 21-58): a panel per "
                      "configuration, colour = learning rate, line style = seed, x = diverged run.",
                      lambda s, rr=rr, label=label: SF.plot_sweep_curves(curves, rr, s, title=label)))
+    if fixed_run is not None and not fixed:
+        notes.append(f"fixed_run: no run with curves on {fixed_run['dataset']} at seed {fixed_run['seed']}, lr "
+                     f"{fixed_run['lr']:g}: the fixed-run figure (the paper's Fig. 5, middle and right) is omitted.")
     return jobs
 
 
@@ -286,7 +316,8 @@ def _accuracy_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame]) -> l
     return jobs
 
 
-def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: list[str]) -> list[FigureJob]:
+def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: list[str],
+                   fixed_run: dict | None = DEFAULT_FIXED_RUN) -> list[FigureJob]:
     ok = inputs.counted
     if ok is None or not len(ok):
         return []
@@ -300,14 +331,17 @@ def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: 
     if "frontier" in tables:
         jobs += B.figure_jobs(tables["frontier"], _slug)
     if inputs.curves is not None:
-        jobs += _curve_figures(inputs, inputs.curves, notes)
+        jobs += _curve_figures(inputs, inputs.curves, notes, fixed_run)
+    elif fixed_run is not None:
+        notes.append("fixed_run: no curves.parquet: the fixed-run figure is omitted.")
     return jobs
 
 
 def draw_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], fig_dir: Path,
-                 notes: list[str]) -> list[FigureInfo]:
-    """Draw every figure the inputs allow into ``fig_dir`` (PNG + SVG each)."""
-    jobs = _plasticity_figures(inputs) + _trial_figures(inputs, tables, notes)
+                 notes: list[str], fixed_run: dict | None = DEFAULT_FIXED_RUN) -> list[FigureInfo]:
+    """Draw every figure the inputs allow into ``fig_dir`` (PNG + SVG each); ``fixed_run`` adds the curves
+    of one dataset's runs at one seed and lr (:data:`raystudy.analysis.options.FIXED_RUN_KEYS`)."""
+    jobs = _plasticity_figures(inputs) + _trial_figures(inputs, tables, notes, fixed_run)
     return [FigureInfo(name, title, caption, draw(fig_dir / name))
             for name, title, caption, draw in tqdm(jobs, desc="figures", unit="fig", leave=False)]
 
@@ -341,21 +375,37 @@ def _write_notes(res: AnalysisResult) -> None:
     storage.write_text_atomic(res.out_dir / "notes.md", "\n".join(lines) + "\n")
 
 
+def _seeds_noted(inputs: StudyInputs, seeds, notes: list[str]) -> StudyInputs:
+    """``inputs`` of ``seeds`` alone (:func:`raystudy.analysis.inputs.only_seeds`), with a note of what was left."""
+    kept = only_seeds(inputs, seeds)
+    left = len(inputs.trials) - len(kept.trials)
+    notes.append(f"Seeds {', '.join(map(str, seeds))} only (option seeds): {left} trial(s) of other seeds are left "
+                 "out of every table and figure.")
+    return kept
+
+
 def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
                  alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                  round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
-                 figures: bool = True) -> AnalysisResult:
+                 figures: bool = True, seeds: list[int] | None = DEFAULT_SEEDS,
+                 fixed_run: dict | None = DEFAULT_FIXED_RUN) -> AnalysisResult:
     """Read ``study_dir``, write every table and figure to ``out_dir``; returns all of it.
 
     ``out_dir`` defaults to ``<study_dir>/analysis``; a URI there (or a URI study directory) is written
-    through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``).
+    through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``). ``seeds``: only these
+    seeds' trials enter the tables and figures (the paper's Table 9: ``[0]``); ``fixed_run``: ``{dataset,
+    seed, lr}`` whose runs' curves are drawn beside the best runs' (the paper's Fig. 5).
     """
     check_options(reference, alternative, pair_by, round_to)
+    check_selection(seeds, fixed_run)
     options = dict(reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to)
     inputs = read_inputs(study_dir)
     out, uri = storage.staged(out_dir if out_dir is not None else storage.join(study_dir, "analysis"),
                               prefix="raystudy-analysis-")
-    res = AnalysisResult(str(study_dir), out, inputs, notes=list(inputs.notes), upload_to=uri, options=options)
+    res = AnalysisResult(str(study_dir), out, inputs, notes=list(inputs.notes), upload_to=uri,
+                         options={**options, "seeds": seeds, "fixed_run": fixed_run})
+    if seeds is not None and inputs.trials is not None:
+        res.inputs = inputs = _seeds_noted(inputs, seeds, res.notes)
     res.tables = compute_tables(inputs, notes=res.notes, **options)
     if inputs.excluded is not None and len(inputs.excluded):
         res.footnote = R.excluded_footnote(len(inputs.trials), inputs.excluded)
@@ -363,7 +413,7 @@ def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFER
     _clean(out, out / "figures")
     _write_tables(res)
     if figures:
-        res.figures = draw_figures(inputs, res.tables, out / "figures", res.notes)
+        res.figures = draw_figures(inputs, res.tables, out / "figures", res.notes, fixed_run)
     _write_notes(res)
     storage.publish(out, uri)
     for n in res.notes:
@@ -374,7 +424,8 @@ def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFER
 def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
             alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
             round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
-            figures: bool = True) -> dict[str, pd.DataFrame]:
+            figures: bool = True, seeds: list[int] | None = DEFAULT_SEEDS,
+            fixed_run: dict | None = DEFAULT_FIXED_RUN) -> dict[str, pd.DataFrame]:
     """Analyse a study directory; write tables (CSV + Markdown) and figures under ``<study_dir>/analysis``.
 
     Returns the tables by name (``best_lr, lr_grid, overall, relative_gain, optimizers, wilcoxon, stability,
@@ -382,7 +433,8 @@ def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
     ``reference``: the configuration the Wilcoxon tests compare against; ``alternative``: ``"greater"``
     (the reference is better), ``"two-sided"`` or ``"less"``; ``pair_by``: ``"dataset"`` (best-lr means)
     or ``"dataset_seed"``; ``round_to``: test the accuracies rounded to that many decimals of a percent (the
-    paper's authors: 2). ``out_dir``: another folder or URI for the outputs.
+    paper's authors: 2). ``out_dir``: another folder or URI for the outputs. ``seeds`` and ``fixed_run``: as
+    :func:`run_analysis`.
     """
     return run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by,
-                        round_to=round_to, out_dir=out_dir, figures=figures).tables
+                        round_to=round_to, out_dir=out_dir, figures=figures, seeds=seeds, fixed_run=fixed_run).tables

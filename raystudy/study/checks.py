@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pyarrow.fs as pafs
 
 from raystudy import storage
+from raystudy.analysis.options import check_selection
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import check_pretrain_split
 from raystudy.data.splits import SPLITS
@@ -50,7 +51,7 @@ def validate(spec: StudySpec, *, files: bool = True) -> None:
     """
     for check in (_check_names, _check_grid, _check_datasets, _check_protocol, _check_dataset_overrides,
                   _check_grid_size, _check_resources, _check_tracking, _check_plasticity, _check_pretrain,
-                  _check_probe):
+                  _check_probe, _check_analysis):
         check(spec)
     if files:
         check_files(spec)
@@ -221,6 +222,15 @@ def _check_probe(spec: StudySpec) -> None:
     if spec.probe.enabled:
         for name, why in problems(spec.probe, ProbeSettings):
             raise SpecError(f"probe.{name}: {getattr(spec.probe, name)!r} {why}")
+
+
+def _check_analysis(spec: StudySpec) -> None:
+    """``analysis_seeds`` and ``fixed_run`` as the analysis takes them (``seeds``, ``fixed_run``)."""
+    try:
+        check_selection(spec.analysis_seeds, spec.fixed_run)
+    except ValueError as e:
+        why = str(e)
+        raise SpecError("analysis_" + why if why.startswith("seeds:") else why) from None
 
 
 def dataset_store_problem(spec: StudySpec, path: str) -> tuple[dict | None, str | None]:

@@ -235,6 +235,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
     pretrain: PretrainSpec = setting(factory=PretrainSpec, cli=False, help="the demo's pretraining")
     probe: ProbeSpec = setting(factory=ProbeSpec, cli=False, help="the linear probe")
     analysis: bool = setting(True, help="write the analysis (tables, figures, report.html) at the end")
+    analysis_seeds: list[int] | None = setting(None, cli=False, help="the analysis counts these seeds only")
+    fixed_run: dict | None = setting(None, cli=False, help="the report also draws the runs at this {dataset, seed, lr}")
     tracking: list[str] = setting(factory=list, metavar="LIST",
                                   help="experiment trackers every trial also logs to (wandb, mlflow)")
 

@@ -1,0 +1,89 @@
+"""Analysis options the paper presets set (issue #20 item 6): ``seeds`` (the paper's Table 9 reads seed 0
+alone: apps/plots/ablation_model_size.py ``table_results(..., seeds=[0])``, mean and np.std over the lr grid)
+and ``fixed_run`` (the paper's Fig. 5, middle and right: apps/plots/finetuning.py draws Sketch's runs at seed
+42, lr 1e-2, next to which raystudy keeps its best-run figure). Checked against hand computations on the
+synthetic trials table of tests/test_analysis.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from test_analysis import make_study
+
+from raystudy.analysis import figures as F
+from raystudy.analysis.html_report import write_report
+from raystudy.analysis.options import check_selection
+from raystudy.analysis.pipeline import run_analysis
+from raystudy.study.checks import SpecError
+from raystudy.study.spec import load_preset
+
+FIXED = {"dataset": "sketch", "seed": 42, "lr": 0.01}
+
+
+def _study(tmp_path):
+    return make_study(tmp_path / "study", datasets=("clipart", "sketch"), failures=False, head=False,
+                      plasticity=False, bounds=False)
+
+
+def test_seeds_keep_only_those_seeds_trials_in_the_tables(tmp_path):
+    path = _study(tmp_path)
+    res = run_analysis(path, seeds=[0], figures=False)
+    trials = pd.read_parquet(path / "trials.parquet")
+    got = res.tables["lr_grid"].set_index(["dataset", "optimizer", "configuration"])
+    for (ds, opt, config), rows in trials[trials["seed"] == 0].groupby(["dataset", "optimizer", "configuration"]):
+        values = [float(v) for v in rows.sort_values("lr")["test_acc"]]  # one per lr: seed 0 alone
+        assert got.loc[(ds, opt, config), "mean"] == pytest.approx(sum(values) / len(values))
+        assert got.loc[(ds, opt, config), "std"] == pytest.approx(float(np.std(values)))  # ddof 0, as np.std
+        assert got.loc[(ds, opt, config), "n_trials"] == len(values)
+    every = run_analysis(path, out_dir=tmp_path / "every", figures=False).tables["lr_grid"]
+    assert (every["n_trials"] == 3 * got["n_trials"].to_numpy()).all()  # three seeds without the option
+    assert any("Seeds 0 only" in n and f"{2 * len(trials) // 3} trial(s)" in n for n in res.notes)
+
+
+def test_fixed_run_figure_draws_exactly_those_runs(tmp_path, monkeypatch):
+    drawn, real = [], F.plot_curves
+
+    def recording(curves, runs, path_stem, **kw):
+        drawn.append((str(path_stem), kw.get("legend"), sorted(runs["trial_id"])))
+        return real(curves, runs, path_stem, **kw)
+
+    monkeypatch.setattr(F, "plot_curves", recording)
+    path = _study(tmp_path)
+    res = run_analysis(path, fixed_run=FIXED)
+    trials = pd.read_parquet(path / "trials.parquet")
+    want = trials[(trials["dataset"] == "sketch") & (trials["seed"] == 42) & np.isclose(trials["lr"], 0.01)]
+    assert set(want["optimizer"]) == {"sgd"} and len(want) == 6  # LN1 ... FC2 and All, one run each
+    (fixed,) = [d for d in drawn if d[1] == "fixed run"]
+    assert fixed[0].endswith("curves_fixed_sketch_sgd") and fixed[2] == sorted(want["trial_id"])
+    names = [f.name for f in res.figures]
+    assert names.index("curves_fixed_sketch_sgd") == names.index("curves_sketch_sgd") + 1  # beside the best runs
+    info = res.figures[names.index("curves_fixed_sketch_sgd")]
+    assert all(p.exists() and p.stat().st_size > 0 for p in info.paths)
+    assert not any(n.startswith("fixed_run") for n in res.notes)
+
+
+def test_a_missing_fixed_run_is_a_note_in_the_report(tmp_path):
+    path = _study(tmp_path)
+    res = run_analysis(path, fixed_run={**FIXED, "seed": 7})
+    assert "curves_fixed_sketch_sgd" not in [f.name for f in res.figures]
+    note = ("fixed_run: no run with curves on sketch at seed 7, lr 0.01: the fixed-run figure (the paper's "
+            "Fig. 5, middle and right) is omitted.")
+    assert note in res.notes
+    html = write_report(res).read_text(encoding="utf-8")
+    assert "no run with curves on sketch at seed 7" in html
+
+
+def test_option_checks_and_the_presets():
+    check_selection([0], FIXED)
+    for seeds, fixed, match in (([], None, "seeds"), (["0"], None, "seeds"), (None, {"dataset": "sketch"}, "fixed_run"),
+                                (None, {**FIXED, "lr": -1}, "fixed_run")):
+        with pytest.raises(ValueError, match=match):
+            check_selection(seeds, fixed)
+    spec = load_preset("paper").with_overrides({"fixed_run": {"dataset": "sketch", "seed": 42}})
+    with pytest.raises(SpecError, match="^fixed_run: a mapping of dataset, seed, lr"):
+        spec.validate(check_files=False)
+    with pytest.raises(SpecError, match="^analysis_seeds: a non-empty list"):
+        load_preset("paper").with_overrides({"analysis_seeds": []}).validate(check_files=False)
+    assert load_preset("paper").fixed_run == FIXED and load_preset("paper").analysis_seeds is None
+    assert load_preset("paper-model-size").analysis_seeds == [0]
