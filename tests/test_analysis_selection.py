@@ -87,3 +87,21 @@ def test_option_checks_and_the_presets():
         load_preset("paper").with_overrides({"analysis_seeds": []}).validate(check_files=False)
     assert load_preset("paper").fixed_run == FIXED and load_preset("paper").analysis_seeds is None
     assert load_preset("paper-model-size").analysis_seeds == [0]
+
+
+def test_the_cli_reaches_both_options(tmp_path, capsys):
+    from raystudy.cli import main
+
+    path = _study(tmp_path)
+    out = tmp_path / "cli"
+    assert main(["analyze", str(path), "--out", str(out), "--seeds", "0", "--fixed-run", "sketch,0,0.01"]) == 0
+    want = run_analysis(path, seeds=[0], figures=False, out_dir=tmp_path / "api").tables["lr_grid"]
+    got = pd.read_csv(out / "lr_grid.csv")
+    assert got["n_trials"].tolist() == want["n_trials"].tolist()
+    assert got["mean"].to_numpy() == pytest.approx(want["mean"].to_numpy())
+    assert (out / "figures" / "curves_fixed_sketch_sgd.png").exists()  # a seed --seeds keeps
+    for flag, value, match in (("--seeds", "0,x", "'0,x': a comma-separated list of integer seeds"),
+                               ("--fixed-run", "sketch,42", "'sketch,42': expected DATASET,SEED,LR")):
+        with pytest.raises(SystemExit):
+            main(["analyze", str(path), flag, value])
+        assert match in capsys.readouterr().err

@@ -7,12 +7,40 @@ import argparse
 from raystudy.analysis.options import (
     ALTERNATIVES,
     DEFAULT_ALTERNATIVE,
+    DEFAULT_FIXED_RUN,
     DEFAULT_PAIR_BY,
     DEFAULT_REFERENCE,
     DEFAULT_ROUND,
+    DEFAULT_SEEDS,
+    FIXED_RUN_KEYS,
     PAIR_BY,
+    check_selection,
 )
 from raystudy.vocab import TRIALS_CONFIGURATIONS
+
+
+def _seeds(text: str) -> list[int]:
+    """``--seeds 0,42`` -> ``[0, 42]``."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+        check_selection(seeds, None)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integer seeds ({e})") from None
+    return seeds
+
+
+def _fixed_run(text: str) -> dict:
+    """``--fixed-run sketch,42,0.01`` -> ``{"dataset": "sketch", "seed": 42, "lr": 0.01}``."""
+    parts = text.split(",")
+    try:
+        if len(parts) != len(FIXED_RUN_KEYS):
+            raise ValueError(f"{len(parts)} value(s)")
+        run = dict(zip(FIXED_RUN_KEYS, (parts[0], int(parts[1]), float(parts[2]))))
+        check_selection(None, run)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {','.join(k.upper() for k in FIXED_RUN_KEYS)}, "
+                                         f"e.g. sketch,42,0.01 ({e})") from None
+    return run
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -30,6 +58,12 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round", dest="round_to", type=int, default=DEFAULT_ROUND, metavar="N",
                    help="test the accuracies rounded to N decimals of a percent, as a table prints them (the "
                         "paper's authors test their Table 8's two-decimal values: --round 2; default: unrounded)")
+    p.add_argument("--seeds", type=_seeds, default=DEFAULT_SEEDS, metavar="S,S",
+                   help="only these seeds' trials in every table and figure (the paper's Table 9: --seeds 0; "
+                        "default: every seed)")
+    p.add_argument("--fixed-run", type=_fixed_run, default=DEFAULT_FIXED_RUN, metavar="DATASET,SEED,LR",
+                   help="also draw the curves of each configuration's run at this dataset, seed and lr (the "
+                        "paper's Fig. 5: sketch,42,0.01; default: the best runs only)")
 
 
 def register(subparsers) -> None:
@@ -53,7 +87,8 @@ def _analysis(args: argparse.Namespace, *, figures: bool = True):
     from raystudy.analysis.pipeline import run_analysis  # torch, pandas, matplotlib: --help stays light
 
     res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
-                       pair_by=args.pair_by, round_to=args.round_to, out_dir=args.out, figures=figures)
+                       pair_by=args.pair_by, round_to=args.round_to, out_dir=args.out, figures=figures,
+                       seeds=args.seeds, fixed_run=args.fixed_run)
     for note in res.notes:
         print(f"note: {note}")
     return res

@@ -27,6 +27,9 @@ from raystudy.data.images import check_image
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+#: the random resized crop's area fraction (torchvision's default, the paper's) and aspect ratio range
+CROP_SCALE = (0.08, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
 
 
 def decode(image: bytes | torch.Tensor, *, source: str = "image") -> torch.Tensor:
@@ -52,16 +55,16 @@ def eval_transform(size: int = 224) -> T.Compose:
     ])
 
 
-def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0)) -> T.Compose:
+def train_transform(size: int = 224, scale: tuple[float, float] = CROP_SCALE) -> T.Compose:
     return T.Compose([
-        T.RandomResizedCrop(size, scale=scale, antialias=True),
+        T.RandomResizedCrop(size, scale=scale, ratio=CROP_RATIO, antialias=True),
         T.RandomHorizontalFlip(),
         T.ToDtype(torch.float32, scale=True),
         T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])
 
 
-def train_params(image: torch.Tensor, seed: int, scale: tuple[float, float] = (0.08, 1.0)
+def train_params(image: torch.Tensor, seed: int, scale: tuple[float, float] = CROP_SCALE
                  ) -> tuple[int, int, int, int, bool]:
     """The crop box ``(top, left, h, w)`` (``image``'s pixels) and flip that :func:`train_transform` draws for
     ``image`` ``(3, H, W)`` under the per-image ``seed``: torch's generator seeded as :func:`transform_batch`
@@ -69,7 +72,7 @@ def train_params(image: torch.Tensor, seed: int, scale: tuple[float, float] = (0
     ``RandomHorizontalFlip``'s ``rand(1) < 0.5``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        p = T.RandomResizedCrop(1, scale=scale, antialias=True).make_params([image])
+        p = T.RandomResizedCrop(1, scale=scale, ratio=CROP_RATIO, antialias=True).make_params([image])
         flip = bool(torch.rand(1) < 0.5)
     return int(p["top"]), int(p["left"]), int(p["height"]), int(p["width"]), flip
 

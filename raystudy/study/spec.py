@@ -56,6 +56,7 @@ from typing import Any, ClassVar
 import yaml
 
 from raystudy import storage
+from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_SEEDS
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -88,13 +89,7 @@ from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTO
     load_yaml,
     unknown_field,
 )
-from raystudy.vocab import (
-    BASELINES,
-    COMPONENTS,
-    EXECUTIONS,
-    LINEAR_PROBE,
-    SEARCHES,
-)
+from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +230,9 @@ class StudySpec(ModelSettings, ProtocolSettings):
     pretrain: PretrainSpec = setting(factory=PretrainSpec, cli=False, help="the demo's pretraining")
     probe: ProbeSpec = setting(factory=ProbeSpec, cli=False, help="the linear probe")
     analysis: bool = setting(True, help="write the analysis (tables, figures, report.html) at the end")
-    analysis_seeds: list[int] | None = setting(None, cli=False, help="the analysis counts these seeds only")
-    fixed_run: dict | None = setting(None, cli=False, help="the report also draws the runs at this {dataset, seed, lr}")
+    analysis_seeds: list[int] | None = setting(DEFAULT_SEEDS, cli=False, help="the analysis counts these seeds only")
+    fixed_run: dict | None = setting(DEFAULT_FIXED_RUN, cli=False,
+                                     help="the report also draws the runs at this {dataset, seed, lr}")
     tracking: list[str] = setting(factory=list, metavar="LIST",
                                   help="experiment trackers every trial also logs to (wandb, mlflow)")
 

@@ -23,10 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raystudy.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from raystudy.data.transforms import CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD
 
-SCALE = (0.08, 1.0)
-RATIO = (3 / 4, 4 / 3)
 ATTEMPTS = 10
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -59,8 +57,8 @@ def _fallback(height: np.ndarray, width: np.ndarray, ratio: tuple[float, float])
     return h, w
 
 
-def sample_crops(seeds: np.ndarray, height, width, scale: tuple[float, float] = SCALE,
-                 ratio: tuple[float, float] = RATIO, attempts: int = ATTEMPTS) -> tuple[np.ndarray, np.ndarray]:
+def sample_crops(seeds: np.ndarray, height, width, scale: tuple[float, float] = CROP_SCALE,
+                 ratio: tuple[float, float] = CROP_RATIO, attempts: int = ATTEMPTS) -> tuple[np.ndarray, np.ndarray]:
     """Crop boxes ``(B, 4)`` int64 ``(top, left, h, w)`` and flips ``(B,)`` bool of images ``height x width``
     (each an int or a ``(B,)`` array: one size per image).
 
