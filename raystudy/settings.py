@@ -39,13 +39,16 @@ from typing import Any
 
 from raystudy.vocab import DATA_PATHS, GATED_FC1, MHA_INPUTS, MODES, OPTIMIZERS, PAIRINGS, PRECISIONS, TEXT_ROWS
 
-#: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's) or zeros (the original
-#: ViT finetuning recipe).
-#: the new head: truncated normal (std 0.02), zeros, or nn.Linear's own default (the paper authors' head)
+#: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's), zeros (the original ViT
+#: finetuning recipe) or nn.Linear's own default (the paper authors' head).
 HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
 #: How val/test accuracy is averaged: over images, or the mean over eval batches of each batch's
 #: accuracy (the paper authors' run_evaluation, where a short last batch weighs as a full one).
 ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
+#: Which rows a run trains on and validates on: the store's own train/val split, or the store's train and
+#: val rows pooled and split anew by the run's seed in the same sizes (the paper authors' random_split per
+#: run, :func:`raystudy.core.finetune.data.per_seed_rows`).
+VAL_SPLITS: tuple[str, ...] = ("fixed", "per_seed")
 #: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
 DEFAULT_MODEL = "vit_base_patch16_224.augreg_in21k"
 #: Fraction of a run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
@@ -365,6 +368,9 @@ class ProtocolSettings(DeviceSettings):
     accuracy: str = setting("per_sample", choices=ACCURACIES,
                             help="val/test accuracy: over images (per_sample) or the mean of the accuracies of "
                                  "the split's consecutive eval_batch_size batches (per_batch: the authors')")
+    val_split: str = setting("fixed", choices=VAL_SPLITS,
+                             help="fixed: the store's train/val split for every seed; per_seed: train and val "
+                                  "pooled and split anew by each run's seed, sizes kept (the authors')")
     eval_cache_mb: int = setting(512, check="non_negative_int",
                                  help="val/test data kept resident per worker up to this size")
     loader_workers: int = setting(0, check="non_negative_int", help="DataLoader processes per worker (decode path)")

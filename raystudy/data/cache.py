@@ -144,6 +144,15 @@ def kind_of(split: str, augment: bool) -> str:
     return kind_for(split == "train" and augment)
 
 
+def kinds_read(split: str, augment: bool, val_split: str = "fixed") -> tuple[str, ...]:
+    """Every kind a finetuning run reads of ``split``: :func:`kind_of`'s; under ``val_split: per_seed`` the
+    train and val rows are pooled (:func:`raystudy.core.finetune.data.per_seed_rows`), so that each of the
+    two splits is read both as the run's train split (``full`` when it augments) and as its val (``eval``)."""
+    if val_split == "per_seed" and split in ("train", "val"):
+        return tuple(dict.fromkeys((kind_for(augment), kind_for(False))))
+    return (kind_of(split, augment),)
+
+
 def _shard_rows(images: list, kind: str, size: int) -> list[tuple[np.ndarray, tuple[int, int]]]:
     """``(pixels (3, h, w) uint8, original (H, W))`` of each encoded image (one torch thread: per-image
     work, see transforms)."""

@@ -155,7 +155,7 @@ def prepare_candidates(
     # counts land in it (and nothing is dropped silently).
     info = {
         "splits": {"rule": AUTHORS_RULE if split_rule == "authors" else RULE, "split_rule": split_rule,
-                   "key_name": split_name, "pooled": sorted(pool)},
+                   "key_name": split_name, "pooled": sorted(pool), "val": _val_origin(chosen, low_data, pool)},
         "low_data": _low_data_info(low_data, len(classes), source),
         "skipped": {"count": 0, "items": []},
         "reencoded": 0,
@@ -164,6 +164,13 @@ def prepare_candidates(
     rows = _load_rows(chosen, info, name=name, on_bad_image=on_bad_image, workers=workers, progress=progress)
     return write_store(rows, out, name=name, source=source, classes=classes, rows_per_shard=rows_per_shard,
                        extra=info, allow_empty=False)
+
+
+def _val_origin(chosen: list[tuple[Candidate, str]], low_data: str | None, pool: tuple[str, ...]) -> str:
+    """``"official"`` when the store's val rows are the source's own validation split (kept: not pooled, no
+    low-data draw), else ``"drawn"`` (:data:`~raystudy.data.splits.VAL_ORIGINS`)."""
+    official = low_data is None and "val" not in pool and any(c.split == "val" for c, _ in chosen)
+    return "official" if official else "drawn"
 
 
 def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...], split_rule: str,

@@ -52,6 +52,11 @@ AUTHORS_SEED = 42
 AUTHORS_TRAIN_SIZE = 0.8
 AUTHORS_LOW_DATA = 1000
 AUTHORS_PER_CLASS = {"domainnet": 10}
+#: Where a store's ``val`` rows come from (``dataset.json`` ``splits.val``): the source's own validation
+#: split, or drawn from its training rows (rule 3, or a low-data variant).
+VAL_ORIGINS: tuple[str, ...] = ("official", "drawn")
+#: Sources whose stores keep the source's own val split (for stores written before ``splits.val``).
+OFFICIAL_VAL_SOURCES: tuple[str, ...] = ("flowers102",)
 
 RULE = (
     "official splits kept; no official test: round(0.2 n) to test by stratified_take(name, 'test'); "
@@ -187,3 +192,12 @@ def authors_low_data(labels: Sequence[int], n_classes: int, per_class: int) -> l
         if len(members):
             chosen.extend(int(i) for i in rng.permutation(members)[:per_class])
     return chosen
+
+
+def val_origin(meta: dict) -> str:
+    """``"official"`` or ``"drawn"``: where the val rows of the store of ``dataset.json`` ``meta`` come from
+    (its ``splits.val``; a store written before it: official for :data:`OFFICIAL_VAL_SOURCES`)."""
+    origin = (meta.get("splits") or {}).get("val")
+    if origin in VAL_ORIGINS:
+        return origin
+    return "official" if meta.get("source") in OFFICIAL_VAL_SOURCES else "drawn"

@@ -19,6 +19,11 @@ Two data paths (``FinetuneConfig.data_path``) read the same rows in the same ord
   normalises the batch on the training device. Without augmentation, and for evaluation, both paths give
   the same tensors (the cache holds the eval transform's own uint8 pixels).
 
+Under ``val_split: per_seed`` (:func:`per_seed_rows`) a run's train and val splits are drawn anew from the
+store's train and val rows pooled, by the run's seed (the paper authors' ``random_split`` per run): both are
+:class:`PooledSplitData` views of the two splits' data, and each image keeps its augmentation seed (its
+stable index). A store whose val split is the source's own (Flowers102) keeps it, as the authors do.
+
 A text store (``kind: text``) has one data path whatever ``data_path`` says (:class:`~.text.TextSplitData`:
 texts tokenised once to ``seq_len`` tokens, no augmentation, no cache); :func:`open_split_data` picks it
 by the store's kind, and the data order above is the same.
@@ -37,6 +42,7 @@ from raystudy.core.finetune.augment import augment, sample_crops, to_float, to_s
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.finetune.text import TextBatch, TextSplitData, is_text_store, open_text_split
 from raystudy.data.cache import ImageCache, kind_for, kind_of
+from raystudy.data.splits import val_origin
 from raystudy.data.store import Store, read_split
 from raystudy.data.transforms import sample_seed, transform_batch
 
@@ -180,20 +186,133 @@ def to_device(batch, device: torch.device, *, size: int | None = None,
     return x, y
 
 
-def open_split_data(cfg: FinetuneConfig, split: str,
-                    store: Store | None = None) -> SplitData | CachedSplitData | TextSplitData:
-    """The data of ``split``: a text store's tokenised texts (:func:`~.text.open_text_split`), else the
-    images on ``cfg.data_path``, the train split cropped when ``cfg.augment``. ``store``: ``cfg.store``
-    already opened (its ``dataset.json`` is then not read again)."""
-    store = Store.open(cfg.store if store is None else store)
+#: Tag of the per-seed train/val draw in its generator's seed, apart from the epochs' orders' ``(seed, e)``.
+VAL_SPLIT_TAG = 0x5EED_7A1
+#: The share of the pooled rows a per-seed split trains on (the authors' ``train_size``).
+PER_SEED_TRAIN = 0.8
+
+
+def per_seed_rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in a pool of ``n`` rows of the train and val splits of a run with seed ``seed`` under
+    ``val_split: per_seed``: a permutation seeded by ``(seed, VAL_SPLIT_TAG)``, its first ``int(0.8 n)``
+    positions train and the rest val, in permutation order (the lengths and order of the authors'
+    ``random_split(train_set, [int(0.8 n), n - int(0.8 n)])``; not their indices, which depend on their
+    global RNG's state)."""
+    perm = np.random.default_rng([seed, VAL_SPLIT_TAG]).permutation(n).astype(np.int64)
+    k = int(PER_SEED_TRAIN * n)
+    return perm[:k], perm[k:]
+
+
+def pools_val(cfg: FinetuneConfig, store: Store) -> bool:
+    """Whether a run of ``cfg`` on ``store`` draws its train and val splits per seed: ``val_split:
+    per_seed`` and a store whose val rows were drawn from its training rows (:func:`~raystudy.data.splits.
+    val_origin`; a source's own val split is kept, as the authors keep Flowers102's)."""
+    return cfg.val_split == "per_seed" and val_origin(store.meta) == "drawn"
+
+
+def _open_one(cfg: FinetuneConfig, split: str, store: Store, crop: bool):
+    """The data of the store's own ``split``, cropped (``full`` cache kind) when ``crop``."""
     if is_text_store(store):
         return open_text_split(cfg, split, store)
     if cfg.data_path == "decode":
         return SplitData(store, split)
+    return CachedSplitData(store, split, size=cfg.img_size, crop=crop, root=cfg.cache_dir)
 
+
+def open_split_data(cfg: FinetuneConfig, split: str,
+                    store: Store | None = None) -> SplitData | CachedSplitData | TextSplitData | PooledSplitData:
+    """The data of ``split``: a text store's tokenised texts (:func:`~.text.open_text_split`), else the
+    images on ``cfg.data_path``, the train split cropped when ``cfg.augment``; the run's per-seed train or
+    val split (:class:`PooledSplitData`) when :func:`pools_val`. ``store``: ``cfg.store`` already opened
+    (its ``dataset.json`` is then not read again)."""
+    store = Store.open(cfg.store if store is None else store)
     crop = kind_of(split, cfg.augment) == kind_for(True)
-    return CachedSplitData(store, split, size=cfg.img_size, crop=crop,
-                           root=cfg.cache_dir)
+    if split not in ("train", "val") or not pools_val(cfg, store):
+        return _open_one(cfg, split, store, crop)
+    parts = [_open_one(cfg, s, store, crop) for s in ("train", "val")]
+    sizes = [len(d) for d in parts]
+    part = np.repeat(np.arange(2), sizes)
+    local = np.concatenate([np.arange(k, dtype=np.int64) for k in sizes])
+    train, val = per_seed_rows(sum(sizes), cfg.seed)
+    chosen = train if split == "train" else val
+    return PooledSplitData(parts, part[chosen], local[chosen], split)
+
+
+class PooledSplitData:
+    """Rows of two or more splits' data seen as one split: row ``k`` is row ``local[k]`` of
+    ``parts[part[k]]``. Batches are the parts' own (each image with its own index, hence its own
+    augmentation seed), put back in the order of the rows asked for."""
+
+    def __init__(self, parts: list, part: np.ndarray, local: np.ndarray, split: str):
+        self.parts, self.part, self.local, self.split = parts, np.asarray(part), np.asarray(local), split
+        self.labels = np.empty(len(self.part), np.int64)
+        self.indices = np.empty(len(self.part), np.int64)
+        for i, d in enumerate(parts):
+            m = self.part == i
+            self.labels[m], self.indices[m] = d.labels[self.local[m]], d.indices[self.local[m]]
+
+    def __len__(self) -> int:
+        return len(self.part)
+
+    def _pieces(self, method: str, rows: np.ndarray, epochs: np.ndarray | None, **kw) -> list:
+        rows = np.asarray(rows, dtype=np.int64)
+        epochs = np.zeros(len(rows), np.int64) if epochs is None else np.asarray(epochs)
+        part, local = self.part[rows], self.local[rows]
+        out = []
+        for i, d in enumerate(self.parts):
+            pos = np.flatnonzero(part == i)
+            if len(pos):
+                out.append((pos, getattr(d, method)(local[pos], epochs=epochs[pos], **kw)))
+        return out
+
+    def batch(self, rows: np.ndarray, *, size: int, train: bool, seed: int = 0, epochs: np.ndarray | None = None):
+        """The parts' batch of ``rows`` (a :class:`CacheBatch`, ``(x, y)`` or :class:`~.text.TextBatch`)."""
+        return merge_batches(self._pieces("batch", rows, epochs, size=size, train=train, seed=seed), len(rows))
+
+    def load(self, rows: np.ndarray, *, size: int, train: bool, seed: int = 0,
+             epochs: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, 3, size, size)`` float32 images and ``(B,)`` labels on the CPU (as :meth:`SplitData.load`)."""
+        return merge_batches(self._pieces("load", rows, epochs, size=size, train=train, seed=seed), len(rows))
+
+
+def _scatter(pieces: list[tuple[np.ndarray, torch.Tensor]], n: int) -> torch.Tensor:
+    """One ``(n, ...)`` tensor whose rows ``pos`` are each piece's rows."""
+    first = pieces[0][1]
+    out = first.new_empty((n, *first.shape[1:]))
+    for pos, t in pieces:
+        out[torch.from_numpy(pos)] = t
+    return out
+
+
+def merge_batches(pieces: list[tuple[np.ndarray, object]], n: int):
+    """The batch of ``n`` rows made of ``pieces`` ``(positions, batch of those rows)`` (all one type)."""
+    if len(pieces) == 1:
+        return pieces[0][1]  # positions 0..n-1 in order
+    first = pieces[0][1]
+    if isinstance(first, CacheBatch) and first.shapes is not None:  # flat crops: 3 h w bytes per row
+        chunks: list = [None] * n
+        for pos, b in pieces:
+            sizes = (3 * b.shapes[:, 0] * b.shapes[:, 1]).tolist()
+            for p, chunk in zip(pos, torch.split(b.images, sizes)):
+                chunks[p] = chunk
+        return CacheBatch(torch.cat(chunks), _scatter([(p, b.labels) for p, b in pieces], n),
+                          _scatter([(p, b.shapes) for p, b in pieces], n),
+                          _scatter([(p, b.flips) for p, b in pieces], n))
+    if isinstance(first, (CacheBatch, TextBatch)):
+        fields = [None if getattr(first, f) is None else _scatter([(p, getattr(b, f)) for p, b in pieces], n)
+                  for f in first._fields]
+        return type(first)(*fields)
+    return tuple(_scatter([(p, b[k]) for p, b in pieces], n) for k in range(len(first)))
+
+
+def resident_bytes_per_image(data, img_size: int) -> float | None:
+    """Bytes one evaluation image of ``data`` takes when kept resident: the cache's uint8 rows, the decode
+    path's float32 tensors; ``None`` for text (not kept)."""
+    if isinstance(data, PooledSplitData):
+        return resident_bytes_per_image(data.parts[0], img_size)
+    if isinstance(data, CachedSplitData):
+        return data.cache.bytes_per_image
+    return 3 * img_size ** 2 * 4 if isinstance(data, SplitData) else None
 
 
 def prepare_caches(cfg: FinetuneConfig) -> None:

@@ -18,7 +18,14 @@ from torch import nn
 from raystudy.core.components import get_adapter
 from raystudy.core.expressions import LoRA, parse
 from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
-from raystudy.core.finetune.data import CachedSplitData, MicroBatches, SplitData, open_split_data, to_device
+from raystudy.core.finetune.data import (
+    CacheBatch,
+    MicroBatches,
+    open_split_data,
+    pools_val,
+    resident_bytes_per_image,
+    to_device,
+)
 from raystudy.core.finetune.outputs import run_summary
 from raystudy.core.finetune.selection import build_finetune_model, enable_fused_attention, select_for
 from raystudy.core.finetune.state import (
@@ -157,7 +164,7 @@ class Finetuner:
         self.optimizer = make_optimizer(self.trainable, cfg)  # fused kernels on CUDA
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.train_data = open_split_data(cfg, "train", self.store)
-        self._eval_data: dict[str, SplitData | CachedSplitData] = {}
+        self._eval_data: dict[str, object] = {}  # split -> its data (open_split_data)
         self._eval_cache: dict[str, list] = {}
         # the run's progress and results (all of it is checkpointed, see state_dict)
         self.step, self.status, self.diverged_step = 0, "ok", None
@@ -345,14 +352,12 @@ class Finetuner:
             self._eval_data[split] = open_split_data(self.cfg, split, self.store)
         data = self._eval_data[split]
         rows = self._eval_rows(len(data))
-        cached = isinstance(data, CachedSplitData)
-        per_image = (data.cache.bytes_per_image if cached  # uint8
-                     else 3 * self.cfg.img_size ** 2 * 4 if isinstance(data, SplitData) else None)  # float32
+        per_image = resident_bytes_per_image(data, self.cfg.img_size)
         keep = per_image is not None and len(rows) * per_image <= self.cfg.eval_cache_mb * 2 ** 20
         out = []
         for i in range(0, len(rows), self.cfg.eval_batch_size):
             b = data.batch(rows[i:i + self.cfg.eval_batch_size], size=self.cfg.img_size, train=False)
-            if cached and keep:  # a CacheBatch without crops: its uint8 rows and labels stay on the device
+            if isinstance(b, CacheBatch) and keep:  # no crops: its uint8 rows and labels stay on the device
                 b = b._replace(images=b.images.to(self.device), labels=b.labels.to(self.device))
             if keep:
                 out.append(b)
@@ -406,6 +411,7 @@ class Finetuner:
         return {"step": self.step, "samples_seen": seen, "epoch": seen // n, "position_in_epoch": seen % n,
                 "train_rows": n, "seed": self.cfg.seed, "batch_size": self.cfg.batch_size,
                 "shuffle": self.cfg.shuffle, "augment": self.cfg.augment, "data_path": self.cfg.data_path,
+                "val_split": "per_seed" if pools_val(self.cfg, self.store) else "fixed",
                 "checksum": self.meta.get("checksum")}
 
     def state_dict(self) -> dict:
