@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 from raystudy.core.models import WeightsError, check_weights_format
-from raystudy.data.cache import kind_of
+from raystudy.data.cache import kinds_read
 from raystudy.data.store import SPLITS, read_meta
 from raystudy.distributed.cache import build_caches
 from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
@@ -193,8 +193,9 @@ def build_study_caches(spec: StudySpec, points: list[dict] | None, echo: Echo = 
     if spec.data_path != "cache":
         return {}
     names = list(spec.datasets) if points is None else sorted({p["dataset"] for p in points})
-    return build_caches([spec.store_path(spec.datasets[d]) for d in names], SPLITS,
-                        [kind_of(s, spec.augment) for s in SPLITS], spec.img_size, spec.cache_dir,
+    reads = [(s, k) for s in SPLITS for k in kinds_read(s, spec.augment, spec.val_split)]
+    return build_caches([spec.store_path(spec.datasets[d]) for d in names], [s for s, _ in reads],
+                        [k for _, k in reads], spec.img_size, spec.cache_dir,
                         echo=lambda line: echo(f"[{spec.name}] {line}"))
 
 
