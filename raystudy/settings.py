@@ -353,6 +353,8 @@ class ProtocolSettings(DeviceSettings):
                                                 "whole share at once")
     augment: bool = setting(True, help="random-resized crop and flip on the train split")
     shuffle: bool = setting(True, help="a new seeded order of the train rows every epoch (else store order)")
+    drop_last: bool = setting(False, help="each epoch is whole batches only, its last train_rows mod batch_size "
+                                          "rows left out (the authors' DataLoader drop_last=True)")
     checkpoint_period: int | None = setting(None, check="optional_non_negative_int",
                                             help="checkpoint every N steps; None: every eval_period; 0: off")
     train_final_norm: bool = setting(False, help="also train the norm after the last block")

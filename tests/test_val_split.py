@@ -143,5 +143,38 @@ def test_cache_kinds_presets_and_the_spec():
     assert kinds_read("train", False, "per_seed") == ("eval",) and kinds_read("test", True, "per_seed") == ("eval",)
     assert "val_split" in StudySpec.TRIAL_FIELDS and StudySpec().val_split == "fixed"
     for name in ("paper", "paper-model-size", "paper-low-data"):
-        assert load_preset(name).val_split == "per_seed", name
-    assert load_preset("paper-vtab1k").val_split == "fixed"  # VTAB-1k's own train800 / val200
+        assert load_preset(name).val_split == "per_seed" and load_preset(name).drop_last, name
+    vtab = load_preset("paper-vtab1k")
+    assert (vtab.val_split, vtab.drop_last) == ("fixed", False)  # VTAB-1k's own train800 / val200
+
+
+def authors_epochs(n: int, b: int, orders: list[np.ndarray]) -> list[np.ndarray]:
+    """The batches of ``make_iterable(DataLoader(train_set, batch_size=b, shuffle=True, drop_last=True))``
+    (their data/images/utils.py), literally, with each epoch's shuffle given as ``orders[e]``."""
+    out = []
+    for order in orders:  # repeat(dataloader): one pass of the loader per epoch
+        sampler = iter(order.tolist())
+        batches = torch.utils.data.BatchSampler(sampler, batch_size=b, drop_last=True)
+        out += [np.array(batch) for batch in batches]
+    return out
+
+
+def test_drop_last_is_the_authors_loader_and_a_run_checks_it(store, tmp_path):
+    from raystudy.core.finetune.data import epoch_permutation, global_batch
+
+    n, b, seed = 11, 4, 3  # two whole batches per epoch, 3 rows left out each epoch
+    orders = [epoch_permutation(n, seed, e, True) for e in range(4)]
+    want = authors_epochs(n, b, orders)
+    got = [global_batch(s, n=n, batch_size=b, seed=seed, shuffle=True, drop_last=True) for s in range(8)]
+    assert all(np.array_equal(g[0], w) for g, w in zip(got, want, strict=True))
+    assert [int(g[1][0]) for g in got] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(len(set(g[1])) == 1 for g in got)
+    carried = global_batch(2, n=n, batch_size=b, seed=seed, shuffle=True)  # the default carries the tail over
+    assert carried[1].tolist() == [0, 0, 0, 1] and np.array_equal(carried[0][:3], orders[0][8:])
+    with pytest.raises(ValueError, match="store: drop_last: its 36 train rows hold no whole batch of batch_size=64"):
+        Finetuner(_cfg(store, tmp_path, batch_size=64, drop_last=True, data_path="decode"))
+    ft = Finetuner(_cfg(store, tmp_path / "run", batch_size=16, drop_last=True, steps=3, data_path="decode"))
+    ft.run()
+    pos = ft.state_dict()["data"]
+    assert (pos["epoch"], pos["position_in_epoch"], pos["drop_last"]) == (1, 16, True)  # 36 // 16 = 2 per epoch
+    assert "drop_last" in RESUME_KEYS and "drop_last" in StudySpec.TRIAL_FIELDS

@@ -455,7 +455,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
         "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search", "momentum", "betas",
         "weight_decay", "clip_norm", "head_init", "include_layerscale", "precision", "data_path", "accuracy",
-        "val_split",
+        "val_split", "drop_last",
     )
     #: what each finished trial's row records of how it ran, checked against the spec at every launch (a
     #: hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean): the dataset's resolved
