@@ -60,6 +60,15 @@ def warmup_of(steps: int, warmup_steps: int | None) -> int:
     return warmup_steps if warmup_steps is not None else int(round(WARMUP_FRACTION * steps))
 
 
+def accuracy_batches(protocol: Any) -> tuple[int, int] | None:
+    """The batch sizes ``(val, test)`` a ``per_batch`` accuracy averages over (``val_batch_size``, default
+    ``eval_batch_size``; then ``eval_batch_size``), ``None`` for ``per_sample``: what such an accuracy means,
+    compared by a resume and by a study directory."""
+    if protocol.accuracy != "per_batch":
+        return None
+    return (protocol.val_batch_size or protocol.eval_batch_size, protocol.eval_batch_size)
+
+
 # --------------------------------------------------------------------------------------------------
 # Declaring a setting
 # --------------------------------------------------------------------------------------------------
@@ -370,6 +379,9 @@ class ProtocolSettings(DeviceSettings):
     accuracy: str = setting("per_sample", choices=ACCURACIES,
                             help="val/test accuracy: over images (per_sample) or the mean of the accuracies of "
                                  "the split's consecutive eval_batch_size batches (per_batch: the authors')")
+    val_batch_size: int | None = setting(None, check="optional_positive_int",
+                                         help="per_batch accuracy on val: the batches it averages over (None: "
+                                              "eval_batch_size; the authors' ViT-L runs: 128)")
     val_split: str = setting("fixed", choices=VAL_SPLITS,
                              help="fixed: the store's train/val split for every seed; per_seed: train and val "
                                   "pooled and split anew by each run's seed, sizes kept (the authors')")

@@ -35,10 +35,10 @@ def store(tmp_path_factory):
     return str(path)
 
 
-def _finetuner(store, out, accuracy, **kw) -> Finetuner:
+def _finetuner(store, out, accuracy, val_batch_size=None, **kw) -> Finetuner:
     cfg = FinetuneConfig(model="vit_tiny_patch16_224", model_kwargs=TINY, img_size=32, store=store,
                          out_dir=str(out), steps=2, batch_size=4, augment=False, eval_batch_size=BATCH,
-                         accuracy=accuracy)
+                         accuracy=accuracy, val_batch_size=val_batch_size)
     return Finetuner(cfg, **kw)
 
 
@@ -129,3 +129,27 @@ def test_a_study_directory_keeps_its_accuracy_and_per_batch_its_batches():
     assert spec(accuracy="per_batch", eval_batch_size=512).conflicts(spec(accuracy="per_batch")) == [
         "accuracy: stored 'per_batch of 256', given 'per_batch of 512'"]
     assert spec(eval_batch_size=512).conflicts(spec()) == []
+
+
+def test_val_batch_size_batches_val_alone_and_a_resume_and_a_study_keep_it(store, tmp_path):
+    """The authors' ViT-L runs validate in batches of 128 (model_size.sh val_batch_size) and test in
+    batches of 512 (eval.py): val_batch_size sets val's batches, the test split keeps eval_batch_size's."""
+    from raystudy.core.finetune.state import ForeignCheckpoint
+    from raystudy.study.spec import StudySpec
+
+    ft = _finetuner(store, tmp_path / "a", "per_batch", val_batch_size=3)
+    for split, size in (("val", 3), ("test", BATCH)):
+        logits, y = _logits(ft, store, split)
+        assert ft.evaluate(split)[1] == pytest.approx(authors_accuracy(logits, y, size), abs=1e-7), split
+    assert authors_accuracy(*_logits(ft, store, "val"), 3) != pytest.approx(authors_accuracy(*_logits(ft, store, "val"),
+                                                                                             BATCH))
+    ft.save(tmp_path / "ckpt")
+    with pytest.raises(ForeignCheckpoint, match="accuracy_batches"):
+        _finetuner(store, tmp_path / "b", "per_batch", val_batch_size=4).load(tmp_path / "ckpt")
+    _finetuner(store, tmp_path / "c", "per_batch", val_batch_size=3).load(tmp_path / "ckpt")
+
+    def spec(**kw) -> StudySpec:
+        return StudySpec.from_dict({"name": "s", "datasets": {"a": "a"}, "accuracy": "per_batch", **kw})
+
+    assert spec(val_batch_size=128).conflicts(spec()) == [
+        "accuracy: stored 'per_batch of 256', given 'per_batch of 256 (val 128)'"]

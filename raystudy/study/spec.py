@@ -64,6 +64,7 @@ from raystudy.settings import (
     ProbeSettings,
     ProtocolSettings,
     ResourceSettings,
+    accuracy_batches,
     coerce,
     same_as,
     setting,
@@ -465,7 +466,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
     def trial_value(self, name: str) -> Any:
         """Field ``name`` as a trial uses it: ``img_size`` and ``warmup_steps`` with their None resolved
         (the model's size; 20% of ``steps``), so that a spec spelling the default and one leaving it out agree;
-        ``accuracy`` ``per_batch`` with its ``eval_batch_size`` (the batches its mean is over)."""
+        ``accuracy`` ``per_batch`` with the batches its mean is over (:func:`~raystudy.settings.accuracy_batches`)."""
         if name == "img_size":
             from raystudy.core.models import resolve_img_size  # torch (raystudy.core): --help stays light
 
@@ -473,7 +474,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
         if name == "warmup_steps":
             return warmup_of(self.steps, self.warmup_steps)
         if name == "accuracy" and self.accuracy == "per_batch":
-            return f"per_batch of {self.eval_batch_size}"
+            val, test = accuracy_batches(self)
+            return f"per_batch of {test}" + (f" (val {val})" if val != test else "")
         value = getattr(self, name)
         return tuple(value) if name == "betas" else value
     #: plasticity fields whose change alters which pairs (or bounds) a measured dataset's rows mean; with

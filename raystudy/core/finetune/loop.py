@@ -374,11 +374,14 @@ class Finetuner:
 
     def evaluate(self, split: str, model: nn.Module | None = None) -> tuple[float, float]:
         """Mean loss and accuracy (``cfg.accuracy``: per sample, or the mean over the split's consecutive
-        batches of ``cfg.eval_batch_size`` rows, whichever worker holds them; :func:`accuracy_of`) of ``model``
-        (default: the run's) on ``split`` over all workers (each evaluates its slice; sums all-reduced)."""
+        batches of ``cfg.eval_batch_size`` rows, on val ``cfg.val_batch_size`` when set, whichever worker holds
+        them; :func:`accuracy_of`) of ``model`` (default: the run's) on ``split`` over all workers (each
+        evaluates its slice; sums all-reduced)."""
         loss_sum, hits = evaluate(model if model is not None else self.model, self._eval_batches(split),
                                   device=self.device, precision=self.precision)
         rows, size = len(self._eval_data[split]), self.cfg.eval_batch_size
+        if split == "val" and self.cfg.val_batch_size:
+            size = self.cfg.val_batch_size  # the batches of a per_batch accuracy on val (forward passes unchanged)
         share = self._eval_rows(rows)
         correct = correct_by_batch(hits, int(share[0]) if len(share) else 0, rows, size)
         if self.all_reduce is not None and self.world_size > 1:

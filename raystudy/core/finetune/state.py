@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from raystudy.core.finetune.config import LEGACY_DEFAULTS, RENAMED_KEYS, RESUME_KEYS, FinetuneConfig
+from raystudy.settings import accuracy_batches
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,11 @@ def fingerprint(obj) -> str:
 
 
 def resume_config(cfg: FinetuneConfig) -> dict:
-    """The fields of ``cfg`` a checkpoint records and must agree on (:data:`RESUME_KEYS`)."""
-    return {k: v for k, v in cfg.to_dict().items() if k in RESUME_KEYS}
+    """The fields of ``cfg`` a checkpoint records and must agree on (:data:`RESUME_KEYS`), and the batches of a
+    per-batch accuracy (:func:`~raystudy.settings.accuracy_batches`)."""
+    batches = accuracy_batches(cfg)
+    return {**{k: v for k, v in cfg.to_dict().items() if k in RESUME_KEYS},
+            "accuracy_batches": None if batches is None else list(batches)}
 
 
 def write_checkpoint(directory: str | os.PathLike, state: dict | None, *, rank: int,
@@ -150,6 +154,7 @@ def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows:
     for k, v in LEGACY_DEFAULTS.items():  # a checkpoint older than the field ran its only behaviour
         saved.setdefault(k, v)
     saved.setdefault("precision", mine["precision"])  # older checkpoints did not record it
+    saved.setdefault("accuracy_batches", mine["accuracy_batches"])
     changed = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
     if changed:
         raise ForeignCheckpoint(f"checkpoint {directory} belongs to another run: (checkpoint, now) differ for "
