@@ -1,13 +1,14 @@
 """The driver side of a study's Tune experiment: tables and terminal kept up to date as trials end.
 
-:class:`StudyCallback` ingests each finished trial into ``trials.parquet`` / ``curves.parquet`` (atomic
-rewrites) and prints its line (:class:`~raystudy.study.progress.Progress`), plus a summary every minute.
+:class:`StudyCallback` adds each finished trial to ``trials.parquet`` / ``curves.parquet`` (its curves one
+new file, the trials table rewritten on a timer and at the experiment's end, each write atomic) and prints
+its line (:class:`~raystudy.study.progress.Progress`), plus a summary every minute.
 :func:`tracking_callbacks` are Ray Tune's own experiment-tracking integrations a spec asks for.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import tune
 
@@ -17,6 +18,9 @@ from raystudy.study.jobs import finetune_job
 from raystudy.study.progress import Progress
 from raystudy.study.results import ResultTables, trial_dir, trial_row
 from raystudy.study.spec import StudySpec
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def failed_trial_row(spec: StudySpec, point: dict[str, Any], error: BaseException | str) -> dict[str, Any]:
@@ -56,9 +60,10 @@ class StudyCallback(tune.Callback):
         if self.disk_full is None and disk_full(error):
             self.disk_full = where
 
-    def _write(self) -> None:
+    def _writing(self, action, *args) -> None:
+        """``action(*args)``, a write of the tables; an ``OSError`` (a full disk) is reported once and noted."""
         try:
-            self.tables.write()
+            action(*args)
         except OSError as e:
             self._note_disk_full("writing trials.parquet", e)
             if not self.write_failed:
@@ -67,25 +72,32 @@ class StudyCallback(tune.Callback):
                                    "the next run")
             self.write_failed = True
 
-    def _ingest(self, point: dict) -> tuple[dict | None, str | None]:
-        """The trial's row from its directory (``None`` if it wrote no summary) and why it has none."""
-        try:
-            row = self.tables.ingest(point, self.spec.model, self.spec.model_kwargs, write=False)
-        except Exception as e:  # a malformed summary: recorded as failed, the study goes on
-            return None, f"could not read the trial's summary: {e}"
-        return row, None if row is not None else "the trial ended without writing summary.json"
+    def flush(self) -> None:
+        """Write what the tables deferred (:meth:`ResultTables.flush`): at the experiment's end, and by the
+        launch when it stops in any other way (an interrupt, an error)."""
+        self._writing(self.tables.flush)
 
-    def _finish(self, trial, row: dict | None, error: str | None) -> None:
-        """Record the trial's row (a failed one with ``error`` when it has none of its own), with how many
-        times Tune restarted it, then write the tables and print its line."""
+    def _read(self, point: dict) -> tuple[dict | None, pd.DataFrame | None, str | None]:
+        """The trial's row and curves from its directory (``None`` if it wrote no summary) and why it has
+        no row."""
+        try:
+            found = self.tables.read_trial(point, self.spec.model, self.spec.model_kwargs)
+        except Exception as e:  # a malformed summary: recorded as failed, the study goes on
+            return None, None, f"could not read the trial's summary: {e}"
+        if found is None:
+            return None, None, "the trial ended without writing summary.json"
+        return *found, None
+
+    def _finish(self, trial, row: dict | None, curves: pd.DataFrame | None, error: str | None) -> None:
+        """Add the trial's row (a failed one with ``error`` when it has none of its own), with how many
+        times Tune restarted it, and its curves to the tables, then print its line."""
         point = trial.config["point"]
         if row is None:
             row = failed_trial_row(self.spec, point, error)
         row["trial_restarts"] = int(trial.run_metadata.num_failures)
-        self.tables.add(row, self.tables.curves.get(point["trial_id"]), write=False)
         if row["status"] == "failed":
             self._note_disk_full(f"trial {point['trial_id']}", row.get("error") or "")
-        self._write()
+        self._writing(self.tables.add, row, curves)
         self.progress.trial_finished(point["trial_id"], row)
 
     def on_trial_start(self, iteration, trials, trial, **info):
@@ -96,19 +108,21 @@ class StudyCallback(tune.Callback):
         self.progress.echo(f"[{self.progress.prefix}] retrying {tid} after a failure ({_error_line(trial)})")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        row, why = self._ingest(trial.config["point"])
-        self._finish(trial, row, why)
+        self._finish(trial, *self._read(trial.config["point"]))
 
     def on_trial_error(self, iteration, trials, trial, **info):
         tid = trial.config["point"]["trial_id"]
         error = (f"failed after {self.spec.trial_retries} retries: {_error_line(trial)}; see "
                  f"{trial_dir(self.spec.out, tid)} and {trial.path}/error.txt")
         self._note_disk_full(f"trial {tid}", _error_text(trial))
-        row, _ = self._ingest(trial.config["point"])  # the run's own failed summary (with its error)
-        self._finish(trial, row if row is not None and row["status"] == "failed" else None, error)
+        row, curves, _ = self._read(trial.config["point"])  # the run's own failed summary (with its error)
+        self._finish(trial, row if row is not None and row["status"] == "failed" else None, curves, error)
 
     def on_step(self, iteration, trials, **info):
         self.progress.tick()
+
+    def on_experiment_end(self, trials, **info):
+        self.flush()
 
 
 def _error_text(trial) -> str:

@@ -75,7 +75,7 @@ from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
 from raystudy.study.progress import echo as _echo
-from raystudy.study.results import ResultTables
+from raystudy.study.results import TABLE_PERIOD, ResultTables
 from raystudy.study.signals import (  # noqa: F401  (Terminated: re-exported)
     Interrupted,
     Terminated,
@@ -154,6 +154,8 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
         if study_callback.disk_full:  # e.g. Tune reading back an error file the full disk left empty
             raise StudyStorageError(disk_full_message(spec.out, f" ({study_callback.disk_full})")) from None
         raise
+    finally:
+        study_callback.flush()  # the rows the timer deferred, however the launch ended
     if stopped:
         raise Interrupted(f"[{spec.name}] interrupted (Ctrl-C): the launch stopped with {len(tables.done_ids())}/"
                           f"{total} trials done; nothing was analysed. Run the same command again to resume")
@@ -352,17 +354,21 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
             raise SpecError(f"{name}: {why}")
     with StudyLock(out, echo=echo), sigterm_exits(echo, spec.name), storage_errors(out):
         spec = prepare_study(spec, echo)
-        tables = ResultTables(spec.out, repair=True)
+        tables = ResultTables(spec.out, repair=True, period=TABLE_PERIOD)
         plan = plan_study(spec, tables, echo)
-        if plan.plasticity or plan.probes or plan.to_launch:
-            execute(spec, tables, plan, address=address, verbose=verbose, echo=echo)
+        try:
+            if plan.plasticity or plan.probes or plan.to_launch:
+                execute(spec, tables, plan, address=address, verbose=verbose, echo=echo)
+        finally:
+            tables.flush()  # every row on disk before the analysis reads it, also when the study is stopped
         outcome = StudyOutcome(study_dir=spec.out, total=plan.total, launched=plan.to_launch,
                                counts=tables.counts(), probes=tables.counts(probes=True))
         if spec.analysis:
             from raystudy.analysis import report  # pandas, scipy, matplotlib: only for a spec that asks
 
             t0 = time.monotonic()
-            outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run))
+            outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,
+                                            round_to=spec.analysis_round))
             outcome.analysis_dir = join(spec.out, "analysis")
             echo(f"[{spec.name}] analysis written in {fmt_seconds(time.monotonic() - t0)}")
     outcome.wall_seconds = time.monotonic() - t_start
