@@ -105,3 +105,9 @@ def test_the_cli_reaches_both_options(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["analyze", str(path), flag, value])
         assert match in capsys.readouterr().err
+
+
+def test_analysis_round_is_a_spec_field_the_paper_sets():
+    assert load_preset("paper").analysis_round == 2 and load_preset("demo").analysis_round is None
+    with pytest.raises(SpecError, match="analysis_round"):
+        load_preset("paper").with_overrides({"analysis_round": -1}).validate(check_files=False)

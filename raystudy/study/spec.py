@@ -56,7 +56,7 @@ from typing import Any, ClassVar
 import yaml
 
 from raystudy import storage
-from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_SEEDS
+from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -72,6 +72,7 @@ from raystudy.settings import (
 )
 from raystudy.study import checks
 from raystudy.study.checks import TRACKERS, SpecError  # noqa: F401  (SpecError, TRACKERS: importable here)
+from raystudy.study.points import format_lr, grid_point, trial_id  # noqa: F401  (their home before points.py)
 from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTOCOL_FIELDS: importable here)
     PROTOCOL_FIELDS,
     DatasetOverrides,
@@ -234,6 +235,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
     analysis_seeds: list[int] | None = setting(DEFAULT_SEEDS, cli=False, help="the analysis counts these seeds only")
     fixed_run: dict | None = setting(DEFAULT_FIXED_RUN, cli=False,
                                      help="the report also draws the runs at this {dataset, seed, lr}")
+    analysis_round: int | None = setting(DEFAULT_ROUND, cli=False, check="optional_non_negative_int",
+                                         help="the Wilcoxon tests take the accuracies rounded to N decimals")
     tracking: list[str] = setting(factory=list, metavar="LIST",
                                   help="experiment trackers every trial also logs to (wandb, mlflow)")
 
@@ -533,27 +536,6 @@ class StudySpec(ModelSettings, ProtocolSettings):
         names = self.PLASTICITY_FIELDS + (("batch_size",) if "sequential" in (mine.pairing, theirs.pairing) else ())
         return [f"plasticity.{f}: stored {getattr(theirs, f)!r}, given {getattr(mine, f)!r}"
                 for f in names if getattr(mine, f) != getattr(theirs, f)]
-
-
-def format_lr(lr: float) -> str:
-    """Learning rate as it appears in trial ids: shortest round-tripping repr (``0.003``, ``1e-05``)."""
-    return repr(float(lr))
-
-
-def trial_id(dataset: str, configuration: str, optimizer: str, lr: float, seed: int) -> str:
-    """The stable id of a grid point, e.g. ``cifar10-MHA-sgd-lr0.01-s0`` (an expression's canonical,
-    path-safe spelling: ``FC1+MHA`` and ``MHA+FC1`` are one trial, ``auto:5%`` becomes ``auto_5pct``)."""
-    from raystudy.core.expressions import path_safe  # torch (raystudy.core): --help stays light
-
-    return f"{dataset}-{path_safe(configuration)}-{optimizer}-lr{format_lr(lr)}-s{int(seed)}"
-
-
-def grid_point(dataset: str, configuration: str, optimizer: str, lr: float, seed: int) -> dict[str, Any]:
-    return {
-        "trial_id": trial_id(dataset, configuration, optimizer, lr, seed),
-        "dataset": dataset, "configuration": configuration, "optimizer": optimizer,
-        "lr": float(lr), "seed": int(seed),
-    }
 
 
 # ----------------------------------------------------------------------------------------------------
