@@ -167,6 +167,9 @@ def test_item1_corrupt_run_dirs_are_quarantined(tmp_path):
         snapshot = {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_000000", "metrics": {}}]}
         (train / name / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
     (tmp_path / ".trials.parquet.0123abcd.tmp").write_bytes(b"half")  # a killed writer's temporary file
+    (tmp_path / "curves.parquet").mkdir()
+    (tmp_path / "curves.parquet" / ".part-x.parquet.4567cdef.tmp").write_bytes(b"half")  # one in the dataset
+    (tmp_path / "curves.parquet" / "part-x.parquet").write_bytes(b"kept")
     said: list[str] = []
     moved = check_run_dirs(spec, done={"done"}, echo=said.append)
     assert moved == [f"{train}/empty-snapshot.corrupt-1", f"{train}/torn-state.corrupt-1"]
@@ -174,7 +177,8 @@ def test_item1_corrupt_run_dirs_are_quarantined(tmp_path):
                                                        "whole"]
     assert "checkpoint_manager_snapshot.json is unreadable (0 bytes" in said[0] and "moved aside" in said[0]
     assert "state.pt is unreadable (truncated" in said[1]
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert not list(tmp_path.glob(".*.tmp")) and not list(tmp_path.glob("curves.parquet/.*.tmp"))
+    assert (tmp_path / "curves.parquet" / "part-x.parquet").read_bytes() == b"kept"
 
 
 # ------------------------------------------------------------------------- Ray: the study end to end

@@ -106,9 +106,11 @@ def check_run_dirs(spec: StudySpec, done: set[str], echo: Echo = _echo) -> list[
 
 def _remove_temporaries(study_dir: str, done: set[str]) -> None:
     """Delete ``.<name>.<hex>.tmp`` files of :func:`raystudy.storage.atomic_output` left by a killed writer
-    (in the study folder and the folders of unfinished trials; the lock keeps other writers out)."""
-    folders = [study_dir] + [os.path.join(study_dir, "trials", t) for t in subdirs(join(study_dir, "trials"))
-                             if t not in done]
+    (in the study folder, its ``curves.parquet/`` dataset and the folders of unfinished trials; the lock
+    keeps other writers out)."""
+    curves = os.path.join(study_dir, "curves.parquet")
+    folders = [study_dir, *([curves] if os.path.isdir(curves) else [])]
+    folders += [os.path.join(study_dir, "trials", t) for t in subdirs(join(study_dir, "trials")) if t not in done]
     for folder in folders:
         for entry in os.scandir(folder):
             if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp"):
