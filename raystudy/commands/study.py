@@ -4,7 +4,9 @@
 ``experiments/plasticity_study.py`` the same with the plasticity-only presets. Flags set spec fields
 (:data:`FLAG_FIELDS`), ``--set key=value`` any field (``--set datasets.pets.steps=2000`` one dataset's
 protocol); ``--print-spec`` shows the result as YAML, ``--dry-run`` the resolved per-dataset protocol and
-the grid (``--dry-run --json``: one JSON object, :func:`dry_run_json`).
+the grid (``--dry-run --json``: one JSON object, :func:`dry_run_json`), with its cost: FLOPs, GPU-hours and
+wall time per dataset and in total (:mod:`raystudy.study.cost`; ``--gpus K``, ``--mfu X`` or a GPU benchmark's
+``--gpu-result FILE`` set what they assume).
 """
 
 from __future__ import annotations
@@ -87,7 +89,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="validate the spec and print the grid and what is already done; launch nothing")
     p.add_argument("--json", action="store_true",
-                   help="with --dry-run: print one JSON object (per-dataset protocol, trial ids, probes)")
+                   help="with --dry-run: print one JSON object (per-dataset protocol, trial ids, probes, cost)")
+    cost = p.add_argument_group("the cost a --dry-run prints (FLOPs, GPU-hours, wall time; docs/studies.md)")
+    cost.add_argument("--gpus", type=float, default=None, metavar="K",
+                      help="GPUs the wall time assumes (default: max_concurrent_trials x workers_per_trial x "
+                           "gpus_per_worker; 8 when max_concurrent_trials is 0)")
+    cost.add_argument("--mfu", type=float, default=None, metavar="X",
+                      help="model FLOPs utilisation assumed, a fraction (default: --gpu-result's, else 0.35)")
+    cost.add_argument("--gpu-result", default=None, metavar="FILE",
+                      help='a GPU benchmark result JSON (benchmarks/gpu_check.py) whose "mfu": {"bf16": ..., '
+                           '"fp32": ...} (and optional "peak_tflops", "device") the cost uses')
     p.add_argument("--print-spec", action="store_true",
                    help="print the resolved spec (preset + flags + --set) as YAML and exit; launch nothing")
 
@@ -137,18 +148,24 @@ def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
     return spec
 
 
-def dry_run(spec, *, as_json: bool = False) -> int:
+def dry_run(spec, *, as_json: bool = False, gpus: float | None = None, mfu: float | None = None,
+            gpu_result: str | None = None) -> int:
     """Validate ``spec`` (against the spec of the study already in ``out``, if any), print what the study
-    would run (``as_json``: as one JSON object, :func:`dry_run_json`, with its ``problems``) and check every
-    file and folder a launch would read or write (:func:`raystudy.study.preflight.launch_problems`): each
-    problem listed on stderr, exit status 1 when there is any. Launches nothing, writes nothing."""
-    from raystudy.study.preflight import preflight  # torch (weights, model), pandas: --help stays light
+    would run and what it costs (``as_json``: as one JSON object, :func:`dry_run_json`, with its ``problems``)
+    and check every file and folder a launch would read or write
+    (:func:`raystudy.study.preflight.launch_problems`): each problem listed on stderr, exit status 1 when
+    there is any. Launches nothing, writes nothing. The cost (:func:`raystudy.study.cost.study_cost`) assumes
+    ``gpus`` GPUs at an MFU of ``mfu`` or the one measured in ``gpu_result`` (defaults: the spec's concurrency,
+    0.35); it needs neither the weights nor the stores (without a store, its evaluations are left out)."""
+    from raystudy.study import cost, preflight  # torch (weights, model, FLOP counts), pandas: --help stays light
 
-    spec, problems = preflight(spec)  # a study directory created with another protocol is refused here
+    spec, problems = preflight.preflight(spec)  # a study directory created with another protocol is refused here
+    estimate = cost.study_cost(spec, gpus=gpus, mfu=mfu, gpu_result=gpu_result)
     if as_json:
-        print(json.dumps({**dry_run_json(spec), "problems": problems}, indent=1))
+        print(json.dumps({**dry_run_json(spec, estimate), "problems": problems}, indent=1))
     else:
         print_plan(spec)
+        print("\n".join(cost.cost_lines(estimate)))
         if problems:
             print(f"{len(problems)} problem(s) a launch would meet:", file=sys.stderr)
             for problem in problems:
@@ -211,11 +228,16 @@ def print_grid(grid: list[dict], done: set[str]) -> None:
         print(f"    ... and {len(todo) - 20} more")
 
 
-def dry_run_json(spec) -> dict:
+def dry_run_json(spec, cost: dict | None = None) -> dict:
     """What the study would run, as one JSON-able object: ``{"datasets": {name: {"store", "steps",
     "eval_period", "warmup_steps", "log_period", "optimizers": {opt: [lrs]}, "seeds": {opt: [seeds]},
     "trials"}}, "trials": [trial ids], "total_trials", "probes": [dataset names]}`` (trial ids: the
-    grid's, in launch order; an Optuna search lists none, its ids are drawn as it runs)."""
+    grid's, in launch order; an Optuna search lists none, its ids are drawn as it runs).
+
+    With ``cost`` (:func:`raystudy.study.cost.study_cost`): each dataset also carries ``flops``, ``gpu_hours``,
+    ``wall_hours`` and ``cost`` (its breakdown: train / eval / probe FLOPs, rows, per-image FLOPs), and
+    ``"cost"`` the total's (``flops``, ``gpu_hours``, ``wall_hours``, ``trials``, ...) with what they assume:
+    ``mfu``, ``gpus``, ``precision``, ``peak_tflops``, ``device``, where each comes from, and ``notes``."""
     n = len(spec.configurations)
     datasets = {
         name: {"store": spec.datasets[name], "steps": p.steps, "eval_period": p.eval_period,
@@ -223,9 +245,15 @@ def dry_run_json(spec) -> dict:
                "seeds": p.seeds, "trials": p.trials(n) if spec.search == "grid" else None}
         for name, p in spec.protocols().items()
     }
+    if cost is not None:
+        for name, d in cost["datasets"].items():
+            datasets[name].update({k: d[k] for k in ("flops", "gpu_hours", "wall_hours")}, cost=d)
     trials = [p["trial_id"] for p in spec.grid()] if spec.search == "grid" else []
-    return {"datasets": datasets, "trials": trials, "total_trials": spec.total_trials(),
-            "probes": spec.probe_datasets()}
+    out = {"datasets": datasets, "trials": trials, "total_trials": spec.total_trials(),
+           "probes": spec.probe_datasets()}
+    if cost is not None:
+        out["cost"] = {**cost["total"], **{k: v for k, v in cost.items() if k not in ("datasets", "total")}}
+    return out
 
 
 def print_spec(spec) -> int:
@@ -238,11 +266,14 @@ def print_spec(spec) -> int:
 def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
     if args.json and not args.dry_run:
         raise ValueError("--json: only with --dry-run (the study's results are its tables)")
+    cost_flags = {"gpus": args.gpus, "mfu": args.mfu, "gpu_result": args.gpu_result}
+    if not args.dry_run and any(v is not None for v in cost_flags.values()):
+        raise ValueError("--gpus, --mfu, --gpu-result: only with --dry-run (they set the cost it prints)")
     spec = spec_from_args(args, preset_prefix=preset_prefix)
     if args.print_spec:
         return print_spec(spec)
     if args.dry_run:
-        return dry_run(spec, as_json=args.json)
+        return dry_run(spec, as_json=args.json, **cost_flags)
     from raystudy.study.tune import run_study  # torch, pandas, matplotlib (study.tune): --help stays light
 
     outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))
