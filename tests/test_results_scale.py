@@ -223,3 +223,15 @@ def test_the_study_callback_defers_rows_and_flushes_them_at_the_experiment_end(t
     trials = read_result(tmp_path, "trials").set_index("trial_id")
     assert trials.trial_restarts.to_dict() == {_point(i)["trial_id"]: i for i in range(3)}
     assert not callback.write_failed
+
+
+def test_a_summary_without_a_column_is_written_with_it_null(tmp_path):
+    """A run's summary that lacks a column of the schema (an older run, a hand-written one) still lands in
+    trials.parquet, that column null, instead of failing the driver's write."""
+    summary = {k: v for k, v in _summary(0).items() if k != "final_val_loss"}
+    tables = ResultTables(str(tmp_path))
+    tables.add(trial_row(_point(0), "m", summary), _curves(0))
+    tables.add(trial_row(_point(1), "m", _summary(1)), _curves(1))
+    got = read_result(str(tmp_path), "trials").set_index("trial_id")
+    assert math.isnan(got.loc[_point(0)["trial_id"], "final_val_loss"])
+    assert got.loc[_point(1)["trial_id"], "final_val_loss"] == _summary(1)["final_val_loss"]

@@ -22,6 +22,7 @@ of an uninterrupted run (``tests/test_inprocess.py``). The run's outputs are tho
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from raystudy.core.finetune import (
     write_outputs,
 )
 from raystudy.core.finetune.checkpoint import checkpoint_path
+from raystudy.core.finetune.data import epoch_permutation
+from raystudy.data.cache import release_reads
 from raystudy.distributed.train import TrainResources, run_config_dict
 from raystudy.storage import delete_dir
 
@@ -81,4 +84,19 @@ def run_in_process(cfg: FinetuneConfig, resources: TrainResources, *, storage: s
     write_outputs(cfg.out_dir, summary, ft.curves, config=run_config_dict(cfg, resources), restores=ft.restores)
     if resources.cleanup_checkpoints:
         delete_dir(storage)
+    del ft
+    release_trial_memory()
     return summary
+
+
+def release_trial_memory() -> None:
+    """Return what a finished trial holds to its reused actor, so that the next trial (maybe of another
+    store, sharing the GPU with others under a fractional ``gpus_per_worker``) starts from the same memory:
+    the data caches of the last trial (its store shard's encoded images, its epoch orders) are forgotten,
+    reference cycles of its model and optimizer collected, and CUDA's cached blocks returned to the driver
+    (``torch.cuda.empty_cache``; Ray Tune users report reused actors that keep them otherwise)."""
+    release_reads()
+    epoch_permutation.cache_clear()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ from raystudy.study.results import ResultTables, trial_dir, trial_row
 from raystudy.study.spec import StudySpec
 
 if TYPE_CHECKING:
-    import pandas as pd
+    import pyarrow as pa
 
 
 def failed_trial_row(spec: StudySpec, point: dict[str, Any], error: BaseException | str) -> dict[str, Any]:
@@ -77,7 +77,7 @@ class StudyCallback(tune.Callback):
         launch when it stops in any other way (an interrupt, an error)."""
         self._writing(self.tables.flush)
 
-    def _read(self, point: dict) -> tuple[dict | None, pd.DataFrame | None, str | None]:
+    def _read(self, point: dict) -> tuple[dict | None, pa.Table | None, str | None]:
         """The trial's row and curves from its directory (``None`` if it wrote no summary) and why it has
         no row."""
         try:
@@ -88,7 +88,7 @@ class StudyCallback(tune.Callback):
             return None, None, "the trial ended without writing summary.json"
         return *found, None
 
-    def _finish(self, trial, row: dict | None, curves: pd.DataFrame | None, error: str | None) -> None:
+    def _finish(self, trial, row: dict | None, curves: pa.Table | None, error: str | None) -> None:
         """Add the trial's row (a failed one with ``error`` when it has none of its own), with how many
         times Tune restarted it, and its curves to the tables, then print its line."""
         point = trial.config["point"]
