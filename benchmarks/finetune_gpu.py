@@ -8,13 +8,10 @@ crop on its original size, cuts it on the CPU, moves the crops and resizes them 
 (:func:`raystudy.core.finetune.augment.augment`, the cache data path's GPU work), ``--steps`` timed steps
 after ``--warmup`` untimed ones.
 
-FLOPs (stated per configuration in the output): counted on the model itself by forward hooks on one image,
-in execution order. Forward ``F`` = 2 x multiply-adds of every ``Linear`` and ``Conv2d`` plus the two
-attention matmuls (``QK^T`` and ``AV``: ``4 N^2 D`` per block); ViT-B/16 at 224 gives 35.1 GFLOPs (timm's
-tables: 35.2 = 2 x 17.6 GMACs). A trained image costs ``F`` + the input gradients of every layer after the
-first trainable one (``= F`` of those layers, attention matmuls twice) + the weight gradients of the
-trainable layers only (``= F`` of those layers): ~``3F`` for ``All``; frozen layers skip their
-weight-gradient kernels, and ``Head`` needs no backward through the blocks at all.
+FLOPs (stated per configuration in the output): :func:`raystudy.study.cost.image_flops`, the count the
+study's ``--dry-run`` uses (``torch.utils.flop_counter`` over one forward and the backward autograd runs
+with the configuration's ``requires_grad``): ViT-B/16 at 224 gives 35.1 GFLOPs forward, ~3x for ``All``;
+frozen layers skip their weight gradients, and ``Head`` needs no backward through the blocks at all.
 
 MFU = images/s x training FLOPs per image / ``--peak-tflops`` (default: 989 on an H100, 312 on an A100,
 dense bf16; none on a CPU). Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS
@@ -37,52 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raystudy.study.cost import image_flops  # noqa: E402
 from raystudy.vocab import CONFIGURATIONS  # noqa: E402
 
 TINY = {"patch_size": 8, "embed_dim": 48, "depth": 3, "num_heads": 4}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-
-
-def flop_records(model, img_size: int) -> list[tuple[float, bool, bool]]:
-    """``(forward FLOPs of one image, trainable weight?, attention matmuls?)`` per layer, in execution
-    order (LayerNorms appear with 0 FLOPs so that a trainable norm starts the backward where it sits)."""
-    import torch
-    from torch import nn
-
-    records, hooks = [], []
-
-    def hook(m, args, out):
-        trainable = any(p.requires_grad for p in m.parameters(recurse=False))
-        x = args[0]
-        if isinstance(m, nn.Linear):
-            records.append((2.0 * x.numel() * m.out_features, trainable, False))
-        elif isinstance(m, nn.Conv2d):
-            k = m.in_channels // m.groups * m.kernel_size[0] * m.kernel_size[1]
-            records.append((2.0 * out.numel() * k, trainable, False))
-        elif isinstance(m, nn.LayerNorm):
-            records.append((0.0, trainable, False))
-        elif hasattr(m, "fused_attn"):  # timm attention: QK^T and AV, 2 N^2 D multiply-adds per image
-            b, n, d = x.shape
-            records.append((4.0 * b * n * n * d, False, True))
-
-    for m in model.modules():
-        hooks.append(m.register_forward_hook(hook))
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        model(torch.zeros(1, 3, img_size, img_size, device=device))
-    for h in hooks:
-        h.remove()
-    return records  # a module's hook fires after its children's: an attention record follows its proj
-
-
-def train_flops(records: list[tuple[float, bool, bool]]) -> tuple[float, float]:
-    """``(forward, training)`` FLOPs per image: training = forward + input gradients after the first
-    trainable layer (attention matmuls twice) + weight gradients of trainable layers."""
-    forward = sum(f for f, _, _ in records)
-    first = next((i for i, (_, t, _) in enumerate(records) if t), len(records))
-    inputs = sum(f * (2 if attn else 1) for f, _, attn in records[first + 1:])
-    weights = sum(f for f, t, _ in records if t)
-    return forward, forward + inputs + weights
 
 
 def build(args, configuration: str, device):
@@ -123,7 +79,9 @@ def measure(args, configuration: str, device) -> dict:
     from raystudy.data.cache import stored_shape
 
     cfg, model, net, selection, optimizer, scheduler = build(args, configuration, device)
-    forward, training = train_flops(flop_records(model, args.img_size))
+    flops = image_flops(args.model, configuration, model_kwargs=json.loads(args.model_kwargs), img_size=args.img_size,
+                        num_classes=10)
+    forward, training = flops.forward, flops.train
     orig = (args.img_size * 15 // 7, args.img_size * 20 // 7)  # a 4:3 photo (480 x 640 for 224): stored whole
     shape = stored_shape(*orig, args.img_size)
     image = torch.randint(0, 256, (3, *shape), dtype=torch.uint8)
@@ -162,17 +120,12 @@ def measure(args, configuration: str, device) -> dict:
 
 def preset_flops(preset: str) -> tuple[object, dict[str, float]]:
     """The preset's spec and the training FLOPs per image of its model for each of its configurations."""
-    from raystudy.core.finetune import FinetuneConfig, build_finetune_model, select_for
     from raystudy.study.spec import load_preset
 
     spec = load_preset(preset)
-    out = {}
-    for c in sorted({p["configuration"] for p in spec.grid()}):
-        cfg = FinetuneConfig(model=spec.model.split(".")[0], model_kwargs=dict(spec.model_kwargs or {}),
-                             img_size=spec.img_size, configuration=c, store="-")
-        model = build_finetune_model(cfg, 10)
-        select_for(model, cfg)
-        out[c] = train_flops(flop_records(model, spec.img_size))[1]
+    out = {c: image_flops(spec.model, c, model_kwargs=dict(spec.model_kwargs or {}), img_size=spec.img_size,
+                          num_classes=10, train_final_norm=spec.train_final_norm).train
+           for c in sorted({p["configuration"] for p in spec.grid()})}
     return spec, out
 
 
