@@ -10,6 +10,9 @@ side:
 * **bare Tune**: ``tune.Tuner(stub, param_space={"point": grid_search(points)}, TuneConfig(reuse_actors=
   True))``, nothing else.
 
+``--reports R``: each stub reports ``R`` times, as a run reports at every logged step (120 on 12,000 steps at
+the paper's log period).
+
 Both print their totals and per-trial cost; ``ratio`` is raystudy / bare (target <= 1.25 at N = 2,000).
 A warm-up of 20 trials each starts Ray's workers first, so that neither side pays it.
 With ``--overhead`` the real per-trial fixed overhead of a reused actor (demo-sized trials, see
@@ -54,7 +57,8 @@ def stub_trial(config: dict) -> None:
                "batch_size": 512, "data_path": "cache", "precision": "fp32", "best_val_acc": 0.5,
                "best_val_step": 12_000, "test_acc": 0.5, "trainable_params": 1, "wall_seconds": 0.0}
     (folder / "summary.json").write_text(json.dumps(summary))
-    tune.report({"test_acc": 0.5})
+    for k in range(config.get("reports", 1)):  # a run reports at every logged step
+        tune.report({"step": k, "test_acc": 0.5})
 
 
 def spec_of(out: Path, n: int):
@@ -71,15 +75,19 @@ def spec_of(out: Path, n: int):
     ))
 
 
+REPORTS = {"n": 1}  # reports per stub trial (--reports)
+
+
 def with_stub(spec):
     """The stub with the resources raystudy's own trainable would ask for."""
     from ray import tune
 
-    return tune.with_resources(tune.with_parameters(_stub_raystudy, out=spec.out), {"cpu": spec.cpus_per_worker})
+    return tune.with_resources(tune.with_parameters(_stub_raystudy, out=spec.out, reports=REPORTS["n"]),
+                               {"cpu": spec.cpus_per_worker})
 
 
-def _stub_raystudy(config: dict, out: str) -> None:
-    stub_trial({**config, "out": out})
+def _stub_raystudy(config: dict, out: str, reports: int) -> None:
+    stub_trial({**config, "out": out, "reports": reports})
 
 
 def run_raystudy(out: Path, n: int) -> float:
@@ -115,7 +123,8 @@ def run_bare(out: Path, n: int) -> float:
     spec = spec_of(out, n)
     points = spec.grid()
     trainable = tune.with_resources(stub_trial, {"cpu": spec.cpus_per_worker})
-    tuner = tune.Tuner(trainable, param_space={"point": tune.grid_search(points), "out": str(out)},
+    tuner = tune.Tuner(trainable, param_space={"point": tune.grid_search(points), "out": str(out),
+                                               "reports": REPORTS["n"]},
                        tune_config=tune.TuneConfig(reuse_actors=True,
                                                    max_concurrent_trials=spec.max_concurrent_trials),
                        run_config=tune.RunConfig(name="bare", storage_path=str(out / "tune"), verbose=0))
@@ -130,9 +139,12 @@ def run_bare(out: Path, n: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, action="append", help="trials per study (repeatable; default 100 and 2000)")
+    p.add_argument("--reports", type=int, default=1,
+                   help="reports per trial (a run reports at every logged step: 120 on 12,000 steps)")
     p.add_argument("--overhead", action="store_true",
                    help="also measure a reused actor's real per-trial fixed overhead (trial_overhead.py)")
     args = p.parse_args(argv)
+    REPORTS["n"] = args.reports
     from raystudy.distributed.cluster import init_ray
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
