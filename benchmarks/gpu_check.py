@@ -13,9 +13,9 @@ Four sections, each measured with the code a study runs:
   Tune actor does) over ``--trials`` trials: the per-trial fixed overhead (wall - training seconds) and the
   device memory after each trial (CUDA allocated and reserved; on a CPU the resident memory).
 
-The JSON's ``mfu`` (``{"bf16": ..., "fp32": ...}``, of ``All``), ``peak_tflops`` and ``device`` are what ``raystudy study
---dry-run --gpu-result FILE`` reads. ``--smoke`` runs every section on a tiny model on the CPU in about a
-minute (a test in CI); the full check targets under 8 minutes on one H100/H200.
+The JSON's ``mfu`` (``{"bf16": ..., "fp32": ...}``, of ``All``), ``peak_tflops`` and ``device`` are what
+``raystudy study --dry-run --gpu-result FILE`` reads. ``--smoke`` runs every section on a tiny model on the
+CPU in seconds (a test in CI); the full check targets under 8 minutes on one H100/H200.
 
     python benchmarks/gpu_check.py --out benchmarks/results/gpu_check-h200.json     # on the GPU machine
     .venv/bin/python benchmarks/gpu_check.py --smoke --out /tmp/gpu_check.json
@@ -125,28 +125,11 @@ def plasticity_section(p: dict, device) -> dict:
     return {"device_pairs_per_s": on_device, "cpu_core_pairs_per_s": cpu, "device_vs_cpu_core": on_device / cpu}
 
 
-def tiny_store(path: Path, size: int, n: int = 64) -> str:
-    """A store of ``n`` random ``size`` px PNGs (train; 16 val and 16 test) for the actor's trials."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    from raystudy.data.store import write_store
-
-    rng, rows = np.random.default_rng(0), []
-    for i, split in enumerate(["train"] * n + ["val"] * 16 + ["test"] * 16):
-        buf = io.BytesIO()
-        Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
-        rows.append({"image": buf.getvalue(), "label": i % 10, "split": split, "index": i})
-    write_store(rows, path, name="gpucheck", source="bench", classes=[f"c{i}" for i in range(10)])
-    return str(path)
-
-
 def actor_section(p: dict, device) -> dict:
     """``--trials`` trials in this process, one after the other: per-trial overhead and memory after each."""
     import psutil
     import torch
+    from finetune_bench import make_bench_store
 
     from raystudy.core.finetune import FinetuneConfig
     from raystudy.distributed.inprocess import run_in_process
@@ -156,7 +139,7 @@ def actor_section(p: dict, device) -> dict:
     resources = TrainResources(workers=1, cpus_per_worker=1, gpus_per_worker=gpus)
     overhead, memory = [], []
     with tempfile.TemporaryDirectory(prefix="raystudy-gpucheck-actor-") as tmp:
-        store = tiny_store(Path(tmp) / "store", p["img_size"])
+        store = make_bench_store(Path(tmp) / "store", 64, p["img_size"])
         for t in range(p["trials"]):
             cfg = FinetuneConfig(model=p["model"], model_kwargs=p["model_kwargs"], img_size=p["img_size"],
                                  store=store, out_dir=str(Path(tmp) / "runs" / str(t)), steps=p["trial_steps"],
