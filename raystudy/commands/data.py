@@ -12,7 +12,7 @@ import argparse
 import json
 
 from raystudy.data.modality import modality_of_store
-from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES, prepare
+from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES, prepare, prepare_vtab1k
 from raystudy.data.splits import SPLIT_RULES
 from raystudy.data.store import read_meta, verify_store
 from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS, prepare_default
@@ -40,6 +40,8 @@ def register(subparsers) -> None:
     pp.add_argument("--corruption", help="cifar10c: corruption, e.g. contrast, gaussian_noise, motion_blur")
     pp.add_argument("--severity", type=int, default=5, help="cifar10c: severity 1-5 (default 5)")
     pp.add_argument("--domain", help="domainnet: domain, e.g. clipart, sketch")
+    pp.add_argument("--task", help="vtab1k: the task folder (e.g. cifar, eurosat, dsprites_loc), a comma-separated "
+                    "list, or 'all' (every task folder under --root); several tasks: --out DIR gets DIR/<task>")
     pp.add_argument("--low-data", choices=LOW_DATA,
                     help="vtab1k: 800 train / 200 val, full test; authors: the paper authors' low-data subset "
                          "(1000 // C images per class of the training pool, np.random.seed(42); 20%% to val)")
@@ -89,6 +91,10 @@ def _add_text_and_synthetic_flags(pp: argparse.ArgumentParser) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    if args.task and args.source != "vtab1k":
+        raise ValueError(f"--task: for the vtab1k source (its task folders), not {args.source!r}")
+    if args.source == "vtab1k":
+        return _prepare_vtab1k(args)
     if args.source == "synthetic":
         paths = prepare_default(
             args.out, n_train=args.n_train, n_test=args.n_test, n_train_downstream=args.n_train_downstream,
@@ -119,6 +125,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         rows_per_shard=args.rows_per_shard, workers=args.workers, download=args.download, progress=True,
     )
     _print_summary(args.out, meta)
+    return 0
+
+
+def _prepare_vtab1k(args: argparse.Namespace) -> int:
+    """``--task T`` (the store at --out) or several tasks (``--out DIR``: DIR/<task>); a summary per store."""
+    stores = prepare_vtab1k(
+        args.root, args.out, task=args.task, name=args.name, low_data=args.low_data, pool=tuple(args.pool),
+        split_rule=args.split_rule, on_bad_image=args.on_bad_image, rows_per_shard=args.rows_per_shard,
+        workers=args.workers, download=args.download, progress=True,
+    )
+    for path, meta in stores.items():
+        _print_summary(path, meta)
+        v = meta["vtab1k"]
+        print(f"  vtab1k: {v['task']} ({v['group']}); final training = train + val ({v['final_train']['file']})"
+              + (f"; the benchmark task has {v['benchmark_classes']} classes"
+                 if v["benchmark_classes"] != meta["num_classes"] else ""))
     return 0
 
 

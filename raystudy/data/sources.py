@@ -16,12 +16,14 @@ On-disk layouts read (``ROOT`` is ``--root``; the dataset's usual top folder ins
 ``pets``          ``oxford-iiit-pet/{images/<Name>_<n>.jpg, annotations/trainval.txt, annotations/test.txt}``
 ``imagenet``      ``<wnid>/<ILSVRC2012_val_XXXXXXXX.JPEG>`` (validation images in class folders)
 ``imagefolder``   ``<class>/<image>`` or ``{train,test[,val]}/<class>/<image>`` (official splits)
+``vtab1k``        ``vtab-1k/<task>/{train800,val200,train800val200,test}.txt`` and images (:mod:`.vtab`)
 ================  ==================================================================================
 
 Indices (the stable ``index`` column): CIFAR-10/100: training rows ``0..49999`` in batch order, test rows
 ``50000..``; CIFAR-10-C: the row in the ``.npy`` file; DomainNet and Pets: the line number in the train list,
 then the test list offset by the train list's length; Flowers102: image id - 1; ImageNet: the number in
-``ILSVRC2012_val_<n>`` - 1; image folders: the position in the sorted list of relative paths.
+``ILSVRC2012_val_<n>`` - 1; image folders: the position in the sorted list of relative paths; VTAB-1k: the
+entry's position in train800, then val200, then test (each list offset by the rows before it).
 
 Images are stored as the source's own bytes when they are RGB or greyscale JPEG/PNG; arrays (CIFAR) and
 other formats or modes are encoded losslessly as PNG (the original pixels, no resizing).
@@ -69,9 +71,10 @@ from .splits import (
     low_data_split,
 )
 from .store import StoreError, write_store
+from .vtab import read_vtab1k, resolve_tasks
 
 SOURCES = ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets", "imagenet", "imagefolder",
-           "synthetic")
+           "vtab1k", "synthetic")
 BAD_IMAGE_POLICIES = ("error", "skip")
 LOW_DATA = ("vtab1k", "authors")
 #: The store name's suffix of each low-data variant (``cifar100-ld``: the authors' ``cifar100ld``).
@@ -189,6 +192,9 @@ def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...
                          f"{source} keeps its official splits")
     if split_rule == "authors" and pool:
         raise ValueError("--split authors draws its own train/test split; drop --pool")
+    if source == "vtab1k" and (low_data or pool):
+        raise ValueError("vtab1k: the task folder's train800/val200/test lists are the splits; drop --low-data "
+                         "and --pool")
     if low_data == "authors":
         if source not in AUTHORS_LOW_DATA_SOURCES:
             raise ValueError(f"--low-data authors: the authors' low-data runs use {list(AUTHORS_LOW_DATA_SOURCES)}, "
@@ -309,9 +315,10 @@ def _load_rows(chosen: list[tuple[Candidate, str]], info: dict, *, name: str, on
 
 
 def list_source(source: str, root, *, corruption: str | None = None, severity: int = 5,
-                domain: str | None = None, split_rule: str = "hashed") -> Listing:
+                domain: str | None = None, split_rule: str = "hashed", task: str | None = None) -> Listing:
     """The :class:`Listing` of one source (no image is decoded here). DomainNet under the authors' split
-    rule is their ``ImageFolder`` of the domain folder, not the official lists."""
+    rule is their ``ImageFolder`` of the domain folder, not the official lists; ``task`` is the VTAB-1k
+    task folder (``vtab1k``)."""
     if source not in SOURCES or source == "synthetic":
         raise ValueError(f"unknown source {source!r}; expected one of {SOURCES}")
     if root is None:
@@ -328,6 +335,8 @@ def list_source(source: str, root, *, corruption: str | None = None, severity: i
         return read_flowers102(root)
     if source == "pets":
         return read_pets(root)
+    if source == "vtab1k":
+        return read_vtab1k(root, task=task)
     return read_imagefolder(root, source=source)
 
 
@@ -366,23 +375,25 @@ def prepare(
     workers: int | None = None,
     download: bool = False,
     progress: bool = False,
+    task: str | None = None,
 ) -> dict:
     """Read ``source`` under ``root`` and write the prepared store at ``out``; returns its metadata.
 
     ``download`` first fetches CIFAR-10/100, Flowers102 or Pets with torchvision into ``root`` (needs
     internet; the readers themselves never do). ``pool``, ``split_rule`` and ``low_data``: see
-    :func:`prepare_candidates`.
+    :func:`prepare_candidates`. ``task``: the VTAB-1k task folder (``vtab1k``; several at once:
+    :func:`prepare_vtab1k`).
 
     The store is named ``name`` or the source's default (``cifar10``, ``cifar10c-<corruption>-<severity>``,
-    ``domainnet-<domain>``, the folder name for ``imagefolder``, ..., with ``-vtab1k`` appended for the
-    low-data variant, ``-ld`` for the authors'). Splits are keyed by the source's name
+    ``domainnet-<domain>``, ``vtab1k-<task>``, the folder name for ``imagefolder``, ..., with ``-vtab1k``
+    appended for the low-data variant, ``-ld`` for the authors'). Splits are keyed by the source's name
     (:mod:`raystudy.data.splits`); for ``imagefolder`` by ``name`` when given, else the folder name.
     """
     if download:
         download_source(source, root)
     _check_options(on_bad_image, low_data, tuple(pool), split_rule, source)
     listing = list_source(source, root, corruption=corruption, severity=severity, domain=domain,
-                          split_rule=split_rule)
+                          split_rule=split_rule, task=task)
     default_name = listing.name + (LOW_DATA_SUFFIX[low_data] if low_data else "")
     # The split key is the benchmark's own name (``--name`` only relabels it), except for a generic image
     # tree, whose identity is its name: the folder's, or ``--name`` when given.
@@ -392,3 +403,20 @@ def prepare(
         split_name=split_name, low_data=low_data, pool=tuple(pool), split_rule=split_rule, on_bad_image=on_bad_image,
         rows_per_shard=rows_per_shard, workers=workers, extra=listing.extra, progress=progress,
     )
+
+
+def prepare_vtab1k(root, out: str | os.PathLike, *, task: str | None = "all", name: str | None = None,
+                   **kwargs) -> dict[str, dict]:
+    """Prepare VTAB-1k task folders (:mod:`raystudy.data.vtab`); returns ``{store folder: metadata}``.
+
+    ``task``: one of the 19 tasks (its store at ``out``), or ``all`` (every task folder found under
+    ``root``) or a comma-separated list (each task's store at ``out/<task>``). ``kwargs``: :func:`prepare`'s.
+    """
+    if root is None:
+        raise ValueError("source 'vtab1k' needs --root (the vtab-1k folder, or the folder holding it)")
+    tasks = resolve_tasks(root, task)
+    several = task == "all" or len(tasks) > 1
+    if several and name:
+        raise ValueError("--name names one store; with several tasks each store is named vtab1k-<task>")
+    stores = {t: str(Path(out) / t) if several else str(out) for t in tasks}
+    return {stores[t]: prepare("vtab1k", root, stores[t], name=name, task=t, **kwargs) for t in tasks}
