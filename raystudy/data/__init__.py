@@ -3,7 +3,8 @@
 Public entry points (resolved lazily, so ``import raystudy.data.store`` stays light; Ray is imported only
 by :func:`open_split`):
 
-- :func:`prepare` (a benchmark source -> store), :func:`prepare_default` (the built-in procedural stores)
+- :func:`prepare` (a benchmark source -> store), :func:`prepare_vtab1k` (VTAB-1k task folders -> stores),
+  :func:`prepare_default` (the built-in procedural stores)
 - :func:`open_split` (a split as a ``ray.data.Dataset`` of transformed batches),
   :func:`iter_batches_local` / :func:`load_tensors` / :class:`StoreDataset` (the same tensors without Ray)
 - :mod:`.store` (format, checksum), :mod:`.transforms` (the paper's preprocessing), :mod:`.splits` (rules)
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "SOURCES": "sources", "prepare": "sources",
+    "SOURCES": "sources", "prepare": "sources", "prepare_vtab1k": "sources",
     "SPLITS": "store", "StoreError": "store", "read_meta": "store", "read_split": "store",
     "shard_paths": "store", "verify_store": "store", "check_store": "store",
     "TEXT_SOURCES": "text", "prepare_text": "text", "prepare_text_demo": "text_demo",
