@@ -111,3 +111,30 @@ def test_analysis_round_is_a_spec_field_the_paper_sets():
     assert load_preset("paper").analysis_round == 2 and load_preset("demo").analysis_round is None
     with pytest.raises(SpecError, match="analysis_round"):
         load_preset("paper").with_overrides({"analysis_round": -1}).validate(check_files=False)
+
+
+def test_select_by_val_chooses_each_lr_by_validation_and_reports_test(tmp_path):
+    path = _study(tmp_path)
+    trials = pd.read_parquet(path / "trials.parquet")
+    flip = (trials["dataset"] == "sketch") & (trials["configuration"] == "MHA")
+    trials.loc[flip, "best_val_acc"] = 1.0 - trials.loc[flip, "test_acc"]  # validation prefers the worst test lr
+    trials.to_parquet(path / "trials.parquet", index=False)
+    ok = trials[trials["status"] == "ok"]
+    res = run_analysis(path, select_by="val", figures=False)
+    test = run_analysis(path, out_dir=tmp_path / "test", figures=False).tables["best_lr"]
+    got = res.tables["best_lr"].set_index(["dataset", "optimizer", "configuration"])
+    differs = 0
+    for key, rows in ok.groupby(["dataset", "optimizer", "configuration"]):
+        by_lr = rows.groupby("lr")[["best_val_acc", "test_acc"]].mean()
+        lr = by_lr["best_val_acc"].idxmax()  # first of the sorted lrs on a tie: the smaller one
+        assert got.loc[key, "lr"] == lr and got.loc[key, "mean"] == pytest.approx(by_lr.loc[lr, "test_acc"])
+        differs += lr != by_lr["test_acc"].idxmax()
+    assert differs > 0  # the two rules disagree somewhere on these trials, so the test can tell them apart
+    assert not test.set_index(["dataset", "optimizer", "configuration"])["lr"].equals(got["lr"])
+    html = write_report(res).read_text(encoding="utf-8")
+    assert "highest mean best-validation accuracy over seeds (validation only: test never chooses)" in html
+    with pytest.raises(ValueError, match="select_by: unknown value 'train'"):
+        run_analysis(path, select_by="train", figures=False)
+    assert load_preset("paper").analysis_select_by == "test"
+    with pytest.raises(SpecError, match="analysis_select_by"):
+        load_preset("paper").with_overrides({"analysis_select_by": "x"}).validate(check_files=False)

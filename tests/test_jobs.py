@@ -50,7 +50,7 @@ STUDY_ONLY = {
     "name", "out", "data_root", "builtin_data", "pretrain_store", "datasets", "configurations", "optimizers",
     "seeds", "trial_driver_cpus", "max_concurrent_trials", "trial_retries", "search", "samples", "plasticity",
     "pretrain", "analysis", "tracking", "dataset_overrides", "probe", "execution", "analysis_seeds", "fixed_run",
-    "analysis_round",
+    "analysis_round", "analysis_select_by",
 }
 #: the protocol fields a dataset entry overrides -> FinetuneConfig field
 PER_DATASET = {"steps": "steps", "eval_period": "eval_period", "warmup_steps": "warmup_steps",

@@ -25,9 +25,10 @@ from raystudy.analysis.options import (
     DEFAULT_REFERENCE,
     DEFAULT_ROUND,
     DEFAULT_SEEDS,
+    DEFAULT_SELECT_BY,
 )
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis
-from raystudy.analysis.render import fmt_num, pct
+from raystudy.analysis.render import SELECTION_RULES, fmt_num, pct
 from raystudy.vocab import LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 CSS = """
@@ -138,6 +139,8 @@ def _summary(res: AnalysisResult) -> str:
         items += [("plasticity", _e(f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
                                     f"modes {_join(sorted(p['mode'].unique()))}, {p['layer'].nunique()} layers"))]
     o = res.options
+    if "best_lr" in res.tables:
+        items.append(("best lr", _e(f"the learning rate with {SELECTION_RULES[o.get('select_by', 'test')]}")))
     if "wilcoxon" in res.tables:
         items.append(("tests", _e(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, "
                                   f"paired by {o['pair_by'].replace('_', ' and ')}"
@@ -216,12 +219,13 @@ def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> 
 def report(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
            alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
            round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
-           seeds: list[int] | None = DEFAULT_SEEDS, fixed_run: dict | None = DEFAULT_FIXED_RUN) -> Path:
+           seeds: list[int] | None = DEFAULT_SEEDS, fixed_run: dict | None = DEFAULT_FIXED_RUN,
+           select_by: str = DEFAULT_SELECT_BY) -> Path:
     """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
     redundant) and write the self-contained ``<out_dir>/report.html`` (default
     ``<study_dir>/analysis/report.html``); returns its path (for a URI study directory: the local staged
-    copy, uploaded to ``<study_dir>/analysis/report.html``); ``seeds`` and ``fixed_run``: as
+    copy, uploaded to ``<study_dir>/analysis/report.html``); ``seeds``, ``fixed_run`` and ``select_by``: as
     :func:`raystudy.analysis.pipeline.run_analysis`."""
     res = run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
-                       out_dir=out_dir, seeds=seeds, fixed_run=fixed_run)
+                       out_dir=out_dir, seeds=seeds, fixed_run=fixed_run, select_by=select_by)
     return write_report(res)

@@ -14,6 +14,10 @@ ALTERNATIVES: tuple[str, ...] = ("greater", "two-sided", "less")
 #: What one Wilcoxon pair is: a dataset (best-lr means over seeds) or a (dataset, seed) pair.
 PAIR_BY: tuple[str, ...] = ("dataset", "dataset_seed")
 
+#: How the best learning rate of a sweep is chosen: by its mean test accuracy over seeds (the paper's
+#: Table 8) or by its mean best-validation accuracy (validation only: test never chooses; VTAB-1k's rule).
+SELECT_BY: tuple[str, ...] = ("test", "val")
+DEFAULT_SELECT_BY = "test"
 DEFAULT_REFERENCE = "MHA"
 DEFAULT_ALTERNATIVE = "greater"
 DEFAULT_PAIR_BY = "dataset"
@@ -30,8 +34,10 @@ FIXED_RUN_KEYS: tuple[str, ...] = ("dataset", "seed", "lr")
 DEFAULT_FIXED_RUN: dict | None = None
 
 
-def check_options(reference: str, alternative: str, pair_by: str, round_to: int | None = None) -> None:
+def check_options(reference: str, alternative: str, pair_by: str, round_to: int | None = None,
+                  select_by: str = DEFAULT_SELECT_BY) -> None:
     """Reject unknown option values with a ``ValueError`` naming the parameter and the choices."""
+    check_name(select_by, SELECT_BY, "select_by")
     check_name(reference, TRIALS_CONFIGURATIONS, "reference")
     check_name(alternative, ALTERNATIVES, "alternative")
     check_name(pair_by, PAIR_BY, "pair_by")

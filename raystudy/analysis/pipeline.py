@@ -31,6 +31,7 @@ from raystudy.analysis.options import (
     DEFAULT_REFERENCE,
     DEFAULT_ROUND,
     DEFAULT_SEEDS,
+    DEFAULT_SELECT_BY,
     check_options,
     check_selection,
 )
@@ -125,9 +126,10 @@ def _spread_notes(counted: pd.DataFrame, notes: list[str]) -> None:
                      "by construction.")
 
 
-def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **options) -> dict:
+def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], select_by: str = DEFAULT_SELECT_BY,
+                     **options) -> dict:
     """The tables built on the counted trials' accuracies (every one but ``cost``); omitted ones noted."""
-    tables = {"best_lr": best_lr_table(ok, inputs.probes), "lr_grid": lr_grid_table(ok)}
+    tables = {"best_lr": best_lr_table(ok, inputs.probes, select_by), "lr_grid": lr_grid_table(ok)}
     tables["overall"] = overall_table(tables["best_lr"], tables["lr_grid"], ok)
     gain = relative_gain_table(tables["best_lr"], ok)
     _gain_notes(gain, inputs, notes)
@@ -156,9 +158,11 @@ def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], **
 
 def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
-                   round_to: int | None = DEFAULT_ROUND, notes: list[str] | None = None) -> dict[str, pd.DataFrame]:
-    """Every table computable from ``inputs`` (pure: writes nothing). Omitted ones are explained in ``notes``."""
-    check_options(reference, alternative, pair_by, round_to)
+                   round_to: int | None = DEFAULT_ROUND, notes: list[str] | None = None,
+                   select_by: str = DEFAULT_SELECT_BY) -> dict[str, pd.DataFrame]:
+    """Every table computable from ``inputs`` (pure: writes nothing). Omitted ones are explained in ``notes``;
+    ``select_by``: how each sweep's best lr is chosen (:data:`~raystudy.analysis.options.SELECT_BY`)."""
+    check_options(reference, alternative, pair_by, round_to, select_by)
     notes = notes if notes is not None else []
     if inputs.trials is None:
         return {}
@@ -166,14 +170,15 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
     if ok is None or ok.empty:
         notes.append("No trial has a counted test accuracy: the accuracy tables and figures are omitted.")
         return {"cost": cost_table(inputs.trials, inputs.trials.iloc[0:0], inputs.probes)}
-    tables = _accuracy_tables(ok, inputs, notes, reference=reference, alternative=alternative, pair_by=pair_by,
-                              round_to=round_to)
+    tables = _accuracy_tables(ok, inputs, notes, select_by, reference=reference, alternative=alternative,
+                              pair_by=pair_by, round_to=round_to)
     tables["cost"] = cost_table(inputs.trials, ok, inputs.probes)
     return {k: tables[k] for k in TABLES if k in tables}
 
 
 def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, reference: str, alternative: str,
-                  pair_by: str, footnote: str, round_to: int | None = None) -> dict[str, R.Rendered]:
+                  pair_by: str, footnote: str, round_to: int | None = None,
+                  select_by: str = DEFAULT_SELECT_BY) -> dict[str, R.Rendered]:
     out: dict[str, R.Rendered] = {}
     for name, df in tables.items():
         if name == "overall":
@@ -182,6 +187,8 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
             r = R.render_wilcoxon(df, alternative=alternative, pair_by=pair_by, reference=reference, round_to=round_to)
         elif name == "cost":
             r = R.render_cost(df, inputs.trials)
+        elif name == "best_lr":
+            r = R.render_best_lr(df, select_by)
         elif name == "optimizers":
             r = R.render_optimizers(df, shared_subset(inputs.counted))
         elif name in B.TABLES:
@@ -388,17 +395,19 @@ def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFER
                  alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                  round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
                  figures: bool = True, seeds: list[int] | None = DEFAULT_SEEDS,
-                 fixed_run: dict | None = DEFAULT_FIXED_RUN) -> AnalysisResult:
+                 fixed_run: dict | None = DEFAULT_FIXED_RUN, select_by: str = DEFAULT_SELECT_BY) -> AnalysisResult:
     """Read ``study_dir``, write every table and figure to ``out_dir``; returns all of it.
 
     ``out_dir`` defaults to ``<study_dir>/analysis``; a URI there (or a URI study directory) is written
     through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``). ``seeds``: only these
     seeds' trials enter the tables and figures (the paper's Table 9: ``[0]``); ``fixed_run``: ``{dataset,
-    seed, lr}`` whose runs' curves are drawn beside the best runs' (the paper's Fig. 5).
+    seed, lr}`` whose runs' curves are drawn beside the best runs' (the paper's Fig. 5); ``select_by``: each
+    sweep's best lr by mean ``"test"`` accuracy (the paper's rule) or mean best-``"val"`` accuracy.
     """
-    check_options(reference, alternative, pair_by, round_to)
+    check_options(reference, alternative, pair_by, round_to, select_by)
     check_selection(seeds, fixed_run)
-    options = dict(reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to)
+    options = dict(reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
+                   select_by=select_by)
     inputs = read_inputs(study_dir)
     out, uri = storage.staged(out_dir if out_dir is not None else storage.join(study_dir, "analysis"),
                               prefix="raystudy-analysis-")
@@ -425,7 +434,7 @@ def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
             alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
             round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
             figures: bool = True, seeds: list[int] | None = DEFAULT_SEEDS,
-            fixed_run: dict | None = DEFAULT_FIXED_RUN) -> dict[str, pd.DataFrame]:
+            fixed_run: dict | None = DEFAULT_FIXED_RUN, select_by: str = DEFAULT_SELECT_BY) -> dict[str, pd.DataFrame]:
     """Analyse a study directory; write tables (CSV + Markdown) and figures under ``<study_dir>/analysis``.
 
     Returns the tables by name (``best_lr, lr_grid, overall, relative_gain, optimizers, wilcoxon, stability,
@@ -433,8 +442,9 @@ def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
     ``reference``: the configuration the Wilcoxon tests compare against; ``alternative``: ``"greater"``
     (the reference is better), ``"two-sided"`` or ``"less"``; ``pair_by``: ``"dataset"`` (best-lr means)
     or ``"dataset_seed"``; ``round_to``: test the accuracies rounded to that many decimals of a percent (the
-    paper's authors: 2). ``out_dir``: another folder or URI for the outputs. ``seeds`` and ``fixed_run``: as
-    :func:`run_analysis`.
+    paper's authors: 2). ``out_dir``: another folder or URI for the outputs. ``seeds``, ``fixed_run`` and
+    ``select_by``: as :func:`run_analysis`.
     """
     return run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by,
-                        round_to=round_to, out_dir=out_dir, figures=figures, seeds=seeds, fixed_run=fixed_run).tables
+                        round_to=round_to, out_dir=out_dir, figures=figures, seeds=seeds, fixed_run=fixed_run,
+                        select_by=select_by).tables

@@ -95,16 +95,22 @@ def probe_rows(probes: pd.DataFrame | None, counted: pd.DataFrame) -> pd.DataFra
     return rows.assign(configuration=LINEAR_PROBE, lr=np.nan, n_diverged=0)[cols]
 
 
-def best_lr_table(counted: pd.DataFrame, probes: pd.DataFrame | None = None) -> pd.DataFrame:
+def best_lr_table(counted: pd.DataFrame, probes: pd.DataFrame | None = None,
+                  select_by: str = "test") -> pd.DataFrame:
     """The paper's full results table (Table 8): for each dataset x configuration the best learning rate.
 
-    ``lr* = argmax_l mean_s a[d,o,c,l,s]`` (ties: the smaller lr); columns ``dataset, optimizer,
-    configuration, lr, mean, std, n_seeds, n_diverged`` give ``lr*``, the mean and std (ddof 0) over seeds
-    at ``lr*``, and how many of those seeds' runs diverged. ``LP`` rows (:func:`probe_rows`, lr NaN) are
-    added when ``probes`` has rows.
+    ``lr* = argmax_l mean_s a[d,o,c,l,s]`` (ties: the smaller lr) with ``a`` the test accuracy
+    (``select_by="test"``, the paper's rule) or the best-validation accuracy (``"val"``: test never
+    chooses); columns ``dataset, optimizer, configuration, lr, mean, std, n_seeds, n_diverged`` give ``lr*``,
+    the mean and std (ddof 0) over seeds of the TEST accuracy at ``lr*``, and how many of those seeds' runs
+    diverged. ``LP`` rows (:func:`probe_rows`, lr NaN) are added when ``probes`` has rows.
     """
-    sm = seed_means(counted).sort_values(SWEEP + ["lr"], kind="stable")
-    best = sm.loc[sm.groupby(SWEEP, sort=False)["mean"].idxmax()]
+    sm = seed_means(counted).sort_values(SWEEP + ["lr"], kind="stable").reset_index(drop=True)
+    score = sm["mean"]
+    if select_by == "val":
+        val = counted.groupby(SWEEP + ["lr"], sort=False)["best_val_acc"].mean().rename("val_mean").reset_index()
+        score = sm.merge(val, on=SWEEP + ["lr"], how="left")["val_mean"].fillna(-np.inf)
+    best = sm.loc[score.groupby([sm[k] for k in SWEEP], sort=False).idxmax()]
     lp = probe_rows(probes, counted)
     if len(lp):
         best = pd.concat([best, lp.astype(best.dtypes.to_dict())], ignore_index=True)

@@ -12,8 +12,10 @@ from raystudy.analysis.options import (
     DEFAULT_REFERENCE,
     DEFAULT_ROUND,
     DEFAULT_SEEDS,
+    DEFAULT_SELECT_BY,
     FIXED_RUN_KEYS,
     PAIR_BY,
+    SELECT_BY,
     check_selection,
 )
 from raystudy.vocab import TRIALS_CONFIGURATIONS
@@ -58,6 +60,9 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round", dest="round_to", type=int, default=DEFAULT_ROUND, metavar="N",
                    help="test the accuracies rounded to N decimals of a percent, as a table prints them (the "
                         "paper's authors test their Table 8's two-decimal values: --round 2; default: unrounded)")
+    p.add_argument("--select-by", choices=SELECT_BY, default=DEFAULT_SELECT_BY,
+                   help="choose each sweep's best lr by its mean test accuracy over seeds (the paper's rule, "
+                        "default) or by its mean best-validation accuracy (val: test never chooses)")
     p.add_argument("--seeds", type=_seeds, default=DEFAULT_SEEDS, metavar="S,S",
                    help="only these seeds' trials in every table and figure (the paper's Table 9: --seeds 0; "
                         "default: every seed)")
@@ -88,7 +93,7 @@ def _analysis(args: argparse.Namespace, *, figures: bool = True):
 
     res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
                        pair_by=args.pair_by, round_to=args.round_to, out_dir=args.out, figures=figures,
-                       seeds=args.seeds, fixed_run=args.fixed_run)
+                       seeds=args.seeds, fixed_run=args.fixed_run, select_by=args.select_by)
     for note in res.notes:
         print(f"note: {note}")
     return res

@@ -56,7 +56,7 @@ from typing import Any, ClassVar
 import yaml
 
 from raystudy import storage
-from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS
+from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY, SELECT_BY
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -237,6 +237,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
                                      help="the report also draws the runs at this {dataset, seed, lr}")
     analysis_round: int | None = setting(DEFAULT_ROUND, cli=False, check="optional_non_negative_int",
                                          help="the Wilcoxon tests take the accuracies rounded to N decimals")
+    analysis_select_by: str = setting(DEFAULT_SELECT_BY, cli=False, choices=SELECT_BY,
+                                      help="the analysis picks each sweep's best lr by test or val accuracy")
     tracking: list[str] = setting(factory=list, metavar="LIST",
                                   help="experiment trackers every trial also logs to (wandb, mlflow)")
 

@@ -368,7 +368,7 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
 
             t0 = time.monotonic()
             outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,
-                                            round_to=spec.analysis_round))
+                                            round_to=spec.analysis_round, select_by=spec.analysis_select_by))
             outcome.analysis_dir = join(spec.out, "analysis")
             echo(f"[{spec.name}] analysis written in {fmt_seconds(time.monotonic() - t0)}")
     outcome.wall_seconds = time.monotonic() - t_start
