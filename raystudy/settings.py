@@ -60,13 +60,21 @@ def warmup_of(steps: int, warmup_steps: int | None) -> int:
     return warmup_steps if warmup_steps is not None else int(round(WARMUP_FRACTION * steps))
 
 
+def accuracy_batch(protocol: Any, split: str) -> int:
+    """The batch size a ``per_batch`` accuracy on ``split`` averages over: ``val_batch_size`` (default
+    ``eval_batch_size``) on val, ``eval_batch_size`` elsewhere."""
+    if split == "val":
+        return protocol.val_batch_size or protocol.eval_batch_size
+    return protocol.eval_batch_size
+
+
 def accuracy_batches(protocol: Any) -> tuple[int, int] | None:
     """The batch sizes ``(val, test)`` a ``per_batch`` accuracy averages over (``val_batch_size``, default
     ``eval_batch_size``; then ``eval_batch_size``), ``None`` for ``per_sample``: what such an accuracy means,
     compared by a resume and by a study directory."""
     if protocol.accuracy != "per_batch":
         return None
-    return (protocol.val_batch_size or protocol.eval_batch_size, protocol.eval_batch_size)
+    return (accuracy_batch(protocol, "val"), accuracy_batch(protocol, "test"))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from raystudy.core.finetune.step import (
 )
 from raystudy.core.lora import merge
 from raystudy.data.store import Store
+from raystudy.settings import accuracy_batch
 
 log = logging.getLogger(__name__)
 
@@ -379,9 +380,7 @@ class Finetuner:
         evaluates its slice; sums all-reduced)."""
         loss_sum, hits = evaluate(model if model is not None else self.model, self._eval_batches(split),
                                   device=self.device, precision=self.precision)
-        rows, size = len(self._eval_data[split]), self.cfg.eval_batch_size
-        if split == "val" and self.cfg.val_batch_size:
-            size = self.cfg.val_batch_size  # the batches of a per_batch accuracy on val (forward passes unchanged)
+        rows, size = len(self._eval_data[split]), accuracy_batch(self.cfg, split)  # forward passes unchanged
         share = self._eval_rows(rows)
         correct = correct_by_batch(hits, int(share[0]) if len(share) else 0, rows, size)
         if self.all_reduce is not None and self.world_size > 1:
