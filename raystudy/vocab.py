@@ -38,6 +38,9 @@ STATUSES: tuple[str, ...] = ("ok", "diverged", "failed")
 FINAL_STATUSES: tuple[str, ...] = ("ok", "diverged")
 MODES: tuple[str, ...] = ("embedding", "hidden")
 SEARCHES: tuple[str, ...] = ("grid", "optuna")
+#: A trials row's stage of the benchmark protocol (VTAB-1k: VPT, NOAH): ``search`` a grid trial (trained on
+#: train, lr chosen on val), ``final`` the refit at the val-chosen lr on train + val, test reported.
+PHASES: tuple[str, ...] = ("search", "final")
 #: Forward/backward precision of a trial: fp32 (the paper's) or bf16 autocast with fp32 master weights.
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 #: How a trial reads images: a checksummed uint8 cache augmented on the device, or decode every step.
