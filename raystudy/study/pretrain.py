@@ -3,7 +3,7 @@
 The demo has no downloadable data or checkpoint, so it makes both:
 
 * :func:`prepare_builtin_data` prepares raystudy's procedural stores (:func:`raystudy.data.prepare_default`)
-  under the spec's ``data_root``;
+  and the miniature VTAB-1k tasks a spec names (:mod:`raystudy.data.vtab_demo`) under the spec's ``data_root``;
 * :func:`pretrain_weights` trains configuration ``All`` (every parameter) from a random init on the
   ``pretrain`` store with the finetuning core's own single-process loop
   (:func:`raystudy.core.finetune.train_local`: same data order, augmentation, schedule and clipping;
@@ -24,22 +24,28 @@ import torch
 from raystudy import storage
 from raystudy.core.finetune import train_local
 from raystudy.data.synthetic import prepare_default
+from raystudy.data.vtab_demo import DEMO_TASKS, prepare_demo_tasks
 from raystudy.study.jobs import pretrain_job
 from raystudy.study.progress import echo as _echo
 from raystudy.study.spec import SpecError, StudySpec
 
 
 def prepare_builtin_data(spec: StudySpec, echo=_echo, **sizes) -> dict[str, str]:
-    """Prepare the built-in procedural stores under ``data_root`` (kept when already there); returns
-    ``{store name: path}``. Every dataset of the spec must be one of them. ``sizes`` go to
-    :func:`~raystudy.data.prepare_default` (``n_train``, ``n_test``, ...; default: its own, the demo's)."""
+    """Prepare the built-in stores under ``data_root`` (kept when already there); returns ``{store name:
+    path}``: raystudy's procedural stores (:func:`raystudy.data.prepare_default`; ``sizes`` go to it:
+    ``n_train``, ``n_test``, ...) and, for every dataset whose store is ``vtab1k-<task>`` of a built-in
+    miniature task (:mod:`raystudy.data.vtab_demo`), that task's folder in VTAB-1k's layout, prepared as
+    ``raystudy data prepare vtab1k`` would. Every dataset of the spec must be one of them."""
     root = spec.resolved_data_root()
     t0 = time.time()
     stores = prepare_default(root, **sizes)
+    tasks = [t for t in DEMO_TASKS if any(os.path.basename(p) == f"vtab1k-{t}" for p in spec.datasets.values())]
+    stores.update({f"vtab1k-{t}": p for t, p in prepare_demo_tasks(root, tasks).items()})
     echo(f"[{spec.name}] built-in data in {root}: {sorted(stores)} ({time.time() - t0:.0f}s)")
     missing = [d for d, p in spec.datasets.items() if os.path.basename(p) not in stores and d not in stores]
     if missing:
-        raise SpecError(f"datasets: {missing} are not among the built-in stores {sorted(stores)}")
+        raise SpecError(f"datasets: {missing} are not among the built-in stores {sorted(stores)} (built-in "
+                        f"VTAB-1k miniatures: {', '.join(f'vtab1k-{t}' for t in DEMO_TASKS)})")
     return stores
 
 
