@@ -69,11 +69,11 @@ def test_prepared_stores_hold_the_lists_rows_and_groups(tmp_path):
 
 def test_a_spec_naming_miniature_tasks_gets_them_built(tmp_path):
     spec = StudySpec(name="t", out=str(tmp_path), builtin_data=True, data_root=str(tmp_path / "data"),
-                     datasets={"patch_camelyon": "vtab1k-patch_camelyon"})
+                     datasets={"patch_camelyon": "vtab1k/patch_camelyon"})
     stores = prepare_builtin_data(spec, echo=lambda *_: None, n_train=20, n_test=10)
-    assert read_meta(stores["vtab1k-patch_camelyon"])["vtab1k"]["task"] == "patch_camelyon"
-    assert "vtab1k-cifar" not in stores
+    assert read_meta(stores["vtab1k/patch_camelyon"])["vtab1k"]["task"] == "patch_camelyon"
+    assert "vtab1k/cifar" not in stores
     bad = StudySpec(name="t", out=str(tmp_path), builtin_data=True, data_root=str(tmp_path / "data"),
-                    datasets={"eurosat": "vtab1k-eurosat"})
-    with pytest.raises(SpecError, match=r"\[.eurosat.\].*built-in VTAB-1k miniatures: vtab1k-cifar"):
+                    datasets={"eurosat": "vtab1k/eurosat"})
+    with pytest.raises(SpecError, match=r"\[.eurosat.\].*built-in VTAB-1k miniatures: vtab1k/cifar"):
         prepare_builtin_data(bad, echo=lambda *_: None, n_train=20, n_test=10)

@@ -78,14 +78,15 @@ def write_task(root: str | os.PathLike, task: str, *, rows: dict[str, int] = DEM
 
 def prepare_demo_tasks(data_root: str | os.PathLike, tasks, *, overwrite: bool = False) -> dict[str, str]:
     """Write the miniature folders of ``tasks`` under ``data_root/vtab1k-source`` and prepare each as the
-    store ``data_root/vtab1k-<task>`` (kept when already there with an intact checksum); ``{task: store}``."""
+    store ``data_root/vtab1k/<task>`` (where ``raystudy data prepare vtab1k --task all --out
+    data_root/vtab1k`` puts the real ones; kept when already there with an intact checksum); ``{task: store}``."""
     from raystudy.data.sources import prepare_vtab1k
     from raystudy.data.store import StoreError, verify_store
 
     source = Path(data_root) / "vtab1k-source"
     out: dict[str, str] = {}
     for task in tasks:
-        store = Path(data_root) / f"vtab1k-{task}"
+        store = Path(data_root) / "vtab1k" / task
         try:
             fresh = not overwrite and bool(verify_store(store))
         except StoreError:

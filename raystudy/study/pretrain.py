@@ -33,20 +33,25 @@ from raystudy.study.spec import SpecError, StudySpec
 def prepare_builtin_data(spec: StudySpec, echo=_echo, **sizes) -> dict[str, str]:
     """Prepare the built-in stores under ``data_root`` (kept when already there); returns ``{store name:
     path}``: raystudy's procedural stores (:func:`raystudy.data.prepare_default`; ``sizes`` go to it:
-    ``n_train``, ``n_test``, ...) and, for every dataset whose store is ``vtab1k-<task>`` of a built-in
+    ``n_train``, ``n_test``, ...) and, for every dataset whose store is ``vtab1k/<task>`` of a built-in
     miniature task (:mod:`raystudy.data.vtab_demo`), that task's folder in VTAB-1k's layout, prepared as
     ``raystudy data prepare vtab1k`` would. Every dataset of the spec must be one of them."""
     root = spec.resolved_data_root()
     t0 = time.time()
     stores = prepare_default(root, **sizes)
-    tasks = [t for t in DEMO_TASKS if any(os.path.basename(p) == f"vtab1k-{t}" for p in spec.datasets.values())]
-    stores.update({f"vtab1k-{t}": p for t, p in prepare_demo_tasks(root, tasks).items()})
+    tasks = [t for t in DEMO_TASKS if f"vtab1k/{t}" in {_tail(p) for p in spec.datasets.values()}]
+    stores.update({f"vtab1k/{t}": p for t, p in prepare_demo_tasks(root, tasks).items()})
     echo(f"[{spec.name}] built-in data in {root}: {sorted(stores)} ({time.time() - t0:.0f}s)")
-    missing = [d for d, p in spec.datasets.items() if os.path.basename(p) not in stores and d not in stores]
+    missing = [d for d, p in spec.datasets.items() if not {_tail(p), os.path.basename(p), d} & set(stores)]
     if missing:
-        raise SpecError(f"datasets: {missing} are not among the built-in stores {sorted(stores)} (built-in "
-                        f"VTAB-1k miniatures: {', '.join(f'vtab1k-{t}' for t in DEMO_TASKS)})")
+        raise SpecError(f"datasets: {missing} are not among the built-in stores {sorted(stores)} (the built-in "
+                        f"VTAB-1k miniatures: {', '.join(f'vtab1k/{t}' for t in DEMO_TASKS)})")
     return stores
+
+
+def _tail(path: str) -> str:
+    """The last two parts of a store path: ``.../data/vtab1k/cifar`` -> ``vtab1k/cifar``."""
+    return "/".join(Path(path).parts[-2:])
 
 
 def pretrain_weights(spec: StudySpec, weights_path: str, *, echo=_echo) -> dict:
