@@ -396,6 +396,9 @@ class ProtocolSettings(DeviceSettings):
     eval_cache_mb: int = setting(512, check="non_negative_int",
                                  help="val/test data kept resident per worker up to this size")
     loader_workers: int = setting(0, check="non_negative_int", help="DataLoader processes per worker (decode path)")
+    change_images: int = setting(64, check="non_negative_int",
+                                 help="images of change_store a run's per-block CKA to the pretrained model uses "
+                                      "(raystudy.core.change; 0: weight change only)")
 
 
 @dataclass
@@ -504,6 +507,11 @@ class RunSettings:
     seq_len: int | None = setting(None, metavar="N",
                                   help="text: tokens per text (None: the store's longest, capped at the model's)")
     tokenizer: str | None = same_as(PlasticitySettings, "tokenizer")
+    change_store: str | None = setting(None, metavar="STORE",
+                                       help="store whose first change_images rows of change_split a run's CKA to "
+                                            "the pretrained model reads (a study: its plasticity pretraining "
+                                            "store; None: weight change only)")
+    change_split: str | list[str] = same_as(PlasticitySettings, "pretrain_split", cli=False)
 
 
 #: every group, by name

@@ -97,6 +97,11 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("trial_id", _str), ("step", _int), ("lr", _float), ("train_loss", _float), ("grad_norm", _float),
         ("val_loss", _float), ("val_acc", _float),
     ]),
+    # what finetuning changed, per trial (raystudy.core.change): measure weight_change per (layer, component),
+    # cka per layer (component null: the block's output against the pretrained model's)
+    "changes": pa.schema([
+        ("trial_id", _str), ("layer", _int), ("component", _str), ("measure", _str), ("value", _float),
+    ]),
 }
 
 #: Counts of a run's summary that ``trials.parquet`` stores beside the schema's columns: nullable integers
@@ -111,6 +116,10 @@ TRIAL_COUNT_EXTRAS: tuple[str, ...] = (
 RUN_CURVE_COLUMNS: tuple[str, ...] = (
     "step", "lr", "train_loss", "grad_norm", "component_grad_norm", "images_per_s", "val_loss", "val_acc",
 )
+
+#: The measures of the ``changes`` table: the relative weight change ||W_ft - W_0|| / ||W_0|| of a (component,
+#: block), and the linear CKA of a block's output tokens between the pretrained and the finetuned model.
+CHANGE_MEASURES: tuple[str, ...] = ("weight_change", "cka")
 
 #: Old column names, per table, and the name they have now.
 RENAMED_COLUMNS: dict[str, dict[str, str]] = {"trials": {"component": "configuration"}}

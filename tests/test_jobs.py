@@ -27,6 +27,7 @@ FINETUNE = {
     "include_layerscale": "include_layerscale", "eval_batch_size": "eval_batch_size",
     "eval_cache_mb": "eval_cache_mb", "loader_workers": "loader_workers", "accuracy": "accuracy",
     "val_split": "val_split", "drop_last": "drop_last", "val_batch_size": "val_batch_size",
+    "change_images": "change_images",
 }
 #: spec field -> TrainResources field (the Ray Train workers of a run)
 RESOURCES = {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
@@ -68,7 +69,7 @@ SPEC = dict(
     checkpoint_period=80, amp_bf16=True, train_final_norm=True, precision="bf16", data_path="decode",
     compile=True, cache_dir="/caches", momentum=0.8, betas=(0.85, 0.99), weight_decay=0.05, clip_norm=2.0,
     head_init="zero", include_layerscale=True, eval_batch_size=100, eval_cache_mb=64, loader_workers=2,
-    accuracy="per_batch", val_split="per_seed", drop_last=True, val_batch_size=50,
+    accuracy="per_batch", val_split="per_seed", drop_last=True, val_batch_size=50, change_images=16,
     workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
                     cpus_per_worker=1.5, torch_threads=3, pairing="sequential", pretrain_split=["val", "test"],
@@ -128,6 +129,8 @@ def test_finetune_job_carries_the_protocol_the_point_and_the_resources(spec):
         assert getattr(res, j) == getattr(spec, s), j
     assert (cfg.configuration, cfg.optimizer, cfg.lr, cfg.seed) == ("LN2", "adamw", 3e-4, 7)
     assert cfg.store == "/data/root/a-store" and cfg.out_dir == "/runs/x"
+    # what finetuning changed is measured on the plasticity stage's pretraining side
+    assert (cfg.change_store, cfg.change_split) == ("/data/root/pre", ["val", "test"])
     assert (res.keep_checkpoints, res.cleanup_checkpoints) == (2, True)  # not study settings: the defaults
     assert cfg.validate() is cfg and res.validate(cfg) is res
     cfg.model_kwargs["depth"] = 12  # a job never shares the spec's mutable values

@@ -81,7 +81,8 @@ def run_in_process(cfg: FinetuneConfig, resources: TrainResources, *, storage: s
     summary, ft = run(cfg, checkpointer=DirectoryCheckpointer(storage, keep=resources.keep_checkpoints),
                       reporter=ForwardReports(on_report), progress=False, device=_device(resources))
     summary = finished_summary(summary, wall_seconds=time.perf_counter() - t0, workers=1, execution="actor")
-    write_outputs(cfg.out_dir, summary, ft.curves, config=run_config_dict(cfg, resources), restores=ft.restores)
+    write_outputs(cfg.out_dir, summary, ft.curves, config=run_config_dict(cfg, resources), restores=ft.restores,
+                  changes=ft.changes)
     if resources.cleanup_checkpoints:
         delete_dir(storage)
     del ft

@@ -174,7 +174,7 @@ class RayTrainCheckpointer:
         with tempfile.TemporaryDirectory(prefix="raystudy-ckpt-") as d:
             ft.save(d)
             if ev.final and ft.rank == 0:
-                write_outputs(d, ev.metrics, ft.curves, config=self.config, restores=ft.restores)
+                write_outputs(d, ev.metrics, ft.curves, config=self.config, restores=ft.restores, changes=ft.changes)
             mark_complete(d, ev.step)
             yield d
 
@@ -220,14 +220,14 @@ def _worker_placement(resources: TrainResources) -> dict:
 def train_loop_per_worker(config: dict) -> dict | None:
     """The Ray Train worker function: ``config`` is a run's :func:`run_config_dict`.
 
-    Returns the run payload (summary, curves, restores) on worker 0, ``None`` on the others.
+    Returns the run payload (summary, curves, restores, changes) on worker 0, ``None`` on the others.
     """
     cfg, resources = split_legacy(config)
     summary, ft = run(cfg, checkpointer=RayTrainCheckpointer(config), reporter=RayTrainReporter(),
                       progress=False, **_worker_placement(resources))
     if ft.rank != 0:
         return None
-    return {"summary": summary, "curves": ft.curves, "restores": ft.restores}
+    return {"summary": summary, "curves": ft.curves, "restores": ft.restores, "changes": ft.changes}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -400,11 +400,13 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
                                       on_report)
     if payload is not None:
         summary, curves, restores = dict(payload["summary"]), payload["curves"], payload["restores"]
+        changes = payload.get("changes")
     else:
-        summary, curves, restores = failed_summary(cfg, error), [], []
+        summary, curves, restores, changes = failed_summary(cfg, error), [], [], None
     summary = finished_summary(summary, wall_seconds=time.perf_counter() - t0, workers=resources.workers,
                                execution="train", failures=worker_failures(_run_config(cfg, resources, run_config, [])))
-    write_outputs(cfg.out_dir, summary, curves, config=run_config_dict(cfg, resources), restores=restores)
+    write_outputs(cfg.out_dir, summary, curves, config=run_config_dict(cfg, resources), restores=restores,
+                  changes=changes)
     if resources.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):
         _delete_run_dir(result)
     return summary

@@ -1,7 +1,8 @@
 """The driver side of a study's Tune experiment: tables and terminal kept up to date as trials end.
 
-:class:`StudyCallback` adds each finished trial to ``trials.parquet`` / ``curves.parquet`` (its curves one
-new file, the trials table rewritten on a timer and at the experiment's end, each write atomic) and prints
+:class:`StudyCallback` adds each finished trial to ``trials.parquet`` / ``curves.parquet`` /
+``changes.parquet`` (its curves and changes one new file each, the trials table rewritten on a timer and at
+the experiment's end, each write atomic) and prints
 its line (:class:`~raystudy.study.progress.Progress`), plus a summary every minute.
 :func:`tracking_callbacks` are Ray Tune's own experiment-tracking integrations a spec asks for.
 """
@@ -77,27 +78,28 @@ class StudyCallback(tune.Callback):
         launch when it stops in any other way (an interrupt, an error)."""
         self._writing(self.tables.flush)
 
-    def _read(self, point: dict) -> tuple[dict | None, pa.Table | None, str | None]:
-        """The trial's row and curves from its directory (``None`` if it wrote no summary) and why it has
-        no row."""
+    def _read(self, point: dict) -> tuple[dict | None, pa.Table | None, pa.Table | None, str | None]:
+        """The trial's row, curves and changes from its directory (``None`` if it wrote no summary) and why
+        it has no row."""
         try:
             found = self.tables.read_trial(point, self.spec.model, self.spec.model_kwargs)
         except Exception as e:  # a malformed summary: recorded as failed, the study goes on
-            return None, None, f"could not read the trial's summary: {e}"
+            return None, None, None, f"could not read the trial's summary: {e}"
         if found is None:
-            return None, None, "the trial ended without writing summary.json"
+            return None, None, None, "the trial ended without writing summary.json"
         return *found, None
 
-    def _finish(self, trial, row: dict | None, curves: pa.Table | None, error: str | None) -> None:
+    def _finish(self, trial, row: dict | None, curves: pa.Table | None, changes: pa.Table | None,
+                error: str | None) -> None:
         """Add the trial's row (a failed one with ``error`` when it has none of its own), with how many
-        times Tune restarted it, and its curves to the tables, then print its line."""
+        times Tune restarted it, and its curves and changes to the tables, then print its line."""
         point = trial.config["point"]
         if row is None:
             row = failed_trial_row(self.spec, point, error)
         row["trial_restarts"] = int(trial.run_metadata.num_failures)
         if row["status"] == "failed":
             self._note_disk_full(f"trial {point['trial_id']}", row.get("error") or "")
-        self._writing(self.tables.add, row, curves)
+        self._writing(self.tables.add, row, curves, changes)
         self.progress.trial_finished(point["trial_id"], row)
 
     def on_trial_start(self, iteration, trials, trial, **info):
@@ -115,8 +117,8 @@ class StudyCallback(tune.Callback):
         error = (f"failed after {self.spec.trial_retries} retries: {_error_line(trial)}; see "
                  f"{trial_dir(self.spec.out, tid)} and {trial.path}/error.txt")
         self._note_disk_full(f"trial {tid}", _error_text(trial))
-        row, curves, _ = self._read(trial.config["point"])  # the run's own failed summary (with its error)
-        self._finish(trial, row if row is not None and row["status"] == "failed" else None, curves, error)
+        row, curves, changes, _ = self._read(trial.config["point"])  # the run's own failed summary (its error)
+        self._finish(trial, row if row is not None and row["status"] == "failed" else None, curves, changes, error)
 
     def on_step(self, iteration, trials, **info):
         self.progress.tick()

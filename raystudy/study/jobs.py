@@ -60,14 +60,18 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     The spec's protocol fields (batch_size, augment, ...), then the dataset's resolved protocol (steps,
     eval_period, warmup_steps, log_period: its overrides, else the study's; see
     :meth:`~raystudy.study.spec.StudySpec.protocol`), then the point's axes are copied by name; the
-    dataset becomes its store path. A budget (``auto:B``, ``random:B``) is resolved here, once per trial,
-    into the config's ``selection`` (:func:`budget_selection`); ``plasticity`` (the study's plasticity table,
-    default: read from the study directory when ``auto:B`` needs it) is for tests and callers holding it.
+    dataset becomes its store path. What finetuning changed is measured on the plasticity stage's
+    pretraining side (``change_store``: the spec's ``pretrain_store``, ``change_split``: its
+    ``plasticity.pretrain_split``; :meth:`raystudy.core.finetune.Finetuner.measure_changes`). A budget
+    (``auto:B``, ``random:B``) is resolved here, once per trial, into the config's ``selection``
+    (:func:`budget_selection`); ``plasticity`` (the study's plasticity table, default: read from the study
+    directory when ``auto:B`` needs it) is for tests and callers holding it.
     """
     protocol = {**values(ProtocolSettings, spec), **values(ProtocolSettings, spec.protocol(point["dataset"]))}
     axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
     cfg = FinetuneConfig(**values(ModelSettings, spec), **protocol, **axes,
-                         store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir))
+                         store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir),
+                         change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split)
     cfg.selection = budget_selection(spec, cfg, point["dataset"], plasticity)
     return cfg, train_resources(spec)
 

@@ -6,8 +6,10 @@ Layout of ``<out>/`` (local path or pyarrow URI)::
     trials.parquet       one row per grid point (trial_id unique), rewritten atomically as trials finish
     curves.parquet/      the training curves of every finished trial, with its trial_id: a Parquet dataset
                          of one file per trial (part-<trial_id>.parquet), read as one table
+    changes.parquet/     what finetuning changed in every finished trial (weight change per component and
+                         block, CKA per block; raystudy.core.change), a dataset of one file per trial alike
     plasticity.parquet   rates.parquet  bounds.parquet      the plasticity measurement
-    trials/<trial_id>/   one finetuning run: summary.json, curves.parquet, tb/ (its TensorBoard run)
+    trials/<trial_id>/   one finetuning run: summary.json, curves.parquet, changes.parquet, tb/ (its TensorBoard)
     tb/<trial_id>/       the TensorBoard run of every finished trial (``tensorboard --logdir <out>/tb``)
     train/<trial_id>/    Ray Train's run storage (checkpoints), so an interrupted trial resumes from them
     tune/<launch>/       one Tune experiment per launch (``tune.Tuner.restore`` / ``ResultGrid``)
@@ -77,6 +79,8 @@ TABLE_PERIOD = 5.0
 #: takes the dataset's schema from one file (``pd.read_parquet``) gets every column of every trial
 CURVE_TYPES = {**{f.name: f.type for f in SCHEMAS["curves"]},
                **{c: pa.float64() for c in RUN_CURVE_COLUMNS if c not in SCHEMAS["curves"].names}}
+#: the per-trial tables written as a dataset of one part file per trial, and each part's columns and types
+PART_TYPES = {"curves": CURVE_TYPES, "changes": {f.name: f.type for f in SCHEMAS["changes"]}}
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +120,10 @@ def _malformed(path: str, reason: str) -> dict[str, Any]:
     return {**blank, "status": "failed", "error": f"{path}: {reason}"}
 
 
-def read_trial_curves(study_dir: str, trial_id: str) -> pa.Table | None:
-    """The trial's own ``curves.parquet`` as an Arrow table (``None`` when it wrote none)."""
-    path = join(trial_dir(study_dir, trial_id), "curves.parquet")
+def read_trial_curves(study_dir: str, trial_id: str, table: str = "curves") -> pa.Table | None:
+    """The trial's own ``curves.parquet`` (or another ``table`` of its run: ``changes``) as an Arrow table
+    (``None`` when it wrote none)."""
+    path = join(trial_dir(study_dir, trial_id), f"{table}.parquet")
     if not exists(path):
         return None
     fs, p = filesystem(path)
@@ -194,14 +199,16 @@ def part_name(trial_id: str) -> str:
     return f"part-{trial_id}.parquet"
 
 
-def _part_table(trial_id: str, curves: pd.DataFrame | pa.Table) -> pa.Table:
-    """One trial's curves as a part file holds them: ``trial_id`` first, every :data:`CURVE_TYPES` column
-    (NaN where the run logged none) with its type, the run's other columns after. Built in Arrow (a
-    finished trial's own file is read as Arrow): a few columns of 120 rows cost well under a millisecond."""
+def _part_table(trial_id: str, curves: pd.DataFrame | pa.Table, table_name: str = "curves") -> pa.Table:
+    """One trial's curves (or rows of another per-trial table: ``changes``) as a part file holds them:
+    ``trial_id`` first, every column of :data:`PART_TYPES` (NaN where the run logged none) with its type, the
+    run's other columns after. Built in Arrow (a finished trial's own file is read as Arrow): a few columns
+    of 120 rows cost well under a millisecond."""
+    types = PART_TYPES[table_name]
     table = curves if isinstance(curves, pa.Table) else pa.Table.from_pandas(curves, preserve_index=False)
     n, have = table.num_rows, set(table.column_names)
-    columns = {"trial_id": pa.array([trial_id] * n, CURVE_TYPES["trial_id"])}
-    for name, kind in CURVE_TYPES.items():
+    columns = {"trial_id": pa.array([trial_id] * n, types["trial_id"])}
+    for name, kind in types.items():
         if name != "trial_id":
             columns[name] = table[name].cast(kind) if name in have else pa.array(np.full(n, np.nan), kind)
     for name in table.column_names:
@@ -211,7 +218,8 @@ def _part_table(trial_id: str, curves: pd.DataFrame | pa.Table) -> pa.Table:
 
 
 class ResultTables:
-    """``trials.parquet`` and ``curves.parquet/`` of one study: the rows held in memory, the curves on disk.
+    """``trials.parquet``, ``curves.parquet/`` and ``changes.parquet/`` of one study: the rows held in memory,
+    the curves and changes on disk (one part file per trial each).
 
     Rows are keyed by ``trial_id``: adding a trial that already has a row replaces it (a failed trial that
     succeeds on resume), so the table never holds duplicates. ``period``: the least time in seconds between
@@ -237,12 +245,29 @@ class ResultTables:
         self.deferred, self.written_at = False, -math.inf
         #: an old study's single ``curves.parquet`` file (split into the dataset at the first write)
         self.single_file = False
-        #: the trials that have curves in ``curves.parquet``
+        #: the trials that have curves in ``curves.parquet``, changes in ``changes.parquet``
         self.curve_ids = self._curve_ids(repair)
+        self.change_ids = self._part_ids(self.changes_path, repair)
 
     @property
     def curves_path(self) -> str:
         return join(self.study_dir, "curves.parquet")
+
+    @property
+    def changes_path(self) -> str:
+        return join(self.study_dir, "changes.parquet")
+
+    def _part_ids(self, path: str, repair: bool) -> set[str]:
+        """The trial ids of the part files in the dataset folder ``path`` (one listing, no file read); a
+        folder without parts (a writer killed in its first part) is removed with ``repair``."""
+        fs, p = filesystem(path)
+        if fs.get_file_info(p).type != pafs.FileType.Directory:
+            return set()
+        names = (i.base_name for i in fs.get_file_info(pafs.FileSelector(p)))
+        ids = {n[len("part-"):-len(".parquet")] for n in names if n.startswith("part-") and n.endswith(".parquet")}
+        if repair and not ids:
+            delete_dir(path)
+        return ids
 
     def _read(self, table: str, repair: bool) -> pd.DataFrame | None:
         """The table, ``None`` if absent. An unreadable one (a torn or corrupted file) raises a
@@ -265,11 +290,7 @@ class ResultTables:
         fs, p = filesystem(self.curves_path)
         kind = fs.get_file_info(p).type
         if kind == pafs.FileType.Directory:
-            names = (i.base_name for i in fs.get_file_info(pafs.FileSelector(p)))
-            ids = {n[len("part-"):-len(".parquet")] for n in names if n.startswith("part-") and n.endswith(".parquet")}
-            if repair and not ids:  # a writer killed in its first part left a folder no reader can read
-                delete_dir(self.curves_path)
-            return ids
+            return self._part_ids(self.curves_path, repair)
         old = self._read("curves", repair) if kind == pafs.FileType.File else None
         self.single_file = old is not None
         return set() if old is None else set(old["trial_id"])
@@ -316,13 +337,23 @@ class ResultTables:
         df = df[df["trial_id"].isin(list(self.rows))].sort_values("trial_id", kind="stable")
         return df[cols + [c for c in df.columns if c not in cols]].reset_index(drop=True)
 
+    def changes_frame(self) -> pd.DataFrame:
+        """What finetuning changed in the trials that have a row (``changes.parquet/``), by ``trial_id``."""
+        cols = columns("changes")
+        df = read_result(self.study_dir, "changes", required=False) if self.change_ids else None
+        if df is None:
+            return pd.DataFrame(columns=cols)
+        df = df[df["trial_id"].isin(list(self.rows))].sort_values("trial_id", kind="stable")
+        return df[cols].reset_index(drop=True)
+
     # --- updates ---------------------------------------------------------------------------------
 
-    def add(self, row: dict[str, Any], curves: pd.DataFrame | pa.Table | None = None) -> None:
-        """Insert or replace the row of ``row['trial_id']`` and write its curves (one part file, the same cost
-        at any size of the study); ``trials.parquet`` is rewritten when ``period`` seconds have passed since
-        it last was, else by a later :meth:`add` or :meth:`flush`."""
-        self._put(row, curves)
+    def add(self, row: dict[str, Any], curves: pd.DataFrame | pa.Table | None = None,
+            changes: pd.DataFrame | pa.Table | None = None) -> None:
+        """Insert or replace the row of ``row['trial_id']`` and write its curves and changes (one part file
+        each, the same cost at any size of the study); ``trials.parquet`` is rewritten when ``period``
+        seconds have passed since it last was, else by a later :meth:`add` or :meth:`flush`."""
+        self._put(row, curves, changes)
         if self.clock() - self.written_at >= self.period:
             self.flush()
 
@@ -334,26 +365,38 @@ class ResultTables:
             write_result(self.trials_frame(), self.study_dir, "trials")
             self.deferred, self.written_at = False, self.clock()
 
-    def _put(self, row: dict[str, Any], curves: pd.DataFrame | pa.Table | None) -> None:
-        """Hold the row (written by :meth:`flush`) and write or remove its trial's part file now."""
+    def _put(self, row: dict[str, Any], curves: pd.DataFrame | pa.Table | None,
+             changes: pd.DataFrame | pa.Table | None = None) -> None:
+        """Hold the row (written by :meth:`flush`) and write or remove its trial's part files now."""
         tid = row["trial_id"]
         self.rows[tid], self.deferred = dict(row), True
         if self.single_file:
             self._split_single_file()
-        if curves is not None:
-            write_parquet_atomic(join(self.curves_path, part_name(tid)), _part_table(tid, curves))
-            self.curve_ids.add(tid)
-        elif tid in self.curve_ids:
-            self._drop_part(tid)
+        self._put_part("curves", tid, curves)
+        self._put_part("changes", tid, changes)
 
-    def _drop_part(self, trial_id: str) -> None:
-        """Delete the trial's part file, and the dataset's folder once it holds none (an empty folder is no
-        table a reader can read)."""
-        fs, p = filesystem(self.curves_path)
+    def _parts(self, table: str) -> tuple[str, set[str]]:
+        """The dataset folder of the per-trial ``table`` and the ids of its part files."""
+        return (self.curves_path, self.curve_ids) if table == "curves" else (self.changes_path, self.change_ids)
+
+    def _put_part(self, table: str, tid: str, rows: pd.DataFrame | pa.Table | None) -> None:
+        """Write the trial's part file of ``table`` (``curves`` | ``changes``), or remove it without rows."""
+        path, ids = self._parts(table)
+        if rows is not None:
+            write_parquet_atomic(join(path, part_name(tid)), _part_table(tid, rows, table))
+            ids.add(tid)
+        elif tid in ids:
+            self._drop_part(tid, table)
+
+    def _drop_part(self, trial_id: str, table: str = "curves") -> None:
+        """Delete the trial's part file of ``table``, and the dataset's folder once it holds none (an empty
+        folder is no table a reader can read)."""
+        path, ids = self._parts(table)
+        fs, p = filesystem(path)
         fs.delete_file(f"{p}/{part_name(trial_id)}")
-        self.curve_ids.discard(trial_id)
-        if not self.curve_ids:
-            delete_dir(self.curves_path)
+        ids.discard(trial_id)
+        if not ids:
+            delete_dir(path)
 
     def _split_single_file(self) -> None:
         """An old study's single ``curves.parquet`` becomes the dataset: the file is moved aside, each of its
@@ -367,14 +410,16 @@ class ResultTables:
         fs.delete_file(p)
         self.single_file = False
 
-    def read_trial(self, point: dict[str, Any], model: str,
-                   model_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], pa.Table | None] | None:
-        """The trial's row and curves from its directory (``summary.json`` + ``curves.parquet``); ``None`` if
-        it has not finished."""
-        summary = read_trial_summary(self.study_dir, point["trial_id"])
+    def read_trial(self, point: dict[str, Any], model: str, model_kwargs: dict[str, Any] | None = None
+                   ) -> tuple[dict[str, Any], pa.Table | None, pa.Table | None] | None:
+        """The trial's row, curves and changes from its directory (``summary.json``, ``curves.parquet``,
+        ``changes.parquet``; either table ``None`` when absent); ``None`` if it has not finished."""
+        tid = point["trial_id"]
+        summary = read_trial_summary(self.study_dir, tid)
         if summary is None:
             return None
-        return trial_row(point, model, summary, model_kwargs), read_trial_curves(self.study_dir, point["trial_id"])
+        return (trial_row(point, model, summary, model_kwargs), read_trial_curves(self.study_dir, tid),
+                read_trial_curves(self.study_dir, tid, "changes"))
 
     def ingest(self, point: dict[str, Any], model: str, model_kwargs: dict[str, Any] | None = None) -> dict | None:
         """:meth:`add` the trial from its directory (:meth:`read_trial`); returns its row, ``None`` if unfinished."""
@@ -391,8 +436,9 @@ class ResultTables:
         picked = []
         for point in points:
             tid = point["trial_id"]
-            if self.status(tid) in FINAL_STATUSES and (
-                    tid in self.curve_ids or not exists(join(trial_dir(self.study_dir, tid), "curves.parquet"))):
+            if self.status(tid) in FINAL_STATUSES and all(
+                    tid in ids or not exists(join(trial_dir(self.study_dir, tid), f"{table}.parquet"))
+                    for table, ids in (("curves", self.curve_ids), ("changes", self.change_ids))):
                 continue
             found = self.read_trial(point, model, model_kwargs)
             if found is not None:
@@ -437,7 +483,9 @@ class Study:
     ``curves``: one row per logged step of every trial, with the trial's ``dataset``, ``model``,
     ``configuration``, ``optimizer``, ``seed``, ``status`` and its learning rate as ``trial_lr`` (the
     curve's own ``lr`` is the schedule's value at that step); ``plasticity``, ``rates``, ``bounds``: the
-    plasticity measurement (``None`` when the study has none); ``spec``: the stored ``spec.yaml`` as a dict.
+    plasticity measurement (``None`` when the study has none); ``spec``: the stored ``spec.yaml`` as a dict;
+    ``changes``: what finetuning changed, one row per (trial, layer, component, measure), with the same
+    trial columns as ``curves`` (``None`` when no trial recorded any).
     """
 
     path: str
@@ -447,9 +495,10 @@ class Study:
     rates: pd.DataFrame | None = None
     bounds: pd.DataFrame | None = None
     spec: dict[str, Any] = field(default_factory=dict)
+    changes: pd.DataFrame | None = None
 
     def __repr__(self) -> str:
-        parts = [f"{name}: {len(df)} rows" for name in ("trials", "curves", "plasticity", "rates", "bounds")
+        parts = [f"{name}: {len(df)} rows" for name in ("trials", "curves", "changes", "plasticity", "rates", "bounds")
                  if (df := getattr(self, name)) is not None]
         probes = int((self.trials["configuration"].astype(str) == LINEAR_PROBE).sum()) if len(self.trials) else 0
         if probes:  # the linear probes' rows are counted apart, as the command line and the report count them
@@ -458,7 +507,8 @@ class Study:
 
 
 def joined_curves(trials: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
-    """``curves`` with the trial columns of :data:`CURVE_TRIAL_COLUMNS` and ``trial_lr``, by ``trial_id``."""
+    """``curves`` (or the ``changes`` table) with the trial columns of :data:`CURVE_TRIAL_COLUMNS` and
+    ``trial_lr``, by ``trial_id``."""
     own = trials[["trial_id", *CURVE_TRIAL_COLUMNS, "lr"]].rename(columns={"lr": "trial_lr"})
     return curves.merge(own, on="trial_id", how="left", validate="many_to_one")
 
@@ -476,6 +526,7 @@ def load_study(study_dir: str) -> Study:
     if not tables.rows and not exists(join(study_dir, "spec.yaml")):
         raise TableError(f"{study_dir}: no study here (neither trials.parquet nor spec.yaml)")
     trials = tables.trials_frame()
+    changes = tables.changes_frame() if tables.change_ids else None
     spec_text = read_text(join(study_dir, "spec.yaml"))
     return Study(
         path=study_dir, trials=trials, curves=joined_curves(trials, tables.curves_frame()),
@@ -483,4 +534,5 @@ def load_study(study_dir: str) -> Study:
         rates=read_result(study_dir, "rates", required=False),
         bounds=read_result(study_dir, "bounds", required=False),
         spec=(yaml.safe_load(spec_text) or {}) if spec_text else {},
+        changes=None if changes is None else joined_curves(trials, changes),
     )

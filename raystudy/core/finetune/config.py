@@ -47,7 +47,7 @@ RESUME_KEYS = ("model", "configuration", "selection", "optimizer", "lr", "seed",
                "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init", "data_path", "precision",
                "seq_len", "tokenizer", "accuracy", "val_split", "drop_last")
 #: Path settings made absolute where a config is built (Ray workers do not run in the caller's directory).
-PATH_FIELDS = ("store", "out_dir", "weights", "cache_dir", "tokenizer")
+PATH_FIELDS = ("store", "out_dir", "weights", "cache_dir", "tokenizer", "change_store")
 
 
 @dataclass

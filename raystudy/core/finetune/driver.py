@@ -264,5 +264,5 @@ def train_local(cfg: FinetuneConfig, *, checkpoint_dir: str | os.PathLike | None
     checkpointer = DirectoryCheckpointer(checkpoint_dir) if checkpoint_dir else NoCheckpoints()
     summary, ft = run(cfg, checkpointer=checkpointer, resume=resume, tensorboard=tensorboard, write_weights=write)
     if write:
-        write_outputs(cfg.out_dir, summary, ft.curves, config=cfg.to_dict(), restores=ft.restores)
+        write_outputs(cfg.out_dir, summary, ft.curves, config=cfg.to_dict(), restores=ft.restores, changes=ft.changes)
     return summary, ft

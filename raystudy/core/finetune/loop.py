@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from raystudy.core.change import change_rows, cka_to_start, first_images, weight_change
 from raystudy.core.components import get_adapter
 from raystudy.core.expressions import LoRA, parse
 from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
@@ -47,6 +48,7 @@ from raystudy.core.finetune.step import (
     train_step,
 )
 from raystudy.core.lora import merge
+from raystudy.data.modality import modality_of_model
 from raystudy.data.store import Store
 from raystudy.settings import accuracy_batch
 
@@ -181,6 +183,10 @@ class Finetuner:
         self.skipped_checkpoints: list[str] = []  # the unusable checkpoints a resume moved aside, and why
         self.train_seconds = 0.0
         self.images_per_s = self.cpu_ms_per_image = self.test_acc = float("nan")
+        # what finetuning changed (:meth:`measure_changes`, rank 0): the trainable parameters as built, before
+        # step 1 and before any :meth:`load`, so a resumed run compares with its own start (the pretrained values)
+        self.start_state = self.trainable_state() if rank == 0 else None
+        self.changes: list[dict] = []
 
     def _build_model(self, wrap: Callable[[nn.Module], nn.Module] | None) -> None:
         """The model on the device with its selection frozen, :attr:`net` (wrapped, compiled) for training."""
@@ -240,6 +246,7 @@ class Finetuner:
         bar.close()
         self.images_per_s, self.cpu_ms_per_image = meter.images_per_s(), meter.cpu_ms_per_image()
         self.test_acc = self._test_best()
+        self.changes = self.measure_changes() if self.rank == 0 else []
         summary = self.summary()
         if callback is not None:
             callback(Event(step=self.step, metrics=dict(summary), checkpoint=True, final=True))
@@ -282,6 +289,35 @@ class Finetuner:
         with self.trainable_set_to(self.best_state):
             _, acc = self.evaluate("test", self.merged_model() if self.lora else None)
         return acc
+
+    def measure_changes(self) -> list[dict]:
+        """What finetuning changed (:func:`raystudy.core.change.change_rows`): the weight change of every
+        (component, block) of the final merged model (:meth:`merged_model`) against its start
+        (:attr:`start_state`; a frozen component gives exactly 0) and, with :meth:`change_images`, each
+        block's linear CKA between the model at its start values and as it ended (the final state, not the
+        best-validation one: what the run's training did)."""
+        final = self.merged_model()
+        weights = weight_change(final, self._start_of(final), final.state_dict())
+        images = self.change_images()
+        cka = None if images is None else cka_to_start(self.model, images.to(self.device), self.start_state)
+        return change_rows(weights, cka)
+
+    def _start_of(self, final: nn.Module) -> dict[str, torch.Tensor]:
+        """The start values of ``final``'s parameters by name: the model's own (trainable ones from
+        :attr:`start_state`, frozen ones as they are), or a merged copy made at the start values."""
+        if final is self.model:
+            return {**dict(final.named_parameters()), **self.start_state}
+        with self.trainable_set_to(self.start_state):
+            return self.merged_model().state_dict()
+
+    def change_images(self) -> torch.Tensor | None:
+        """The CKA's images (:func:`raystudy.core.change.first_images`): the first ``cfg.change_images`` rows
+        of ``cfg.change_split`` of ``cfg.change_store``, eval transform; None without a store, with 0 images or
+        for a text model."""
+        cfg = self.cfg
+        if not cfg.change_store or cfg.change_images == 0 or not modality_of_model(cfg.model).takes_images:
+            return None
+        return first_images(cfg.change_store, cfg.change_split, cfg.change_images, cfg.img_size)
 
     @property
     def lora(self) -> bool:

@@ -15,10 +15,12 @@ from raystudy.core.expressions import Budgeted, canonical, normalise
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.data.modality import modality_of_model
 from raystudy.storage import join, write_bytes_atomic, write_json_atomic, write_parquet_atomic
-from raystudy.vocab import RUN_CURVE_COLUMNS
+from raystudy.vocab import RUN_CURVE_COLUMNS, columns
 
 #: The columns of a run's ``curves.parquet`` (one row per logged step; val columns null between evaluations).
 CURVE_COLUMNS = list(RUN_CURVE_COLUMNS)
+#: The columns of a run's ``changes.parquet`` (what finetuning changed): the study table's, less ``trial_id``.
+CHANGE_COLUMNS = [c for c in columns("changes") if c != "trial_id"]
 MEMORY_KEYS = ("grad_memory_bytes", "optimizer_memory_bytes", "grad_memory_bytes_analytic",
                "optimizer_memory_bytes_analytic")
 _nan = float("nan")
@@ -92,10 +94,21 @@ def curves_frame(rows: list[dict]):
     return df
 
 
+def changes_frame(rows: list[dict]):
+    """Change rows (:func:`raystudy.core.change.change_rows`) as a DataFrame with :data:`CHANGE_COLUMNS`."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows, columns=CHANGE_COLUMNS)
+    return df.astype({"layer": "int64", "component": "object", "measure": "object", "value": "float64"})
+
+
 def write_outputs(out_dir: str | os.PathLike, summary: dict, curves: list[dict], *, config: dict | None = None,
-                  restores: list[dict] | None = None) -> None:
-    """``summary.json``, ``curves.parquet``, and ``config.json``/``restores.json`` when given."""
+                  restores: list[dict] | None = None, changes: list[dict] | None = None) -> None:
+    """``summary.json``, ``curves.parquet``, and ``config.json``/``restores.json``/``changes.parquet`` when
+    given (the curves and changes before the summary: a run with a summary has them)."""
     write_parquet_atomic(join(out_dir, "curves.parquet"), curves_frame(curves))
+    if changes:
+        write_parquet_atomic(join(out_dir, "changes.parquet"), changes_frame(changes))
     write_json_atomic(join(out_dir, "summary.json"), summary)
     if config is not None:
         write_json_atomic(join(out_dir, "config.json"), config)
