@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from raystudy import storage
 from raystudy.analysis import beyond as B
+from raystudy.analysis import change as CH
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
 from raystudy.analysis import sweep_figures as SF
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 #: Every table the analysis can write, in report order.
 TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking",
-          *B.TABLES, "cost")
+          *B.TABLES, *CH.TABLES, "cost")
 
 
 @dataclass
@@ -172,6 +173,7 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
         return {"cost": cost_table(inputs.trials, inputs.trials.iloc[0:0], inputs.probes)}
     tables = _accuracy_tables(ok, inputs, notes, select_by, reference=reference, alternative=alternative,
                               pair_by=pair_by, round_to=round_to)
+    tables.update(CH.change_tables(inputs, tables["best_lr"], notes))  # what finetuning changed
     tables["cost"] = cost_table(inputs.trials, ok, inputs.probes)
     return {k: tables[k] for k in TABLES if k in tables}
 
@@ -191,6 +193,8 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
             r = R.render_best_lr(df, select_by)
         elif name == "optimizers":
             r = R.render_optimizers(df, shared_subset(inputs.counted))
+        elif name in CH.TABLES:
+            r = getattr(CH, f"render_{name}")(df)
         elif name in B.TABLES:
             r = getattr(B, f"render_{name}")(df)
         else:
@@ -337,6 +341,7 @@ def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: 
                      lambda s: F.plot_relative_gain(g, s)))
     if "frontier" in tables:
         jobs += B.figure_jobs(tables["frontier"], _slug)
+    jobs += CH.figure_jobs(tables)
     if inputs.curves is not None:
         jobs += _curve_figures(inputs, inputs.curves, notes, fixed_run)
     elif fixed_run is not None:
