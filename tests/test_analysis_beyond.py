@@ -120,6 +120,36 @@ def test_matched_budget_wilcoxon_equals_scipy(study):
         assert r.mean_first == pytest.approx(acc[r.first].mean(), abs=1e-12)
 
 
+def test_matched_budget_joins_every_adapter_family_and_bitfit():
+    """A hand-built frontier: auto/random at 2% (~40k parameters), the PEFT family and BitFit around it."""
+    params = {"auto:2%": 40_000, "random:2%": 39_000, "lora:r=2": 45_000, "dora:r=2": 47_000, "loha:r=2": 58_000,
+              "lokr:r=8": 27_000, "vera:r=256": 43_000, "ia3": 30_000, "bias": 55_000, "bias@8-11": 18_000,
+              "dora:r=64": 500_000, "MHA+bias": 41_000}
+    rng = np.random.default_rng(3)
+    rows = [dict(dataset=f"d{i}", optimizer="sgd", configuration=c, trainable_params=float(n),
+                 mean=float(rng.uniform(0.4, 0.9))) for c, n in params.items() for i in range(6)]
+    frontier = pd.DataFrame(rows)
+    notes: list[str] = []
+    table = B.matched_budget_table(frontier, notes=notes)
+    ref = np.median([40_000, 39_000])  # the budget's reference count: the median over auto:2% and random:2%
+    joined = {c for c, n in params.items() if c not in ("auto:2%", "random:2%", "MHA+bias")
+              and abs(np.log(n / ref)) <= np.log(B.DEFAULT_TOLERANCE)}
+    # 1.5x of 39,500 is [26,333, 59,250]: lokr 27k and loha 58k in; bias@8-11 18k and dora:r=64 500k out
+    assert joined == {"lora:r=2", "dora:r=2", "loha:r=2", "lokr:r=8", "vera:r=256", "ia3", "bias"}
+    assert any("bias@8-11" in n for n in notes) and any("dora:r=64" in n for n in notes)
+    configs = ["auto:2%", "random:2%", *sorted(joined)]
+    pairs = set(zip(table["first"], table["second"]))
+    assert len(pairs) == len(table) == len(configs) * (len(configs) - 1) // 2  # every family differs
+    assert ("auto:2%", "ia3") in pairs and ("lora:r=2", "dora:r=2") in pairs and ("ia3", "bias") in pairs
+    assert not any("MHA+bias" in p for p in pairs)  # a combination has no family to match
+    acc = frontier.pivot(index="dataset", columns="configuration", values="mean")
+    for r in table.itertuples():
+        res = stats.wilcoxon(acc[r.first].to_numpy(), acc[r.second].to_numpy(), alternative="two-sided")
+        assert r.statistic == pytest.approx(res.statistic, abs=1e-12) and r.budget == "2%"
+        assert r.p_value == pytest.approx(res.pvalue, abs=1e-12)
+        assert r.params_first == params[r.first] and r.params_second == params[r.second]
+
+
 def test_unit_gain_spearman_equals_scipy(study):
     inputs = read_inputs(study)
     table = B.unit_gain_table(inputs.plasticity, best_lr_table(inputs.counted), inputs.counted)
@@ -151,6 +181,9 @@ def test_single_unit_and_family():
     assert [B.single_unit(c) for c in ("MHA", "MHA@2-3", "MHA@3+FC1@3", "auto:5%", "lora:r=8")] == [None] * 5
     assert [B.family(c) for c in ("MHA", "auto:5%", "random:2M", "lora:r=8", "MHA+FC1")] == \
         ["MHA", "auto", "random", "lora", "combination"]
+    assert [B.family(c) for c in ("dora:r=8", "loha:r=4:fc1", "lokr:r=8", "vera:r=256", "ia3", "ia3:fc1", "bias",
+                                  "bias@8-11", "bias+LN1")] == \
+        ["dora", "loha", "lokr", "vera", "ia3", "ia3", "bias", "bias", "combination"]
 
 
 def test_run_analysis_writes_the_beyond_tables_and_figures(study, tmp_path):

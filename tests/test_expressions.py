@@ -11,11 +11,11 @@ import torch
 from conftest import tiny_vit
 
 from raystudy.core.expressions import (
+    Adapter,
     Budget,
     Budgeted,
     Combination,
     ExpressionError,
-    LoRA,
     Term,
     canonical,
     is_configuration,
@@ -84,8 +84,16 @@ def test_parse_trees():
     assert parse("auto:500k") == Budgeted("auto", Budget(500_000, ""))
     assert parse("auto:1.5M") == Budgeted("auto", Budget(1_500_000, ""))
     assert parse("random:1234") == Budgeted("random", Budget(1234, ""))
-    assert parse("lora:r=8") == LoRA(8, ("proj", "qkv"))
-    assert parse("lora:r=4:qkv,fc1") == LoRA(4, ("fc1", "qkv"))
+    assert parse("lora:r=8") == Adapter("lora", 8, ("proj", "qkv"))
+    assert parse("lora:r=4:qkv,fc1") == Adapter("lora", 4, ("fc1", "qkv"))
+    assert parse("dora:r=8") == Adapter("dora", 8, ("proj", "qkv"))
+    assert parse("loha:r=2:fc2") == Adapter("loha", 2, ("fc2",))
+    assert parse("lokr:r=16") == Adapter("lokr", 16, ("proj", "qkv"))
+    assert parse("vera:r=256") == Adapter("vera", 256, ("proj", "qkv"))
+    assert parse("ia3") == Adapter("ia3", None, ("fc2", "qkv"))  # keys/values (fused qkv) and the FFN
+    assert parse("ia3:qkv,fc1") == Adapter("ia3", None, ("fc1", "qkv"))
+    assert parse("bias") == Combination((Term("bias"),))
+    assert parse("bias@8-11+LN1") == Combination((Term("bias", (8, 9, 10, 11)), Term("LN1")))
 
 
 @pytest.mark.parametrize("expr, position, words", [
@@ -106,6 +114,17 @@ def test_parse_trees():
     ("random:1.2345k", 7, "whole number"),
     ("random:2G", 8, "unexpected 'G'"),
     ("lora:8", 5, "expected 'r=<rank>'"),
+    ("lora", 4, "expected ':r=<rank>'"),
+    ("dora:r=0", 7, "at least 1"),
+    ("vera:", 5, "expected 'r=<rank>'"),
+    ("loha:r=", 7, "expected the rank"),
+    ("lokr:r=4:", 9, "expected a layer name"),
+    ("ia3:", 4, "expected a layer name"),
+    ("ia3:r=8", 4, "ia3 takes no rank"),
+    ("ia3+MHA", 3, "unexpected '+'"),
+    ("bias@", 5, "expected a block number"),
+    ("Bias", 0, "unknown name 'Bias'"),
+    ("adalora:r=8", 0, "unknown name 'adalora'"),
     ("lora:r=0", 7, "at least 1"),
     ("lora:r=8:", 9, "expected a layer name"),
     ("lora:r=8:qkv+MHA", 12, "unexpected '+'"),
@@ -140,6 +159,17 @@ def test_parse_errors_point_at_the_character(expr, position, words):
     ("auto:1234", "auto:1234"),
     ("lora:r=8:qkv,proj", "lora:r=8"),
     ("lora:r=8:qkv,fc1,qkv", "lora:r=8:fc1,qkv"),
+    ("dora:r=8:qkv,proj", "dora:r=8"),
+    ("vera:r=0256", "vera:r=256"),
+    ("lokr:r=4:fc1", "lokr:r=4:fc1"),
+    ("ia3:qkv,fc2", "ia3"),
+    ("ia3:qkv,proj", "ia3:proj,qkv"),  # the LoRA default is not IA3's: spelled out
+    ("bias+LN2+LN1", "LN1+LN2+bias"),
+    ("bias@11,8-10+bias@9", "bias@8-11"),
+    ("bias@3+bias", "bias"),
+    ("Head+bias", "bias"),
+    ("bias+All", "All"),
+    ("Emb+bias@0", "Emb+bias@0"),
 ])
 def test_canonical(expr, expected):
     assert canonical(expr) == expected
@@ -151,10 +181,24 @@ def test_path_safe():
     assert path_safe("auto:5.0%") == "auto_5pct"
     assert path_safe("lora:r=8:fc1,qkv") == "lora_r=8_fc1,qkv"
     assert path_safe("FC1+MHA@9-11") == "MHA@9-11+FC1"
+    assert path_safe("dora:r=8:qkv,fc1") == "dora_r=8_fc1,qkv"
+    assert path_safe("ia3:fc1") == "ia3_fc1" and path_safe("ia3") == "ia3"
+    assert path_safe("bias+LN1") == "LN1+bias"
+
+
+def test_split_configurations_the_comma_rule():
+    from raystudy.core.expressions import split_configurations
+
+    text = "MHA, FC1@0,2,4, lora:r=8:fc1,qkv, ia3, bias, ia3:qkv,fc2, bias@1,3, dora:r=4, LN1+bias, vera:r=64:fc1"
+    assert split_configurations(text) == ["MHA", "FC1@0,2,4", "lora:r=8:fc1,qkv", "ia3", "bias", "ia3:qkv,fc2",
+                                          "bias@1,3", "dora:r=4", "LN1+bias", "vera:r=64:fc1"]
+    assert split_configurations("loha:r=2:qkv, lokr:r=2, auto:5%, random:2M") == [
+        "loha:r=2:qkv", "lokr:r=2", "auto:5%", "random:2M"]
 
 
 def test_is_configuration():
-    assert all(is_configuration(c) for c in [*CONFIGURATIONS, "MHA@8-11+FC1", "auto:5%", "lora:r=16:fc1"])
+    assert all(is_configuration(c) for c in [*CONFIGURATIONS, "MHA@8-11+FC1", "auto:5%", "lora:r=16:fc1",
+                                            "dora:r=4", "ia3", "bias@0+LN1", "vera:r=8:fc2"])
     assert not any(is_configuration(c) for c in ["LP", "mha", "MHA@", None, 3])
 
 

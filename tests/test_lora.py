@@ -56,7 +56,7 @@ def test_other_targets_through_an_expression():
     assert resolved.num_parameters == DEPTH * (2 * (D + H) + 2 * (D + 3 * D))  # fc1: 48 -> 192; qkv: 48 -> 144
     with pytest.raises(ValueError, match="name no linear layer"):
         apply_lora(tiny_vit(), 2, ("qkvv",))
-    with pytest.raises(ValueError, match="already has LoRA"):
+    with pytest.raises(ValueError, match="already has peft adapters"):
         apply_lora(model, 2)
 
 

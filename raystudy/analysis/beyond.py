@@ -1,12 +1,14 @@
 """Tables and figures of studies beyond the paper's seven configurations (configuration expressions).
 
 When a study trains configuration expressions (``MHA+FC1``, ``MHA@8-11``, ``auto:5%``, ``random:5%``,
-``lora:r=8``: :mod:`raystudy.core.expressions`) three questions follow, one table each:
+``lora:r=8``, ``dora:r=8``, ``ia3``, ``bias``: :mod:`raystudy.core.expressions`) three questions follow, one
+table each:
 
 * ``frontier``: best-lr accuracy against trainable parameters, per dataset and overall, with the Pareto
   frontier marked (:func:`pareto_mask`); drawn by :func:`plot_frontier`, one figure per dataset and one
   overall.
-* ``matched_budget``: ``auto:B`` against ``random:B`` against the LoRA rank whose trainable-parameter count
+* ``matched_budget``: ``auto:B`` against ``random:B`` against every PEFT configuration (``lora:r=k``,
+  ``dora:r=k``, ``loha``, ``lokr``, ``vera``, ``ia3``) and BitFit (``bias``) whose trainable-parameter count
   matches ``B``, paired Wilcoxon signed-rank tests over datasets (:func:`matched_budget_table`).
 * ``unit_gain``: Spearman correlation of a (component, block) unit's plasticity with the accuracy gain of
   training that unit alone (configurations such as ``MHA@3``) over ``Head`` (or the linear probe ``LP``).
@@ -28,20 +30,28 @@ from raystudy.analysis import figures as F
 from raystudy.analysis.render import STD_NOTE, Block, Rendered, fmt_count, fmt_lr, fmt_num, fmt_p, pct
 from raystudy.analysis.stats import _match_models, signed_rank_test, smallest_p_note, spearman_p_value, statistic_note
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models, population_std, recorded_counts
-from raystudy.core.expressions import Budgeted, Combination, ExpressionError, LoRA, parse
+from raystudy.core.expressions import BIAS, METHODS, Adapter, Budgeted, Combination, ExpressionError, parse
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 #: The tables of this module, in report order.
 TABLES = ("frontier", "matched_budget", "unit_gain")
-#: A LoRA configuration matches a budget when their trainable-parameter counts differ by at most this factor.
+#: A PEFT or BitFit configuration matches a budget when their trainable-parameter counts differ by at most
+#: this factor.
 DEFAULT_TOLERANCE = 1.5
+#: The families that join a budget by their count (not by a ``B`` of their own), in comparison order after
+#: ``auto`` and ``random``: the PEFT methods, then BitFit.
+MATCHED_FAMILIES: tuple[str, ...] = tuple(METHODS) + (BIAS,)
+#: The families of the matched-budget comparisons, in the order a pair names them.
+BUDGET_FAMILIES: tuple[str, ...] = ("auto", "random") + MATCHED_FAMILIES
 #: The alternative of the matched-budget tests (no configuration is the favourite).
 MATCHED_ALTERNATIVE = "two-sided"
 KEYS = ["model", "dataset", "optimizer", "configuration"]
 
 
 def family(configuration: str) -> str:
-    """``auto``, ``random``, ``lora``, ``combination`` (any other expression) or the paper name itself."""
+    """``auto``, ``random``, a PEFT method (``lora``, ``dora``, ``loha``, ``lokr``, ``vera``, ``ia3``), ``bias``
+    (BitFit: ``bias`` or ``bias@blocks`` alone), ``combination`` (any other expression) or the paper name
+    itself."""
     if configuration in TRIALS_CONFIGURATIONS:
         return configuration
     try:
@@ -50,7 +60,10 @@ def family(configuration: str) -> str:
         return "combination"
     if isinstance(tree, Budgeted):
         return tree.strategy
-    return "lora" if isinstance(tree, LoRA) else "combination"
+    if isinstance(tree, Adapter):
+        return tree.method
+    terms = tree.normalised().terms
+    return BIAS if len(terms) == 1 and terms[0].name == BIAS else "combination"
 
 
 def has_expressions(counted: pd.DataFrame) -> bool:
@@ -137,9 +150,9 @@ def frontier_table(best_lr: pd.DataFrame, counted: pd.DataFrame, notes: list[str
 
 
 def _budget_groups(per: pd.DataFrame, tolerance: float, notes: list[str]) -> dict[str, list[str]]:
-    """``{budget: [auto:B, random:B, lora:r=k, ...]}``: budgeted configurations by their budget ``B``; each
-    LoRA configuration joins the budget whose median trainable-parameter count is nearest (log ratio) when
-    within ``tolerance``."""
+    """``{budget: [auto:B, random:B, lora:r=k, ia3, bias, ...]}``: budgeted configurations by their budget
+    ``B``; each configuration of :data:`MATCHED_FAMILIES` joins the budget whose median trainable-parameter
+    count is nearest (log ratio) when within ``tolerance``."""
     groups: dict[str, list[str]] = {}
     size = per.groupby("configuration")["trainable_params"].median()
     for c in sorted(size.index):
@@ -147,7 +160,7 @@ def _budget_groups(per: pd.DataFrame, tolerance: float, notes: list[str]) -> dic
         if isinstance(tree, Budgeted):
             groups.setdefault(str(tree.budget), []).append(c)
     ref = {b: float(size[cs].median()) for b, cs in groups.items()}
-    for c in sorted(c for c in size.index if family(c) == "lora"):
+    for c in sorted(c for c in size.index if family(c) in MATCHED_FAMILIES):
         ratio = {b: abs(np.log(size[c] / r)) for b, r in ref.items() if np.isfinite(size[c]) and r > 0}
         b = min(ratio, key=ratio.get) if ratio else None
         if b is None or ratio[b] > np.log(tolerance):
@@ -159,9 +172,9 @@ def _budget_groups(per: pd.DataFrame, tolerance: float, notes: list[str]) -> dic
 
 
 def _comparisons(configs: list[str]) -> list[tuple[str, str]]:
-    """Every pair of configurations of different families, auto first, then random, then LoRA."""
-    rank = {"auto": 0, "random": 1, "lora": 2}
-    cs = sorted(configs, key=lambda c: (rank[family(c)], c))
+    """Every pair of configurations of different families, in :data:`BUDGET_FAMILIES` order (auto, random,
+    lora, dora, ..., ia3, bias)."""
+    cs = sorted(configs, key=lambda c: (BUDGET_FAMILIES.index(family(c)), c))
     return [(a, b) for i, a in enumerate(cs) for b in cs[i + 1:] if family(a) != family(b)]
 
 
@@ -177,7 +190,8 @@ def _compare(g: pd.DataFrame, a: str, b: str, alternative: str) -> dict:
 
 def matched_budget_table(frontier: pd.DataFrame, *, tolerance: float = DEFAULT_TOLERANCE,
                          alternative: str = MATCHED_ALTERNATIVE, notes: list[str] | None = None) -> pd.DataFrame:
-    """``auto:B`` vs ``random:B`` vs LoRA at matched budgets, paired Wilcoxon tests over datasets.
+    """``auto:B`` vs ``random:B`` vs the PEFT methods and BitFit at matched budgets, paired Wilcoxon tests
+    over datasets.
 
     From the per-dataset rows of :func:`frontier_table`: per (model,) optimizer and budget ``B`` (see
     :func:`_budget_groups`), every pair ``(first, second)`` of configurations of different families is
@@ -310,7 +324,8 @@ def beyond_tables(best_lr: pd.DataFrame, counted: pd.DataFrame, plasticity: pd.D
     if len(matched):
         tables["matched_budget"] = matched
     else:
-        notes.append("Matched budgets omitted: no budget with two of auto:B, random:B and a matching LoRA rank.")
+        notes.append("Matched budgets omitted: no budget with two families among auto:B, random:B and a matching "
+                     "PEFT or BitFit configuration.")
     gain = unit_gain_table(plasticity, best_lr, counted, notes)
     if gain is not None:
         tables["unit_gain"] = gain
@@ -358,9 +373,10 @@ def render_matched_budget(t: pd.DataFrame) -> Rendered:
                 fmt_num(r["statistic"], 1), fmt_p(r["p_value"]), str(int(r["n_pairs"]))]
     blocks = _blocks(t, ["optimizer"], ["budget", "first", "second", "trainable parameters", "accuracy (%)",
                                         "statistic", "p-value", "pairs (datasets)"], cells)
-    return Rendered("matched_budget", "Plasticity-guided, random and LoRA at matched budgets",
-                    f"auto:B (units by plasticity), random:B (units in a seeded random order) and the LoRA rank "
-                    f"whose parameter count is nearest the budget (within a factor {DEFAULT_TOLERANCE:g}): best-lr "
+    return Rendered("matched_budget", "Plasticity-guided, random, PEFT and BitFit at matched budgets",
+                    f"auto:B (units by plasticity), random:B (units in a seeded random order) and each PEFT "
+                    f"configuration (lora, dora, loha, lokr, vera, ia3) or BitFit (bias) whose parameter count is "
+                    f"nearest the budget (within a factor {DEFAULT_TOLERANCE:g}): best-lr "
                     "accuracy, mean over the paired datasets; scipy.stats.wilcoxon, "
                     f"{MATCHED_ALTERNATIVE}, paired over datasets (best-lr means over seeds).", blocks,
                     [f"{statistic_note(MATCHED_ALTERNATIVE, 'first − second')}; p-value '–' without pairs or "

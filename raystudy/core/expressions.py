@@ -2,34 +2,45 @@
 
 Grammar (no whitespace; names are case-sensitive)::
 
-    expression  := budgeted | lora | combination
+    expression  := budgeted | adapter | combination
     combination := term ('+' term)*
-    term        := NAME ('@' blocks)?             NAME: LN1 MHA LN2 FC1 FC2 Emb All Head; '@' after a component
+    term        := NAME ('@' blocks)?             NAME: LN1 MHA LN2 FC1 FC2 Emb All Head bias; '@' after a
+                                                  component or bias
     blocks      := span (',' span)*
     span        := INT ('-' INT)?                  inclusive and ascending: 8-11 is 8,9,10,11
     budgeted    := ('auto' | 'random') ':' budget
     budget      := NUMBER ('%' | 'k' | 'M')?       % of All's parameter count, or a count: 2M, 500k, 1234
-    lora        := 'lora:r=' INT (':' TARGET (',' TARGET)*)?
+    adapter     := RANKED ':r=' INT targets? | 'ia3' targets?
+    RANKED      := 'lora' | 'dora' | 'loha' | 'lokr' | 'vera'
+    targets     := ':' TARGET (',' TARGET)*
 
 Meaning (the classification head trains in every configuration and is never part of a selection here):
 
 * ``MHA`` the component in every block (as :func:`~raystudy.core.components.trainable_parameters`),
   ``MHA@8-11`` in blocks 8 to 11 only, ``MHA+FC1`` the union; ``Emb``, ``All`` and ``Head`` as before.
+* ``bias`` (BitFit): every ``*.bias`` parameter outside the head: the blocks' (both LayerNorms, ``qkv``,
+  ``proj``, ``fc1``, ``fc2``) and the embedding's (the patch projection's); the final norm stays frozen as
+  in every configuration (``train_final_norm``). ``bias@8-11`` the biases of blocks 8 to 11 only (no
+  embedding bias); combinable like a component: ``LN1+LN2+bias``.
 * ``auto:B`` the (component, block) *units* in decreasing order of measured plasticity, packed first-fit
   into the budget ``B``: a unit that would overflow the budget is skipped and the next, less plastic ones
   are still tried, so the selection never exceeds ``B`` and uses it as fully as the order allows.
   Units whose plasticity is NaN are never chosen. ``random:B`` packs the same units the same way in a
   random order drawn from the seed: the control that tells whether plasticity is what helps.
-* ``lora:r=8`` low-rank adapters (:mod:`raystudy.core.lora`) of rank 8 on every block's ``qkv`` and
-  ``proj`` (the attention's input and output projections); ``lora:r=8:qkv,fc1`` on other linear layers,
-  named relative to the block.
+* ``lora:r=8`` low-rank adapters of rank 8 on every block's ``qkv`` and ``proj`` (the attention's input and
+  output projections); ``lora:r=8:qkv,fc1`` on other linear layers, named relative to the block. ``dora:r=8``
+  (weight-decomposed LoRA), ``loha:r=8`` (Hadamard product), ``lokr:r=8`` (Kronecker product) and
+  ``vera:r=256`` (shared frozen random projections, trained scaling vectors) take the same targets;
+  ``ia3`` (learned scaling vectors, no rank) defaults to ``qkv`` and ``fc2``. All through peft:
+  :mod:`raystudy.core.peft_methods` (formulas, counts, why AdaLoRA is not one of them). A target no
+  block has is an error at :func:`resolve`, with the caret under it.
 
-:func:`canonical` spells an expression in one normalised way (terms in :data:`CONFIGURATIONS` order,
+:func:`canonical` spells an expression in one normalised way (terms in :data:`TERMS` order,
 terms of one name merged, blocks sorted with runs written as ranges, ``All`` absorbing everything, a
-redundant ``Head`` dropped, budgets as ``5%`` / ``2M`` / ``500k``, default LoRA targets omitted): trial ids
-and tables use it, and the paper's names are their own canonical spelling.
+redundant ``Head`` dropped, budgets as ``5%`` / ``2M`` / ``500k``, a method's default targets omitted): trial
+ids and tables use it, and the paper's names are their own canonical spelling.
 
-The parser is hand-written recursive descent: the grammar has eight rules and one character of lookahead,
+The parser is hand-written recursive descent: the grammar has ten rules and one character of lookahead,
 and a parser library (lark, pyparsing) would add a dependency and still need our caret-style messages.
 """
 
@@ -44,10 +55,19 @@ from fractions import Fraction
 from typing import NoReturn
 
 from raystudy.core.components import get_adapter, trainable_parameters
-from raystudy.core.lora import DEFAULT_LORA_TARGETS, apply_lora
+from raystudy.core.peft_methods import DEFAULT_TARGETS, METHODS, TargetError, apply_method
 from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
 STRATEGIES: tuple[str, ...] = ("auto", "random")
+#: BitFit's term: every bias outside the head (a name a trial trains, not one of the paper's seven, so it is
+#: not in :data:`~raystudy.vocab.CONFIGURATIONS`, whose order the paper's tables and colours follow).
+BIAS = "bias"
+#: The names a combination's term may take, in canonical order.
+TERMS: tuple[str, ...] = CONFIGURATIONS + (BIAS,)
+#: The names after which ``@blocks`` may follow.
+PER_BLOCK: tuple[str, ...] = COMPONENTS + (BIAS,)
+#: The words that start an expression other than a combination (``auto:``, ``lora:``, ``ia3``, ...).
+WORDS: tuple[str, ...] = STRATEGIES + tuple(METHODS)
 _MILLION, _THOUSAND = 1_000_000, 1_000
 
 
@@ -110,7 +130,7 @@ class Combination:
                 merged[t.name] = merged.get(t.name, set()) | set(t.blocks)
         if not merged:
             return Combination((Term("Head"),))
-        names = sorted(merged, key=CONFIGURATIONS.index)
+        names = sorted(merged, key=TERMS.index)
         return Combination(tuple(Term(n, None if merged[n] is None else tuple(sorted(merged[n]))) for n in names))
 
 
@@ -149,18 +169,20 @@ class Budgeted:
 
 
 @dataclass(frozen=True)
-class LoRA:
-    """``lora:r=<rank>[:targets]``: low-rank adapters on the linear layers ``targets`` (sorted, unique)."""
+class Adapter:
+    """A PEFT method (``lora:r=8``, ``dora:r=8:fc1,qkv``, ``ia3``): ``method`` a key of
+    :data:`~raystudy.core.peft_methods.METHODS`, ``rank`` (``None`` for ``ia3``), ``targets`` sorted, unique."""
 
-    rank: int
-    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    method: str
+    rank: int | None = None
+    targets: tuple[str, ...] = DEFAULT_TARGETS
 
     def __str__(self) -> str:
-        tail = "" if self.targets == DEFAULT_LORA_TARGETS else ":" + ",".join(self.targets)
-        return f"lora:r={self.rank}{tail}"
+        head = self.method if self.rank is None else f"{self.method}:r={self.rank}"
+        return head if self.targets == METHODS[self.method].targets else head + ":" + ",".join(self.targets)
 
 
-Expression = Combination | Budgeted | LoRA
+Expression = Combination | Budgeted | Adapter
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,11 +223,11 @@ class _Parser:
 
     def expression(self) -> Expression:
         start = self.pos
-        word = self.match(r"[a-z]+:")
-        if word is not None and word[:-1] in STRATEGIES:
-            result: Expression = Budgeted(word[:-1], self.budget())
-        elif word == "lora:":
-            result = self.lora()
+        word = self.match(r"[a-z][a-z0-9]*")
+        if word in STRATEGIES and self.accept(":"):
+            result: Expression = Budgeted(word, self.budget())
+        elif word in METHODS:
+            result = self.adapter(word)
         else:
             self.pos = start
             result = self.combination()
@@ -224,13 +246,14 @@ class _Parser:
         name = self.match(r"[A-Za-z_][A-Za-z0-9_]*")
         if name is None:
             self.fail(f"expected a configuration name, found {self.found()}")
-        if name not in CONFIGURATIONS:
-            self.fail(f"unknown name {name!r}; expected one of {', '.join(CONFIGURATIONS)}, "
-                      "auto:<budget>, random:<budget> or lora:r=<rank>", start)
+        if name not in TERMS:
+            self.fail(f"unknown name {name!r}; expected one of {', '.join(TERMS)}, auto:<budget>, "
+                      f"random:<budget>, {':r=<rank>, '.join(m for m in METHODS if METHODS[m].ranked)}:r=<rank> "
+                      f"or {', '.join(m for m in METHODS if not METHODS[m].ranked)}", start)
         if not self.accept("@"):
             return Term(name)
-        if name not in COMPONENTS:
-            self.fail(f"{name} is not per block: '@' follows only {', '.join(COMPONENTS)}", self.pos - 1)
+        if name not in PER_BLOCK:
+            self.fail(f"{name} is not per block: '@' follows only {', '.join(PER_BLOCK)}", self.pos - 1)
         return Term(name, self.blocks())
 
     def blocks(self) -> tuple[int, ...]:
@@ -260,19 +283,26 @@ class _Parser:
             self.fail(f"{self.text[start:self.pos]} is not a positive whole number of parameters", start)
         return Budget(int(count), "")
 
-    def lora(self) -> LoRA:
-        if not self.accept("r="):
-            self.fail(f"expected 'r=<rank>', found {self.found()}")
-        at = self.pos
-        rank = self.integer("the rank")
-        if rank < 1:
-            self.fail("the rank must be at least 1", at)
+    def adapter(self, name: str) -> Adapter:
+        """After the method's word: ``:r=<rank>`` for a ranked method, then optional ``:targets``."""
+        rank = None
+        if METHODS[name].ranked:
+            for token in (":", "r="):
+                if not self.accept(token):
+                    self.fail(f"expected '{':r=' if token == ':' else 'r='}<rank>' after "
+                              f"{self.text[:self.pos]!r}, found {self.found()}")
+            at = self.pos
+            rank = self.integer("the rank")
+            if rank < 1:
+                self.fail("the rank must be at least 1", at)
+        elif self.text.startswith(":r=", self.pos):
+            self.fail(f"{name} takes no rank: write {name} or {name}:<targets>", self.pos + 1)
         if not self.accept(":"):
-            return LoRA(rank)
+            return Adapter(name, rank, METHODS[name].targets)
         targets = [self.target()]
         while self.accept(","):
             targets.append(self.target())
-        return LoRA(rank, tuple(sorted(set(targets))))
+        return Adapter(name, rank, tuple(sorted(set(targets))))
 
     def target(self) -> str:
         name = self.match(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -283,7 +313,7 @@ class _Parser:
 
 def parse(expr: str | Expression) -> Expression:
     """The tree of a configuration expression; raises :class:`ExpressionError` pointing at the bad character."""
-    if isinstance(expr, (Combination, Budgeted, LoRA)):
+    if isinstance(expr, (Combination, Budgeted, Adapter)):
         return expr
     if not isinstance(expr, str):
         raise TypeError(f"a configuration expression is a string, got {type(expr).__name__}")
@@ -318,7 +348,7 @@ def check_configuration(expr: str) -> str:
 
 def path_safe(expr: str | Expression) -> str:
     """:func:`canonical` with ``:`` -> ``_`` and ``%`` -> ``pct``, for directory names and URIs:
-    ``auto:5%`` -> ``auto_5pct``, ``lora:r=8:fc1,qkv`` -> ``lora_r=8_fc1,qkv``."""
+    ``auto:5%`` -> ``auto_5pct``, ``lora:r=8:fc1,qkv`` -> ``lora_r=8_fc1,qkv``, ``ia3:fc1`` -> ``ia3_fc1``."""
     return canonical(expr).replace(":", "_").replace("%", "pct")
 
 
@@ -330,16 +360,19 @@ Unit = tuple[str, int]  # (component, block)
 
 
 def split_configurations(text: str) -> list[str]:
-    """``"MHA, FC1@0,2,4, lora:r=8:fc1,qkv"`` -> ``["MHA", "FC1@0,2,4", "lora:r=8:fc1,qkv"]``.
+    """``"MHA, FC1@0,2,4, lora:r=8:fc1,qkv, ia3, bias"`` -> ``["MHA", "FC1@0,2,4", "lora:r=8:fc1,qkv", "ia3",
+    "bias"]``.
 
-    A comma starts a new expression unless what follows continues a block list (a digit) or LoRA's targets
-    (a lower-case layer name that is not ``auto:``/``random:``/``lora:``).
+    A comma starts a new expression unless what follows continues a block list (a digit) or an adapter's
+    targets: a lower-case layer name that does not start an expression (``auto:``, ``random:``, a method's
+    word followed by ``:`` or the end, ``bias`` followed by ``+``, ``@`` or the end).
     """
+    starts = re.compile(rf"({'|'.join(WORDS)})(:|$)|{BIAS}([+@]|$)")
     out: list[str] = []
     for piece in (p.strip() for p in text.split(",")):
         if not piece:
             continue
-        continues = piece[0].isdigit() or (piece[0].islower() and not re.match(r"(auto|random|lora):", piece))
+        continues = piece[0].isdigit() or (piece[0].islower() and not starts.match(piece))
         if out and continues:
             out[-1] += "," + piece
         else:
@@ -403,7 +436,7 @@ class Resolved:
     ``configuration``: the canonical expression; ``parameters``: ``(name, parameter)`` in
     ``model.named_parameters()`` order; ``units``: the (component, block) units in the order they were
     chosen (plasticity order for ``auto``; every unit a combination names, in depth order; empty for
-    ``Emb``/``All``/``Head`` alone and LoRA); ``chosen``: a canonical expression training exactly these
+    ``Emb``/``All``/``Head``/``bias`` alone and adapters); ``chosen``: a canonical expression training exactly these
     parameters (the units' combination for a budget, the configuration otherwise: record it in the trial
     row); ``budget``: the budget in parameters (``None`` without one).
     """
@@ -441,6 +474,18 @@ def _in_model_order(model, names: set[str]) -> tuple:
     return tuple((n, p) for n, p in model.named_parameters() if n in names)
 
 
+def bias_parameters(model, blocks: tuple[int, ...] | None = None) -> list:
+    """BitFit's parameters: every ``*.bias`` inside the blocks ``blocks`` (all blocks when ``None``) and, for
+    all blocks, the embedding stage's (``Emb``'s biases: the patch projection's); never the head's or the
+    final norm's. ``(name, parameter)`` in model order."""
+    found = get_adapter(model).blocks()
+    prefixes = tuple(found[b].prefix for b in (range(len(found)) if blocks is None else blocks))
+    names = {n for n, _ in model.named_parameters() if n.endswith(".bias") and n.startswith(prefixes)}
+    if blocks is None:
+        names |= {n for n, _ in trainable_parameters(model, "Emb") if n.endswith(".bias")}
+    return list(_in_model_order(model, names))
+
+
 def _resolve_combination(model, tree: Combination, include_layerscale: bool) -> tuple[tuple, tuple[Unit, ...]]:
     """Parameters and units of a combination; ``ValueError`` for a block the model does not have."""
     per_unit = unit_parameters(model, include_layerscale=include_layerscale)
@@ -448,14 +493,16 @@ def _resolve_combination(model, tree: Combination, include_layerscale: bool) -> 
     names: set[str] = set()
     units: list[Unit] = []
     for term in tree.terms:
-        if term.name not in COMPONENTS:
-            names |= {n for n, _ in trainable_parameters(model, term.name, include_layerscale=include_layerscale)}
-            continue
         outside = [b for b in term.blocks or () if b >= depth]
         if outside:
             raise ValueError(f"configuration {str(term)!r}: block(s) {outside} out of range; the model has "
                              f"{depth} blocks (0-{depth - 1})")
-        units += [(term.name, b) for b in (range(depth) if term.blocks is None else term.blocks)]
+        if term.name == BIAS:
+            names |= {n for n, _ in bias_parameters(model, term.blocks)}
+        elif term.name not in COMPONENTS:
+            names |= {n for n, _ in trainable_parameters(model, term.name, include_layerscale=include_layerscale)}
+        else:
+            units += [(term.name, b) for b in (range(depth) if term.blocks is None else term.blocks)]
     for unit in units:
         names |= {n for n, _ in per_unit[unit]}
     return _in_model_order(model, names), tuple(sorted(units, key=lambda u: (u[1], COMPONENTS.index(u[0]))))
@@ -481,21 +528,39 @@ def _resolve_budget(model, tree: Budgeted, plasticity, seed: int, include_layers
     return Resolved(str(tree), _in_model_order(model, names), tuple(chosen), str(units_expression(chosen)), budget)
 
 
+def _target_position(tree: Adapter, target: str) -> int:
+    """Where ``target`` starts in ``str(tree)``; its end when the targets are the method's default (unwritten)."""
+    text = str(tree)
+    if tree.targets == METHODS[tree.method].targets:
+        return len(text)
+    at = text.rindex(":") + 1
+    for name in text[at:].split(","):
+        if name == target:
+            return at
+        at += len(name) + 1
+    return len(text)
+
+
 def resolve(model, expr: str | Expression, *, plasticity=None, seed: int = 0,
             include_layerscale: bool = False) -> Resolved:
     """The parameters ``expr`` trains on ``model`` (head excluded; the caller adds it).
 
     ``plasticity``: the dataset's plasticity table, needed by ``auto:B`` (see :func:`plasticity_order`);
-    ``seed``: the order of ``random:B`` and the initialisation of LoRA's ``A`` matrices.
-    **LoRA modifies ``model`` in place**: it wraps the target layers (:func:`raystudy.core.lora.apply_lora`),
-    so their weights are named ``...qkv.base_layer.weight`` from then on; the returned parameters are the
-    adapters' ``lora_A`` / ``lora_B``. A meta-device model gives the counts without memory.
+    ``seed``: the order of ``random:B`` and the initialisation of an adapter's random factors.
+    **An adapter modifies ``model`` in place**: it wraps the target layers
+    (:func:`raystudy.core.peft_methods.apply_method`), so their weights are named ``...qkv.base_layer.weight``
+    from then on; the returned parameters are the adapters' (``lora_A`` / ``lora_B``, ``ia3_l``, ...). A
+    target no block has raises :class:`ExpressionError` with the caret under it. A meta-device model gives
+    the counts without memory.
     """
     tree = normalise(expr)
     if isinstance(tree, Budgeted):
         return _resolve_budget(model, tree, plasticity, seed, include_layerscale)
-    if isinstance(tree, LoRA):
-        params = apply_lora(model, tree.rank, tree.targets, seed=seed)
+    if isinstance(tree, Adapter):
+        try:
+            params = apply_method(model, tree.method, tree.rank, tree.targets, seed=seed)
+        except TargetError as e:
+            raise ExpressionError(str(tree), _target_position(tree, e.targets[0]), str(e)) from None
         return Resolved(str(tree), tuple(params), (), str(tree))
     params, units = _resolve_combination(model, tree, include_layerscale)
     return Resolved(str(tree), params, units, str(tree))

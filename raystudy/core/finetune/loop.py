@@ -17,7 +17,7 @@ from torch import nn
 
 from raystudy.core.change import change_rows, cka_to_start, first_images, weight_change
 from raystudy.core.components import get_adapter
-from raystudy.core.expressions import LoRA, parse
+from raystudy.core.expressions import Adapter, parse
 from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
 from raystudy.core.finetune.data import (
     CacheBatch,
@@ -47,7 +47,7 @@ from raystudy.core.finetune.step import (
     set_matmul_precision,
     train_step,
 )
-from raystudy.core.lora import merge
+from raystudy.core.peft_methods import adapted_layers, merge
 from raystudy.data.modality import modality_of_model
 from raystudy.data.store import Store
 from raystudy.settings import accuracy_batch
@@ -283,11 +283,11 @@ class Finetuner:
 
     def _test_best(self) -> float:
         """Test accuracy of the best-validation state (NaN when no evaluation happened), of the merged model
-        for LoRA (:func:`raystudy.core.lora.merge`); the final trainable state is put back afterwards."""
+        for an adapter (:func:`raystudy.core.peft_methods.merge`); the final trainable state is put back afterwards."""
         if self.best_state is None:
             return float("nan")
         with self.trainable_set_to(self.best_state):
-            _, acc = self.evaluate("test", self.merged_model() if self.lora else None)
+            _, acc = self.evaluate("test", self.merged_model() if self.adapted else None)
         return acc
 
     def measure_changes(self) -> list[dict]:
@@ -320,26 +320,31 @@ class Finetuner:
         return first_images(cfg.change_store, cfg.change_split, cfg.change_images, cfg.img_size)
 
     @property
-    def lora(self) -> bool:
-        """Whether the configuration is ``lora:...`` (the model holds adapters)."""
-        return isinstance(parse(self.cfg.configuration), LoRA)
+    def adapted(self) -> bool:
+        """Whether the configuration is a PEFT method (``lora:r=8``, ``ia3``, ...: the model holds adapters)."""
+        return isinstance(parse(self.cfg.configuration), Adapter)
 
     def merged_model(self) -> nn.Module:
-        """The model as a plain timm model: a copy with LoRA's adapters merged, or the model itself."""
-        return merge(self.model) if self.lora else self.model
+        """The model as a plain timm model: a copy with the adapters merged, or the model itself."""
+        return merge(self.model) if self.adapted else self.model
 
     def exported_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A trainable ``state`` under the names of a plain timm model. Without LoRA it is ``state``; with
-        LoRA, each adapted layer's ``lora_A`` / ``lora_B`` pair becomes its merged weight ``<layer>.weight``
-        (``W + (alpha / r) B A``), next to the head (and final norm): loaded over the pretrained model
-        (``strict=False``) it gives the trained model."""
-        if not self.lora:
+        """A trainable ``state`` under the names of a plain timm model. Without adapters it is ``state``; with
+        them, each adapted layer's tensors (``lora_A`` / ``lora_B``, ``ia3_l``, ...) become its merged
+        ``<layer>.weight`` (and ``<layer>.bias`` where merging changed it: IA3 scales an attention layer's),
+        next to the head (and final norm): loaded over the pretrained model (``strict=False``) it gives the
+        trained model."""
+        if not self.adapted:
             return state
-        layers = {n.split(".lora_A.")[0] for n in state if ".lora_A." in n}
+        layers = adapted_layers(state)
         with self.trainable_set_to(state):
             merged = self.merged_model().state_dict()
-        plain = {n: t for n, t in state.items() if ".lora_" not in n}
-        return {**plain, **{f"{layer}.weight": merged[f"{layer}.weight"].detach().cpu() for layer in sorted(layers)}}
+        base = dict(self.model.named_parameters())
+        own = [f"{layer}.weight" for layer in layers] + [
+            f"{layer}.bias" for layer in layers if f"{layer}.bias" in merged
+            and not torch.equal(merged[f"{layer}.bias"], base[f"{layer}.base_layer.bias"])]
+        plain = {n: t for n, t in state.items() if not n.startswith(tuple(f"{layer}." for layer in layers))}
+        return {**plain, **{n: merged[n].detach().cpu() for n in sorted(own)}}
 
     def summary(self) -> dict:
         """The run's result (:func:`raystudy.core.finetune.outputs.run_summary`)."""

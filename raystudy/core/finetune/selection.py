@@ -1,8 +1,9 @@
 """The model of a run and which of its parameters train: a fresh head, the configuration's selection.
 
-A configuration is any expression of :mod:`raystudy.core.expressions` (``MHA``, ``MHA@8-11+FC1``,
-``auto:5%``, ``random:2M``, ``lora:r=8``); ``lora:`` injects its adapters into the model in place when the
-selection is made, so :func:`select_and_freeze` is called once per model, before it moves to its device.
+A configuration is any expression of :mod:`raystudy.core.expressions` (``MHA``, ``MHA@8-11+FC1``, ``bias``,
+``auto:5%``, ``random:2M``, ``lora:r=8``, ``dora:r=8``, ``ia3``, ...); a PEFT method injects its adapters into
+the model in place when the selection is made, so :func:`select_and_freeze` is called once per model, before
+it moves to its device.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Selection:
     """Which parameters a configuration trains, by role.
 
     ``component``: the configuration's selection (:func:`raystudy.core.expressions.resolve`: a union of
-    components and blocks, a budget's units, LoRA's adapters; empty for ``Head``); ``head``: the
+    components and blocks, a budget's units, a PEFT method's adapters; empty for ``Head``); ``head``: the
     classifier; ``extra``: the final norm when ``train_final_norm``. ``trainable`` is their union in
     ``model.named_parameters()`` order. ``group`` is the set whose gradient norm is logged as
     ``component_grad_norm``: the component selection, or the head for ``Head``. ``chosen``: the canonical
@@ -114,10 +115,10 @@ def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm:
     if asked) are trainable; return the :class:`Selection`.
 
     ``configuration``: a configuration expression; ``plasticity`` (the dataset's table, for ``auto:B``) and
-    ``seed`` (``random:B``'s order, LoRA's initialisation) go to :func:`~raystudy.core.expressions.resolve`.
-    A ``lora:`` configuration injects its adapters into ``model`` here, in place.
+    ``seed`` (``random:B``'s order, an adapter's initialisation) go to :func:`~raystudy.core.expressions.resolve`.
+    A PEFT method (``lora:``, ``dora:``, ``ia3``, ...) injects its adapters into ``model`` here, in place.
     """
-    head = head_parameters(model)  # before LoRA wraps any layer
+    head = head_parameters(model)  # before an adapter wraps any layer
     resolved = resolve(model, configuration, plasticity=plasticity, seed=seed,
                        include_layerscale=include_layerscale)
     component = list(resolved.parameters)
