@@ -494,8 +494,9 @@ class RunSettings:
     configuration: str = setting("MHA", aliases=("--component", "--config"), metavar="EXPR",
                                  help="what to train: a component in every block (LN1 MHA LN2 FC1 FC2), Emb, All "
                                       "or Head; unions and blocks (MHA+FC1, MHA@8-11, FC1@0,2,4); "
-                                      "random:<budget> (5%, 2M, 500k); lora:r=<rank>[:targets]. auto:<budget> "
-                                      "needs a study's plasticity table (raystudy study)")
+                                      "bias (BitFit; bias@8-11); random:<budget> (5%, 2M, 500k); "
+                                      "lora|dora|loha|lokr|vera:r=<rank>[:targets], ia3[:targets] (peft). "
+                                      "auto:<budget> needs a study's plasticity table (raystudy study)")
     selection: str | None = setting(None, cli=False, help="auto:/random: only: the units they were resolved to")
     optimizer: str = setting("sgd", choices=OPTIMIZERS, help="sgd (momentum) or adamw")
     lr: float = setting(1e-2, check="positive", help="learning rate as used (AdamW: the caller scales)")
