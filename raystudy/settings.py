@@ -49,6 +49,14 @@ ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
 #: val rows pooled and split anew by the run's seed in the same sizes (the paper authors' random_split per
 #: run, :func:`raystudy.core.finetune.data.per_seed_rows`).
 VAL_SPLITS: tuple[str, ...] = ("fixed", "per_seed")
+#: How an image becomes ``size x size`` without augmentation (evaluation; training with ``augment`` off):
+#: ``crop`` the shorter side resized to ``size`` then the centre square (the paper's); ``stretch`` the whole
+#: image resized to ``size x size``, bicubic, aspect ratio not kept (VTAB-1k's benchmark: VPT, NOAH's
+#: ``Resize((224, 224), interpolation=3)``, V-PETL Bench), :func:`raystudy.data.transforms.eval_geometry`.
+RESIZES: tuple[str, ...] = ("crop", "stretch")
+#: Which store splits a run trains on: ``train`` (validated on val), or ``train+val`` the union of the two
+#: (VTAB-1k's final fit on train800val200: no validation, the last step is tested).
+TRAIN_SPLITS: tuple[str, ...] = ("train", "train+val")
 #: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
 DEFAULT_MODEL = "vit_base_patch16_224.augreg_in21k"
 #: Fraction of a run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
@@ -369,6 +377,10 @@ class ProtocolSettings(DeviceSettings):
                                            help="per-worker micro-batch (gradient accumulation); None: the "
                                                 "whole share at once")
     augment: bool = setting(True, help="random-resized crop and flip on the train split")
+    resize: str = setting("crop", choices=RESIZES,
+                          help="without augmentation (val, test; train with augment off): crop: shorter side "
+                               "to img_size, centre crop (the paper's); stretch: the whole image to img_size x "
+                               "img_size, bicubic (VTAB-1k's VPT/NOAH)")
     shuffle: bool = setting(True, help="a new seeded order of the train rows every epoch (else store order)")
     drop_last: bool = setting(False, help="each epoch is whole batches only, its last train_rows mod batch_size "
                                           "rows left out (the authors' DataLoader drop_last=True)")
@@ -502,6 +514,9 @@ class RunSettings:
     lr: float = setting(1e-2, check="positive", help="learning rate as used (AdamW: the caller scales)")
     seed: int = setting(0, check="non_negative_int", help="seed of the head, the data order and augmentation")
     out_dir: str = setting("finetune_run", flag="--out", metavar="DIR", help="run directory")
+    train_splits: str = setting("train", choices=TRAIN_SPLITS,
+                                help="train: train on train, validate on val; train+val: train on their union "
+                                     "(a store with a val split of its own), no validation, test the last step")
     num_classes: int | None = setting(None, check="optional_positive_int",
                                       help="classes of the head; None: the store's")
     save_final: bool = setting(False, help="also write the final full model to out_dir/final_model.safetensors")

@@ -8,6 +8,8 @@ stores, ``cache_dir``, holds one folder per store, ``ROOT/{name}-{checksum[:12]}
       shard-00000.u8              the rows' pixels, each 3 x h x w uint8 in C order, one after the other
       shard-00000.idx             (rows, 5) int64 little-endian: byte offset, h, w, original height, width
     ROOT/val-eval224/             kind "eval": the eval transform's pixels (resize short side, center crop)
+    ROOT/val-stretch224/          kind "stretch": the eval transform's pixels under ``resize: stretch``
+                                  (the whole image to size x size, bicubic: VTAB-1k's benchmark)
 
 The ``full`` kind (training with augmentation) keeps each image's whole field of view, so that the random
 resized crop drawn on the training device (:mod:`raystudy.core.finetune.augment`) is torchvision's
@@ -33,7 +35,10 @@ a 1024 x 768 photo is stored at 683 x 512, 1.0 MiB; at most ``3 P`` = 3 MiB (224
 
 The ``eval`` kind holds exactly the uint8 pixels the decode path's eval transform produces, so evaluation
 (and training without augmentation) sees the same tensors on both data paths; its rows are ``size x size``
-in the same shard format. Labels and indices are read from the store itself (two small columns).
+in the same shard format. The ``stretch`` kind is the same for the eval transform of ``resize: stretch``
+(both kinds apply :func:`raystudy.data.transforms.eval_geometry`, the decode path's own steps); a kind is
+part of the folder's name and of the manifest, so that one is never read for the other. Labels and
+indices are read from the store itself (two small columns).
 
 Every file is written atomically through :mod:`raystudy.storage`, the manifest last. :func:`plan_cache`
 checks every shard's size and SHA-256 (pixels and index) against the manifest (once per process and file
@@ -65,7 +70,7 @@ import numpy as np
 import torch
 
 from raystudy.data.store import Store, iter_split, read_meta, read_split, shard_paths
-from raystudy.data.transforms import decode
+from raystudy.data.transforms import decode, eval_geometry
 from raystudy.storage import atomic_output, join, read_text, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -73,7 +78,10 @@ log = logging.getLogger(__name__)
 #: 2: variable-size rows with an index file per shard, the ``full`` kind (1: fixed squares, ``crop``)
 CACHE_VERSION = 2
 #: ``full``: the train split with augmentation (whole image); ``eval``: the eval transform's pixels
-KINDS = ("full", "eval")
+#: (``resize: crop``); ``stretch``: the eval transform's pixels of ``resize: stretch``
+KINDS = ("full", "eval", "stretch")
+#: the kinds whose rows are the eval transform's ``size x size`` squares, by the ``resize`` they follow
+SQUARE_KINDS = {"crop": "eval", "stretch": "stretch"}
 MANIFEST = "manifest.json"
 #: the ``full`` kind's bound R on the stored shorter side, relative to the training size (224 -> 512)
 SHORT_SIDE_MARGIN = 16 / 7
@@ -91,7 +99,7 @@ class CacheError(ValueError):
 
 def stored_size(size: int, kind: str) -> int:
     """The kind's stored side for training at ``size``: the bound ``R = round(16/7 size)`` on the shorter side
-    for ``full``, the square's side ``size`` for ``eval``."""
+    for ``full``, the square's side ``size`` for ``eval`` and ``stretch``."""
     if kind not in KINDS:
         raise CacheError(f"cache kind {kind!r}: expected one of {list(KINDS)}")
     return int(round(size * SHORT_SIDE_MARGIN)) if kind == "full" else size
@@ -121,36 +129,48 @@ def cache_dir(store: str | os.PathLike, split: str, kind: str, size: int, root: 
 
 def prepare_image(image: bytes | torch.Tensor, kind: str, size: int) -> torch.Tensor:
     """Encoded bytes (or a decoded ``(3, H, W)`` uint8 tensor) -> the stored ``(3, h, w)`` uint8 pixels:
-    ``full``: :func:`stored_shape` (antialiased when downscaled); ``eval``: the eval transform's square."""
+    ``full``: :func:`stored_shape` (antialiased when downscaled); ``eval``, ``stretch``: the eval transform's
+    square (:func:`~raystudy.data.transforms.eval_geometry` of ``crop``, ``stretch``)."""
     from torchvision.transforms.v2 import functional as TF
 
     x = decode(image)
     if kind == "full":
         shape = stored_shape(*x.shape[-2:], size)
         return x if shape == tuple(x.shape[-2:]) else TF.resize(x, list(shape), antialias=True)
-    side = stored_size(size, kind)
-    x = TF.resize(x, [side], antialias=True)
-    return TF.center_crop(x, [side, side]).contiguous()
+    resize = next(r for r, k in SQUARE_KINDS.items() if k == kind)
+    for step in eval_geometry(stored_size(size, kind), resize):
+        x = step(x)
+    return x.contiguous()
 
 
-def kind_for(crop: bool) -> str:
-    """The kind of a split read with random resized crops (``full``) or without (``eval``)."""
-    return "full" if crop else "eval"
+def kind_for(crop: bool, resize: str = "crop") -> str:
+    """The kind of a split read with random resized crops (``full``) or without (the eval transform's square
+    of ``resize``: ``eval`` for ``crop``, ``stretch`` for ``stretch``)."""
+    if crop:
+        return "full"
+    if resize not in SQUARE_KINDS:
+        raise CacheError(f"resize {resize!r}: expected one of {list(SQUARE_KINDS)}")
+    return SQUARE_KINDS[resize]
 
 
-def kind_of(split: str, augment: bool) -> str:
+def kind_of(split: str, augment: bool, resize: str = "crop") -> str:
     """The kind a finetuning run reads of ``split``: ``full`` for the train split when it augments, else
-    ``eval`` (the eval transform's pixels; see :mod:`raystudy.core.finetune.data`)."""
-    return kind_for(split == "train" and augment)
+    the eval transform's pixels of ``resize`` (see :mod:`raystudy.core.finetune.data`)."""
+    return kind_for(split == "train" and augment, resize)
 
 
-def kinds_read(split: str, augment: bool, val_split: str = "fixed") -> tuple[str, ...]:
+def kinds_read(split: str, augment: bool, val_split: str = "fixed", resize: str = "crop",
+               train_on_val: bool = False) -> tuple[str, ...]:
     """Every kind a finetuning run reads of ``split``: :func:`kind_of`'s; under ``val_split: per_seed`` the
     train and val rows are pooled (:func:`raystudy.core.finetune.data.per_seed_rows`), so that each of the
-    two splits is read both as the run's train split (``full`` when it augments) and as its val (``eval``)."""
+    two splits is read both as the run's train split (``full`` when it augments) and as its val (the eval
+    kind of ``resize``); ``train_on_val`` (a study's final fit, ``train_splits: train+val``) reads val as
+    training rows too."""
     if val_split == "per_seed" and split in ("train", "val"):
-        return tuple(dict.fromkeys((kind_for(augment), kind_for(False))))
-    return (kind_of(split, augment),)
+        return tuple(dict.fromkeys((kind_for(augment), kind_for(False, resize))))
+    if train_on_val and split == "val":
+        return tuple(dict.fromkeys((kind_of(split, augment, resize), kind_of("train", augment, resize))))
+    return (kind_of(split, augment, resize),)
 
 
 def _shard_rows(images: list, kind: str, size: int) -> list[tuple[np.ndarray, tuple[int, int]]]:
@@ -298,7 +318,7 @@ def _geometry_ok(manifest: dict) -> bool:
     try:
         per, shards, side = manifest["rows_per_shard"], manifest["shards"], manifest["stored"]
         rows = [min(per, manifest["rows"] - lo) for lo in range(0, manifest["rows"], per)]
-        square = manifest["kind"] != "eval" or all(e["bytes"] == e["rows"] * 3 * side * side for e in shards)
+        square = manifest["kind"] == "full" or all(e["bytes"] == e["rows"] * 3 * side * side for e in shards)
         return (square and [e["rows"] for e in shards] == rows
                 and all(e["index_bytes"] == e["rows"] * len(INDEX_COLUMNS) * _INDEX_DTYPE.itemsize for e in shards))
     except (KeyError, TypeError, ValueError):

@@ -1,7 +1,10 @@
 """The paper's ViT preprocessing, usable with or without Ray.
 
-Training: random resized crop to ``size`` and random horizontal flip; evaluation: resize the shorter
-side to ``size`` then center crop ``size x size``. Both normalise with the ImageNet mean and std.
+Training: random resized crop to ``size`` and random horizontal flip; evaluation (:func:`eval_geometry`,
+``resize``): ``crop`` resizes the shorter side to ``size`` then center crops ``size x size`` (the paper's),
+``stretch`` resizes the whole image to ``size x size`` with bicubic interpolation and antialiasing (VTAB-1k's
+benchmark: NOAH's ``Resize((224, 224), interpolation=3)``, no crop, no flip). Both normalise with the
+ImageNet mean and std.
 Inputs are encoded image bytes (PNG/JPEG) or decoded ``uint8`` tensors ``(3, H, W)``; outputs are float32
 tensors ``(3, size, size)`` and batches ``(B, 3, size, size)``.
 
@@ -46,10 +49,22 @@ def decode(image: bytes | torch.Tensor, *, source: str = "image") -> torch.Tenso
     return decode_image(data, mode=ImageReadMode.RGB)
 
 
-def eval_transform(size: int = 224) -> T.Compose:
+def eval_geometry(size: int = 224, resize: str = "crop") -> list:
+    """The eval transform's uint8 steps ``(3, H, W) -> (3, size, size)``, the one definition that the decode
+    path and the uint8 cache's eval kinds share: ``crop``: ``Resize(size)`` (shorter side, bilinear,
+    antialiased) then ``CenterCrop(size)``; ``stretch``: ``Resize((size, size))`` bicubic, antialiased (the
+    whole field of view, aspect ratio not kept)."""
+    if resize == "crop":
+        return [T.Resize(size, antialias=True), T.CenterCrop(size)]
+    if resize == "stretch":
+        return [T.Resize((size, size), interpolation=T.InterpolationMode.BICUBIC, antialias=True)]
+    raise ValueError(f"resize {resize!r}: expected 'crop' or 'stretch'")
+
+
+def eval_transform(size: int = 224, resize: str = "crop") -> T.Compose:
+    """:func:`eval_geometry`, then scale to ``[0, 1]`` and normalise: ``(3, size, size)`` float32."""
     return T.Compose([
-        T.Resize(size, antialias=True),
-        T.CenterCrop(size),
+        *eval_geometry(size, resize),
         T.ToDtype(torch.float32, scale=True),
         T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])
@@ -97,10 +112,12 @@ def _one_thread():
 
 
 def transform_batch(
-    images: list, *, train: bool, size: int = 224, seed: int = 0, epoch: int = 0, indices: list[int] | None = None
+    images: list, *, train: bool, size: int = 224, seed: int = 0, epoch: int = 0, indices: list[int] | None = None,
+    resize: str = "crop",
 ) -> torch.Tensor:
-    """Decode and transform a list of encoded images into a float32 batch ``(B, 3, size, size)``."""
-    tf = train_transform(size) if train else eval_transform(size)
+    """Decode and transform a list of encoded images into a float32 batch ``(B, 3, size, size)`` (``resize``:
+    the eval transform's, :func:`eval_geometry`)."""
+    tf = train_transform(size) if train else eval_transform(size, resize)
     out = torch.empty(len(images), 3, size, size, dtype=torch.float32)
     with _one_thread():
         _fill(out, images, tf, train=train, seed=seed, epoch=epoch, indices=indices)

@@ -40,12 +40,13 @@ RENAMED_KEYS = {"component": "configuration"}
 MOVED_KEYS = ("workers", "gpus_per_worker", "cpus_per_worker", "max_failures", "keep_checkpoints",
               "cleanup_checkpoints", "fail_after_step")
 #: Values of fields that older ``config.json`` files lack: the settings of the only behaviour they knew.
-LEGACY_DEFAULTS = {"data_path": "decode", "accuracy": "per_sample", "val_split": "fixed", "drop_last": False}
+LEGACY_DEFAULTS = {"data_path": "decode", "accuracy": "per_sample", "val_split": "fixed", "drop_last": False,
+                   "resize": "crop", "train_splits": "train"}
 #: Fields a checkpoint must agree on to be resumed (others, e.g. eval_period or the workers, may change).
 RESUME_KEYS = ("model", "configuration", "selection", "optimizer", "lr", "seed", "steps", "batch_size", "warmup_steps",
                "img_size", "augment", "shuffle", "train_final_norm", "include_layerscale", "momentum", "betas",
                "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init", "data_path", "precision",
-               "seq_len", "tokenizer", "accuracy", "val_split", "drop_last")
+               "seq_len", "tokenizer", "accuracy", "val_split", "drop_last", "resize", "train_splits")
 #: Path settings made absolute where a config is built (Ray workers do not run in the caller's directory).
 PATH_FIELDS = ("store", "out_dir", "weights", "cache_dir", "tokenizer", "change_store")
 

@@ -24,6 +24,13 @@ store's train and val rows pooled, by the run's seed (the paper authors' ``rando
 :class:`PooledSplitData` views of the two splits' data, and each image keeps its augmentation seed (its
 stable index). A store whose val split is the source's own (Flowers102) keeps it, as the authors do.
 
+Under ``train_splits: train+val`` (:func:`train_val_data`, VTAB-1k's final fit on train800val200) the run's
+train split is the union of the store's train and val rows, train's first, as one
+:class:`PooledSplitData`, each image with its own augmentation seed; such a run has no val split (it does
+not validate) and a store without a val split of its own (no rows, or rows shared with train) is refused.
+Without augmentation every image passes through the eval transform of ``resize`` (``crop`` or ``stretch``,
+:func:`raystudy.data.transforms.eval_geometry`), on the cache path its cache kind.
+
 A text store (``kind: text``) has one data path whatever ``data_path`` says (:class:`~.text.TextSplitData`:
 texts tokenised once to ``seq_len`` tokens, no augmentation, no cache); :func:`open_split_data` picks it
 by the store's kind, and the data order above is the same.
@@ -85,9 +92,9 @@ class SplitData:
     """One split of a prepared store in memory (encoded images, labels, stable indices), with loading of
     arbitrary rows into float tensors through the paper's transforms."""
 
-    def __init__(self, store: str | os.PathLike, split: str):
+    def __init__(self, store: str | os.PathLike, split: str, resize: str = "crop"):
         table = read_split(store, split, columns=["image", "label", "index"])
-        self.store, self.split = str(store), split
+        self.store, self.split, self.resize = str(store), split, resize
         self.images = table.column("image").combine_chunks()
         self.labels = np.asarray(table.column("label").to_numpy(), dtype=np.int64)
         self.indices = np.asarray(table.column("index").to_numpy(), dtype=np.int64)
@@ -100,12 +107,13 @@ class SplitData:
         """``(B, 3, size, size)`` float32 images and ``(B,)`` int64 labels of ``rows``.
 
         ``train=True`` applies the random training transform seeded per image by ``(seed, epoch, index)``,
-        otherwise the deterministic eval transform (resize + center crop).
+        otherwise the deterministic eval transform of :attr:`resize` (``crop``: resize + center crop;
+        ``stretch``: resize to ``size x size``).
         """
         rows = np.asarray(rows, dtype=np.int64)
         imgs = [self.images[int(r)].as_py() for r in rows]
         if not train:
-            x = transform_batch(imgs, train=False, size=size)
+            x = transform_batch(imgs, train=False, size=size, resize=self.resize)
         else:
             x = torch.empty(len(rows), 3, size, size)
             epochs = np.zeros(len(rows), np.int64) if epochs is None else np.asarray(epochs)
@@ -131,13 +139,14 @@ class CachedSplitData:
     """One split read from its uint8 cache (:class:`raystudy.data.cache.ImageCache`).
 
     ``crop=True`` (training with augmentation) opens the ``full`` kind (whole images) and batches carry each
-    image's crop, cut on the CPU, and flip; ``crop=False`` opens the ``eval`` kind (the eval transform's
-    pixels at ``size``) and batches need only scaling and normalising.
+    image's crop, cut on the CPU, and flip; ``crop=False`` opens the eval kind of ``resize`` (``eval`` or
+    ``stretch``: the eval transform's pixels at ``size``) and batches need only scaling and normalising.
     """
 
-    def __init__(self, store: str | os.PathLike, split: str, *, size: int, crop: bool, root: str | None = None):
+    def __init__(self, store: str | os.PathLike, split: str, *, size: int, crop: bool, root: str | None = None,
+                 resize: str = "crop"):
         self.store, self.split, self.size, self.crop = str(store), split, size, crop
-        self.cache = ImageCache(store, split, kind=kind_for(crop), size=size, root=root)
+        self.cache = ImageCache(store, split, kind=kind_for(crop, resize), size=size, root=root)
         self.labels, self.indices = self.cache.labels, self.cache.indices
 
     def __len__(self) -> int:
@@ -226,8 +235,35 @@ def _open_one(cfg: FinetuneConfig, split: str, store: Store, crop: bool):
     if is_text_store(store):
         return open_text_split(cfg, split, store)
     if cfg.data_path == "decode":
-        return SplitData(store, split)
-    return CachedSplitData(store, split, size=cfg.img_size, crop=crop, root=cfg.cache_dir)
+        return SplitData(store, split, resize=cfg.resize)
+    return CachedSplitData(store, split, size=cfg.img_size, crop=crop, root=cfg.cache_dir, resize=cfg.resize)
+
+
+def trains_on_val(cfg: FinetuneConfig) -> bool:
+    """Whether a run of ``cfg`` trains on the union of the store's train and val rows (no validation)."""
+    return cfg.train_splits == "train+val"
+
+
+def train_val_data(cfg: FinetuneConfig, store: Store) -> PooledSplitData:
+    """The train split of ``train_splits: train+val``: every train row, then every val row (``n_train +
+    n_val`` rows; row ``k < n_train`` is train row ``k``, row ``n_train + j`` is val row ``j``), each read as
+    a training image (cropped when ``cfg.augment``). ``ValueError`` naming the store when its val split is
+    not distinct: no rows, rows sharing a stable index with train, or ``val_split: per_seed`` asked too."""
+    if cfg.val_split == "per_seed":
+        raise ValueError(f"{store.path}: train_splits train+val trains on the store's own train and val rows; "
+                         "val_split per_seed (which redraws them) does not apply")
+    if not int(store.meta.get("counts", {}).get("val", 0)):
+        raise ValueError(f"{store.path}/dataset.json: train_splits train+val needs a val split; this store has "
+                         "no val rows")
+    crop = kind_of("train", cfg.augment) == kind_for(True)
+    parts = [_open_one(cfg, s, store, crop) for s in ("train", "val")]
+    shared = np.intersect1d(parts[0].indices, parts[1].indices)
+    if len(shared):
+        raise ValueError(f"{store.path}: train_splits train+val needs val rows distinct from train; "
+                         f"{len(shared)} share a stable index with train (first: index {int(shared[0])})")
+    sizes = [len(d) for d in parts]
+    local = np.concatenate([np.arange(k, dtype=np.int64) for k in sizes])
+    return PooledSplitData(parts, np.repeat(np.arange(2), sizes), local, "train")
 
 
 def open_split_data(cfg: FinetuneConfig, split: str,
@@ -238,6 +274,11 @@ def open_split_data(cfg: FinetuneConfig, split: str,
     (its ``dataset.json`` is then not read again)."""
     store = Store.open(cfg.store if store is None else store)
     crop = kind_of(split, cfg.augment) == kind_for(True)
+    if trains_on_val(cfg) and split in ("train", "val"):
+        if split == "val":
+            raise ValueError(f"{store.path}: a train_splits train+val run trains on val; it has no val split "
+                             "to evaluate")
+        return train_val_data(cfg, store)
     if split not in ("train", "val") or not pools_val(cfg, store):
         return _open_one(cfg, split, store, crop)
     parts = [_open_one(cfg, s, store, crop) for s in ("train", "val")]
@@ -331,7 +372,7 @@ def prepare_caches(cfg: FinetuneConfig) -> None:
     (a text store has none)."""
     store = Store.open(cfg.store)
     if cfg.data_path == "cache" and not is_text_store(store):
-        for split in ("train", "val", "test"):
+        for split in ("train", "test") if trains_on_val(cfg) else ("train", "val", "test"):
             open_split_data(cfg, split, store)
 
 

@@ -26,6 +26,7 @@ from raystudy.core.finetune.data import (
     pools_val,
     resident_bytes_per_image,
     to_device,
+    trains_on_val,
 )
 from raystudy.core.finetune.outputs import run_summary
 from raystudy.core.finetune.selection import build_finetune_model, enable_fused_attention, select_for
@@ -265,6 +266,11 @@ class Finetuner:
                     self.cfg.configuration, self.cfg.lr, self.step)
 
     def _eval_and_track(self, row: dict) -> None:
+        if trains_on_val(self.cfg):  # no val split: the last step is the one tested, no val accuracy
+            if row["step"] == self.cfg.steps:
+                self.best_val_acc, self.best_val_step = float("nan"), row["step"]
+                self.best_state = self.trainable_state()
+            return
         val_loss, val_acc = self.evaluate("val")
         row["val_loss"], row["val_acc"] = val_loss, val_acc
         self.last_val = (val_loss, val_acc)
