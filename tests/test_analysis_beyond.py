@@ -12,6 +12,7 @@ import yaml
 from scipy import stats
 
 from raystudy.analysis import beyond as B
+from raystudy.analysis import figures as F
 from raystudy.analysis.inputs import read_inputs
 from raystudy.analysis.pipeline import run_analysis
 from raystudy.analysis.tables import best_lr_table
@@ -148,6 +149,8 @@ def test_matched_budget_joins_every_adapter_family_and_bitfit():
         assert r.statistic == pytest.approx(res.statistic, abs=1e-12) and r.budget == "2%"
         assert r.p_value == pytest.approx(res.pvalue, abs=1e-12)
         assert r.params_first == params[r.first] and r.params_second == params[r.second]
+    styles = F.configuration_styles(params)  # the figures tell every family apart: distinct (colour, marker)
+    assert set(styles) == set(params) and len(set(styles.values())) == len(params)
 
 
 def test_unit_gain_spearman_equals_scipy(study):

@@ -90,7 +90,8 @@ def test_parse_trees():
     assert parse("loha:r=2:fc2") == Adapter("loha", 2, ("fc2",))
     assert parse("lokr:r=16") == Adapter("lokr", 16, ("proj", "qkv"))
     assert parse("vera:r=256") == Adapter("vera", 256, ("proj", "qkv"))
-    assert parse("ia3") == Adapter("ia3", None, ("fc2", "qkv"))  # keys/values (fused qkv) and the FFN
+    assert parse("ia3") == Adapter("ia3", None, ("fc2", "qkv")) == Adapter("ia3")  # keys/values (qkv), FFN
+    assert Adapter("dora", 8) == Adapter("dora", 8, ("proj", "qkv"))
     assert parse("ia3:qkv,fc1") == Adapter("ia3", None, ("fc1", "qkv"))
     assert parse("bias") == Combination((Term("bias"),))
     assert parse("bias@8-11+LN1") == Combination((Term("bias", (8, 9, 10, 11)), Term("LN1")))

@@ -243,31 +243,38 @@ def test_lora_resume_is_exact(store, tmp_path):
         assert summary[k] == ref[k]
 
 
+#: the methods the Ray Train resume below runs (about 80 s each on two cores): LoRA, VeRA (frozen projections
+#: shared by every layer, buffers DDP broadcasts) and IA3 (a merge that scales biases). Every method's exact
+#: resume after an injected failure is tested in one process in tests/test_peft_methods.py.
+RAY_METHODS = ("lora:r=2", "vera:r=8", "ia3")
+
+
 @pytest.mark.slow
-def test_lora_on_ray_train_resumes_exactly_after_a_worker_failure(ray_session, store, tmp_path, faults,
-                                                                  monkeypatch):
+@pytest.mark.parametrize("configuration", RAY_METHODS)
+def test_adapters_on_ray_train_resume_exactly_after_a_worker_failure(ray_session, store, tmp_path, faults,
+                                                                     monkeypatch, configuration):
     """2 DDP workers, the workers fail after the checkpoint of step 3 and restart from it: the run ends with
-    the single-process uninterrupted run's curves and merged final weights (plain timm names)."""
+    the single-process uninterrupted run's curves and merged final weights (plain timm names), per method."""
     from safetensors.torch import load_file
 
     from raystudy.distributed.train import TrainResources, run_finetune
 
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # see tests/test_finetune_ray.py
-    kw = dict(configuration="lora:r=2", steps=6, eval_period=3, checkpoint_period=3, save_final=True, lr=0.3)
+    kw = dict(configuration=configuration, steps=6, eval_period=3, checkpoint_period=3, save_final=True, lr=0.3)
     ref, _ = train_local(tiny_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
-    faults(fail_after_step={"lora": 3})
-    cfg = tiny_cfg(store, tmp_path / "lora", **kw)
+    faults(fail_after_step={"failing": 3})
+    cfg = tiny_cfg(store, tmp_path / "failing", **kw)
     summary = run_finetune(cfg, TrainResources(workers=2, max_failures=1))
     assert summary["status"] == "ok" and summary["num_restores"] == 1 and summary["restored_from_step"] == 3
-    a, b = (pd.read_parquet(tmp_path / d / "curves.parquet") for d in ("ref", "lora"))
+    a, b = (pd.read_parquet(tmp_path / d / "curves.parquet") for d in ("ref", "failing"))
     for col in ("train_loss", "grad_norm", "val_loss"):
         torch.testing.assert_close(torch.tensor(b[col].values), torch.tensor(a[col].values), rtol=1e-5, atol=0,
                                    equal_nan=True)
     for k in ("best_val_acc", "best_val_step", "test_acc", "trainable_params", "units"):
         assert summary[k] == ref[k]
-    fa, fb = (load_file(tmp_path / d / "final_model.safetensors") for d in ("ref", "lora"))
+    fa, fb = (load_file(tmp_path / d / "final_model.safetensors") for d in ("ref", "failing"))
     assert set(fa) == set(fb) == set(initial_state(cfg))
     for n in fa:
         assert float((fb[n] - fa[n]).norm() / fa[n].norm().clamp_min(1e-12)) <= 1e-5, n
-    assert set(load_file(tmp_path / "lora" / "best_trainable.safetensors")) == set(
+    assert set(load_file(tmp_path / "failing" / "best_trainable.safetensors")) == set(
         load_file(tmp_path / "ref" / "best_trainable.safetensors"))

@@ -55,7 +55,7 @@ from fractions import Fraction
 from typing import NoReturn
 
 from raystudy.core.components import get_adapter, trainable_parameters
-from raystudy.core.peft_methods import DEFAULT_TARGETS, METHODS, TargetError, apply_method
+from raystudy.core.peft_methods import METHODS, TargetError, apply_method
 from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
 STRATEGIES: tuple[str, ...] = ("auto", "random")
@@ -175,7 +175,11 @@ class Adapter:
 
     method: str
     rank: int | None = None
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[str, ...] | None = None  # None: the method's default targets
+
+    def __post_init__(self):
+        if self.targets is None:
+            object.__setattr__(self, "targets", METHODS[self.method].targets)
 
     def __str__(self) -> str:
         head = self.method if self.rank is None else f"{self.method}:r={self.rank}"
@@ -298,7 +302,7 @@ class _Parser:
         elif self.text.startswith(":r=", self.pos):
             self.fail(f"{name} takes no rank: write {name} or {name}:<targets>", self.pos + 1)
         if not self.accept(":"):
-            return Adapter(name, rank, METHODS[name].targets)
+            return Adapter(name, rank)
         targets = [self.target()]
         while self.accept(","):
             targets.append(self.target())
