@@ -41,6 +41,20 @@ SEARCHES: tuple[str, ...] = ("grid", "optuna")
 #: A trials row's stage of the benchmark protocol (VTAB-1k: VPT, NOAH): ``search`` a grid trial (trained on
 #: train, lr chosen on val), ``final`` the refit at the val-chosen lr on train + val, test reported.
 PHASES: tuple[str, ...] = ("search", "final")
+#: VTAB-1k's task groups, in the benchmark's order (its tables: Natural | Specialized | Structured).
+VTAB_GROUPS: tuple[str, ...] = ("Natural", "Specialized", "Structured")
+#: VTAB-1k's 19 task folders (NOAH, VPT) in the benchmark's order -> (group, classes of the task: NOAH's
+#: ``nb_classes``); read by the data layer (raystudy.data.vtab) and the analysis' per-task table.
+VTAB_TASKS: dict[str, tuple[str, int]] = {
+    "cifar": ("Natural", 100), "caltech101": ("Natural", 102), "dtd": ("Natural", 47),
+    "oxford_flowers102": ("Natural", 102), "oxford_iiit_pet": ("Natural", 37), "svhn": ("Natural", 10),
+    "sun397": ("Natural", 397),
+    "patch_camelyon": ("Specialized", 2), "eurosat": ("Specialized", 10), "resisc45": ("Specialized", 45),
+    "diabetic_retinopathy": ("Specialized", 5),
+    "clevr_count": ("Structured", 8), "clevr_dist": ("Structured", 6), "dmlab": ("Structured", 6),
+    "kitti": ("Structured", 4), "dsprites_loc": ("Structured", 16), "dsprites_ori": ("Structured", 16),
+    "smallnorb_azi": ("Structured", 18), "smallnorb_ele": ("Structured", 9),
+}
 #: Forward/backward precision of a trial: fp32 (the paper's) or bf16 autocast with fp32 master weights.
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 #: How a trial reads images: a checksummed uint8 cache augmented on the device, or decode every step.

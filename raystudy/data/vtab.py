@@ -32,22 +32,13 @@ import re
 from collections import Counter
 from pathlib import Path, PurePosixPath
 
+from raystudy.vocab import VTAB_GROUPS as GROUPS
+from raystudy.vocab import VTAB_TASKS
+
 from .images import read_image_file
 from .readers import Candidate, Listing
 from .store import StoreError
 
-GROUPS = ("Natural", "Specialized", "Structured")
-#: task folder -> (group, classes of the benchmark task: NOAH's ``nb_classes`` per task).
-VTAB_TASKS: dict[str, tuple[str, int]] = {
-    "cifar": ("Natural", 100), "caltech101": ("Natural", 102), "dtd": ("Natural", 47),
-    "oxford_flowers102": ("Natural", 102), "oxford_iiit_pet": ("Natural", 37), "svhn": ("Natural", 10),
-    "sun397": ("Natural", 397),
-    "patch_camelyon": ("Specialized", 2), "eurosat": ("Specialized", 10), "resisc45": ("Specialized", 45),
-    "diabetic_retinopathy": ("Specialized", 5),
-    "clevr_count": ("Structured", 8), "clevr_dist": ("Structured", 6), "dmlab": ("Structured", 6),
-    "kitti": ("Structured", 4), "dsprites_loc": ("Structured", 16), "dsprites_ori": ("Structured", 16),
-    "smallnorb_azi": ("Structured", 18), "smallnorb_ele": ("Structured", 9),
-}
 #: store split -> its list file; the final training list is checked against train + val.
 LISTS = {"train": "train800.txt", "val": "val200.txt", "test": "test.txt"}
 FINAL_TRAIN = "train800val200.txt"
