@@ -275,3 +275,16 @@ def test_resume_after_a_worker_failure_is_exact(store, tmp_path, faults, name):
     fa, fb = (load_file(tmp_path / x / "final_model.safetensors") for x in ("ref", "run"))
     assert set(fa) == set(fb)
     assert all(torch.equal(fa[n], fb[n]) for n in fa)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dry_run_counts_every_method_on_the_meta_device(name):
+    """raystudy.study.cost builds the model on the meta device and selects through select_and_freeze: every
+    method injects there (peft moves VeRA's CPU-drawn projections to the layer's device) and is counted."""
+    from raystudy.study.cost import image_flops
+
+    kw = dict(model_kwargs=dict(patch_size=8, embed_dim=48, depth=3, num_heads=4), img_size=32)
+    head = image_flops("vit_tiny_patch16_224", "Head", **kw)
+    counted = image_flops("vit_tiny_patch16_224", CASES[name], **kw)
+    assert counted.device == "meta" and counted.note == ""
+    assert counted.forward >= head.forward and counted.backward > head.backward

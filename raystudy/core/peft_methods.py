@@ -186,16 +186,11 @@ def apply_method(model: nn.Module, name: str, rank: int | None, targets: tuple[s
     if is_adapted(model):
         raise ValueError("the model already has peft adapters")
     config = m.config(rank, target_modules(model, tuple(targets or m.targets)), seed)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # the tuner itself rather than peft.inject_adapter_in_model, which refuses VeRA (its projections are
         # "shared state on the tuner"); every layer also holds them (``<layer>.vera_A``), so the model is whole
         PEFT_TYPE_TO_TUNER_MAPPING[config.peft_type](model, config, adapter_name="default")
-    for buffers in ("vera_A", "vera_B"):  # VeRA draws its projections on the CPU; the model may be elsewhere
-        for module in model.modules():
-            if isinstance(getattr(module, buffers, None), nn.Module):
-                getattr(module, buffers).to(device)
     return adapter_parameters(model, name)
 
 
