@@ -27,7 +27,7 @@ FINETUNE = {
     "include_layerscale": "include_layerscale", "eval_batch_size": "eval_batch_size",
     "eval_cache_mb": "eval_cache_mb", "loader_workers": "loader_workers", "accuracy": "accuracy",
     "val_split": "val_split", "drop_last": "drop_last", "val_batch_size": "val_batch_size",
-    "change_images": "change_images",
+    "change_images": "change_images", "resize": "resize",
 }
 #: spec field -> TrainResources field (the Ray Train workers of a run)
 RESOURCES = {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
@@ -51,7 +51,7 @@ STUDY_ONLY = {
     "name", "out", "data_root", "builtin_data", "pretrain_store", "datasets", "configurations", "optimizers",
     "seeds", "trial_driver_cpus", "max_concurrent_trials", "trial_retries", "search", "samples", "plasticity",
     "pretrain", "analysis", "tracking", "dataset_overrides", "probe", "execution", "analysis_seeds", "fixed_run",
-    "analysis_round", "analysis_select_by",
+    "analysis_round", "analysis_select_by", "final_fit",
 }
 #: the protocol fields a dataset entry overrides -> FinetuneConfig field
 PER_DATASET = {"steps": "steps", "eval_period": "eval_period", "warmup_steps": "warmup_steps",
@@ -70,6 +70,7 @@ SPEC = dict(
     compile=True, cache_dir="/caches", momentum=0.8, betas=(0.85, 0.99), weight_decay=0.05, clip_norm=2.0,
     head_init="zero", include_layerscale=True, eval_batch_size=100, eval_cache_mb=64, loader_workers=2,
     accuracy="per_batch", val_split="per_seed", drop_last=True, val_batch_size=50, change_images=16,
+    resize="stretch", final_fit=True,
     workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
                     cpus_per_worker=1.5, torch_threads=3, pairing="sequential", pretrain_split=["val", "test"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import png_bytes
@@ -19,6 +20,8 @@ from raystudy.core.finetune.data import CachedSplitData, MicroBatches, SplitData
 from raystudy.data.cache import cache_dir, kinds_read
 from raystudy.data.store import StoreError, read_split, write_store
 from raystudy.data.transforms import IMAGENET_MEAN, IMAGENET_STD, decode
+from raystudy.io import read_result
+from raystudy.study.points import trial_id
 
 TINY = dict(patch_size=8, embed_dim=48, depth=3, num_heads=4)
 COUNTS = {"train": 12, "val": 4, "test": 6}
@@ -180,3 +183,112 @@ def test_train_val_refuses_a_store_without_a_distinct_val(tmp_path, store):
         open_split_data(_cfg(store, tmp_path, train_splits="train+val", val_split="per_seed"), "train")
     with pytest.raises(ValueError, match="no val split"):
         open_split_data(_cfg(store, tmp_path, train_splits="train+val"), "val")
+
+
+# ------------------------------------------------------------------------------ a study's final fit
+
+
+def _val_chosen_lrs(search: pd.DataFrame) -> dict[tuple[str, str], float]:
+    """Independently of the analysis: per (configuration, optimizer) the lr of the highest mean over seeds of
+    the best-validation accuracy, the smaller lr on a tie."""
+    out = {}
+    for (config, opt), g in search.groupby(["configuration", "optimizer"]):
+        means = {lr: float(np.mean(r.best_val_acc)) for lr, r in g.groupby("lr")}
+        top = max(means.values())
+        out[(config, opt)] = min(lr for lr, m in means.items() if m == top)
+    return out
+
+
+@pytest.fixture(scope="module")
+def final_study(ray_session, builtin, tmp_path_factory):
+    """2 configurations x 2 lrs x 2 seeds with final_fit; the first run is cut off right after its search
+    (the final stage raises, as a killed driver would stop there), the second resumes, the third finds it
+    done."""
+    from raystudy.study import tune
+    from raystudy.study.spec import StudySpec
+
+    out = tmp_path_factory.mktemp("final_fit") / "study"
+    spec = StudySpec.from_dict(dict(
+        name="ff", out=str(out), model="vit_tiny_patch16_224", model_kwargs=TINY, img_size=32,
+        weights=builtin["weights"], data_root=builtin["data_root"], datasets={"color": "shift-color"},
+        configurations=["MHA", "LN1"], optimizers={"sgd": [0.01, 0.3]}, seeds=[0, 1], steps=4, batch_size=16,
+        eval_period=2, warmup_steps=1, checkpoint_period=0, workers_per_trial=1, cpus_per_worker=0.5,
+        max_concurrent_trials=2, trial_retries=0, worker_retries=0, plasticity={"enabled": False},
+        analysis=False, final_fit=True, resize="stretch", augment=False,
+    ))
+    runs = []
+    with pytest.MonkeyPatch.context() as mp:
+        def killed(*a, **k):
+            raise RuntimeError("driver killed after the search")
+        mp.setattr(tune, "launch_final_fit", killed)
+        lines: list[str] = []
+        with pytest.raises(RuntimeError, match="driver killed"):
+            tune.run_study(spec, echo=lines.append)
+        runs.append({"lines": lines, "trials": read_result(str(out), "trials")})
+    for _ in range(2):
+        lines = []
+        outcome = tune.run_study(tune.load_study_spec(str(out)), echo=lines.append)
+        runs.append({"lines": lines, "outcome": outcome, "trials": read_result(str(out), "trials")})
+    return {"out": str(out), "spec": spec, "runs": runs}
+
+
+@pytest.mark.slow
+def test_final_fit_writes_search_and_final_rows_at_the_val_chosen_lr(final_study):
+    spec, trials = final_study["spec"], final_study["runs"][-1]["trials"]
+    search, final = trials[trials.phase == "search"], trials[trials.phase == "final"]
+    assert len(search) == 8 and len(final) == 4 and len(trials) == 12 and (trials.status == "ok").all()
+    axes = zip(final.configuration, final.lr, final.seed)
+    assert set(final.trial_id) == {f"{trial_id('color', c, 'sgd', lr, s)}-final" for c, lr, s in axes}
+    assert not set(final.trial_id) & set(search.trial_id)
+    chosen = _val_chosen_lrs(search)
+    for r in final.itertuples():
+        assert r.lr == chosen[(r.configuration, r.optimizer)]
+    assert sorted(zip(final.configuration, final.seed)) == [("LN1", 0), ("LN1", 1), ("MHA", 0), ("MHA", 1)]
+    # trained on train + val for the grid's steps, never validated, the last step tested
+    assert (final.steps == 4).all() and (final.best_val_step == 4).all() and final.best_val_acc.isna().all()
+    assert final.test_acc.between(0, 1).all() and search.best_val_acc.between(0, 1).all()
+    curves = read_result(final_study["out"], "curves")
+    assert curves[curves.trial_id.isin(final.trial_id)].val_acc.isna().all()
+    assert curves[curves.trial_id.isin(search.trial_id)].val_acc.notna().any()
+    assert spec.total_trials() == 12
+
+
+@pytest.mark.slow
+def test_a_resume_after_the_search_runs_only_the_final_trials(final_study):
+    first, resumed, again = final_study["runs"]
+    assert len(first["trials"]) == 8 and (first["trials"].phase == "search").all()
+    launches = [line for line in resumed["lines"] if "launching" in line]
+    assert len(launches) == 1 and "launching 4 trial(s)" in launches[0], resumed["lines"]
+    assert any("final fit: 4 trial(s)" in line for line in resumed["lines"])
+    assert resumed["outcome"].launched == 4
+    search_before = first["trials"].set_index("trial_id")
+    after = resumed["trials"].set_index("trial_id").loc[search_before.index]
+    assert (after.wall_seconds == search_before.wall_seconds).all()  # the search was not rerun
+    assert again["outcome"].launched == 0 and not any("launching" in line for line in again["lines"])
+    assert any("all 12 trial(s) already done" in line for line in again["lines"])
+
+
+def test_the_dry_run_counts_the_final_trials_as_a_dependent_stage(builtin, tmp_path):
+    from raystudy.commands.study import dry_run_json
+    from raystudy.study import cost
+    from raystudy.study.spec import SpecError, StudySpec
+
+    base = dict(name="ff", out=str(tmp_path / "s"), model="vit_tiny_patch16_224", model_kwargs=TINY, img_size=32,
+                weights=builtin["weights"],
+                data_root=builtin["data_root"], datasets={"color": "shift-color"}, configurations=["MHA", "LN1"],
+                optimizers={"sgd": [0.01, 0.3]}, seeds=[0, 1], steps=4, batch_size=16, eval_period=2,
+                plasticity={"enabled": False})
+    plain, fit = StudySpec.from_dict(base), StudySpec.from_dict({**base, "final_fit": True})
+    assert dry_run_json(fit)["final_trials"] == 4 and dry_run_json(fit)["total_trials"] == 12
+    assert dry_run_json(plain)["final_trials"] == 0 and len(dry_run_json(fit)["trials"]) == 8
+    a, b = cost.study_cost(plain)["datasets"]["color"], cost.study_cost(fit)["datasets"]["color"]
+    assert b["trials"] == 12 and b["final_trials"] == 4 and a["final_trials"] == 0
+    # a final trial trains as a search trial does (same steps, same images) and is tested, never validated
+    per = a["per_image"]
+    want_train = 2 * 16 * 4 * (per["MHA"]["train"] + per["LN1"]["train"])  # 2 seeds of each
+    want_eval = 2 * (per["MHA"]["forward"] + per["LN1"]["forward"]) * a["rows"]["test"]
+    assert b["flops_train"] - a["flops_train"] == want_train
+    assert b["flops_eval"] - a["flops_eval"] == want_eval
+    assert any("final fit: 4 trial(s)" in n for n in cost.study_cost(fit)["notes"])
+    with pytest.raises(SpecError, match="final_fit: needs search grid"):
+        StudySpec.from_dict({**base, "final_fit": True, "search": "optuna"}).validate(check_files=False)

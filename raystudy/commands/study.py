@@ -198,6 +198,10 @@ def print_plan(spec) -> None:
     print_protocols(spec)
     if spec.search == "grid":
         print_grid(spec.grid(), done)
+        if spec.final_fit:
+            n = len(spec.groups())
+            print(f"  final fit: {n} trials after the search, one per dataset, configuration, optimizer and seed, "
+                  "on train + val at the lr chosen on val (ids known once the search ends)")
     else:
         print(f"  optuna: {spec.samples} runs in each of {len(spec.groups())} cells = {spec.total_trials()} trials")
 
@@ -231,8 +235,10 @@ def print_grid(grid: list[dict], done: set[str]) -> None:
 def dry_run_json(spec, cost: dict | None = None) -> dict:
     """What the study would run, as one JSON-able object: ``{"datasets": {name: {"store", "steps",
     "eval_period", "warmup_steps", "log_period", "optimizers": {opt: [lrs]}, "seeds": {opt: [seeds]},
-    "trials"}}, "trials": [trial ids], "total_trials", "probes": [dataset names]}`` (trial ids: the
-    grid's, in launch order; an Optuna search lists none, its ids are drawn as it runs).
+    "trials"}}, "trials": [trial ids], "total_trials", "final_trials", "probes": [dataset names]}`` (trial
+    ids: the grid's, in launch order; an Optuna search lists none, its ids are drawn as it runs;
+    ``final_trials``: how many of ``total_trials`` the final fit runs after the search, their lrs unknown
+    before it ends, so their ids are not listed).
 
     With ``cost`` (:func:`raystudy.study.cost.study_cost`): each dataset also carries ``flops``, ``gpu_hours``,
     ``wall_hours`` and ``cost`` (its breakdown: train / eval / probe FLOPs, rows, per-image FLOPs), and
@@ -250,7 +256,7 @@ def dry_run_json(spec, cost: dict | None = None) -> dict:
             datasets[name].update({k: d[k] for k in ("flops", "gpu_hours", "wall_hours")}, cost=d)
     trials = [p["trial_id"] for p in spec.grid()] if spec.search == "grid" else []
     out = {"datasets": datasets, "trials": trials, "total_trials": spec.total_trials(),
-           "probes": spec.probe_datasets()}
+           "final_trials": len(spec.groups()) if spec.final_fit else 0, "probes": spec.probe_datasets()}
     if cost is not None:
         out["cost"] = {**cost["total"], **{k: v for k, v in cost.items() if k not in ("datasets", "total")}}
     return out

@@ -24,7 +24,10 @@ and the final norm) 1x.
 
 **Per trial**: ``steps x batch_size`` training images, plus the evaluations, forward only: the val rows at
 every ``eval_period``-th step and at the last one (``ceil(steps / eval_period)`` evaluations) and the test
-rows once. **Per dataset** also the linear probe, when enabled: one forward over the train and test rows.
+rows once. With ``final_fit``, a dependent stage: one more trial per (dataset, configuration, optimizer,
+seed) (:func:`raystudy.study.final.final_cells`; its lr is chosen once the search has ended, the cost does
+not depend on it), the same training images and the test rows, no validation. **Per dataset** also the
+linear probe, when enabled: one forward over the train and test rows.
 Row counts come from each store's ``dataset.json`` (``counts``; under ``val_split: per_seed`` the val rows
 of the pooled train + val split, as a trial draws them); a dataset whose store is not found has its eval
 and probe FLOPs left out, with a note. ``auto:B`` is resolved with the study's plasticity table when it has
@@ -56,6 +59,7 @@ from raystudy.core.models import build_model, resolve_img_size
 from raystudy.data.modality import modality_of_model
 from raystudy.data.splits import val_origin
 from raystudy.io import read_result
+from raystudy.study.final import final_cells
 
 #: the MFU assumed when no GPU benchmark result is given (stated in the output)
 DEFAULT_MFU = 0.35
@@ -369,10 +373,16 @@ def study_cost(spec, *, gpus: float | None = None, mfu: float | None = None, gpu
     plasticity = None
     if any(isinstance(normalise(c), Budgeted) and normalise(c).strategy == "auto" for c in spec.configurations):
         plasticity = read_result(spec.out, "plasticity", required=False)
-    cells = trial_cells(spec)
+    cells, finals = trial_cells(spec), final_cells(spec)
     datasets = {name: dataset_cost(spec, name, {k: n for k, n in cells.items() if k[0] == name}, plasticity,
-                                   notes) for name in spec.datasets}
-    keys = ("trials", "flops", "flops_train", "flops_eval", "flops_probe")
+                                   notes, {k: n for k, n in finals.items() if k[0] == name})
+                for name in spec.datasets}
+    keys = ("trials", "final_trials", "flops", "flops_train", "flops_eval", "flops_probe")
+    if finals:
+        notes.append(f"final fit: {sum(finals.values())} trial(s) counted in 'trials', one per dataset, "
+                     "configuration, optimizer and seed, on train + val at the lr the search chooses on val "
+                     "(a dependent stage: its lrs are known once the search ends); trained as a search trial, "
+                     "tested once, not validated")
     total = {k: _sum(d[k] for d in datasets.values()) for k in keys}
     for entry in (*datasets.values(), total):
         entry["gpu_hours"] = None if entry["flops"] is None else rate.gpu_hours(entry["flops"])
@@ -390,9 +400,11 @@ def _sum(values) -> int | None:
     return None if any(v is None for v in values) else sum(values)
 
 
-def dataset_cost(spec, name: str, cells: dict, plasticity, notes: list[str]) -> dict:
-    """One dataset's entry of :func:`study_cost` (``cells``: its ``{(dataset, configuration, seed): trials}``);
-    appends what it estimated or could not count to ``notes``."""
+def dataset_cost(spec, name: str, cells: dict, plasticity, notes: list[str], finals: dict | None = None) -> dict:
+    """One dataset's entry of :func:`study_cost` (``cells``: its ``{(dataset, configuration, seed): trials}``,
+    ``finals`` the same of its final fit: trained alike, tested, never validated); appends what it estimated
+    or could not count to ``notes``."""
+    finals = finals or {}
     p = spec.protocol(name)
     meta = store_meta(spec.store_path(spec.datasets[name]))
     classes = int(meta.get("num_classes") or FALLBACK_CLASSES) if meta else FALLBACK_CLASSES
@@ -405,7 +417,8 @@ def dataset_cost(spec, name: str, cells: dict, plasticity, notes: list[str]) -> 
     train = evals = 0
     counted = True
     forward = None
-    for (_, configuration, seed), trials in cells.items():
+    stages = [(k, n, True) for k, n in cells.items()] + [(k, n, False) for k, n in finals.items()]
+    for (_, configuration, seed), trials, validates in stages:
         selection, note = counted_selection(spec, name, configuration, seed, plasticity)
         if note:
             notes.append(note)
@@ -420,7 +433,8 @@ def dataset_cost(spec, name: str, cells: dict, plasticity, notes: list[str]) -> 
         per_config.setdefault(configuration, []).append((f, trials))
         train += trials * p.steps * spec.batch_size * f.train
         if rows is not None:
-            evals += trials * f.forward * (evaluations(p.steps, p.eval_period) * rows["val"] + rows["test"])
+            n_val = evaluations(p.steps, p.eval_period) if validates else 0
+            evals += trials * f.forward * (n_val * rows["val"] + rows["test"])
     probe = 0
     if spec.probe.enabled and rows is not None:
         if forward is None:
@@ -430,7 +444,8 @@ def dataset_cost(spec, name: str, cells: dict, plasticity, notes: list[str]) -> 
                 notes.append(f.note)
         probe = forward * rows["probe"]
     flops = train + evals + probe if counted else None
-    return {"trials": sum(cells.values()), "flops": flops, "flops_train": train if counted else None,
+    return {"trials": sum(cells.values()) + sum(finals.values()), "final_trials": sum(finals.values()),
+            "flops": flops, "flops_train": train if counted else None,
             "flops_eval": evals if counted else None, "flops_probe": probe if counted else None,
             "rows": rows, "eval_counted": rows is not None, "num_classes": classes,
             "per_image": {c: _mean_image(v) for c, v in per_config.items()}}
@@ -480,7 +495,8 @@ def cost_lines(cost: dict) -> list[str]:
     width = max([len(n) for n in cost["datasets"]] + [5])
     for name, d in [*cost["datasets"].items(), ("total", cost["total"])]:
         extra = "" if name == "total" or d["eval_counted"] else " (training only: no store)"
-        lines.append(f"    {name:<{width}}  {d['trials']:>5} trials  {format_flops(d['flops'])} FLOPs  "
+        final = f" (incl. {d['final_trials']} final)" if d.get("final_trials") else ""
+        lines.append(f"    {name:<{width}}  {d['trials']:>5} trials{final}  {format_flops(d['flops'])} FLOPs  "
                      f"{format_hours(d['gpu_hours'])} GPU-h  {format_hours(d['wall_hours'])} h wall{extra}")
     lines.append(f"    assumes MFU {cost['mfu']:g} ({cost['mfu_source']}) of {cost['peak_tflops']:g} TFLOP/s "
                  f"({cost['device']}, {cost['precision']})")

@@ -37,7 +37,9 @@ from raystudy.settings import (
     ResourceSettings,
     values,
 )
+from raystudy.study.points import phase_of
 from raystudy.study.spec import StudySpec
+from raystudy.vocab import PHASES
 
 #: the dataset-level protocol a dataset entry may override (its resolved value wins over the study's)
 PER_DATASET: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
@@ -60,7 +62,8 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     The spec's protocol fields (batch_size, augment, ...), then the dataset's resolved protocol (steps,
     eval_period, warmup_steps, log_period: its overrides, else the study's; see
     :meth:`~raystudy.study.spec.StudySpec.protocol`), then the point's axes are copied by name; the
-    dataset becomes its store path. What finetuning changed is measured on the plasticity stage's
+    dataset becomes its store path; a final-fit point (``phase: final``) trains on train + val
+    (:func:`train_splits_of`). What finetuning changed is measured on the plasticity stage's
     pretraining side (``change_store``: the spec's ``pretrain_store``, ``change_split``: its
     ``plasticity.pretrain_split``; :meth:`raystudy.core.finetune.Finetuner.measure_changes`). A budget
     (``auto:B``, ``random:B``) is resolved here, once per trial, into the config's ``selection``
@@ -69,11 +72,17 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     """
     protocol = {**values(ProtocolSettings, spec), **values(ProtocolSettings, spec.protocol(point["dataset"]))}
     axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
-    cfg = FinetuneConfig(**values(ModelSettings, spec), **protocol, **axes,
+    cfg = FinetuneConfig(**values(ModelSettings, spec), **protocol, **axes, train_splits=train_splits_of(point),
                          store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir),
                          change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split)
     cfg.selection = budget_selection(spec, cfg, point["dataset"], plasticity)
     return cfg, train_resources(spec)
+
+
+def train_splits_of(point: Mapping[str, Any]) -> str:
+    """The ``train_splits`` of a grid point's run: ``train+val`` for a final-fit point (VTAB-1k's refit on
+    train800val200), else ``train``."""
+    return "train+val" if phase_of(dict(point)) == PHASES[1] else "train"
 
 
 def budget_selection(spec: StudySpec, cfg, dataset: str, plasticity=None) -> str | None:

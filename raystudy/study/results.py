@@ -37,6 +37,7 @@ Studies written before the vocabulary was unified call the ``configuration`` col
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -54,10 +55,12 @@ import pyarrow.parquet as pq
 
 from raystudy.io import TableError, read_result, write_result
 from raystudy.storage import delete_dir, exists, filesystem, join, move_aside, read_text, write_parquet_atomic
+from raystudy.study.points import phase_of
 from raystudy.study.spec import grid_point
 from raystudy.vocab import (
     FINAL_STATUSES,
     LINEAR_PROBE,
+    PHASES,
     RUN_CURVE_COLUMNS,
     SCHEMAS,
     STATUSES,
@@ -138,8 +141,8 @@ def _point_of(study_dir: str, tid: str, datasets: list[str]) -> dict[str, Any] |
         values = (s.get("configuration") or s["component"], s["optimizer"], float(s["lr"]), int(s["seed"]))
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
-    for dataset in datasets:
-        point = grid_point(dataset, *values)
+    for dataset, phase in itertools.product(datasets, PHASES):
+        point = grid_point(dataset, *values, phase=phase)
         if point["trial_id"] == tid:
             return point
     return None
@@ -149,7 +152,8 @@ def trial_row(point: dict[str, Any], model: str, summary: dict[str, Any],
               model_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``trials.parquet`` row: the grid point's identity, then the run's summary (extra keys kept).
 
-    ``configuration`` is what the trial trains (:data:`raystudy.vocab.CONFIGURATIONS`). ``model_kwargs``
+    ``configuration`` is what the trial trains (:data:`raystudy.vocab.CONFIGURATIONS`); ``phase`` the point's
+    (:func:`~raystudy.study.points.phase_of`: ``search``, or ``final`` for a final fit's trial). ``model_kwargs``
     is the summary's own (the run's truth) or else the given one, stored as a JSON string.
     """
     row = {k: v for k, v in summary.items() if not isinstance(v, dict | list)}
@@ -160,6 +164,7 @@ def trial_row(point: dict[str, Any], model: str, summary: dict[str, Any],
         "trial_id": point["trial_id"], "dataset": point["dataset"], "model": model,
         "configuration": point["configuration"], "optimizer": point["optimizer"],
         "lr": float(point["lr"]), "seed": int(point["seed"]), "model_kwargs": json.dumps(kwargs, sort_keys=True),
+        "phase": phase_of(point),
     })
     if row.get("status") not in STATUSES:
         raise ValueError(f"trial {point['trial_id']}: summary status {row.get('status')!r} not in {STATUSES}")

@@ -227,6 +227,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
                           help="grid: every lr of the spec; optuna: TPE over the lr range, `samples` runs per "
                                "(dataset, configuration, optimizer, seed)")
     samples: int = setting(4, check="positive_int", help="runs per cell with search optuna")
+    final_fit: bool = setting(False, help="after the grid: per (dataset, configuration, optimizer, seed) one run on "
+                                          "train + val at the lr chosen on val, test reported (VTAB-1k's)")
 
     plasticity: PlasticitySpec = setting(factory=PlasticitySpec, cli=False, help="the plasticity measurement")
     pretrain: PretrainSpec = setting(factory=PretrainSpec, cli=False, help="the demo's pretraining")
@@ -397,6 +399,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
         """Reject a bad spec before anything is launched, every message starting with the field's name
         (:func:`raystudy.study.checks.validate`); ``check_files=False`` skips the stores and weights file."""
         checks.validate(self, files=check_files)
+        if self.final_fit and self.search != "grid":
+            raise SpecError(f"final_fit: needs search grid (the lr chosen over seeds per grid lr), not {self.search!r}")
 
     def check_files(self, *, weights: bool | None = None) -> None:
         """Every store and the weights file exist (:func:`raystudy.study.checks.check_files`)."""
@@ -449,7 +453,10 @@ class StudySpec(ModelSettings, ProtocolSettings):
         return lo, hi
 
     def total_trials(self) -> int:
-        return len(self.groups()) * self.samples if self.search == "optuna" else len(self.grid())
+        """The search's trials, plus with ``final_fit`` one final trial per (dataset, configuration, optimizer,
+        seed) cell."""
+        search = len(self.groups()) * self.samples if self.search == "optuna" else len(self.grid())
+        return search + (len(self.groups()) if self.final_fit else 0)
 
     def probe_datasets(self) -> list[str]:
         """The datasets the linear probe runs on: every dataset once, when the probe is enabled."""
@@ -461,7 +468,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
         "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search", "momentum", "betas",
         "weight_decay", "clip_norm", "head_init", "include_layerscale", "precision", "data_path", "accuracy",
-        "val_split", "drop_last",
+        "val_split", "drop_last", "resize",
     )
     #: what each finished trial's row records of how it ran, checked against the spec at every launch (a
     #: hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean): the dataset's resolved

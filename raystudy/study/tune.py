@@ -12,7 +12,10 @@
 4. :func:`raystudy.study.probes.run_probes`: the linear probe (``LP`` rows of ``trials.parquet``) of every
    dataset not yet probed, when ``probe.enabled``; then :func:`build_study_caches`: the uint8 caches the
    trials read (``data_path: cache``), built or repaired once as a Ray Data job, verified when valid;
-5. :func:`launch_trials`: the finetuning grid through Ray Tune, one trial (:func:`run_trial`) per grid point.
+5. :func:`launch_trials`: the finetuning grid through Ray Tune, one trial (:func:`run_trial`) per grid point;
+   with ``final_fit``, then :func:`launch_final_fit`: a dependent stage (:mod:`raystudy.study.final`), one
+   trial per (dataset, configuration, optimizer, seed) on train + val at the lr chosen on validation, for
+   every sweep whose search has ended (a resumed study runs only the final trials left).
    Under ``execution: train`` a trial is a light driver (``trial_driver_cpus``) that runs the Ray Train run
    of its grid point (:func:`raystudy.distributed.train.run_finetune`, ``RunConfig(name=trial_id,
    callbacks=[TuneReportCallback()])``) and waits for it; under ``execution: actor`` (the default for one
@@ -48,6 +51,7 @@ from raystudy.distributed.cache import build_caches
 from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
 from raystudy.distributed.reaper import start_reaper
 from raystudy.storage import exists, folder_problem, is_uri, join, subdirs
+from raystudy.study import final
 from raystudy.study.health import (  # noqa: F401  (re-exported: their home before the split)
     RAY_SNAPSHOT,
     StudyStorageError,
@@ -84,6 +88,7 @@ from raystudy.study.signals import (  # noqa: F401  (Terminated: re-exported)
 )
 from raystudy.study.spec import SpecError, StudySpec
 from raystudy.study.trial import TrialFailed, final_report, local_dir_for, run_trial, trainable  # noqa: F401
+from raystudy.vocab import FINAL_STATUSES
 
 __all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_tuner", "run_study",
            "tune_experiments"]
@@ -165,6 +170,23 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     return results
 
 
+def launch_final_fit(spec: StudySpec, tables: ResultTables, *, total: int, echo: Echo = _echo,
+                     verbose: bool = False) -> None:
+    """The final fit's trials not yet done (:func:`raystudy.study.final.final_points`: the sweeps whose search
+    has ended, at their val-chosen lr) as one more Tune launch; the sweeps that must wait are named."""
+    tables.flush()  # the search's rows: what the lrs are chosen from
+    points, waiting = final.final_points(spec, tables.trials_frame())
+    for line in waiting:
+        echo(f"[{spec.name}] final fit waits: {line}")
+    tables.reconcile(points, spec.model, spec.model_kwargs)  # finished before a killed driver wrote its row
+    done = tables.done_ids()
+    todo = [p for p in points if p["trial_id"] not in done]
+    if not todo:
+        return
+    echo(f"[{spec.name}] final fit: {len(todo)} trial(s) on train + val at the lr chosen on val")
+    launch_trials(spec, tables, todo, total=total, done_before=total - len(todo), echo=echo, verbose=verbose)
+
+
 def tune_experiments(study_dir: str) -> list[str]:
     """The Tune experiment directories of a study, one per launch, oldest first (absolute paths or URIs:
     ``tune.Tuner.restore`` needs one or the other)."""
@@ -195,7 +217,8 @@ def build_study_caches(spec: StudySpec, points: list[dict] | None, echo: Echo = 
     if spec.data_path != "cache":
         return {}
     names = list(spec.datasets) if points is None else sorted({p["dataset"] for p in points})
-    reads = [(s, k) for s in SPLITS for k in kinds_read(s, spec.augment, spec.val_split)]
+    reads = [(s, k) for s in SPLITS
+             for k in kinds_read(s, spec.augment, spec.val_split, spec.resize, train_on_val=spec.final_fit)]
     return build_caches([spec.store_path(spec.datasets[d]) for d in names], [s for s, _ in reads],
                         [k for _, k in reads], spec.img_size, spec.cache_dir,
                         echo=lambda line: echo(f"[{spec.name}] {line}"))
@@ -268,6 +291,8 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
         else:
             pretrain_weights(spec, spec.weights, echo=echo)
     spec.check_files(weights=True)
+    for problem in final.store_problems(spec):
+        raise SpecError(problem)
     check_weights_load(spec)
     write_spec(spec)
     return spec
@@ -295,7 +320,10 @@ def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> Stu
             echo(f"[{spec.name}] recovered {len(picked)} finished trial(s) from their directories")
         done = tables.done_ids()
         points = [p for p in grid if p["trial_id"] not in done]
-        plan = StudyPlan(todo, points, len(points), total,
+        finals_done = sum(1 for r in tables.rows.values()
+                          if r.get("phase") == final.FINAL and r.get("status") in FINAL_STATUSES)
+        finals_left = sum(final.final_cells(spec).values()) - finals_done
+        plan = StudyPlan(todo, points, len(points) + finals_left, total,
                          retry=[p["trial_id"] for p in points if tables.status(p["trial_id"]) == "failed"])
     else:
         from raystudy.study.search import optuna_plan  # Optuna and Ray Tune
@@ -330,9 +358,13 @@ def execute(spec: StudySpec, tables: ResultTables, plan: StudyPlan, *, address: 
                 run_probes(spec, tables, echo, address=address)
             if plan.to_launch:
                 check_run_dirs(spec, tables.done_ids(), echo)
-                build_study_caches(spec, plan.points, echo)  # decoded once here, not in every trial's driver
-                launch_trials(spec, tables, plan.points, total=plan.total,
-                              done_before=plan.total - plan.to_launch, echo=echo, verbose=verbose)
+                # decoded once here, not in every trial's driver (a final fit's: every dataset's)
+                build_study_caches(spec, None if spec.final_fit else plan.points, echo)
+                if plan.points is None or plan.points:  # a grid whose search is done launches its final fit only
+                    launch_trials(spec, tables, plan.points, total=plan.total,
+                                  done_before=plan.total - plan.to_launch, echo=echo, verbose=verbose)
+                if spec.final_fit:
+                    launch_final_fit(spec, tables, total=plan.total, echo=echo, verbose=verbose)
     finally:
         if started:
             import ray
