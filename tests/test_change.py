@@ -82,3 +82,25 @@ def test_weight_change_by_hand_and_zero_for_what_did_not_train(tmp_path):
     trained = {(r["component"], r["block"]): r["change"] for r in weight_change(ft.model, start, ft.model.state_dict())}
     assert all(trained[("MHA", b)] > 0 for b in range(3))
     assert all(v == 0.0 for (c, _), v in trained.items() if c != "MHA")  # frozen: bit-identical weights
+
+
+def test_cka_to_start_is_the_two_model_cka_and_leaves_the_model_as_it_was():
+    """The one-model measure (start values swapped in block by block) equals representation_cka of a second
+    model holding the start values; the model's parameters and training mode are its own again after."""
+    from raystudy.core.change import cka_to_start, holding
+
+    model, images = _toy().train(), torch.randn(5, 3, 32, 32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    start = {n: p.detach().clone() + 0.05 * torch.randn_like(p) for n, p in model.named_parameters()
+             if n.startswith(("blocks.1.", "blocks.2.mlp", "pos_embed", "patch_embed"))}
+    rows = cka_to_start(model, images, start)
+    pretrained = copy.deepcopy(model)
+    pretrained.load_state_dict({**before, **start})
+    expected = representation_cka(pretrained, copy.deepcopy(model), images)
+    assert [r["cka"] for r in rows] == pytest.approx([r["cka"] for r in expected], abs=1e-9)
+    assert all(r["cka"] < 0.9999 for r in rows)  # the embedding moved: every block's output differs
+    assert model.training and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert [r["cka"] for r in cka_to_start(model, images, {})] == pytest.approx([1.0] * 3, abs=1e-12)
+    with pytest.raises(RuntimeError, match="boom"), holding(model, start):
+        raise RuntimeError("boom")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
