@@ -4,23 +4,21 @@ Every method adapts the ``nn.Linear`` layers its targets name in every block (re
 ``qkv`` is ``attn.qkv``), freezes their weights and trains only its own tensors. For a target ``y = W x + b``
 (``W`` ``(out, in)``, frozen), with ``r`` the rank and scaling 1 (``alpha = r``) wherever peft has one:
 
-============  ============================================================  =====================================
-expression    the adapted layer                                             trainable per layer
-============  ============================================================  =====================================
-``lora:r=8``  ``W x + b + B A x``; ``A (r, in)``, ``B (out, r) = 0`` at start   ``r (in + out)``
-``dora:r=8``  ``m * (W + B A) / ||W + B A||_row x + b``; ``m (out)`` starts at  ``r (in + out) + out``
-              the row norms of ``W`` (peft's ``use_dora``)
-``loha:r=8``  ``(W + (B1 A1) * (B2 A2)) x + b`` (Hadamard product), ``B2 = 0``    ``2 r (in + out)``
-``lokr:r=8``  ``(W + W1 kron (B2 A2)) x + b`` (Kronecker product); ``in`` and    ``out_l in_m + r (out_k + in_n)``
-              ``out`` factored as ``in_m in_n``, ``out_l out_k`` (peft's         (``out_k in_n`` when ``r`` is at
-              factorisation, closest to the square root); ``B2 = 0``           least half of ``max(out_k, in_n)``)
-``vera:r=256`` ``W x + b + diag(l_b) B diag(l_d) A x``; ``A (r, in)``, ``B (out,    ``out + r``
-              r)`` frozen random projections shared by every layer (drawn from
-              ``seed``), ``l_b = 0`` and ``l_d = 0.1`` at start
-``ia3``       ``l * (W x + b)`` for an attention target, ``W (l * x) + b`` for   ``out`` (attention), ``in`` (``fc2``)
-              a feed-forward one (``fc2``, peft's ``feedforward_modules``); ``l = 1``
-              at start
-============  ============================================================  =====================================
+* ``lora:r=8``: ``W x + b + B A x``; ``A (r, in)``, ``B (out, r) = 0`` at the start. Per layer
+  ``r (in + out)``.
+* ``dora:r=8``: ``m * (W + B A) / ||W + B A||_row x + b`` (peft's ``use_dora``); ``m (out)`` starts at the
+  row norms of ``W``. Per layer ``r (in + out) + out``.
+* ``loha:r=8``: ``(W + (B1 A1) * (B2 A2)) x + b`` (Hadamard product; ``B_i (out, r)``, ``A_i (r, in)``),
+  ``A2 = 0`` at the start. Per layer ``2 r (in + out)``.
+* ``lokr:r=8``: ``(W + W1 kron (B2 A2)) x + b`` (Kronecker product), ``in = in_m in_n`` and
+  ``out = out_l out_k`` factored by peft (the factor pair closest to the square root), ``W1 = 0`` at the
+  start. Per layer ``out_l in_m + r (out_k + in_n)``, or ``out_l in_m + out_k in_n`` (a full ``W2``) when
+  ``r`` is at least half of ``max(out_k, in_n)``.
+* ``vera:r=256``: ``W x + b + diag(l_b) B diag(l_d) A x``; ``A (r, in)`` and ``B (out, r)`` frozen random
+  projections shared by every layer (drawn from ``seed``), ``l_b = 0`` and ``l_d = 0.1`` at the start.
+  Per layer ``out + r``.
+* ``ia3``: ``l * (W x + b)`` for an attention target, ``W (l * x) + b`` for a feed-forward one (``fc2``,
+  peft's ``feedforward_modules``); ``l = 1`` at the start. Per layer ``out`` (attention) or ``in`` (``fc2``).
 
 Targets: LoRA, DoRA, LoHa, LoKr and VeRA adapt ``qkv`` and ``proj`` (the attention's input and output
 projections, as LoRA's paper adapts the attention) unless the expression names others
