@@ -163,9 +163,10 @@ def render_cka_gain(t: pd.DataFrame) -> Rendered:
                 pct(r["gain"]), fmt_num(r["mean_cka"], 4), fmt_num(r["last_cka"], 4)]
     ref = t["reference"].iloc[0]
     return Rendered("cka_gain", "Representation change against the accuracy gain",
-                    f"Per best-lr trial: linear CKA of each block's output tokens to the pretrained model's on the "
-                    f"study's pretraining images (mean over blocks, and the last block), beside its test accuracy "
-                    f"and its gain over {ref} (best-lr mean), in points.",
+                    f"Per best-lr trial: linear CKA of each block's output tokens at the run's end to the "
+                    f"pretrained model's on the study's pretraining images (mean over blocks, and the last block), "
+                    f"beside its test accuracy (of its best-validation state) and its gain over {ref} (best-lr "
+                    f"mean), in points.",
                     _blocks(t, ["dataset", "optimizer"], ["configuration", "lr", "seed", "accuracy (%)",
                                                           f"gain over {ref}", "mean CKA", "last-block CKA"], cells),
                     ["CKA 1: the block's representation is the pretrained one up to rotation and scale."])
