@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from raystudy.data.sources import prepare_vtab1k
+from raystudy.data.store import StoreError, verify_store
 from raystudy.data.synthetic import NUM_CLASSES, png, render
 from raystudy.data.vtab import FINAL_TRAIN, LISTS, VTAB_TASKS
 
@@ -80,9 +82,6 @@ def prepare_demo_tasks(data_root: str | os.PathLike, tasks, *, overwrite: bool =
     """Write the miniature folders of ``tasks`` under ``data_root/vtab1k-source`` and prepare each as the
     store ``data_root/vtab1k/<task>`` (where ``raystudy data prepare vtab1k --task all --out
     data_root/vtab1k`` puts the real ones; kept when already there with an intact checksum); ``{task: store}``."""
-    from raystudy.data.sources import prepare_vtab1k
-    from raystudy.data.store import StoreError, verify_store
-
     source = Path(data_root) / "vtab1k-source"
     out: dict[str, str] = {}
     for task in tasks:
