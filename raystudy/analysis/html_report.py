@@ -25,11 +25,12 @@ from raystudy.analysis.options import (
     DEFAULT_REFERENCE,
     DEFAULT_ROUND,
     DEFAULT_SEEDS,
-    DEFAULT_SELECT_BY,
 )
-from raystudy.analysis.pipeline import AnalysisResult, run_analysis
-from raystudy.analysis.render import SELECTION_RULES, fmt_num, pct
-from raystudy.vocab import LINEAR_PROBE, TRIALS_CONFIGURATIONS
+from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
+from raystudy.analysis.render import SELECTION_RULES, fmt_num, md_escape, pct
+from raystudy.analysis.stats import configuration_order
+from raystudy.analysis.vtab import selection_text
+from raystudy.vocab import LINEAR_PROBE
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1d2733;
@@ -108,47 +109,56 @@ def _headlines(res: AnalysisResult) -> list[str]:
     return lines
 
 
-def _configurations(values) -> list[str]:
-    """The paper's names in their order, then configuration expressions (``MHA+FC1``, ``auto:5%``) sorted."""
-    names = set(values.dropna().astype(str))
-    return [c for c in TRIALS_CONFIGURATIONS if c in names] + sorted(names - set(TRIALS_CONFIGURATIONS))
-
-
-def _summary(res: AnalysisResult) -> str:
+def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
+    """The report's summary as (label, plain text) pairs: what the study holds, how each best lr and each
+    VTAB-1k accuracy was selected, which tests ran (the HTML and the Markdown report both show these)."""
     inp = res.inputs
-    items = [("study directory", _e(res.study_dir))]
+    items = [("study directory" if len(inp.study_dirs) <= 1 else "study directories", res.study_dir)]
     if inp.trials is not None:
         t = inp.trials
         probe_rows = t["configuration"].astype(str) == LINEAR_PROBE  # counted apart: a probe is no trial
         n_trials, n_probes = int((~probe_rows).sum()), int(probe_rows.sum())
         n_ok = 0 if inp.counted is None else len(inp.counted)
         n_div = 0 if inp.counted is None else int(inp.counted["diverged"].sum())
-        items += [("models", _e(_join(sorted(t["model"].astype(str).unique())))),
-                  ("datasets", _e(_join(sorted(t["dataset"].astype(str).unique())))),
-                  ("configurations", _e(_join(_configurations(t["configuration"])))),
-                  ("optimizers", _e(_join(sorted(t["optimizer"].dropna().astype(str).unique())))),
-                  ("learning rates", _e(_join(f"{v:g}" for v in sorted(pd.to_numeric(t["lr"]).dropna().unique())))),
-                  ("seeds", _e(_join(sorted(t["seed"].dropna().unique())))),
-                  ("trials", _e(f"{n_trials} in total, {n_ok} counted ({n_div} of them diverged, counted with "
-                                f"their pre-divergence best-validation accuracy), {n_trials - n_ok} excluded"))]
+        items += [("models", _join(sorted(t["model"].astype(str).unique()))),
+                  ("datasets", _join(sorted(t["dataset"].astype(str).unique()))),
+                  ("configurations", _join(configuration_order(t["configuration"].dropna().astype(str)))),
+                  ("optimizers", _join(sorted(t["optimizer"].dropna().astype(str).unique()))),
+                  ("learning rates", _join(f"{v:g}" for v in sorted(pd.to_numeric(t["lr"]).dropna().unique()))),
+                  ("seeds", _join(sorted(t["seed"].dropna().unique()))),
+                  ("trials", f"{n_trials} in total, {n_ok} counted ({n_div} of them diverged, counted with their "
+                             f"pre-divergence best-validation accuracy), {n_trials - n_ok} excluded")]
         if n_probes:
             n_fit = 0 if inp.probes is None else len(inp.probes)
-            items.append(("linear probes", _e(f"{n_probes} ({n_fit} counted), one per dataset; not trials")))
+            items.append(("linear probes", f"{n_probes} ({n_fit} counted), one per dataset; not trials"))
+        if inp.final is not None:
+            items.append(("final fits", f"{len(inp.final)} counted final-phase row(s) (train800val200 at the "
+                                        "val-chosen lr): read by the VTAB-1k table only"))
     if inp.plasticity is not None:
         p = inp.plasticity
-        items += [("plasticity", _e(f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
-                                    f"modes {_join(sorted(p['mode'].unique()))}, {p['layer'].nunique()} layers"))]
+        items += [("plasticity", f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
+                                 f"modes {_join(sorted(p['mode'].unique()))}, {p['layer'].nunique()} layers")]
     o = res.options
+    paper_rule, _ = selection_rules(o.get("select_by"))
     if "best_lr" in res.tables:
-        items.append(("best lr", _e(f"the learning rate with {SELECTION_RULES[o.get('select_by', 'test')]}")))
+        items.append(("best lr", f"the learning rate with {SELECTION_RULES[paper_rule]}"))
+    if "vtab" in res.tables:
+        items.append(("VTAB-1k table", selection_text(res.tables["vtab"]["selection"].iloc[0])))
     if "wilcoxon" in res.tables:
-        items.append(("tests", _e(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, "
-                                  f"paired by {o['pair_by'].replace('_', ' and ')}"
-                                  + (f", on values rounded to {o['round_to']} decimal(s) of a percent"
-                                     if o["round_to"] is not None else ""))))
+        items.append(("tests", f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, paired by "
+                               f"{o['pair_by'].replace('_', ' and ')}"
+                               + (f", on values rounded to {o['round_to']} decimal(s) of a percent"
+                                  if o["round_to"] is not None else "")))
     else:
-        items.append(("tests", _e(f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)")))
-    names = _configurations(inp.trials["configuration"]) if inp.trials is not None else list(CONFIGURATION_COLORS)
+        items.append(("tests", f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)"))
+    return items
+
+
+def _summary(res: AnalysisResult) -> str:
+    inp = res.inputs
+    items = [(k, _e(v)) for k, v in summary_items(res)]
+    names = configuration_order(inp.trials["configuration"].dropna().astype(str)) if inp.trials is not None \
+        else list(CONFIGURATION_COLORS)
     colours = "".join(f'<span class="swatch" style="background:{c}"></span>{_e(n)}'
                       for n, (c, _marker) in configuration_styles(names).items())
     items.append(("colours", colours))
@@ -156,6 +166,24 @@ def _summary(res: AnalysisResult) -> str:
     heads = _headlines(res)
     head_html = ("<h3>Headlines</h3><ul>" + "".join(f"<li>{_e(h)}</li>" for h in heads) + "</ul>") if heads else ""
     return f'<section class="block" id="summary"><h2>Summary</h2><dl class="summary">{body}</dl>{head_html}</section>'
+
+
+def build_markdown(res: AnalysisResult) -> str:
+    """The report as one Markdown file: the summary (:func:`summary_items`), headlines, notes, then every
+    table's Markdown (its title one level down) and a link per figure."""
+    name = Path(str(res.study_dir).split(",")[0].rstrip("/")).name or str(res.study_dir)
+    out = [f"# raystudy report: {md_escape(name)}", "", "## Summary", ""]
+    out += [f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in summary_items(res)]
+    out += ["", *(f"- {md_escape(h)}" for h in _headlines(res))]
+    notes = res.notes + ([res.footnote] if res.footnote else [])
+    if notes:
+        out += ["", "## Notes", "", *(f"- {md_escape(n)}" for n in notes)]
+    for r in res.rendered.values():
+        out += ["", r.markdown().replace("# ", "## ", 1).replace("\n## ", "\n### ")]
+    if res.figures:
+        out += ["", "## Figures", ""]
+        out += [f"- [{md_escape(f.title)}](figures/{f.name}.png)" for f in res.figures]
+    return "\n".join(out).rstrip() + "\n"
 
 
 def _figure(info) -> str:
@@ -208,9 +236,11 @@ def build_html(res: AnalysisResult) -> str:
 
 
 def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> Path:
-    """Write ``report.html`` into the analysis folder (uploaded too when the folder mirrors a URI)."""
+    """Write ``report.html`` and beside it ``report.md`` (:func:`build_markdown`) into the analysis folder
+    (uploaded too when the folder mirrors a URI)."""
     path = Path(path) if path is not None else res.out_dir / "report.html"
     storage.write_text_atomic(path, build_html(res))
+    storage.write_text_atomic(path.with_suffix(".md"), build_markdown(res))
     if res.upload_to and path.parent == res.out_dir:
         storage.publish(res.out_dir, res.upload_to)
     return path
@@ -220,7 +250,7 @@ def report(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
            alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
            round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
            seeds: list[int] | None = DEFAULT_SEEDS, fixed_run: dict | None = DEFAULT_FIXED_RUN,
-           select_by: str = DEFAULT_SELECT_BY) -> Path:
+           select_by: str | None = None) -> Path:
     """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
     redundant) and write the self-contained ``<out_dir>/report.html`` (default
     ``<study_dir>/analysis/report.html``); returns its path (for a URI study directory: the local staged

@@ -12,6 +12,14 @@ and that has a ``test_acc``. A diverged run keeps the test accuracy of its best-
 before the divergence (the tables flag it, ``n_diverged``); a diverged run that never reached an
 evaluation, and every ``failed`` trial, is excluded. Linear-probe rows (configuration ``LP``, written
 once per dataset by the probe, no optimizer or learning rate) are kept apart in ``probes``.
+
+Phases (:data:`raystudy.vocab.PHASES`): rows whose ``phase`` is ``final`` (a benchmark's refit at the
+val-chosen lr on train + val) are kept apart in ``final``, so every table of the lr search reads the
+``search`` rows alone (a study without the column: every row is a search row).
+
+Several study directories (:func:`read_studies`): their tables concatenated, column ``study`` naming each
+row's directory; a trial id, or a key (model, dataset, configuration, optimizer, lr, seed, phase), in two of
+them is an error naming both, unless the rows are identical (then kept once).
 """
 
 from __future__ import annotations
@@ -21,13 +29,26 @@ from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
+from raystudy import storage
 from raystudy.io import TableError, read_result, table_path
-from raystudy.vocab import COMPONENTS, FINAL_STATUSES, LINEAR_PROBE, STATUSES, TRIALS_CONFIGURATIONS, check_name
+from raystudy.vocab import (
+    COMPONENTS,
+    FINAL_STATUSES,
+    LINEAR_PROBE,
+    PHASES,
+    STATUSES,
+    TRIALS_CONFIGURATIONS,
+    check_name,
+    columns,
+)
 
 #: A run that diverged: counted with its pre-divergence best-validation test accuracy, and flagged.
 DIVERGED = check_name("diverged", STATUSES, "status")
 #: The statuses whose trials enter the accuracy statistics (when they have a test accuracy).
 COUNTED = FINAL_STATUSES
+SEARCH, FINAL = (check_name(p, PHASES, "phase") for p in ("search", "final"))
+#: What makes a trial one run: two rows of one key in two studies are the same run.
+RUN_KEY = ["model", "dataset", "configuration", "optimizer", "lr", "seed", "phase"]
 
 
 @dataclass
@@ -36,11 +57,14 @@ class StudyInputs:
 
     ``counted``: the finetuning trials that enter the accuracy statistics (status ok or diverged, with a
     test accuracy; column ``diverged`` marks the latter); ``probes``: the counted linear-probe (``LP``) rows;
-    ``excluded``: every other trial row.
+    ``excluded``: every other trial row; ``final``: the counted ``final``-phase rows (none: ``None``), which
+    no other table reads. ``study_dirs``: the directories read (one, or several for :func:`read_studies`).
     """
 
     study_dir: str
     trials: pd.DataFrame | None = None
+    final: pd.DataFrame | None = None
+    study_dirs: list[str] = field(default_factory=list)
     counted: pd.DataFrame | None = None
     probes: pd.DataFrame | None = None
     excluded: pd.DataFrame | None = None
@@ -65,7 +89,8 @@ def only_seeds(inputs: StudyInputs, seeds) -> StudyInputs:
         probe = df["configuration"] == LINEAR_PROBE
         return df[probe | df["seed"].isin(keep)].reset_index(drop=True)
 
-    return replace(inputs, trials=of(inputs.trials), counted=of(inputs.counted), excluded=of(inputs.excluded))
+    return replace(inputs, trials=of(inputs.trials), counted=of(inputs.counted), excluded=of(inputs.excluded),
+                   final=of(inputs.final))
 
 
 def _fail(path: str, column: str, message: str) -> TableError:
@@ -176,6 +201,21 @@ def validate_trials(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.D
     return tuple(x.reset_index(drop=True) for x in (counted, probes, df[~keep].copy()))
 
 
+def split_phases(trials: pd.DataFrame, path: str) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """``(search rows, final rows or None)`` of ``trials`` by column ``phase`` (absent: all search rows; a
+    missing value counts as search); an unknown phase names the file and the rows."""
+    if "phase" not in trials.columns:
+        return trials, None
+    phase = trials["phase"].astype("string").fillna(SEARCH)
+    bad = ~phase.isin(PHASES)
+    if bad.any():
+        raise _fail(path, "phase", f"unknown value(s) {sorted(set(phase[bad]))} at "
+                                   f"{_rows(trials, bad, 'trial_id')}; expected one of {list(PHASES)}")
+    final = (phase == FINAL).to_numpy()
+    rows = trials.assign(phase=phase.astype(object))
+    return rows[~final].reset_index(drop=True), (rows[final].reset_index(drop=True) if final.any() else None)
+
+
 def validate_plasticity(df: pd.DataFrame, path: str) -> pd.DataFrame:
     _not_empty(df, path)
     df = df.reset_index(drop=True).copy()
@@ -235,11 +275,14 @@ def read_inputs(study_dir: str | os.PathLike) -> StudyInputs:
     """Read and validate every table of ``study_dir`` for the analysis; absent optional tables become notes.
 
     (Not :func:`raystudy.load_study`, the notebook's :class:`~raystudy.study.results.Study` of a directory.)"""
-    inputs = StudyInputs(study_dir=str(study_dir))
+    inputs = StudyInputs(study_dir=str(study_dir), study_dirs=[str(study_dir)])
     trials = read_result(inputs.study_dir, "trials", required=False)
     if trials is not None:
+        trials, final = split_phases(trials, inputs.path("trials"))
         inputs.trials = trials
         inputs.counted, inputs.probes, inputs.excluded = validate_trials(trials, inputs.path("trials"))
+        if final is not None:
+            inputs.final = validate_trials(final, inputs.path("trials") + " (phase final)")[0]
     else:
         inputs.notes.append("No trials.parquet: the finetuning tables and figures are omitted.")
     plasticity = read_result(inputs.study_dir, "plasticity", required=False)
@@ -252,3 +295,75 @@ def read_inputs(study_dir: str | os.PathLike) -> StudyInputs:
                          "is this a study directory?")
     _read_optional(inputs)
     return inputs
+
+
+def _tag(df: pd.DataFrame | None, study: str) -> pd.DataFrame | None:
+    return None if df is None else df.assign(study=study)
+
+
+def _concat(frames: list[pd.DataFrame | None]) -> pd.DataFrame | None:
+    frames = [f for f in frames if f is not None]
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def _run_keys(trials: pd.DataFrame) -> pd.DataFrame:
+    """``trials`` with the :data:`RUN_KEY` columns filled for comparison (phase absent: search)."""
+    keyed = trials.assign(phase=trials["phase"].fillna(SEARCH) if "phase" in trials.columns else SEARCH)
+    return keyed.assign(lr=pd.to_numeric(keyed["lr"], errors="coerce").round(12))
+
+
+def _check_collisions(parts: list[StudyInputs]) -> list[bool]:
+    """Per study, a mask of the trial rows an earlier study already holds identically (kept once); a trial id or
+    :data:`RUN_KEY` shared by two studies with different rows raises naming both directories."""
+    schema = columns("trials")
+    seen: dict[tuple, tuple[str, tuple]] = {}
+    masks = []
+    for inp in parts:
+        t = _run_keys(inp.trials)
+        dup = []
+        for r in t.to_dict("records"):
+            values = tuple(str(r.get(c)) for c in schema if c in r)
+            hit = False
+            for key in (("trial_id", str(r["trial_id"])), ("run", tuple(str(r[c]) for c in RUN_KEY))):
+                if key in seen:
+                    other, other_values = seen[key]
+                    if other_values != values:
+                        what = f"trial_id {key[1]}" if key[0] == "trial_id" else \
+                            ", ".join(f"{c}={v}" for c, v in zip(RUN_KEY, key[1]))
+                        raise TableError(f"{other} and {inp.study_dir}: both hold a trial with {what} and the "
+                                         "rows differ; analyse them apart, or remove one")
+                    hit = True
+                else:
+                    seen[key] = (inp.study_dir, values)
+            dup.append(hit)
+        masks.append(dup)
+    return masks
+
+
+def read_studies(study_dirs) -> StudyInputs:
+    """Read several study directories (:func:`read_inputs` each) as one: every table concatenated, column
+    ``study`` naming the directory (absolute, as it entered) of each trial row; identical plasticity, bounds
+    and rates rows are kept once; trial collisions: :func:`_check_collisions`."""
+    dirs = [storage.absolute_path(d) for d in study_dirs]
+    if len(dirs) == 1:
+        return read_inputs(dirs[0])
+    parts = [read_inputs(d) for d in dirs]
+    with_trials = [p for p in parts if p.trials is not None]
+    masks = dict(zip(map(id, with_trials), _check_collisions(with_trials)))
+    merged = StudyInputs(study_dir=", ".join(dirs), study_dirs=dirs)
+    for name in ("trials", "counted", "probes", "excluded", "final"):
+        frames = []
+        for p in with_trials:
+            df = getattr(p, name)
+            if df is not None and name != "trials":  # a row identical to an earlier study's is kept once
+                known = p.trials[masks[id(p)]]["trial_id"] if any(masks[id(p)]) else []
+                df = df[~df["trial_id"].isin(set(known))]
+            elif df is not None:
+                df = df[[not m for m in masks[id(p)]]]
+            frames.append(_tag(df, p.study_dir))
+        setattr(merged, name, _concat(frames))
+    for name in ("curves", "plasticity", "bounds", "rates"):
+        df = _concat([getattr(p, name) for p in parts])
+        setattr(merged, name, None if df is None else df.drop_duplicates(ignore_index=True))
+    merged.notes = [f"{p.study_dir}: {n}" for p in parts for n in p.notes]
+    return merged

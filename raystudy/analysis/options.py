@@ -1,13 +1,16 @@
 """The options of an analysis (which configuration the tests compare against, how they pair), checked once.
 
-The reference may be any configuration a trials table holds, the linear probe ``LP`` included.
+The reference may be any configuration a trials table holds, the linear probe ``LP`` included: a name of
+:data:`~raystudy.vocab.TRIALS_CONFIGURATIONS` or a configuration expression (``MHA+FC1``, ``auto:5%``,
+``lora:r=8``: :mod:`raystudy.core.expressions`), matched to the study's configurations by canonical spelling
+(:func:`raystudy.analysis.stats.reference_in`, which checks the grammar: it needs :mod:`raystudy.core`).
 
 Imports only :mod:`raystudy.vocab`, so the CLI can offer these choices without loading pandas or scipy.
 """
 
 from __future__ import annotations
 
-from raystudy.vocab import TRIALS_CONFIGURATIONS, check_name
+from raystudy.vocab import check_name
 
 #: ``scipy.stats.wilcoxon`` alternatives; ``"greater"``: the reference configuration is better.
 ALTERNATIVES: tuple[str, ...] = ("greater", "two-sided", "less")
@@ -17,6 +20,8 @@ PAIR_BY: tuple[str, ...] = ("dataset", "dataset_seed")
 #: How the best learning rate of a sweep is chosen: by its mean test accuracy over seeds (the paper's
 #: Table 8) or by its mean best-validation accuracy (validation only: test never chooses; VTAB-1k's rule).
 SELECT_BY: tuple[str, ...] = ("test", "val")
+#: the paper's tables' rule (and a study spec's default); an analysis given ``select_by=None`` uses it for them
+#: and validation for VTAB-1k's table (:data:`raystudy.analysis.vtab.VTAB_SELECT_BY`, the benchmark's rule)
 DEFAULT_SELECT_BY = "test"
 DEFAULT_REFERENCE = "MHA"
 DEFAULT_ALTERNATIVE = "greater"
@@ -35,10 +40,13 @@ DEFAULT_FIXED_RUN: dict | None = None
 
 
 def check_options(reference: str, alternative: str, pair_by: str, round_to: int | None = None,
-                  select_by: str = DEFAULT_SELECT_BY) -> None:
-    """Reject unknown option values with a ``ValueError`` naming the parameter and the choices."""
-    check_name(select_by, SELECT_BY, "select_by")
-    check_name(reference, TRIALS_CONFIGURATIONS, "reference")
+                  select_by: str | None = DEFAULT_SELECT_BY) -> None:
+    """Reject unknown option values with a ``ValueError`` naming the parameter and the choices (``select_by``
+    None: each table's default rule)."""
+    if select_by is not None:
+        check_name(select_by, SELECT_BY, "select_by")
+    if not isinstance(reference, str) or not reference:
+        raise ValueError(f"reference: a configuration name or expression, got {reference!r}")
     check_name(alternative, ALTERNATIVES, "alternative")
     check_name(pair_by, PAIR_BY, "pair_by")
     if round_to is not None and (type(round_to) is not int or not 0 <= round_to <= MAX_ROUND):

@@ -24,7 +24,8 @@ from raystudy.analysis import change as CH
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
 from raystudy.analysis import sweep_figures as SF
-from raystudy.analysis.inputs import StudyInputs, only_seeds, read_inputs
+from raystudy.analysis import vtab as V
+from raystudy.analysis.inputs import StudyInputs, only_seeds, read_studies
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
     DEFAULT_FIXED_RUN,
@@ -36,7 +37,13 @@ from raystudy.analysis.options import (
     check_options,
     check_selection,
 )
-from raystudy.analysis.stats import ranking_table, wilcoxon_table
+from raystudy.analysis.stats import (
+    canonical_reference,
+    configuration_order,
+    ranking_table,
+    reference_in,
+    wilcoxon_table,
+)
 from raystudy.analysis.tables import (
     best_lr_table,
     cost_table,
@@ -51,9 +58,11 @@ from raystudy.vocab import LINEAR_PROBE
 
 log = logging.getLogger(__name__)
 
+#: The files of every table: CSV (fractions, full precision), Markdown and LaTeX (booktabs; percent).
+TABLE_FORMATS = (".csv", ".md", ".tex")
 #: Every table the analysis can write, in report order.
 TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking",
-          *B.TABLES, *CH.TABLES, "cost")
+          *B.TABLES, *CH.TABLES, *V.TABLES, "cost")
 
 
 @dataclass
@@ -81,7 +90,7 @@ class AnalysisResult:
     def files(self) -> list[Path]:
         out = []
         for name in list(self.tables) + (["excluded"] if (self.out_dir / "excluded.csv").exists() else []):
-            out += [self.out_dir / f"{name}.csv", self.out_dir / f"{name}.md"]
+            out += [self.out_dir / f"{name}{ext}" for ext in TABLE_FORMATS]
         for f in self.figures:
             out += f.paths
         return out
@@ -157,13 +166,37 @@ def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], se
     return tables
 
 
+def selection_rules(select_by: str | None) -> tuple[str, str]:
+    """``(the paper's tables' rule, VTAB-1k's table's rule)``: ``select_by`` for both, or by default test
+    (:data:`~raystudy.analysis.options.DEFAULT_SELECT_BY`) and validation
+    (:data:`raystudy.analysis.vtab.VTAB_SELECT_BY`)."""
+    return (select_by or DEFAULT_SELECT_BY, select_by or V.VTAB_SELECT_BY)
+
+
+def study_reference(reference: str, inputs: StudyInputs) -> str:
+    """``reference`` as the study spells it (``FC1+MHA`` -> the study's ``MHA+FC1``: canonical spellings
+    compared). One the study does not have is an error naming the configurations it has; the default
+    reference, ``MHA``, absent from a study that never trained it, stays as given (the tests are omitted, noted)."""
+    if inputs.counted is None or inputs.counted.empty:
+        return reference
+    probes = inputs.probes if inputs.probes is not None else inputs.counted.iloc[0:0]
+    have = configuration_order(set(inputs.counted["configuration"]) | set(probes["configuration"]))
+    found = reference_in(reference, have)
+    if found is None and reference != DEFAULT_REFERENCE:
+        raise ValueError(f"reference: {reference!r} is not a configuration of {inputs.study_dir} (canonical "
+                         f"spellings compared); its configurations: {', '.join(have)}")
+    return found or reference
+
+
 def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                    round_to: int | None = DEFAULT_ROUND, notes: list[str] | None = None,
-                   select_by: str = DEFAULT_SELECT_BY) -> dict[str, pd.DataFrame]:
+                   select_by: str | None = None) -> dict[str, pd.DataFrame]:
     """Every table computable from ``inputs`` (pure: writes nothing). Omitted ones are explained in ``notes``;
-    ``select_by``: how each sweep's best lr is chosen (:data:`~raystudy.analysis.options.SELECT_BY`)."""
+    ``select_by``: how each sweep's best lr is chosen (:data:`~raystudy.analysis.options.SELECT_BY`; None:
+    test for the paper's tables, validation for VTAB-1k's, :func:`selection_rules`)."""
     check_options(reference, alternative, pair_by, round_to, select_by)
+    canonical_reference(reference)
     notes = notes if notes is not None else []
     if inputs.trials is None:
         return {}
@@ -171,8 +204,12 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
     if ok is None or ok.empty:
         notes.append("No trial has a counted test accuracy: the accuracy tables and figures are omitted.")
         return {"cost": cost_table(inputs.trials, inputs.trials.iloc[0:0], inputs.probes)}
-    tables = _accuracy_tables(ok, inputs, notes, select_by, reference=reference, alternative=alternative,
+    reference = study_reference(reference, inputs)
+    paper_rule, vtab_rule = selection_rules(select_by)
+    tables = _accuracy_tables(ok, inputs, notes, paper_rule, reference=reference, alternative=alternative,
                               pair_by=pair_by, round_to=round_to)
+    if V.is_vtab(ok):
+        tables.update(V.vtab_tables(ok, inputs.probes, inputs.final, vtab_rule, notes))
     tables.update(CH.change_tables(inputs, tables["best_lr"], notes))  # what finetuning changed
     tables["cost"] = cost_table(inputs.trials, ok, inputs.probes)
     return {k: tables[k] for k in TABLES if k in tables}
@@ -180,7 +217,7 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
 
 def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, reference: str, alternative: str,
                   pair_by: str, footnote: str, round_to: int | None = None,
-                  select_by: str = DEFAULT_SELECT_BY) -> dict[str, R.Rendered]:
+                  select_by: str | None = None) -> dict[str, R.Rendered]:
     out: dict[str, R.Rendered] = {}
     for name, df in tables.items():
         if name == "overall":
@@ -190,13 +227,15 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
         elif name == "cost":
             r = R.render_cost(df, inputs.trials)
         elif name == "best_lr":
-            r = R.render_best_lr(df, select_by)
+            r = R.render_best_lr(df, selection_rules(select_by)[0])
         elif name == "optimizers":
             r = R.render_optimizers(df, shared_subset(inputs.counted))
         elif name in CH.TABLES:
             r = getattr(CH, f"render_{name}")(df)
         elif name in B.TABLES:
             r = getattr(B, f"render_{name}")(df)
+        elif name in V.TABLES:
+            r = getattr(V, f"render_{name}")(df)
         else:
             r = getattr(R, f"render_{name}")(df)
         if footnote and name != "cost":
@@ -342,6 +381,8 @@ def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: 
     if "frontier" in tables:
         jobs += B.figure_jobs(tables["frontier"], _slug)
     jobs += CH.figure_jobs(tables)
+    if "vtab_frontier" in tables:
+        jobs.append(V.figure_job(tables["vtab_frontier"]))
     if inputs.curves is not None:
         jobs += _curve_figures(inputs, inputs.curves, notes, fixed_run)
     elif fixed_run is not None:
@@ -361,7 +402,7 @@ def draw_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], fig_dir: 
 def _clean(out_dir: Path, fig_dir: Path) -> None:
     """Remove outputs of an earlier run (only names this module writes), so nothing stale survives."""
     for name in (*TABLES, "excluded", "notes"):
-        for ext in (".csv", ".md"):
+        for ext in TABLE_FORMATS:
             (out_dir / f"{name}{ext}").unlink(missing_ok=True)
     if fig_dir.is_dir():
         for f in fig_dir.iterdir():
@@ -370,14 +411,16 @@ def _clean(out_dir: Path, fig_dir: Path) -> None:
 
 
 def _write_tables(res: AnalysisResult) -> None:
-    """``<name>.csv`` (fractions, full precision) and ``<name>.md`` (percent) per table, ``notes.md``."""
+    """Per table ``<name>.csv`` (fractions, full precision), ``<name>.md`` and ``<name>.tex`` (percent, the same
+    cells: :meth:`~raystudy.analysis.render.Rendered.markdown`, :meth:`~raystudy.analysis.render.Rendered.latex`)."""
     out, excluded = res.out_dir, res.inputs.excluded
-    for name, df in res.tables.items():
-        storage.write_text_atomic(out / f"{name}.csv", df.to_csv(index=False))
-        storage.write_text_atomic(out / f"{name}.md", res.rendered[name].markdown())
+    tables = [(name, df, res.rendered[name]) for name, df in res.tables.items()]
     if excluded is not None and len(excluded):
-        storage.write_text_atomic(out / "excluded.csv", excluded.to_csv(index=False))
-        storage.write_text_atomic(out / "excluded.md", R.render_excluded(excluded).markdown())
+        tables.append(("excluded", excluded, R.render_excluded(excluded)))
+    for name, df, rendered in tables:
+        storage.write_text_atomic(out / f"{name}.csv", df.to_csv(index=False))
+        storage.write_text_atomic(out / f"{name}.md", rendered.markdown())
+        storage.write_text_atomic(out / f"{name}.tex", rendered.latex())
 
 
 def _write_notes(res: AnalysisResult) -> None:
@@ -396,30 +439,54 @@ def _seeds_noted(inputs: StudyInputs, seeds, notes: list[str]) -> StudyInputs:
     return kept
 
 
-def run_analysis(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
+def study_dirs(study_dir) -> list[str]:
+    """One study directory or several (a list), each made absolute where it enters (URIs kept)."""
+    many = study_dir if isinstance(study_dir, list | tuple) else [study_dir]
+    if not many:
+        raise ValueError("study_dir: at least one study directory")
+    return [storage.absolute_path(d) for d in many]
+
+
+def _out_dir(dirs: list[str], out_dir) -> str:
+    """``out_dir`` (absolute), or ``<study_dir>/analysis`` for one study; several studies need one."""
+    if out_dir is not None:
+        return storage.absolute_path(out_dir)
+    if len(dirs) > 1:
+        raise ValueError(f"out_dir: {len(dirs)} study directories analysed together need an output folder "
+                         f"(--out): {', '.join(dirs)}")
+    return storage.join(dirs[0], "analysis")
+
+
+def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAULT_REFERENCE,
                  alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                  round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
                  figures: bool = True, seeds: list[int] | None = DEFAULT_SEEDS,
-                 fixed_run: dict | None = DEFAULT_FIXED_RUN, select_by: str = DEFAULT_SELECT_BY) -> AnalysisResult:
+                 fixed_run: dict | None = DEFAULT_FIXED_RUN, select_by: str | None = None) -> AnalysisResult:
     """Read ``study_dir``, write every table and figure to ``out_dir``; returns all of it.
 
-    ``out_dir`` defaults to ``<study_dir>/analysis``; a URI there (or a URI study directory) is written
+    ``study_dir``: one study directory, or a list of several analysed together (their tables concatenated,
+    :func:`raystudy.analysis.inputs.read_studies`; ``out_dir`` then required). ``out_dir`` defaults to
+    ``<study_dir>/analysis``; a URI there (or a URI study directory) is written
     through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``). ``seeds``: only these
     seeds' trials enter the tables and figures (the paper's Table 9: ``[0]``); ``fixed_run``: ``{dataset,
-    seed, lr}`` whose runs' curves are drawn beside the best runs' (the paper's Fig. 5); ``select_by``: each
+    seed, lr}`` whose runs' curves are drawn beside the best runs' (the paper's Fig. 5); ``select_by`` (None:
+    :func:`selection_rules`' defaults): each
     sweep's best lr by mean ``"test"`` accuracy (the paper's rule) or mean best-``"val"`` accuracy.
     """
     check_options(reference, alternative, pair_by, round_to, select_by)
+    canonical_reference(reference)
     check_selection(seeds, fixed_run)
     options = dict(reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
                    select_by=select_by)
-    inputs = read_inputs(study_dir)
-    out, uri = storage.staged(out_dir if out_dir is not None else storage.join(study_dir, "analysis"),
-                              prefix="raystudy-analysis-")
-    res = AnalysisResult(str(study_dir), out, inputs, notes=list(inputs.notes), upload_to=uri,
+    dirs = study_dirs(study_dir)
+    target = _out_dir(dirs, out_dir)
+    inputs = read_studies(dirs)
+    out, uri = storage.staged(target, prefix="raystudy-analysis-")
+    res = AnalysisResult(inputs.study_dir, out, inputs, notes=list(inputs.notes), upload_to=uri,
                          options={**options, "seeds": seeds, "fixed_run": fixed_run})
     if seeds is not None and inputs.trials is not None:
         res.inputs = inputs = _seeds_noted(inputs, seeds, res.notes)
+    res.options["reference"] = options["reference"] = study_reference(reference, inputs)
     res.tables = compute_tables(inputs, notes=res.notes, **options)
     if inputs.excluded is not None and len(inputs.excluded):
         res.footnote = R.excluded_footnote(len(inputs.trials), inputs.excluded)
@@ -439,7 +506,7 @@ def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
             alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
             round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
             figures: bool = True, seeds: list[int] | None = DEFAULT_SEEDS,
-            fixed_run: dict | None = DEFAULT_FIXED_RUN, select_by: str = DEFAULT_SELECT_BY) -> dict[str, pd.DataFrame]:
+            fixed_run: dict | None = DEFAULT_FIXED_RUN, select_by: str | None = None) -> dict[str, pd.DataFrame]:
     """Analyse a study directory; write tables (CSV + Markdown) and figures under ``<study_dir>/analysis``.
 
     Returns the tables by name (``best_lr, lr_grid, overall, relative_gain, optimizers, wilcoxon, stability,

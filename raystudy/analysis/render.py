@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from raystudy.analysis.figures import _fmt_lr
-from raystudy.analysis.stats import smallest_p_note, statistic_note
+from raystudy.analysis.stats import configuration_order, smallest_p_note, statistic_note
 from raystudy.analysis.tables import OVERALL, best_component, recorded_counts
-from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
+from raystudy.vocab import COMPONENTS, LINEAR_PROBE
 
 #: Appended to a cell whose value includes diverged runs.
 DIVERGED_MARK = " ‡"
@@ -37,13 +37,22 @@ class Block:
     """One grid of cells; ``bold`` holds (row, column) indices of highlighted cells.
 
     A cell is a string or a ``(text, detail)`` pair: Markdown shows ``text (detail)``, HTML puts the detail
-    on a second, smaller line.
+    on a second, smaller line. ``groups`` (optional, one label per column): a header row above the columns,
+    adjacent equal labels spanning their columns (HTML and LaTeX; Markdown has one header row).
     """
 
     heading: str
     columns: list[str]
     rows: list[list[str | tuple[str, str]]]
     bold: set[tuple[int, int]] = field(default_factory=set)
+    groups: list[str] | None = None
+
+    def spans(self) -> list[tuple[str, int]]:
+        """``groups`` as (label, number of adjacent columns) runs."""
+        runs: list[tuple[str, int]] = []
+        for g in self.groups or []:
+            runs = runs[:-1] + [(g, runs[-1][1] + 1)] if runs and runs[-1][0] == g else runs + [(g, 1)]
+        return runs
 
 
 @dataclass
@@ -73,6 +82,30 @@ class Rendered:
         out += [f"- {md_escape(n)}" for n in self.footnotes]
         return "\n".join(out).rstrip() + "\n"
 
+    def latex(self) -> str:
+        """The table as LaTeX: per block a booktabs ``tabular`` (``pandas.DataFrame.to_latex``) of the same cell
+        texts as :meth:`markdown` (:func:`tex_escape`d, bold as ``\\textbf``), title, caption, headings and
+        footnotes as ``%`` comments above and below (a document chooses its own float and caption)."""
+        out = [f"% {tex_escape(self.title)}", f"% {tex_escape(self.caption)}"]
+        for b in self.blocks:
+            rows = []
+            for i, row in enumerate(b.rows):
+                cells = []
+                for j, c in enumerate(row):
+                    text, detail = c if isinstance(c, tuple) else (c, "")
+                    text = f"\\textbf{{{tex_escape(text)}}}" if (i, j) in b.bold and text else tex_escape(text)
+                    cells.append(f"{text} ({tex_escape(detail)})" if detail else text)
+                rows.append(cells)
+            header = [tex_escape(c) for c in b.columns]
+            if b.groups:
+                header = pd.MultiIndex.from_arrays([[tex_escape(g) for g in b.groups], header])
+            df = pd.DataFrame(rows, columns=header)
+            out += ([f"% {tex_escape(b.heading)}"] if b.heading else [])
+            out.append(df.to_latex(index=False, escape=False, column_format="l" + "r" * (len(b.columns) - 1),
+                                   multicolumn_format="c"))
+        out += [f"% {tex_escape(n)}" for n in self.footnotes]
+        return "\n".join(out).rstrip() + "\n"
+
     def html(self) -> str:
         e = html.escape
         parts = [f'<section class="table" id="table-{e(self.name)}">', f"<h3>{e(self.title)}</h3>",
@@ -81,6 +114,9 @@ class Rendered:
             if b.heading:
                 parts.append(f"<h4>{e(b.heading)}</h4>")
             head = "".join(f'<th scope="col">{e(c)}</th>' for c in b.columns)
+            if b.groups:
+                spans = "".join(f'<th scope="colgroup" colspan="{n}">{e(g)}</th>' for g, n in b.spans())
+                head = f"{spans}</tr><tr>{head}"
             body = []
             for i, row in enumerate(b.rows):
                 cells = []
@@ -113,6 +149,21 @@ def md_escape(text: object) -> str:
     list item built from names stays one)."""
     return str(text).translate(_MD_TABLE)
 
+
+
+#: LaTeX's special characters, then the symbols the renderings use that plain LaTeX has no glyph for.
+_TEX_ESCAPES = {"\\": "\\textbackslash{}", "&": "\\&", "%": "\\%", "$": "\\$", "#": "\\#", "_": "\\_",
+                "{": "\\{", "}": "\\}", "~": "\\textasciitilde{}", "^": "\\textasciicircum{}",
+                "<": "\\textless{}", ">": "\\textgreater{}", "±": "$\\pm$", "−": "$-$", "×": "$\\times$",
+                "·": "$\\cdot$", "ρ": "$\\rho$", "†": "\\dag{}", "‡": "\\ddag{}", "≤": "$\\leq$",
+                "≥": "$\\geq$", "\r": " ", "\n": " "}
+_TEX_TABLE = str.maketrans(_TEX_ESCAPES)
+
+
+def tex_escape(text: object) -> str:
+    """``text`` as literal LaTeX text: ``\\ & % $ # _ { } ~ ^ < >`` escaped, ``± − × · ρ † ‡ ≤ ≥`` as math or
+    symbol commands, line breaks as spaces."""
+    return str(text).translate(_TEX_TABLE)
 
 
 def _finite(x) -> bool:
@@ -168,12 +219,6 @@ def fmt_duration(x) -> str:
     return f"{x:.1f} s" if x < 120 else (f"{x / 60:.1f} min" if x < 7200 else f"{x / 3600:.1f} h")
 
 
-def _configs(names) -> list[str]:
-    """The vocabulary's configurations in its order, then configuration expressions (sorted)."""
-    names = set(names)
-    return [c for c in TRIALS_CONFIGURATIONS if c in names] + sorted(names - set(TRIALS_CONFIGURATIONS))
-
-
 def _mark(r) -> str:
     """:data:`DIVERGED_MARK` when the row ``r`` counts diverged runs."""
     n = r.get("n_diverged", 0)
@@ -212,7 +257,7 @@ def _wide(df: pd.DataFrame, cell, *, bold: pd.Series | None = None, row_key: str
     """One block per optimizer (and model): a row per ``row_key`` value, a column per configuration."""
     blocks = []
     for heading, g in _groups(df, list(block_keys)):
-        configs = _configs(g["configuration"])
+        configs = configuration_order(g["configuration"])
         keys = list(dict.fromkeys(g.sort_values(row_key, key=lambda s: s.map(lambda v: (v == OVERALL, str(v))))[
             row_key]))
         rows, marks = [], set()
@@ -411,7 +456,7 @@ def _inputs(trials: pd.DataFrame | None) -> str:
 def _params_spread(trials: pd.DataFrame) -> str:
     """A note on the configurations whose trainable-parameter count varies across trials ("" if none)."""
     p = trials.assign(p=recorded_counts(trials["trainable_params"])).groupby("configuration")["p"]
-    spread = p.agg(["min", "max"]).reindex(_configs(p.groups)).dropna()
+    spread = p.agg(["min", "max"]).reindex(configuration_order(p.groups)).dropna()
     varied = spread[spread["min"] != spread["max"]]
     if not len(varied):
         return ""

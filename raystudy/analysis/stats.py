@@ -19,6 +19,7 @@ from raystudy.analysis.options import (
     check_options,
 )
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models
+from raystudy.core.expressions import canonical, is_configuration
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 ALPHA = 0.05
@@ -79,6 +80,34 @@ def smallest_p_note(alternative: str, n_pairs) -> str:
             f"{'2^(1-n)' if two else '2^-n'}" + (f": {reach} here." if reach else "."))
 
 
+def canonical_reference(reference: str) -> str:
+    """``reference`` in its one spelling: a vocabulary name as it is, an expression by
+    :func:`raystudy.core.expressions.canonical` (``FC1+MHA`` -> ``MHA+FC1``); ``ValueError`` when it is neither."""
+    if reference in TRIALS_CONFIGURATIONS:
+        return reference
+    if not isinstance(reference, str) or not is_configuration(reference):
+        raise ValueError(f"reference: unknown value {reference!r}; expected one of {list(TRIALS_CONFIGURATIONS)} "
+                         "or a configuration expression (MHA+FC1, MHA@8-11, auto:5%, lora:r=8)")
+    return canonical(reference)
+
+
+def reference_in(reference: str, configurations) -> str | None:
+    """The spelling in ``configurations`` (a study's) of the configuration ``reference`` names: equal canonical
+    spellings match (``FC1+MHA`` finds ``MHA+FC1``); ``None`` when the study has no such configuration."""
+    want = canonical_reference(reference)
+    for c in configurations:
+        if str(c) in TRIALS_CONFIGURATIONS or is_configuration(str(c)):
+            if canonical_reference(str(c)) == want:
+                return str(c)
+    return None
+
+
+def configuration_order(names) -> list[str]:
+    """The vocabulary's configurations in its order, then configuration expressions sorted."""
+    names = set(names)
+    return [c for c in TRIALS_CONFIGURATIONS if c in names] + sorted(names - set(TRIALS_CONFIGURATIONS))
+
+
 def wilcoxon_table(best_lr: pd.DataFrame, counted: pd.DataFrame, *, reference: str = DEFAULT_REFERENCE,
                    alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                    alpha: float = ALPHA, probes: pd.DataFrame | None = None,
@@ -90,21 +119,25 @@ def wilcoxon_table(best_lr: pd.DataFrame, counted: pd.DataFrame, *, reference: s
     (``"greater"``: the reference is better). ``statistic`` and ``p_value`` are NaN without pairs or when
     every difference is zero; ``significant`` is ``p_value < alpha``. ``round_to``: test the accuracies as
     percentages rounded to that many decimals (the paper's authors test the two-decimal values of their
-    Table 8, where scipy drops the pairs that rounding made equal). Columns: ``optimizer, reference,
-    other, statistic, p_value, n_pairs, significant``.
+    Table 8, where scipy drops the pairs that rounding made equal). ``reference`` may be a configuration
+    expression: it is matched to the study's configurations by canonical spelling
+    (:func:`~raystudy.analysis.options.reference_in`) and reported in the study's spelling. Columns:
+    ``optimizer, reference, other, statistic, p_value, n_pairs, significant``.
     """
     check_options(reference, alternative, pair_by, round_to)
+    canonical_reference(reference)
     samples = paired_samples(best_lr, counted, pair_by, probes)
     rows = []
     for (model, opt), grp in samples.groupby(["model", "optimizer"], sort=True):
         acc = {c: g.set_index("pair")["acc"] for c, g in grp.groupby("configuration", sort=False)}
         if round_to is not None:
             acc = {c: (100 * a).round(round_to) for c, a in acc.items()}
-        if reference not in acc:
+        ref = reference_in(reference, acc)
+        if ref is None:
             continue
-        for other in [c for c in TRIALS_CONFIGURATIONS if c != reference and c in acc]:
-            stat, p, n = signed_rank_test(acc[reference], acc[other], alternative)
-            rows.append(dict(model=model, optimizer=opt, reference=reference, other=other, statistic=stat,
+        for other in [c for c in configuration_order(acc) if c != ref]:
+            stat, p, n = signed_rank_test(acc[ref], acc[other], alternative)
+            rows.append(dict(model=model, optimizer=opt, reference=ref, other=other, statistic=stat,
                              p_value=p, n_pairs=n, significant=bool(p < alpha)))
     cols = ["optimizer", "reference", "other", "statistic", "p_value", "n_pairs", "significant"]
     return finish(pd.DataFrame(rows, columns=["model"] + cols), cols, n_models(counted))

@@ -46,12 +46,15 @@ def _fixed_run(text: str) -> dict:
 
 
 def _options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("study_dir", metavar="DIR", help="study directory holding trials.parquet, plasticity.parquet, ...")
+    p.add_argument("study_dir", metavar="DIR", nargs="+",
+                   help="study directory holding trials.parquet, plasticity.parquet, ...; several (e.g. ViT-B and "
+                        "ViT-L, or two methods' studies) are analysed together, their tables concatenated")
     p.add_argument("--out", default=None, metavar="OUT",
-                   help="output folder or URI (default: DIR/analysis)")
-    p.add_argument("--reference", default=DEFAULT_REFERENCE, choices=TRIALS_CONFIGURATIONS, metavar="CONFIGURATION",
+                   help="output folder or URI (default: DIR/analysis; required with several DIRs)")
+    p.add_argument("--reference", default=DEFAULT_REFERENCE, metavar="CONFIGURATION",
                    help="configuration the Wilcoxon tests compare against every other one "
-                        f"({', '.join(TRIALS_CONFIGURATIONS)}; LP: the linear probe; default: {DEFAULT_REFERENCE})")
+                        f"({', '.join(TRIALS_CONFIGURATIONS)}, or an expression the study trained: MHA+FC1, "
+                        f"auto:5%%, lora:r=8; LP: the linear probe; default: {DEFAULT_REFERENCE})")
     p.add_argument("--alternative", default=DEFAULT_ALTERNATIVE, choices=ALTERNATIVES,
                    help=f"Wilcoxon alternative: 'greater' = the reference is better (default: {DEFAULT_ALTERNATIVE})")
     p.add_argument("--pair-by", default=DEFAULT_PAIR_BY, choices=PAIR_BY,
@@ -60,9 +63,10 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round", dest="round_to", type=int, default=DEFAULT_ROUND, metavar="N",
                    help="test the accuracies rounded to N decimals of a percent, as a table prints them (the "
                         "paper's authors test their Table 8's two-decimal values: --round 2; default: unrounded)")
-    p.add_argument("--select-by", choices=SELECT_BY, default=DEFAULT_SELECT_BY,
-                   help="choose each sweep's best lr by its mean test accuracy over seeds (the paper's rule, "
-                        "default) or by its mean best-validation accuracy (val: test never chooses)")
+    p.add_argument("--select-by", choices=SELECT_BY, default=None,
+                   help="choose each sweep's best lr by its mean test accuracy over seeds (the paper's rule, the "
+                        f"default of the paper's tables: {DEFAULT_SELECT_BY}) or by its mean best-validation "
+                        "accuracy (val: test never chooses; the default of VTAB-1k's table without final rows)")
     p.add_argument("--seeds", type=_seeds, default=DEFAULT_SEEDS, metavar="S,S",
                    help="only these seeds' trials in every table and figure (the paper's Table 9: --seeds 0; "
                         "default: every seed)")
@@ -73,7 +77,8 @@ def _options(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="write the study's tables (CSV + Markdown) and figures (PNG + SVG)",
-                              description="Read the Parquet tables of a study directory (never Ray) and write "
+                              description="Read the Parquet tables of one or more study directories (never Ray) and "
+                                          "write "
                                           "best_lr, lr_grid, overall, relative_gain, optimizers, wilcoxon, "
                                           "stability, ranking and cost tables plus figures to DIR/analysis/ "
                                           "(or --out).")
@@ -91,6 +96,7 @@ def register(subparsers) -> None:
 def _analysis(args: argparse.Namespace, *, figures: bool = True):
     from raystudy.analysis.pipeline import run_analysis  # torch, pandas, matplotlib: --help stays light
 
+    # several DIRs without --out: run_analysis's ValueError, one line from the CLI
     res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
                        pair_by=args.pair_by, round_to=args.round_to, out_dir=args.out, figures=figures,
                        seeds=args.seeds, fixed_run=args.fixed_run, select_by=args.select_by)
