@@ -8,6 +8,7 @@ one train+val run per seed at the lr chosen on validation, rows with ``phase`` =
 from __future__ import annotations
 
 import io
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -20,7 +21,7 @@ from raystudy.core.finetune.data import CachedSplitData, MicroBatches, SplitData
 from raystudy.data.cache import cache_dir, kinds_read
 from raystudy.data.store import StoreError, read_split, write_store
 from raystudy.data.transforms import IMAGENET_MEAN, IMAGENET_STD, decode
-from raystudy.io import read_result
+from raystudy.io import read_result, write_result
 from raystudy.study.points import trial_id
 
 TINY = dict(patch_size=8, embed_dim=48, depth=3, num_heads=4)
@@ -142,13 +143,16 @@ def _indices(store, *splits):
     return sorted(i for s in splits for i in read_split(store, s, columns=["index"]).column("index").to_pylist())
 
 
-@pytest.mark.parametrize("data_path", ["decode", "cache"])
-def test_a_train_val_run_sees_exactly_the_union_and_tests_its_last_step(store, tmp_path, data_path):
+@pytest.mark.parametrize("data_path,augment", [("decode", False), ("cache", False), ("cache", True)])
+def test_a_train_val_run_sees_exactly_the_union_and_tests_its_last_step(store, tmp_path, data_path, augment):
     n = COUNTS["train"] + COUNTS["val"]  # 16 rows: 4 steps of 4 are one epoch, each row once
-    cfg = _cfg(store, tmp_path / data_path, train_splits="train+val", data_path=data_path, augment=False,
+    cfg = _cfg(store, tmp_path / data_path, train_splits="train+val", data_path=data_path, augment=augment,
                resize="stretch", cache_dir=str(tmp_path / "c"))
     ft = Finetuner(cfg)
     assert len(ft.train_data) == n
+    if data_path == "cache":  # val is read as training rows: the whole images when augmenting
+        kinds = [d.cache.kind for d in ft.train_data.parts]
+        assert kinds == (["full", "full"] if augment else ["stretch", "stretch"])
     seen: list[int] = []
     batch = ft.train_data.batch
 
@@ -226,10 +230,21 @@ def final_study(ray_session, builtin, tmp_path_factory):
             tune.run_study(spec, echo=lines.append)
         runs.append({"lines": lines, "trials": read_result(str(out), "trials")})
     for _ in range(2):
-        lines = []
-        outcome = tune.run_study(tune.load_study_spec(str(out)), echo=lines.append)
-        runs.append({"lines": lines, "outcome": outcome, "trials": read_result(str(out), "trials")})
+        runs.append(_run_again(tune, out))
+    # a final trial that never ran to its end (its row, curves and run folders gone): the next run fits it alone
+    trials = runs[-1]["trials"]
+    lost = sorted(trials[trials.phase == "final"].trial_id)[0]
+    write_result(trials[trials.trial_id != lost], str(out), "trials")
+    for folder in (out / "trials" / lost, out / "train" / lost, out / "curves.parquet" / f"part-{lost}.parquet"):
+        shutil.rmtree(folder) if folder.is_dir() else folder.unlink(missing_ok=True)
+    runs.append({**_run_again(tune, out), "lost": lost})
     return {"out": str(out), "spec": spec, "runs": runs}
+
+
+def _run_again(tune, out) -> dict:
+    lines: list[str] = []
+    outcome = tune.run_study(tune.load_study_spec(str(out)), echo=lines.append)
+    return {"lines": lines, "outcome": outcome, "trials": read_result(str(out), "trials")}
 
 
 @pytest.mark.slow
@@ -255,7 +270,7 @@ def test_final_fit_writes_search_and_final_rows_at_the_val_chosen_lr(final_study
 
 @pytest.mark.slow
 def test_a_resume_after_the_search_runs_only_the_final_trials(final_study):
-    first, resumed, again = final_study["runs"]
+    first, resumed, again, refit = final_study["runs"]
     assert len(first["trials"]) == 8 and (first["trials"].phase == "search").all()
     launches = [line for line in resumed["lines"] if "launching" in line]
     assert len(launches) == 1 and "launching 4 trial(s)" in launches[0], resumed["lines"]
@@ -266,6 +281,9 @@ def test_a_resume_after_the_search_runs_only_the_final_trials(final_study):
     assert (after.wall_seconds == search_before.wall_seconds).all()  # the search was not rerun
     assert again["outcome"].launched == 0 and not any("launching" in line for line in again["lines"])
     assert any("all 12 trial(s) already done" in line for line in again["lines"])
+    # a killed final stage: only the final trial without a row runs again, at the same lr
+    assert refit["outcome"].launched == 1 and any("final fit: 1 trial(s)" in line for line in refit["lines"])
+    assert refit["trials"].set_index("trial_id").loc[refit["lost"], "status"] == "ok" and len(refit["trials"]) == 12
 
 
 def test_the_dry_run_counts_the_final_trials_as_a_dependent_stage(builtin, tmp_path):
@@ -292,3 +310,18 @@ def test_the_dry_run_counts_the_final_trials_as_a_dependent_stage(builtin, tmp_p
     assert any("final fit: 4 trial(s)" in n for n in cost.study_cost(fit)["notes"])
     with pytest.raises(SpecError, match="final_fit: needs search grid"):
         StudySpec.from_dict({**base, "final_fit": True, "search": "optuna"}).validate(check_files=False)
+
+
+def test_a_final_fit_study_refuses_a_store_without_val_rows(builtin, tmp_path):
+    from raystudy.study.final import store_problems
+    from raystudy.study.spec import StudySpec
+
+    no_val = _write(tmp_path / "noval", {"train": 8, "val": 0, "test": 4}, name="noval")
+    datasets = {"nv": no_val, "ok": builtin["stores"]["shift-color"]}
+    spec = StudySpec.from_dict(dict(name="ff", out=str(tmp_path / "s"), datasets=datasets, final_fit=True,
+                                    configurations=["MHA"]))
+    assert store_problems(spec) == [f"final_fit: datasets.nv: {no_val}/dataset.json has no val rows to train on "
+                                    "(train_splits train+val needs a val split of its own)"]
+    spec.final_fit = False
+    assert store_problems(spec) == []
+
