@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
+from raystudy.analysis.html_report import write_report
 from raystudy.analysis.pipeline import run_analysis
 from raystudy.io import write_result
 from raystudy.vocab import VTAB_GROUPS, VTAB_TASKS
@@ -132,6 +133,12 @@ def test_vtab_table_reads_the_final_rows_and_every_other_table_the_search_rows(t
     assert set(t["selection"]) == {"final"}
     md = (res.out_dir / "vtab.md").read_text()
     assert "trained on train800val200 at the lr chosen on val200" in md
+    html = write_report(res).read_text()  # the summary names both rules; the report holds the VTAB-1k tables
+    report_md = (res.out_dir / "report.md").read_text()
+    for text in (html, report_md):
+        assert "VTAB-1k table" in text and "the highest mean test accuracy over seeds (the paper" in text
+        assert "VTAB-1k: accuracy per task" in text and "trained on train800val200 at the lr chosen" in text
+    assert 'data-table="vtab"' in html and 'colspan="2">Natural</th>' in html
     # every other table reads the search rows alone: as in the study without final rows
     bare = run_analysis(_study(tmp_path / "bare", final=False)[0], figures=False)
     for name in ("best_lr", "lr_grid", "overall", "stability", "frontier"):
