@@ -325,3 +325,17 @@ def test_a_final_fit_study_refuses_a_store_without_val_rows(builtin, tmp_path):
     spec.final_fit = False
     assert store_problems(spec) == []
 
+
+
+@pytest.mark.slow
+def test_tables_rebuilt_from_the_trial_folders_keep_the_final_phase(final_study, tmp_path):
+    from raystudy.study.results import ResultTables
+
+    copy = tmp_path / "study"
+    shutil.copytree(final_study["out"], copy, ignore=shutil.ignore_patterns("train", "tune", "tb"))
+    (copy / "trials.parquet").unlink()
+    found = ResultTables(str(copy)).rebuild(["color"], "vit_tiny_patch16_224", TINY)
+    rebuilt, trials = read_result(str(copy), "trials"), final_study["runs"][-1]["trials"]
+    assert sorted(found) == sorted(trials.trial_id) and len(found) == 12
+    by_id = rebuilt.set_index("trial_id").phase
+    assert all(by_id[t] == ("final" if t.endswith("-final") else "search") for t in found)
