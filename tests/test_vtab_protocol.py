@@ -339,3 +339,36 @@ def test_tables_rebuilt_from_the_trial_folders_keep_the_final_phase(final_study,
     assert sorted(found) == sorted(trials.trial_id) and len(found) == 12
     by_id = rebuilt.set_index("trial_id").phase
     assert all(by_id[t] == ("final" if t.endswith("-final") else "search") for t in found)
+
+
+def test_the_final_points_take_the_val_chosen_lr_once_a_sweep_has_ended(tmp_path):
+    """Hand-made search rows where validation prefers another lr than test does, a tie, and a sweep still
+    running: the final points follow validation (mean over seeds), the smaller lr on a tie, and wait."""
+    from raystudy.study.final import final_points
+    from raystudy.study.spec import StudySpec
+
+    spec = StudySpec.from_dict(dict(name="ff", out=str(tmp_path), datasets={"d": "s"}, configurations=["MHA", "LN1"],
+                                    optimizers={"sgd": [0.01, 0.1]}, seeds=[0, 1], final_fit=True))
+    val = {("MHA", 0.01): (0.5, 0.7), ("MHA", 0.1): (0.8, 0.6),  # mean 0.6 vs 0.7: val picks 0.1
+           ("LN1", 0.01): (0.4, 0.6), ("LN1", 0.1): (0.5, 0.5)}  # a tie at 0.5: the smaller lr
+    test = {("MHA", 0.01): 0.9, ("MHA", 0.1): 0.1, ("LN1", 0.01): 0.1, ("LN1", 0.1): 0.9}  # test prefers the other
+    rows = [{"trial_id": p["trial_id"], "dataset": "d", "model": "m", "configuration": p["configuration"],
+             "optimizer": "sgd", "lr": p["lr"], "seed": p["seed"], "status": "ok", "phase": "search",
+             "best_val_acc": val[(p["configuration"], p["lr"])][p["seed"]],
+             "test_acc": test[(p["configuration"], p["lr"])], "wall_seconds": 1.0, "trainable_params": 10}
+            for p in spec.grid()]
+    trials = pd.DataFrame(rows)
+    points, waiting = final_points(spec, trials)
+    assert waiting == []
+    assert {(p["configuration"], p["seed"]): p["lr"] for p in points} == {
+        ("MHA", 0): 0.1, ("MHA", 1): 0.1, ("LN1", 0): 0.01, ("LN1", 1): 0.01}
+    assert all(p["phase"] == "final" and p["trial_id"].endswith("-final") for p in points)
+    # a final row of another lr is not a search row: it changes nothing
+    extra = {**rows[0], "trial_id": rows[0]["trial_id"] + "-final", "phase": "final", "best_val_acc": float("nan")}
+    assert final_points(spec, pd.DataFrame(rows + [extra]))[0] == points
+    # MHA's seed 1 at lr 0.1 failed: MHA waits for its retry, LN1 goes on
+    failed = trials.assign(status=np.where((trials.configuration == "MHA") & (trials.lr == 0.1)
+                                           & (trials.seed == 1), "failed", "ok"))
+    points, waiting = final_points(spec, failed)
+    assert {p["configuration"] for p in points} == {"LN1"}
+    assert waiting == ["d/MHA/sgd: 1 search trial(s) not ended (first: d-MHA-sgd-lr0.1-s1)"]
