@@ -310,6 +310,8 @@ def test_the_dry_run_counts_the_final_trials_as_a_dependent_stage(builtin, tmp_p
     assert any("final fit: 4 trial(s)" in n for n in cost.study_cost(fit)["notes"])
     with pytest.raises(SpecError, match="final_fit: needs search grid"):
         StudySpec.from_dict({**base, "final_fit": True, "search": "optuna"}).validate(check_files=False)
+    with pytest.raises(SpecError, match="final_fit: needs val_split fixed"):
+        StudySpec.from_dict({**base, "final_fit": True, "val_split": "per_seed"}).validate(check_files=False)
 
 
 def test_a_final_fit_study_refuses_a_store_without_val_rows(builtin, tmp_path):

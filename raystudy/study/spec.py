@@ -401,6 +401,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
         checks.validate(self, files=check_files)
         if self.final_fit and self.search != "grid":
             raise SpecError(f"final_fit: needs search grid (the lr chosen over seeds per grid lr), not {self.search!r}")
+        if self.final_fit and self.val_split != "fixed":
+            raise SpecError("final_fit: needs val_split fixed (it trains on the store's own train + val rows)")
 
     def check_files(self, *, weights: bool | None = None) -> None:
         """Every store and the weights file exist (:func:`raystudy.study.checks.check_files`)."""
