@@ -374,3 +374,28 @@ def test_the_final_points_take_the_val_chosen_lr_once_a_sweep_has_ended(tmp_path
     points, waiting = final_points(spec, failed)
     assert {p["configuration"] for p in points} == {"LN1"}
     assert waiting == ["d/MHA/sgd: 1 search trial(s) not ended (first: d-MHA-sgd-lr0.1-s1)"]
+
+
+def test_a_killed_train_val_run_resumes_to_the_same_numbers(store, tmp_path):
+    """A train+val run stopped at its first checkpoint and resumed ends as the uninterrupted run (its data
+    order over the union, the last step tested); a run on train alone does not resume its checkpoints."""
+    from conftest import kill_at_first_checkpoint
+
+    from raystudy.core.finetune.driver import train_local
+
+    kw = dict(train_splits="train+val", resize="stretch", steps=6, eval_period=2, checkpoint_period=3,
+              augment=True, data_path="cache", cache_dir=str(tmp_path / "c"))
+    ref, _ = train_local(_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
+    cfg = _cfg(store, tmp_path / "run", **kw)
+    ckdir = tmp_path / "run" / "ckpt"
+    first = Finetuner(cfg)
+    kill_at_first_checkpoint(first, ckdir)
+    assert first.step == 3 and first.best_state is None  # nothing validated on the way
+    summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
+    assert ft.restores[0]["step"] == 3 and summary["best_val_step"] == 6 == ref["best_val_step"]
+    assert summary["test_acc"] == ref["test_acc"] and summary["final_train_loss"] == ref["final_train_loss"]
+    # a run on train alone meets these checkpoints as another run's: moved aside, it starts from step 0
+    other, ft = train_local(_cfg(store, tmp_path / "run", **{**kw, "train_splits": "train"}), checkpoint_dir=ckdir,
+                            resume=True, tensorboard=False)
+    assert not ft.restores and other["checkpoints_skipped"] >= 1
+    assert any("train_splits" in w for w in other["checkpoint_warnings"]), other["checkpoint_warnings"]
