@@ -84,7 +84,8 @@ def test_several_studies_are_analysed_together(tmp_path, monkeypatch):
     b = _write(tmp_path / "vit_l", _rows("vit_large", 0.05, prefix="l"))
     monkeypatch.chdir(tmp_path)
     res = run_analysis(["vit_b", "vit_l"], out_dir="both", reference="Head", figures=False)
-    assert res.out_dir == tmp_path / "both" and res.inputs.study_dirs == [str(a), str(b)]
+    assert res.out_dir.resolve() == tmp_path / "both" and res.inputs.study_dirs == [str(a), str(b)]  # resolved
+    assert (tmp_path / "both" / "best_lr.csv").exists() and res.study_dir == "vit_b, vit_l"  # shown as typed
     assert set(res.inputs.counted["study"]) == {str(a), str(b)}
     rows = _rows("vit_base", prefix="b") + _rows("vit_large", 0.05, prefix="l")
     best = _best_means(rows)

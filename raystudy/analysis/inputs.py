@@ -342,15 +342,16 @@ def _check_collisions(parts: list[StudyInputs]) -> list[bool]:
 
 def read_studies(study_dirs) -> StudyInputs:
     """Read several study directories (:func:`read_inputs` each) as one: every table concatenated, column
-    ``study`` naming the directory (absolute, as it entered) of each trial row; identical plasticity, bounds
-    and rates rows are kept once; trial collisions: :func:`_check_collisions`."""
-    dirs = [storage.absolute_path(d) for d in study_dirs]
-    if len(dirs) == 1:
-        return read_inputs(dirs[0])
-    parts = [read_inputs(d) for d in dirs]
+    ``study`` naming the directory (made absolute) of each trial row, ``study_dirs`` the same; identical
+    plasticity, bounds and rates rows are kept once; trial collisions: :func:`_check_collisions`."""
+    given = [str(d) for d in study_dirs]
+    if len(given) == 1:
+        return read_inputs(given[0])
+    parts = [read_inputs(d) for d in given]
+    dirs = [storage.absolute_path(d) for d in given]  # the study column: absolute, resolved where they enter
     with_trials = [p for p in parts if p.trials is not None]
     masks = dict(zip(map(id, with_trials), _check_collisions(with_trials)))
-    merged = StudyInputs(study_dir=", ".join(dirs), study_dirs=dirs)
+    merged = StudyInputs(study_dir=", ".join(given), study_dirs=dirs)
     for name in ("trials", "counted", "probes", "excluded", "final"):
         frames = []
         for p in with_trials:
@@ -360,7 +361,7 @@ def read_studies(study_dirs) -> StudyInputs:
                 df = df[~df["trial_id"].isin(set(known))]
             elif df is not None:
                 df = df[[not m for m in masks[id(p)]]]
-            frames.append(_tag(df, p.study_dir))
+            frames.append(_tag(df, storage.absolute_path(p.study_dir)))
         setattr(merged, name, _concat(frames))
     for name in ("curves", "plasticity", "bounds", "rates"):
         df = _concat([getattr(p, name) for p in parts])

@@ -440,17 +440,18 @@ def _seeds_noted(inputs: StudyInputs, seeds, notes: list[str]) -> StudyInputs:
 
 
 def study_dirs(study_dir) -> list[str]:
-    """One study directory or several (a list), each made absolute where it enters (URIs kept)."""
+    """One study directory or several (a list), as given (:func:`~raystudy.analysis.inputs.read_studies`
+    resolves them: the printed paths stay the ones typed)."""
     many = study_dir if isinstance(study_dir, list | tuple) else [study_dir]
     if not many:
         raise ValueError("study_dir: at least one study directory")
-    return [storage.absolute_path(d) for d in many]
+    return [str(d) for d in many]
 
 
 def _out_dir(dirs: list[str], out_dir) -> str:
-    """``out_dir`` (absolute), or ``<study_dir>/analysis`` for one study; several studies need one."""
+    """``out_dir``, or ``<study_dir>/analysis`` for one study; several studies need one."""
     if out_dir is not None:
-        return storage.absolute_path(out_dir)
+        return str(out_dir)
     if len(dirs) > 1:
         raise ValueError(f"out_dir: {len(dirs)} study directories analysed together need an output folder "
                          f"(--out): {', '.join(dirs)}")
@@ -482,7 +483,7 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     target = _out_dir(dirs, out_dir)
     inputs = read_studies(dirs)
     out, uri = storage.staged(target, prefix="raystudy-analysis-")
-    res = AnalysisResult(inputs.study_dir, out, inputs, notes=list(inputs.notes), upload_to=uri,
+    res = AnalysisResult(", ".join(dirs), out, inputs, notes=list(inputs.notes), upload_to=uri,
                          options={**options, "seeds": seeds, "fixed_run": fixed_run})
     if seeds is not None and inputs.trials is not None:
         res.inputs = inputs = _seeds_noted(inputs, seeds, res.notes)
