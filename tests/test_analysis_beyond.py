@@ -212,3 +212,25 @@ def test_presets_load_and_validate():
     kinds = {B.family(c) for c in raw["configurations"]}
     assert {"auto", "random", "lora", "combination"} <= kinds
     assert raw["plasticity"]["enabled"]
+
+
+def test_matched_budget_matches_the_cap_when_all_and_head_ran():
+    """Units pack coarsely: auto:2% and random:2% reach 10,500 of a 20,490 cap. With All and Head in the study a
+    method is matched to the cap B = floor((All - Head) * 2 / 100) plus the head; without them, to what the
+    budgeted selections reached."""
+    head, total = 500, 1_000_000
+    params = {"All": total + head, "Head": head, "auto:2%": 10_500, "random:2%": 10_500, "ia3": 19_000,
+              "lora:r=1": 11_000}
+    rows = [dict(dataset=f"d{i}", optimizer="sgd", configuration=c, trainable_params=float(n), mean=0.5 + 0.01 * i)
+            for c, n in params.items() for i in range(4)]
+    cap = (total * 2) // 100 + head  # 20,500: ia3 (19,000) within 1.5x, lora:r=1 (11,000) not (1.86x)
+    notes: list[str] = []
+    table = B.matched_budget_table(pd.DataFrame(rows), notes=notes)
+    assert abs(np.log(19_000 / cap)) <= np.log(B.DEFAULT_TOLERANCE) < abs(np.log(11_000 / cap))
+    assert ("auto:2%", "ia3") in set(zip(table["first"], table["second"]))
+    assert any("lora:r=1" in n for n in notes)
+    without = [r for r in rows if r["configuration"] not in ("All", "Head")]
+    notes = []
+    table = B.matched_budget_table(pd.DataFrame(without), notes=notes)  # reference 10,500: the other way round
+    assert ("auto:2%", "lora:r=1") in set(zip(table["first"], table["second"]))
+    assert any("ia3" in n for n in notes)

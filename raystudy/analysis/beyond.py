@@ -149,17 +149,31 @@ def frontier_table(best_lr: pd.DataFrame, counted: pd.DataFrame, notes: list[str
 # --------------------------------------------------------------------------------------------------
 
 
+def _budget_reference(size: pd.Series, budget, realized: list[str]) -> float:
+    """The trainable-parameter count a configuration is matched against at ``budget``: the cap itself,
+    ``B`` in parameters plus the head (as ``trainable_params`` counts it), when the study ran ``All`` and
+    ``Head`` (``B`` of a percentage is ``floor((All - Head) * B / 100)``); else the median count the budget's
+    ``auto``/``random`` configurations reached. Units pack coarsely (a LayerNorm unit or a whole MHA), so a
+    budget's selections may fall well short of the cap; a method is matched to the cap they all share."""
+    if not {"All", "Head"} <= set(size.index) or not np.isfinite(size[["All", "Head"]]).all():
+        return float(size[realized].median())
+    head = float(size["Head"])
+    return budget.parameters(int(size["All"] - head)) + head
+
+
 def _budget_groups(per: pd.DataFrame, tolerance: float, notes: list[str]) -> dict[str, list[str]]:
     """``{budget: [auto:B, random:B, lora:r=k, ia3, bias, ...]}``: budgeted configurations by their budget
-    ``B``; each configuration of :data:`MATCHED_FAMILIES` joins the budget whose median trainable-parameter
-    count is nearest (log ratio) when within ``tolerance``."""
+    ``B``; each configuration of :data:`MATCHED_FAMILIES` joins the budget whose reference count
+    (:func:`_budget_reference`) is nearest (log ratio) when within ``tolerance``."""
     groups: dict[str, list[str]] = {}
+    budgets = {}
     size = per.groupby("configuration")["trainable_params"].median()
     for c in sorted(size.index):
         tree = parse(c) if c not in TRIALS_CONFIGURATIONS else None
         if isinstance(tree, Budgeted):
             groups.setdefault(str(tree.budget), []).append(c)
-    ref = {b: float(size[cs].median()) for b, cs in groups.items()}
+            budgets[str(tree.budget)] = tree.budget
+    ref = {b: _budget_reference(size, budgets[b], cs) for b, cs in groups.items()}
     for c in sorted(c for c in size.index if family(c) in MATCHED_FAMILIES):
         ratio = {b: abs(np.log(size[c] / r)) for b, r in ref.items() if np.isfinite(size[c]) and r > 0}
         b = min(ratio, key=ratio.get) if ratio else None
@@ -376,7 +390,8 @@ def render_matched_budget(t: pd.DataFrame) -> Rendered:
     return Rendered("matched_budget", "Plasticity-guided, random, PEFT and BitFit at matched budgets",
                     f"auto:B (units by plasticity), random:B (units in a seeded random order) and each PEFT "
                     f"configuration (lora, dora, loha, lokr, vera, ia3) or BitFit (bias) whose parameter count is "
-                    f"nearest the budget (within a factor {DEFAULT_TOLERANCE:g}): best-lr "
+                    f"nearest the budget (within a factor {DEFAULT_TOLERANCE:g} of B, in parameters plus the "
+                    "head, when the study ran All and Head; else of what auto:B and random:B reached): best-lr "
                     "accuracy, mean over the paired datasets; scipy.stats.wilcoxon, "
                     f"{MATCHED_ALTERNATIVE}, paired over datasets (best-lr means over seeds).", blocks,
                     [f"{statistic_note(MATCHED_ALTERNATIVE, 'first − second')}; p-value '–' without pairs or "
