@@ -24,7 +24,8 @@ def _sizes_from_yaml(raw: dict) -> tuple[int, int]:
     """``(grid points, trials)`` from the YAML as written: per dataset, configurations x (every optimizer's
     lrs x its seeds), where a dataset entry that is a mapping may name its own ``optimizers`` (replacing the
     study's) and ``seeds`` (a list for all its optimizers, or optimizer -> list); an Optuna search runs
-    ``samples`` trials per (dataset, configuration, optimizer, seed)."""
+    ``samples`` trials per (dataset, configuration, optimizer, seed); ``final_fit`` adds one final trial per
+    (dataset, configuration, optimizer, seed)."""
     configurations = len(raw["configurations"]) if "configurations" in raw else DEFAULT_AXES["configurations"]
     study_optimizers = raw.get("optimizers", {"sgd": [None] * DEFAULT_AXES["lrs"]})
     study_seeds = raw.get("seeds", [None] * DEFAULT_AXES["seeds"])
@@ -38,7 +39,7 @@ def _sizes_from_yaml(raw: dict) -> tuple[int, int]:
             points += configurations * len(lrs) * n_seeds
             cells += configurations * n_seeds
     if raw.get("search", "grid") == "grid":
-        return points, points
+        return points, points + (cells if raw.get("final_fit") else 0)
     return points, cells * raw.get("samples", 4)
 
 
@@ -76,6 +77,8 @@ def test_grid_sizes_of_the_named_presets():
     assert sizes["beyond"] == 11 * 25 * 4 * 3 == 3300
     assert sizes["beyond-demo"] == 2 * 8 * 1 * 1 == 16
     assert sizes["plasticity-demo"] == sizes["plasticity-paper"] == 0
+    assert sizes["vtab1k"] == 19 * 16 * 4 * 3 + 19 * 16 * 3 == 3648 + 912  # search, then the final fit
+    assert sizes["vtab1k-demo"] == 3 * 12 * 2 * 2 + 3 * 12 * 2 == 144 + 72
 
 
 def test_plasticity_presets_measure_what_the_old_plasticity_study_did():
@@ -175,3 +178,36 @@ def test_demo_builtin_data_and_pretraining_stage(tmp_path):
     curves = pd.read_parquet(weights.parent / "run" / "curves.parquet").dropna(subset=["train_loss"])
     first, last = curves.train_loss.iloc[0], curves.train_loss.iloc[-1]
     assert math.isfinite(last) and last < first and last < math.log(num_classes)  # below chance level
+
+
+@pytest.mark.parametrize("preset, counts", [
+    ("vtab1k", {"ia3": 12 * (2304 + 3072), "bias": 12 * 8448 + 768, "lora:r=46": 12 * 46 * (768 + 2304 + 768 + 768),
+                "dora:r=46": 12 * (46 * 4608 + 2304 + 768), "lora:r=8": 12 * 8 * 4608}),
+    ("vtab1k-demo", {"ia3": 4 * (192 + 256), "bias": 4 * (64 + 192 + 64 + 64 + 256 + 64) + 64,
+                     "lora:r=12": 4 * 12 * 384, "dora:r=12": 4 * (12 * 384 + 192 + 64)}),
+])
+def test_vtab1k_presets_match_their_budgets(preset, counts):
+    """The counts the presets' comments state, on the preset's own model (meta device), and every adapter or
+    BitFit configuration within the matched-budget tolerance of one of the preset's budgets."""
+    import timm
+    import torch
+
+    from raystudy.analysis.beyond import DEFAULT_TOLERANCE
+    from raystudy.core.expressions import Budgeted, normalise, resolve
+
+    spec = load_preset(preset)
+
+    def model():
+        with torch.device("meta"):
+            return timm.create_model(spec.model.split(".")[0], num_classes=10, **spec.model_kwargs)
+
+    total = sum(p.numel() for n, p in model().named_parameters() if not n.startswith("head."))
+    budgets = {normalise(c).budget.parameters(total) for c in spec.configurations
+               if isinstance(normalise(c), Budgeted)}
+    assert len(budgets) == 2
+    for configuration, expected in counts.items():
+        assert configuration in spec.configurations
+        n = resolve(model(), configuration).num_parameters
+        assert n == expected, configuration
+        if configuration != "lora:r=8":
+            assert min(max(n / b, b / n) for b in budgets) <= DEFAULT_TOLERANCE, configuration  # head aside
