@@ -104,7 +104,9 @@ def test_local_cli_equals_an_independent_fit(setup, tmp_path, capsys):
     assert want >= 0.8  # the classes are separable: a broken feature would not reach this
     assert (got["n_train"], got["n_test"], got["n_features"], got["n_classes"]) == (48, 30, 48, 3)
     assert got["classifier_params"] == 48 * 3 + 3
-    assert got["features"]["block"] == 2 and got["features"]["transforms"]["train"] == "eval"
+    assert got["features"]["block"] == 2 and got["features"]["resize"] == "crop"
+    assert got["features"]["transforms"] == {"train": "eval (resize the shorter side + center crop)",
+                                             "test": "eval (resize the shorter side + center crop)"}
     assert (got["dataset"], got["model"], got["seed"]) == ("colours", MODEL, SEED)
     assert f"test_acc {want:.4f}" in line and "48 train / 30 test" in line and "decode path, fp32" in line
     assert (got["data_path"], got["precision"], got["batch_size"]) == ("decode", "fp32", 16)

@@ -2,7 +2,8 @@
 
 Features: the last block's output (before the final norm), mean-pooled over all tokens and L2-normalised;
 classifier: ``StandardScaler`` + ``LogisticRegression(max_iter=5000, random_state=--seed)`` fit on the
-``train`` split (training transforms unless ``--no-augment``) and scored on ``test``
+``train`` split (training transforms unless ``--no-augment``) and scored on ``test`` (the eval transform
+of ``--resize``: crop, the authors'; stretch, VTAB-1k's)
 (:mod:`raystudy.core.probe`). Extraction is a Ray Data pass over the store (``--local``: in this process),
 reading a uint8 cache of each split built once (``--data-path cache``, the default) or decoding every image
 (``decode``), the model in bf16 autocast on GPUs and float32 on CPUs unless ``--precision`` says.
@@ -27,6 +28,7 @@ def register(sub) -> None:
     add_flags(model, ModelSettings)
     add_flags(model, HubWeights)
     add_flags(p, DeviceSettings, ["data_path", "cache_dir", "precision"])
+    add_flags(p, ProbeJob, ["resize"])
     add_flags(p, ProbeSettings, ["augment", "seed", "batch_size"])
     ray = p.add_argument_group("Ray")
     add_flags(ray, ProbeSettings, ["workers", "cpus_per_worker", "gpus_per_worker"])

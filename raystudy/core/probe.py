@@ -10,7 +10,9 @@ Feature of an image ``x`` (``apps/vit/linear_probing.py`` of the authors' code, 
 Classifier: ``make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000, random_state=seed))``
 (scikit-learn's defaults otherwise: lbfgs, L2 penalty, ``C = 1``), fit on the features of the ``train``
 split and scored (accuracy) on those of the ``test`` split. The authors pass the train split once through
-the training transforms (random resized crop + flip); the test split goes through the eval transforms.
+the training transforms (random resized crop + flip); the test split goes through the eval transform of
+``resize`` (``crop``: the authors' shorter side + centre crop; ``stretch``: VTAB-1k's whole image to
+``size x size``, :func:`raystudy.data.transforms.eval_geometry`).
 
 Two deliberate differences from the authors' script, neither part of the probe's definition: their train
 ``DataLoader`` has ``drop_last=True`` (batches of 512, so up to 511 random training images are left out of
@@ -26,9 +28,9 @@ Two data paths give the images (``data_path``, as finetuning's): ``decode`` deco
 and transforms it there (:func:`extract_features` of decoded batches); ``cache`` reads uint8 rows of the
 split's cache (:mod:`raystudy.data.cache`, decoded once) and scales, normalises and (train split with
 augmentation) crops and flips them on the model's device (:func:`cached_features`). Without augmentation
-both paths feed the model the same tensors (the ``eval`` cache holds the eval transform's own pixels); with
-it, the cache path's random resized crop is drawn on the original image as torchvision draws it and cut
-from the cached whole image (:mod:`raystudy.core.finetune.augment`), seeded per image by ``(seed, epoch 0,
+both paths feed the model the same tensors (the ``eval`` / ``stretch`` cache holds the eval transform's own
+pixels); with it, the cache path's random resized crop is drawn on the original image as torchvision draws
+it and cut from the cached whole image (:mod:`raystudy.core.finetune.augment`), seeded per image by ``(seed, epoch 0,
 index)`` like the decode path's, but not the same crop (another generator).
 """
 
@@ -148,6 +150,12 @@ def fit_probe(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.n
             "n_iter": n_iter, "converged": n_iter < MAX_ITER, "fit_seconds": time.perf_counter() - t0}
 
 
+#: the eval transform of each ``resize`` (:data:`raystudy.settings.RESIZES`,
+#: :func:`raystudy.data.transforms.eval_geometry`): the test split's, and the train split's without augment
+EVAL_TRANSFORMS = {
+    "crop": "eval (resize the shorter side + center crop)",
+    "stretch": "eval (stretch the whole image to img_size x img_size, bicubic)",
+}
 #: the train split's transforms with augmentation, per data path
 TRAIN_TRANSFORMS = {
     "decode": "train (random resized crop + flip, seeded per image)",
@@ -156,9 +164,9 @@ TRAIN_TRANSFORMS = {
 
 
 def feature_definition(model: nn.Module, *, augment: bool, img_size: int, data_path: str = "decode",
-                       precision: str = "fp32") -> dict:
-    """What the features are, for ``probe.json``: block index, pooling, normalisation, transforms, where
-    the images came from (``data_path``) and the forward's ``precision``."""
+                       precision: str = "fp32", resize: str = "crop") -> dict:
+    """What the features are, for ``probe.json``: block index, pooling, normalisation, transforms (the eval
+    one of ``resize``), where the images came from (``data_path``) and the forward's ``precision``."""
     n_blocks = len(get_adapter(model).blocks())
     prefix = int(getattr(model, "num_prefix_tokens", 0))
     return {
@@ -167,11 +175,11 @@ def feature_definition(model: nn.Module, *, augment: bool, img_size: int, data_p
         "pooling": f"mean over all tokens ({prefix} prefix token(s) included)",
         "normalisation": "L2 per sample, then StandardScaler (fit on train)",
         "classifier": f"LogisticRegression(max_iter={MAX_ITER}, random_state=seed)",
-        "transforms": {"train": TRAIN_TRANSFORMS[data_path] if augment else "eval",
-                       "test": "eval (resize + center crop)"},
+        "transforms": {"train": TRAIN_TRANSFORMS[data_path] if augment else EVAL_TRANSFORMS[resize],
+                       "test": EVAL_TRANSFORMS[resize]},
         "splits": {"fit": "train", "score": "test"}, "img_size": int(img_size),
         "dtype": "float32" if precision == "fp32" else "bfloat16 autocast (features pooled in float32)",
-        "data_path": data_path, "precision": precision,
+        "data_path": data_path, "precision": precision, "resize": resize,
     }
 
 

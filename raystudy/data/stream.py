@@ -33,11 +33,12 @@ def _check_split(store, split: str, verify: bool) -> dict:
     return meta
 
 
-def transform_rows(batch: dict, *, train: bool, size: int, seed: int, epoch: int) -> dict[str, np.ndarray]:
+def transform_rows(batch: dict, *, train: bool, size: int, seed: int, epoch: int,
+                   resize: str = "crop") -> dict[str, np.ndarray]:
     """Ray Data ``map_batches`` function: encoded rows -> ``{"image", "label", "index"}`` numpy arrays."""
     indices = np.asarray(batch["index"], dtype=np.int64)
     images = transform_batch(list(batch["image"]), train=train, size=size, seed=seed, epoch=epoch,
-                             indices=indices.tolist())
+                             indices=indices.tolist(), resize=resize)
     return {"image": images.numpy(), "label": np.asarray(batch["label"], dtype=np.int64), "index": indices}
 
 
@@ -55,6 +56,7 @@ def open_split(
     shuffle: bool = False,
     rows_per_block: int | None = None,
     verify: bool = False,
+    resize: str = "crop",
 ):
     """One split of a prepared store as a ``ray.data.Dataset`` of transformed batches.
 
@@ -66,7 +68,8 @@ def open_split(
     cut into one block per CPU (``rows_per_block`` overrides; ``0`` keeps one block per shard), since
     Ray Data maps each block in one task.
     ``train`` selects the augmenting transforms, seeded per image by ``(seed, epoch, index)``; call once
-    per epoch with its ``epoch``. ``verify`` recomputes the store checksum first.
+    per epoch with its ``epoch``. ``verify`` recomputes the store checksum first. ``resize``: the eval
+    transform's geometry (:func:`raystudy.data.transforms.eval_geometry`; ``train=False`` only).
     Rows come out as ``image`` float32 ``(3, size, size)``, ``label`` int64 and ``index`` int64; e.g.
     ``ds.iter_torch_batches(batch_size=B)`` yields ``image`` ``(B, 3, size, size)``.
     """
@@ -93,7 +96,7 @@ def open_split(
         ds = ds.repartition(target_num_rows_per_block=rows_per_block)
     return ds.map_batches(
         transform_rows,
-        fn_kwargs={"train": train, "size": size, "seed": seed, "epoch": epoch},
+        fn_kwargs={"train": train, "size": size, "seed": seed, "epoch": epoch, "resize": resize},
         batch_size=batch_size,
         batch_format="numpy",
         num_cpus=num_cpus,
@@ -114,6 +117,7 @@ def iter_batches_local(
     shards: list[int] | None = None,
     limit: int | None = None,
     verify: bool = False,
+    resize: str = "crop",
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The same batches as :func:`open_split`, without Ray, as torch tensors (in store order).
 
@@ -140,7 +144,8 @@ def iter_batches_local(
 
     def emit(buf):
         img, lab, idx = zip(*buf)
-        x = transform_batch(list(img), train=train, size=size, seed=seed, epoch=epoch, indices=list(idx))
+        x = transform_batch(list(img), train=train, size=size, seed=seed, epoch=epoch, indices=list(idx),
+                            resize=resize)
         return {"image": x, "label": torch.tensor(lab, dtype=torch.int64),
                 "index": torch.tensor(idx, dtype=torch.int64)}
 

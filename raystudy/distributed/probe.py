@@ -4,8 +4,9 @@ Two data paths (``ProbeJob.data_path``, as finetuning's)::
 
     cache (default)
       build      on the driver, once: the uint8 caches of the two splits (raystudy.data.cache.ensure_cache;
-                 the ``eval`` kind for the test split and for train with augment=False, the ``full`` kind
-                 for train with augment=True: whole images, cropped as torchvision does)
+                 the eval kind of ``resize`` (``eval`` for crop, ``stretch``) for the test split and for
+                 train with augment=False, the ``full`` kind for train with augment=True: whole images,
+                 cropped as torchvision does)
       read       ray.data.from_items of row ranges [lo, hi) of the split (no decoding, no read task)
       features   Ray Data actor pool of K workers, each holding the model once on its device: reads the uint8
                  rows of its ranges from the cache, moves them to the device, scales and normalises (crops
@@ -14,7 +15,8 @@ Two data paths (``ProbeJob.data_path``, as finetuning's)::
     decode
       read       ray.data.read_parquet of the store's split (raystudy.data.stream.open_split)
       transform  Ray Data map tasks: decode + train transforms (train split, seeded per image by
-                 (seed, epoch 0, index)) or eval transforms (test split, and train with augment=False)
+                 (seed, epoch 0, index)) or the eval transform of ``resize`` (test split, and train with
+                 augment=False)
       features   Ray Data actor pool of K workers calling raystudy.core.probe.probe_features on every batch
     fit          on the driver: rows sorted by the store's index, raystudy.core.probe.fit_probe
 
@@ -40,7 +42,16 @@ from raystudy import storage
 from raystudy.data.modality import absolute_model
 from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
-from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, setting
+from raystudy.settings import (
+    RESIZES,
+    DeviceSettings,
+    HubWeights,
+    ModelSettings,
+    ProbeSettings,
+    ProtocolSettings,
+    same_as,
+    setting,
+)
 from raystudy.storage import absolute_path
 from raystudy.vocab import DATA_PATHS, PRECISIONS
 
@@ -62,14 +73,17 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
     :class:`~raystudy.settings.ProbeSettings` (defined there once, shared with the study spec's ``probe:``
     and ``raystudy probe``). ``weights=None`` (and not ``pretrained``) keeps the random init, seeded from
     ``seed`` so that every worker holds the same model. ``augment``: the train split through the training
-    transforms (the authors' choice), else the eval transforms. ``local``: extract in this process, without
-    Ray. ``out_dir``: where ``probe.json`` goes (``None``: not written). ``data_path``: ``cache`` (uint8
-    rows of a cache under ``cache_dir``, None: ``STORE/cache``) or ``decode``; ``precision`` (None: bf16 on
-    CUDA, fp32 on CPUs); ``batch_size`` None: :data:`CACHE_BATCH` on the cache path, :data:`DECODE_BATCH`
-    decoding.
+    transforms (the authors' choice), else the eval transforms. ``resize``: the eval transform's geometry
+    (the test split; train without augment), the finetuning protocol's setting
+    (:class:`~raystudy.settings.ProtocolSettings`), a study's own ``resize``. ``local``: extract in this
+    process, without Ray. ``out_dir``: where ``probe.json`` goes (``None``: not written). ``data_path``:
+    ``cache`` (uint8 rows of a cache under ``cache_dir``, None: ``STORE/cache``) or ``decode``;
+    ``precision`` (None: bf16 on CUDA, fp32 on CPUs); ``batch_size`` None: :data:`CACHE_BATCH` on the cache
+    path, :data:`DECODE_BATCH` decoding.
     """
 
     store: str = setting(help="prepared store (train and test splits)", metavar="STORE", flag="--store")
+    resize: str = same_as(ProtocolSettings, "resize")
     local: bool = setting(False, help="extract the features in this process, without Ray")
     out_dir: str | None = setting(None, flag="--out", metavar="DIR", help="where probe.json goes (None: not written)")
 
@@ -87,6 +101,7 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
         limits = [(bool(self.model), "model: empty model name"),
                   (self.batch_size is None or self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
                   (self.data_path in DATA_PATHS, f"data_path {self.data_path!r}: expected one of {list(DATA_PATHS)}"),
+                  (self.resize in RESIZES, f"resize {self.resize!r}: expected one of {list(RESIZES)}"),
                   (self.precision is None or self.precision in PRECISIONS,
                    f"precision {self.precision!r}: expected one of {list(PRECISIONS)} (or None)"),
                   (self.workers >= 1, f"workers must be >= 1, got {self.workers}"),
@@ -190,8 +205,9 @@ class CacheFeatureActor(FeatureActor):
 
 def cache_args(job: ProbeJob, split: str, *, train: bool, img_size: int) -> dict:
     """The :class:`raystudy.core.finetune.CachedSplitData` keyword arguments of ``split``: the ``full`` kind
-    for the train split with augmentation, else the ``eval`` kind."""
-    return {"store": job.store, "split": split, "size": img_size, "crop": train, "root": job.cache_dir}
+    for the train split with augmentation, else the eval kind of ``job.resize``."""
+    return {"store": job.store, "split": split, "size": img_size, "crop": train, "root": job.cache_dir,
+            "resize": job.resize}
 
 
 def prepare_probe_caches(job: ProbeJob, img_size: int) -> dict[str, int]:
@@ -201,7 +217,7 @@ def prepare_probe_caches(job: ProbeJob, img_size: int) -> dict[str, int]:
 
     rows = {}
     for split, train in {"train": job.augment, "test": False}.items():
-        _, manifest = ensure_cache(job.store, split, kind=kind_for(train), size=img_size,
+        _, manifest = ensure_cache(job.store, split, kind=kind_for(train, job.resize), size=img_size,
                                    root=job.cache_dir)
         rows[split] = int(manifest["rows"])
     return rows
@@ -247,7 +263,7 @@ def features_ray(job: ProbeJob, split: str, *, train: bool, img_size: int,
 
     load_cpus = LOAD_CPUS if job.cpus_per_worker != LOAD_CPUS else LOAD_CPUS / 2
     ds = open_split(job.store, split, train=train, size=img_size, seed=job.seed, epoch=0,
-                    batch_size=job.feature_batch, num_cpus=load_cpus)
+                    batch_size=job.feature_batch, num_cpus=load_cpus, resize=job.resize)
     ds = ds.map_batches(FeatureActor, batch_size=job.feature_batch, batch_format="numpy",
                         compute=ray.data.ActorPoolStrategy(size=job.workers), num_cpus=job.cpus_per_worker,
                         num_gpus=job.gpus_per_worker or None, fn_constructor_kwargs=_actor_args(job, precision))
@@ -269,7 +285,7 @@ def features_local(job: ProbeJob, model, split: str, *, train: bool, img_size: i
     from raystudy.data.stream import iter_batches_local  # torch, torchvision: ProbeJob stays light
 
     batches = iter_batches_local(job.store, split, train=train, size=img_size, batch_size=job.feature_batch,
-                                 seed=job.seed, epoch=0)
+                                 seed=job.seed, epoch=0, resize=job.resize)
     return extract_features(model, batches, device=next(model.parameters()).device, precision=precision)
 
 
@@ -288,7 +304,7 @@ def _check_resources(job: ProbeJob) -> None:
 def split_features(job: ProbeJob, model, img_size: int, address: str | None = None,
                    precision: str = "fp32") -> dict[str, tuple]:
     """``{"train": (features, labels, index), "test": (...)}``: the train split with the training transforms
-    when ``job.augment``, the test split with the eval transforms; locally or through Ray, on
+    when ``job.augment``, the test split with the eval transform of ``job.resize``; locally or through Ray, on
     ``job.data_path`` (the caches built first)."""
     plan = {"train": job.augment, "test": False}
     rows = prepare_probe_caches(job, img_size) if job.data_path == "cache" else None
@@ -323,7 +339,7 @@ def run_probe_job(job: ProbeJob, *, address: str | None = None) -> dict:
     feats = split_features(job, model, img_size, address, precision)
     result = fit_probe(feats["train"][:2], feats["test"][:2], job.seed)
     features = feature_definition(model, augment=job.augment, img_size=img_size, data_path=job.data_path,
-                                  precision=precision)
+                                  precision=precision, resize=job.resize)
     result.update(dataset=str(read_meta(job.store)["name"]), model=job.model, seed=int(job.seed), store=job.store,
                   data_path=job.data_path, precision=precision, batch_size=job.feature_batch, features=features,
                   job=asdict(job), wall_seconds=time.perf_counter() - t0)

@@ -164,8 +164,9 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
 def probe_job(spec: StudySpec, dataset: str, out_dir: str):
     """The linear probe of ``dataset`` (a name among ``spec.datasets``): a
     :class:`~raystudy.distributed.probe.ProbeJob` of the spec's :class:`ModelSettings`, its feature pass's
-    :class:`DeviceSettings` (the study's ``data_path``, ``precision`` (``amp_bf16``: bf16), ``cache_dir``)
-    and the ``probe`` section's :class:`ProbeSettings`, written to ``out_dir/probe.json``.
+    :class:`DeviceSettings` (the study's ``data_path``, ``precision`` (``amp_bf16``: bf16), ``cache_dir``),
+    the study's ``resize`` (its eval transform) and the ``probe`` section's :class:`ProbeSettings`, written
+    to ``out_dir/probe.json``.
     """
     return ProbeJob(**values(ModelSettings, spec), **values(DeviceSettings, spec), **values(ProbeSettings, spec.probe),
-                    store=spec.store_path(spec.datasets[dataset]), out_dir=str(out_dir))
+                    resize=spec.resize, store=spec.store_path(spec.datasets[dataset]), out_dir=str(out_dir))

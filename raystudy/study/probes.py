@@ -3,7 +3,7 @@
 For each dataset of :meth:`~raystudy.study.spec.StudySpec.probe_datasets` without a final ``LP`` row,
 :func:`run_probes` runs :func:`raystudy.distributed.probe.run_probe_job` (a Ray Data feature pass, then the
 scikit-learn fit on the driver; :func:`raystudy.study.jobs.probe_job`) into ``<out>/probes/<dataset>/``
-(on the study's ``data_path`` and ``precision``) and adds :func:`raystudy.core.probe.probe_row` (which
+(on the study's ``data_path``, ``precision`` and ``resize``) and adds :func:`raystudy.core.probe.probe_row` (which
 records both) to the study's tables under
 :func:`~raystudy.core.probe.probe_trial_id` (``<dataset>-LP-s<seed>``). So a resumed study runs only the
 probes it lacks; a ``probe.json`` already written for the same probe (a driver killed before the table
@@ -32,9 +32,10 @@ Echo = Callable[[str], object]
 #: the :class:`~raystudy.distributed.probe.ProbeJob` fields that decide a probe's result (the others say
 #: how it runs): a ``probe.json`` is reused only when they all agree
 RESULT_FIELDS: tuple[str, ...] = ("store", "model", "seed", "weights", "pretrained", "model_kwargs", "img_size",
-                                  "augment", "data_path")
-#: what a ``probe.json`` written before a field existed ran with (its feature pass decoded, in float32)
-LEGACY_JOB = {"data_path": "decode"}
+                                  "augment", "data_path", "resize")
+#: what a ``probe.json`` written before a field existed ran with (its feature pass decoded, in float32, its
+#: eval transform the crop)
+LEGACY_JOB = {"data_path": "decode", "resize": "crop"}
 LEGACY_PRECISION = "fp32"
 
 
