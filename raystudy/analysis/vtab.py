@@ -168,6 +168,14 @@ def _bold_best(rows: list[list[str]], values: pd.DataFrame, first: int) -> set[t
     return bold
 
 
+def millions(n) -> str:
+    """A parameter count in millions as the benchmark's tables print it (``0.29``), with two significant
+    digits below 0.1 M so that small methods stay distinguishable (``0.0013``); ``–`` when unknown."""
+    if pd.isna(n):
+        return "–"
+    return f"{n / 1e6:.2f}" if n >= 1e5 else f"{n / 1e6:.2g}"
+
+
 def render_vtab(t: pd.DataFrame) -> Rendered:
     """One block per (model,) optimizer: configuration, parameters (M), the tasks, group means, both means."""
     tasks = [c for c in t.columns if c in VTAB_TASKS]
@@ -181,7 +189,7 @@ def render_vtab(t: pd.DataFrame) -> Rendered:
     for vals, g in t.groupby(keys, sort=False):
         vals = vals if isinstance(vals, tuple) else (vals,)
         g = g.set_index("configuration").loc[configuration_order(g["configuration"])].reset_index()
-        rows = [[r["configuration"], f"{r['trainable_params'] / 1e6:.2f}" if pd.notna(r["trainable_params"]) else "–",
+        rows = [[r["configuration"], millions(r["trainable_params"]),
                  *(pct(r[c], 1) for c in tasks + means)] for _, r in g.iterrows()]
         heading = " · ".join(f"{k}: {v}" for k, v in zip(keys, vals))
         blocks.append(Block(heading, columns, rows, _bold_best(rows, g[tasks + means], 2), groups))
@@ -196,9 +204,8 @@ def render_vtab(t: pd.DataFrame) -> Rendered:
 
 def render_vtab_frontier(t: pd.DataFrame) -> Rendered:
     def cells(r):
-        return [r["configuration"], r["family"], f"{r['trainable_params'] / 1e6:.3f}"
-                if pd.notna(r["trainable_params"]) else "–", pct(r[MEAN_TASKS], 2), str(int(r["n_tasks"])),
-                "yes" if r["on_frontier"] else ""]
+        return [r["configuration"], r["family"], millions(r["trainable_params"]), pct(r[MEAN_TASKS], 2),
+                str(int(r["n_tasks"])), "yes" if r["on_frontier"] else ""]
     blocks = B._blocks(t, ["optimizer"], ["configuration", "family", "params (M)", "mean over tasks (%)", "tasks",
                                           "on the frontier"], cells)
     return Rendered("vtab_frontier", "VTAB-1k: mean accuracy against trainable parameters (Pareto frontier)",
