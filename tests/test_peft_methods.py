@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_store, tiny_vit
 from safetensors.torch import load_file
-from torch import nn
+from test_lora import _train  # seeded SGD steps of the trainable parameters on random images
 
 from raystudy.core.expressions import ExpressionError, bias_parameters, resolve
 from raystudy.core.finetune import FinetuneConfig, build_finetune_model, train_local
@@ -95,19 +95,6 @@ def _prepared(name, seed=0):
     return model, before, params
 
 
-def _train(model, steps=4):
-    g = torch.Generator().manual_seed(1)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    model.train()
-    for _ in range(steps):
-        x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-
-
 def _plain(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
@@ -137,7 +124,7 @@ def test_counts_seeded_init_starts_at_the_base_model(name):
 def test_merged_equals_unmerged_and_frozen_weights_are_bit_identical(name):
     model, before, params = _prepared(name)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    _train(model)
+    _train(model, steps=4)
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
@@ -160,7 +147,7 @@ def test_merged_equals_unmerged_and_frozen_weights_are_bit_identical(name):
 def test_merged_weights_follow_the_formulas():
     """IA3 and DoRA merged weights computed here from their definitions (not through peft)."""
     model, before, _ = _prepared("ia3")
-    _train(model)
+    _train(model, steps=4)
     named, merged = dict(model.named_parameters()), merge(model).state_dict()
     for i in range(L):
         qkv, fc2 = f"blocks.{i}.attn.qkv", f"blocks.{i}.mlp.fc2"
@@ -172,7 +159,7 @@ def test_merged_weights_follow_the_formulas():
         torch.testing.assert_close(merged[f"{fc2}.weight"], before[f"{fc2}.weight"] * l_fc2[None, :])
         torch.testing.assert_close(merged[f"{fc2}.bias"], before[f"{fc2}.bias"])
     model, before, _ = _prepared("dora")
-    _train(model)
+    _train(model, steps=4)
     named, merged = dict(model.named_parameters()), merge(model).state_dict()
     for i in range(L):
         key = f"blocks.{i}.attn.proj"
