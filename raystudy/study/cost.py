@@ -193,6 +193,15 @@ def _meta_model(model: str, kwargs_json: str, img_size: int | None):
         return build_model(model, img_size=img_size, **json.loads(kwargs_json))
 
 
+def spec_meta_model(spec):
+    """The model of a study ``spec`` on the meta device, as its trials build it (``model_kwargs`` without
+    ``img_size``, the size :func:`~raystudy.core.models.resolve_img_size` resolves); one per process for each
+    (model, kwargs, size): an adapter expression, which wraps layers in place, must resolve on a copy."""
+    kwargs = {k: v for k, v in spec.model_kwargs.items() if k != "img_size"}
+    return _meta_model(spec.model, json.dumps(kwargs, sort_keys=True),
+                       resolve_img_size(spec.model, spec.model_kwargs, spec.img_size))
+
+
 def _parameter_count(model: str, kwargs_json: str, img_size: int | None) -> int | None:
     try:
         return sum(p.numel() for p in _meta_model(model, kwargs_json, img_size).parameters())
@@ -215,10 +224,8 @@ def counted_selection(spec, dataset: str, configuration: str, seed: int, plastic
             table, tree = None, Budgeted("random", tree.budget)
             note = (f"{configuration}: no plasticity table yet (measured at launch); its FLOPs are estimated as "
                     f"{tree}'s at each trial's seed (same budget, random order)")
-    kwargs = {k: v for k, v in spec.model_kwargs.items() if k != "img_size"}
-    net = _meta_model(spec.model, json.dumps(kwargs, sort_keys=True),
-                      resolve_img_size(spec.model, spec.model_kwargs, spec.img_size))
-    chosen = resolve(net, tree, plasticity=table, seed=seed, include_layerscale=spec.include_layerscale).chosen
+    chosen = resolve(spec_meta_model(spec), tree, plasticity=table, seed=seed,
+                     include_layerscale=spec.include_layerscale).chosen
     return chosen, note
 
 

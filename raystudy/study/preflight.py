@@ -3,17 +3,24 @@
 :func:`launch_problems` opens each store a launch reads (the datasets', the pretraining store), the weights
 file (its format, then built into the model as every trial builds it), the text model's tokenizer and the
 folders it writes (the study directory, the cache root), and returns one line per problem, each naming the
-spec field and the path. Stores that the launch builds itself (``builtin_data``) and weights that its
-pretraining step writes are not problems while they are absent.
+spec field and the path. Every configuration is also resolved on the spec's model built on the meta device
+(:func:`configuration_problems`), so that one naming a layer or a block the model lacks (``ia3:nonexistent``,
+``lora:r=8:fc9``, ``MHA@40`` on a 12-block model) is reported here rather than inside its trials. Stores
+that the launch builds itself (``builtin_data``) and weights that its pretraining step writes are not
+problems while they are absent.
 """
 
 from __future__ import annotations
 
+import copy
+
+from raystudy.core.expressions import Adapter, Budgeted, normalise, resolve
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model, resolve_modality
 from raystudy.data.store import StoreError, check_store
 from raystudy.storage import exists, folder_problem, is_uri, join
 from raystudy.study.checks import dataset_store_problem
+from raystudy.study.cost import spec_meta_model
 from raystudy.study.persist import check_stored, resolve_paths, row_conflicts_message
 from raystudy.study.results import ResultTables
 from raystudy.study.spec import SpecError, StudySpec
@@ -46,6 +53,7 @@ def launch_problems(spec: StudySpec) -> list[str]:
     metas = _store_problems(spec, problems)
     _weights_problems(spec, metas, problems)
     _tokenizer_problems(spec, problems)
+    problems.extend(configuration_problems(spec))
     for field, path in (("out", spec.out), ("cache_dir", spec.cache_dir)):
         problem = folder_problem(path)
         if problem:
@@ -115,3 +123,27 @@ def _tokenizer_problems(spec: StudySpec, problems: list[str]) -> None:
         modality_of_model(spec.model).load_tokenizer(spec.model, spec.plasticity.tokenizer)
     except Exception as e:  # a missing file, or tokenizers' own error for a file that is no tokenizer.json
         problems.append(f"plasticity.tokenizer: cannot load the tokenizer: {e}")
+
+
+def configuration_problems(spec: StudySpec) -> list[str]:
+    """One line per configuration of ``spec`` that does not resolve (:func:`raystudy.core.expressions.resolve`)
+    on the spec's model on the meta device (:func:`raystudy.study.cost.spec_meta_model`: shapes only, no
+    weights): the expression and the reason (an adapter target no block has, a block out of range). A budget
+    resolves at the first seed; ``auto:B``, whose plasticity table is measured at launch, as ``random:B``
+    (the same budget and units, another order). A model the meta device cannot build is left to the weights
+    check (no line here)."""
+    try:
+        net = spec_meta_model(spec)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError, OSError):
+        return []
+    problems = []
+    for configuration in spec.configurations:
+        tree = normalise(configuration)
+        if isinstance(tree, Budgeted) and tree.strategy == "auto":
+            tree = Budgeted("random", tree.budget)
+        model = copy.deepcopy(net) if isinstance(tree, Adapter) else net  # an adapter wraps layers in place
+        try:
+            resolve(model, tree, seed=spec.seeds[0], include_layerscale=spec.include_layerscale)
+        except (ValueError, TypeError, KeyError) as e:  # ExpressionError, TargetError are ValueErrors
+            problems.append(f"configurations: {configuration!r} does not resolve on {spec.model}: {e}")
+    return problems

@@ -74,7 +74,7 @@ from raystudy.study.persist import (  # noqa: F401  (re-exported: their home bef
     stored_spec,
     write_spec,
 )
-from raystudy.study.preflight import weights_load_error
+from raystudy.study.preflight import configuration_problems, weights_load_error
 from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
@@ -294,6 +294,9 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
     for problem in final.store_problems(spec):
         raise SpecError(problem)
     check_weights_load(spec)
+    problems = configuration_problems(spec)  # a layer or block the model lacks: refused before any trial
+    if problems:
+        raise SpecError("\n".join(problems))
     write_spec(spec)
     return spec
 
