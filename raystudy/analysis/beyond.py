@@ -421,7 +421,8 @@ def _count_label(n: float) -> str:
     return f"{n:g}"
 
 
-def _frontier_panel(ax, rows: pd.DataFrame, styles: dict[str, tuple[str, str]]) -> None:
+def _frontier_panel(ax, rows: pd.DataFrame, styles: dict[str, tuple[str, str]],
+                    ylabel: str = "best-lr test accuracy (%)") -> None:
     """Every configuration in its colour and marker (frontier ones large, outlined and joined; others faded) at
     its trainable parameters (log x) and best-lr accuracy (%); only frontier points are labelled, alternately
     above and below (the legend names every point)."""
@@ -440,11 +441,12 @@ def _frontier_panel(ax, rows: pd.DataFrame, styles: dict[str, tuple[str, str]]) 
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _count_label(v)))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("trainable parameters (log scale)")
-    ax.set_ylabel("best-lr test accuracy (%)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, which="both")
 
 
-def plot_frontier(rows: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
+def plot_frontier(rows: pd.DataFrame, path_stem: str | Path, *, title: str = "",
+                  ylabel: str = "best-lr test accuracy (%)") -> list[Path]:
     """Best-lr accuracy against trainable parameters (log x) of one dataset (or ``overall``), a panel per
     (model,) optimizer; every configuration in its own colour and marker (the legend), frontier points large,
     outlined, joined by a line and labelled; others faded. ``rows``: rows of :func:`frontier_table`."""
@@ -453,7 +455,7 @@ def plot_frontier(rows: pd.DataFrame, path_stem: str | Path, *, title: str = "")
     styles = F.configuration_styles(F._ordered(rows["configuration"].unique()))  # {configuration: (colour, marker)}
     fig, axes = F._grid(len(panels), width=6.0, height=4.4)
     for ax, (name, g) in zip(axes, panels):
-        _frontier_panel(ax, g, styles)
+        _frontier_panel(ax, g, styles, ylabel)
         if name:
             ax.set_title(name)
     handles = [Line2D([], [], ls="", color=color, marker=marker, ms=7, label=c)

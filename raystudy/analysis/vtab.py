@@ -230,4 +230,4 @@ def figure_job(frontier: pd.DataFrame) -> tuple:
     title = "VTAB-1k: mean accuracy over tasks against trainable parameters"
     return ("vtab_frontier", title, "Mean over tasks of the VTAB-1k table against trainable parameters (log scale, "
             "head included); the Pareto frontier outlined, joined and labelled.",
-            lambda s: B.plot_frontier(rows, s, title=title))
+            lambda s: B.plot_frontier(rows, s, title=title, ylabel="test accuracy (%), mean over tasks"))
