@@ -201,36 +201,3 @@ def test_the_study_table_has_one_part_per_trial_and_load_study_joins_it(tmp_path
     # a trial without changes (an older run) drops its part; the others stay
     tables.add(trial_row(points[0], "m", _summary(0)))
     assert sorted(ResultTables(study).change_ids) == sorted(p["trial_id"] for p in points[1:])
-
-
-@pytest.mark.slow
-def test_a_study_records_every_trials_changes_on_its_pretraining_side(ray_session, builtin, tmp_path):
-    """Two trials (MHA, Head) in their Tune actors, then the MHA point as a Ray Train run: each trial's
-    changes are one part of ``changes.parquet/``, its CKA on the study's pretraining store, and the two
-    executions record the same numbers."""
-    from test_study import base_spec
-
-    from raystudy.study.spec import StudySpec, trial_id
-    from raystudy.study.tune import run_study
-
-    def study(out, **kw):
-        spec = StudySpec.from_dict(base_spec(builtin, out, name="changes", datasets={"color": "shift-color"},
-                                             optimizers={"sgd": [0.03]}, change_images=8, **kw))
-        assert run_study(spec, echo=lambda _: None).counts["ok"] == len(spec.configurations)
-        return read_result(str(out), "changes")
-
-    actor = study(tmp_path / "actor", configurations=["MHA", "Head"])
-    mha, head = trial_id("color", "MHA", "sgd", 0.03, 0), trial_id("color", "Head", "sgd", 0.03, 0)
-    assert sorted(p.name for p in (tmp_path / "actor" / "changes.parquet").iterdir()) == sorted(
-        part_name(t) for t in (mha, head))
-    counts = actor.groupby(["trial_id", "measure"]).size().to_dict()
-    assert counts == {(t, m): n for t in (mha, head) for m, n in (("cka", 3), ("weight_change", 15))}
-    of = actor.set_index(["trial_id", "measure"]).sort_index()
-    assert (of.loc[(head, "weight_change"), "value"] == 0).all()
-    assert of.loc[(head, "cka"), "value"].to_numpy() == pytest.approx([1.0] * 3, abs=1e-9)
-    trained = of.loc[(mha, "weight_change")]
-    mine = trained.component == "MHA"
-    assert (trained[mine].value > 0).all() and (trained[~mine].value == 0).all()
-    assert (of.loc[(mha, "cka"), "value"] < 1).all()
-    train = study(tmp_path / "train", configurations=["MHA"], execution="train")
-    pd.testing.assert_frame_equal(train, actor[actor.trial_id == mha].reset_index(drop=True))

@@ -243,10 +243,11 @@ def test_lora_resume_is_exact(store, tmp_path):
         assert summary[k] == ref[k]
 
 
-#: the methods the Ray Train resume below runs (about 80 s each on two cores): LoRA, VeRA (frozen projections
-#: shared by every layer, buffers DDP broadcasts) and IA3 (a merge that scales biases). Every method's exact
-#: resume after an injected failure is tested in one process in tests/test_peft_methods.py.
-RAY_METHODS = ("lora:r=2", "vera:r=8", "ia3")
+#: the methods the Ray Train resume below runs (about 80 s each on two cores, so two of them in CI): VeRA
+#: (frozen projections shared by every layer, buffers DDP broadcasts) and IA3 (a merge that scales biases);
+#: LoRA's adapters are injected, wrapped by DDP and checkpointed the same way as theirs. Every method's exact
+#: resume after an injected failure, LoRA's included, is tested in one process in tests/test_peft_methods.py.
+RAY_METHODS = ("vera:r=8", "ia3")
 
 
 @pytest.mark.slow

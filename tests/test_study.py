@@ -31,7 +31,7 @@ from conftest import STUDY_MODEL, STUDY_TINY
 
 from raystudy.faults import ENV as FAULTS_ENV
 from raystudy.io import read_result
-from raystudy.study.results import read_trial_summary, trial_dir
+from raystudy.study.results import part_name, read_trial_summary, trial_dir
 from raystudy.study.spec import StudySpec, trial_id
 from raystudy.study.tune import load_study_spec, restore_tuner, run_study, tune_experiments
 
@@ -122,6 +122,18 @@ def test_actor_and_ray_train_executions_give_the_same_numbers(ray_session, built
         assert actor[k] == train[k], k
     # the actor trial deleted its checkpoints once it ended (cleanup), as a Ray Train run deletes its own
     assert not (Path(grid_study["out"]) / "train" / tid).exists()
+    # what finetuning changed: one part of changes.parquet/ per trial, CKA on the study's pretraining store;
+    # both executions record the same numbers
+    changes = read_result(grid_study["out"], "changes")
+    assert sorted(p.name for p in (Path(grid_study["out"]) / "changes.parquet").iterdir()) == sorted(
+        part_name(t) for t in GRID_IDS)
+    counts = changes.groupby(["trial_id", "measure"]).size().to_dict()
+    assert counts == {(t, m): n for t in GRID_IDS for m, n in (("cka", 3), ("weight_change", 15))}
+    mha = changes[changes.trial_id == tid].reset_index(drop=True)
+    moved = mha[mha.measure == "weight_change"]
+    assert (moved[moved.component == "MHA"].value > 0).all() and (moved[moved.component != "MHA"].value == 0).all()
+    assert (mha[mha.measure == "cka"].value < 1).all()
+    pd.testing.assert_frame_equal(read_result(str(tmp_path / "study"), "changes"), mha)
 
 
 def test_grid_study_curves_match_each_trial(grid_study):

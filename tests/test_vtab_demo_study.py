@@ -21,7 +21,7 @@ def study(ray_session, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("vtab1k-demo") / "study"
     spec = load_preset("vtab1k-demo").with_overrides({
-        "out": str(out), "configurations": CONFIGURATIONS, "seeds": [0, 1], "steps": 6, "eval_period": 3,
+        "out": str(out), "configurations": CONFIGURATIONS, "seeds": [0], "steps": 6, "eval_period": 3,
         "warmup_steps": 1, "checkpoint_period": 6, "pretrain.steps": 30, "plasticity.pairs": 64,
         "probe.enabled": False,
     })
@@ -36,8 +36,8 @@ def test_vtab1k_demo_writes_the_benchmark_tables_and_figures(study):
     trials = read_result(str(out), "trials")
     assert set(trials["status"]) == {"ok"}
     search, final = trials[trials["phase"] == "search"], trials[trials["phase"] == "final"]
-    assert len(search) == 3 * 6 * 2 * 2 and len(final) == 3 * 6 * 2
-    # the final lr is the one with the best mean validation accuracy over seeds (the smaller lr on a tie)
+    assert len(search) == 3 * 6 * 2 and len(final) == 3 * 6
+    # the final lr is the one with the best validation accuracy (mean over seeds; the smaller lr on a tie)
     val = search.groupby(["dataset", "configuration", "lr"])["best_val_acc"].mean().reset_index()
     chosen = val.sort_values(["best_val_acc", "lr"], ascending=[False, True]).groupby(
         ["dataset", "configuration"]).head(1).set_index(["dataset", "configuration"])["lr"]
