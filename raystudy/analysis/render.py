@@ -54,6 +54,19 @@ class Block:
             runs = runs[:-1] + [(g, runs[-1][1] + 1)] if runs and runs[-1][0] == g else runs + [(g, 1)]
         return runs
 
+    def cell_texts(self, escape, bold: str, detail: str = "{text} ({detail})") -> list[list[str]]:
+        """Every row's cell texts for one output format: each text ``escape``d, a bold cell's wrapped by the
+        format ``bold`` (of ``text``), a ``(text, detail)`` cell written as the format ``detail``."""
+        out = []
+        for i, row in enumerate(self.rows):
+            cells = []
+            for j, c in enumerate(row):
+                text, extra = c if isinstance(c, tuple) else (c, "")
+                shown = bold.format(text=escape(text)) if (i, j) in self.bold and text else escape(text)
+                cells.append(detail.format(text=shown, detail=escape(extra)) if extra else shown)
+            out.append(cells)
+        return out
+
 
 @dataclass
 class Rendered:
@@ -71,13 +84,7 @@ class Rendered:
                 out += [f"## {md_escape(b.heading)}", ""]
             out.append("| " + " | ".join(md_escape(c) for c in b.columns) + " |")
             out.append("|" + "|".join(":---" if j == 0 else "---:" for j in range(len(b.columns))) + "|")
-            for i, row in enumerate(b.rows):
-                cells = []
-                for j, c in enumerate(row):
-                    text, detail = c if isinstance(c, tuple) else (c, "")
-                    text = f"**{md_escape(text)}**" if (i, j) in b.bold and text else md_escape(text)
-                    cells.append(f"{text} ({md_escape(detail)})" if detail else text)
-                out.append("| " + " | ".join(cells) + " |")
+            out += ["| " + " | ".join(cells) + " |" for cells in b.cell_texts(md_escape, "**{text}**")]
             out.append("")
         out += [f"- {md_escape(n)}" for n in self.footnotes]
         return "\n".join(out).rstrip() + "\n"
@@ -88,14 +95,7 @@ class Rendered:
         footnotes as ``%`` comments above and below (a document chooses its own float and caption)."""
         out = [f"% {tex_escape(self.title)}", f"% {tex_escape(self.caption)}"]
         for b in self.blocks:
-            rows = []
-            for i, row in enumerate(b.rows):
-                cells = []
-                for j, c in enumerate(row):
-                    text, detail = c if isinstance(c, tuple) else (c, "")
-                    text = f"\\textbf{{{tex_escape(text)}}}" if (i, j) in b.bold and text else tex_escape(text)
-                    cells.append(f"{text} ({tex_escape(detail)})" if detail else text)
-                rows.append(cells)
+            rows = b.cell_texts(tex_escape, "\\textbf{{{text}}}")
             header = [tex_escape(c) for c in b.columns]
             if b.groups:
                 header = pd.MultiIndex.from_arrays([[tex_escape(g) for g in b.groups], header])
@@ -117,17 +117,10 @@ class Rendered:
             if b.groups:
                 spans = "".join(f'<th scope="colgroup" colspan="{n}">{e(g)}</th>' for g, n in b.spans())
                 head = f"{spans}</tr><tr>{head}"
-            body = []
-            for i, row in enumerate(b.rows):
-                cells = []
-                for j, c in enumerate(row):
-                    c, detail = c if isinstance(c, tuple) else (c, "")
-                    text = f"<strong>{e(c)}</strong>" if (i, j) in b.bold and c else e(c)
-                    if detail:
-                        text += f'<br><small class="detail">{e(detail)}</small>'
-
-                    cells.append(f'<th scope="row">{text}</th>' if j == 0 else f"<td>{text}</td>")
-                body.append("<tr>" + "".join(cells) + "</tr>")
+            body = ["<tr>" + "".join(f'<th scope="row">{t}</th>' if j == 0 else f"<td>{t}</td>"
+                                     for j, t in enumerate(cells)) + "</tr>"
+                    for cells in b.cell_texts(e, "<strong>{text}</strong>",
+                                              '{text}<br><small class="detail">{detail}</small>')]
             parts.append(f'<table data-table="{e(self.name)}"><thead><tr>{head}</tr></thead>'
                          f"<tbody>{''.join(body)}</tbody></table>")
         if self.footnotes:
