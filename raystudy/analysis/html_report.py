@@ -27,7 +27,7 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
 )
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
-from raystudy.analysis.render import SELECTION_RULES, fmt_num, md_escape, pct
+from raystudy.analysis.render import SELECTION_RULES, fmt_num, md_escape, pct, thesis_check
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.vtab import selection_text
 from raystudy.vocab import LINEAR_PROBE
@@ -106,7 +106,7 @@ def _headlines(res: AnalysisResult) -> list[str]:
         m = p[p["mode"] == mode].groupby("component")["plasticity"].mean().sort_values(ascending=False)
         ranking = " > ".join(f"{c} {fmt_num(v, 2)}" for c, v in m.items())
         lines.append(f"Plasticity ({mode} mode, mean over layers and datasets): {ranking}")
-    return lines
+    return lines + thesis_check(res.tables.get("ranking"))
 
 
 def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
