@@ -3,7 +3,8 @@ vocabularies (no download).
 
 ``text-news`` (the pretraining-like side: markets, politics, sport, science news) and ``text-nature``
 (the downstream side: rivers, forests, birds, weather), each ``count`` sentences of 14 to 24 words drawn
-from a seeded generator, labelled by topic (4 classes each), split 60/20/20 into train/val/test by
+from a seeded generator, labelled by topic (4 classes each; a quarter of the words from the topic, the rest
+from a pool shared by every class, so that topic words overlap), split 60/20/20 into train/val/test by
 position. Deterministic: the same ``seed`` writes the same rows (and the same store checksums).
 
     python -m raystudy.data.text_demo ROOT      # writes ROOT/text-news and ROOT/text-nature
@@ -66,12 +67,13 @@ def _split(i: int, count: int) -> str:
     return SPLIT_SHARES[-1][0]
 
 
-def prepare_text_demo(root: str | os.PathLike, count: int = 300, seed: int = 0) -> dict[str, str]:
+def prepare_text_demo(root: str | os.PathLike, count: int = 300, seed: int = 0,
+                      topic_share: float = TOPIC_SHARE) -> dict[str, str]:
     """Write both stores under ``root`` (``root/<name>``); returns ``{name: store path}``."""
     out = {}
     for name, topics in CORPORA.items():
         rows = [{"text": text, "label": label, "split": _split(i, count), "index": i}
-                for i, (text, label) in enumerate(sentences(name, count, seed))]
+                for i, (text, label) in enumerate(sentences(name, count, seed, topic_share))]
         path = Path(root) / name
         write_store(rows, path, name=name, source="raystudy.data.text_demo", classes=list(topics), kind="text",
                     allow_empty=False)
