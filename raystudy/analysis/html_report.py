@@ -186,21 +186,52 @@ def build_markdown(res: AnalysisResult) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+#: Pixels of a figure's PNG (150 dpi) per CSS pixel (96 per inch): every figure shown at its true size (wider
+#: ones shrunk to the page), so that one font size in points reads the same in every figure.
+PNG_PER_CSS_PX = 150 / 96
+
+
+def _png_width(data: bytes) -> int:
+    """The width in pixels of a PNG (bytes 16-19 of its IHDR chunk, big-endian)."""
+    return int.from_bytes(data[16:20], "big")
+
+
 def _figure(info) -> str:
-    png = next(p for p in info.paths if p.suffix == ".png")
-    data = base64.b64encode(png.read_bytes()).decode("ascii")
+    png = next(p for p in info.paths if p.suffix == ".png").read_bytes()
+    data, width = base64.b64encode(png).decode("ascii"), round(_png_width(png) / PNG_PER_CSS_PX)
     return (f'<figure id="figure-{_e(info.name)}"><h3>{_e(info.title)}</h3>'
-            f'<img src="data:image/png;base64,{data}" alt="{_e(info.title)}" data-figure="{_e(info.name)}">'
+            f'<img src="data:image/png;base64,{data}" alt="{_e(info.title)}" data-figure="{_e(info.name)}" '
+            f'width="{width}">'
             f"<figcaption>{_e(info.caption)} (PNG and SVG in figures/{_e(info.name)}.*)</figcaption></figure>")
+
+
+def unique_labels(labels: list[str], kinds: list[str]) -> list[str]:
+    """``labels`` made unique: one that repeats says its kind (``"Best accuracy per dataset (figure)"``), and
+    one still repeated then its rank (``"... (figure 2)"``)."""
+    counts = {lab: labels.count(lab) for lab in labels}
+    out = [f"{lab} ({kind})" if counts[lab] > 1 else lab for lab, kind in zip(labels, kinds)]
+    seen: dict[str, int] = {}
+    for i, lab in enumerate(list(out)):
+        seen[lab] = seen.get(lab, 0) + 1
+        if out.count(lab) > 1 and seen[lab] > 1:
+            out[i] = f"{lab[:-1]} {seen[lab]})" if lab.endswith(")") else f"{lab} ({seen[lab]})"
+    return out
+
+
+def toc_entries(res: AnalysisResult) -> list[tuple[str, str]]:
+    """``(anchor, label)`` of the report's table of contents: summary, notes, every table, every figure; the
+    labels unique (:func:`unique_labels`)."""
+    entries = [("summary", "Summary", "section")] + ([("notes", "Notes", "section")] if res.notes or res.footnote
+                                                      else [])
+    entries += [(f"table-{n}", r.title, "table") for n, r in res.rendered.items()]
+    entries += [(f"figure-{f.name}", f.title, "figure") for f in res.figures]
+    labels = unique_labels([lab for _, lab, _ in entries], [k for _, _, k in entries])
+    return [(anchor, label) for (anchor, _, _), label in zip(entries, labels)]
 
 
 def build_html(res: AnalysisResult) -> str:
     """The report of an analysis as one HTML string (no external resource)."""
-    toc = ['<li><a href="#summary">Summary</a></li>']
-    if res.notes or res.footnote:
-        toc.append('<li><a href="#notes">Notes</a></li>')
-    toc += [f'<li><a href="#table-{_e(n)}">{_e(r.title)}</a></li>' for n, r in res.rendered.items()]
-    toc += [f'<li><a href="#figure-{_e(f.name)}">{_e(f.title)}</a></li>' for f in res.figures]
+    toc = [f'<li><a href="#{_e(anchor)}">{_e(label)}</a></li>' for anchor, label in toc_entries(res)]
     notes = ""
     if res.notes or res.footnote:
         items = "".join(f"<li>{_e(n)}</li>" for n in res.notes + ([res.footnote] if res.footnote else []))
