@@ -1,8 +1,8 @@
 """The look of every figure, defined once: the palette, the markers and the font scale.
 
-Colours are the Okabe-Ito palette (colour-blind safe) plus a mid grey, one per configuration of the
+Colours are the Okabe-Ito palette (colour-blind safe) plus a dark grey, one per configuration of the
 vocabulary, each with its own marker, so that no two configurations share a colour or a marker (LN1 blue
-``v``, LN2 bluish green ``^``; ``Head`` grey ``X``, ``LP`` yellow ``h``): a figure reads in colour, for a
+``v``, LN2 bluish green ``^``; ``Head`` dark grey ``X``, ``LP`` yellow ``h``): a figure reads in colour, for a
 colour-blind reader and in grey-scale print. Configurations outside the vocabulary (expressions) get
 :func:`configuration_styles`' extra colours and markers. Datasets, where a scatter plot shows several, are
 told apart by :func:`dataset_markers`.
@@ -35,7 +35,7 @@ CONFIGURATION_COLORS: dict[str, str] = {
     "FC2": OKABE_ITO["reddish purple"],
     "All": OKABE_ITO["black"],
     "Emb": OKABE_ITO["sky blue"],
-    "Head": "#7F7F7F",  # grey: the head alone, a baseline
+    "Head": "#555555",  # dark grey, a baseline (a mid grey would come within reach of bluish green or purple)
     "LP": OKABE_ITO["yellow"],  # the linear probe, the other baseline: not a second grey
 }
 assert set(CONFIGURATION_COLORS) == set(TRIALS_CONFIGURATIONS)
