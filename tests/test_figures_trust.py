@@ -244,7 +244,7 @@ def test_every_configuration_has_its_own_colour_and_marker(drawn):
             by_config.setdefault(text.split(",")[0], style)
         colours = [c for c, _ in by_config.values()]
         assert len(set(colours)) == len(colours), (fname, by_config)
-        for config, (colour, marker) in by_config.items():
+        for config, (colour, _marker) in by_config.items():
             assert seen.setdefault(config, colour) == colour, (fname, config)  # one colour in every figure
     assert {"LN1", "LN2", "Head", "LP"} <= set(seen)
     vs_lr = figures["accuracy_vs_lr"].axes[0]
@@ -337,6 +337,8 @@ def test_datasets_are_told_apart_in_scatter_plots(drawn):
 
 def test_table_of_contents_labels_are_unique(drawn):
     _, res, _ = drawn
+    titles = [r.title for r in res.rendered.values()] + [f.title for f in res.figures]
+    assert len(set(titles)) < len(titles)  # a table and its figure share a title ("Relative gain over ...")
     labels = [label for _, label in toc_entries(res)]
     anchors = [a for a, _ in toc_entries(res)]
     assert len(set(labels)) == len(labels) and len(set(anchors)) == len(anchors)
