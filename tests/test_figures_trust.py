@@ -356,3 +356,12 @@ def test_unique_labels_and_true_size_figures(tmp_path):
     paths = save_figure(fig, tmp_path / "f")
     html = _figure(FigureInfo("f", "F", "c", paths))
     assert re.search(r'width="(\d+)"', html).group(1) == str(round(6.0 * 96))  # 6 inches at 96 CSS px each
+
+
+def test_points_at_nearly_the_same_x_are_drawn_side_by_side():
+    from raystudy.analysis.sweep_figures import DODGE, dodged
+
+    x = np.array([1000.0, 28_224.0, 1000.0, 1536.0, 1537.0])
+    lo, hi = 1000 / np.sqrt(DODGE), 1000 * np.sqrt(DODGE)
+    mid = np.sqrt(1536 * 1537)
+    assert dodged(x) == pytest.approx([lo, 28_224.0, hi, mid / np.sqrt(DODGE), mid * np.sqrt(DODGE)])

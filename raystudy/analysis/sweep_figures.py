@@ -289,13 +289,21 @@ DODGE = 1.12
 
 
 def dodged(x: np.ndarray) -> np.ndarray:
-    """``x`` with the k-th of n equal values moved to ``x * DODGE ** (k - (n - 1) / 2)``: points at the same
-    parameter count (``Head`` and ``LP`` train the same head) drawn side by side on a log axis, not one on
-    the other."""
-    out = np.asarray(x, dtype=float).copy()
-    for value in np.unique(out):
-        idx = np.flatnonzero(out == value)
-        out[idx] = value * DODGE ** (np.arange(idx.size) - (idx.size - 1) / 2)
+    """``x`` (positive) with each run of n values closer than a factor DODGE to the next (sorted) spread to
+    ``c * DODGE ** (k - (n - 1) / 2)``, k = 0..n-1 in that order, around their geometric mean ``c``: points at
+    (nearly) the same parameter count (``Head`` and ``LP`` train the same head, LN1 and LN2 as many
+    parameters) drawn side by side on a log axis, not one on the other."""
+    x = np.asarray(x, dtype=float)
+    out, order = x.copy(), np.argsort(x, kind="stable")
+    runs = [[order[0]]] if x.size else []
+    for prev, i in zip(order, order[1:]):
+        if x[i] < x[prev] * DODGE:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    for run in runs:
+        centre = np.exp(np.log(x[run]).mean())
+        out[run] = centre * DODGE ** (np.arange(len(run)) - (len(run) - 1) / 2)
     return out
 
 
