@@ -61,6 +61,7 @@ from raystudy.study.health import (  # noqa: F401  (re-exported: their home befo
     run_dir_problem,
     storage_errors,
 )
+from raystudy.study.hparams import write_study_hparams
 from raystudy.study.lock import StudyLock
 from raystudy.study.measure import measure_plasticity, plasticity_todo
 from raystudy.study.persist import (  # noqa: F401  (re-exported: their home before the split)
@@ -74,6 +75,7 @@ from raystudy.study.persist import (  # noqa: F401  (re-exported: their home bef
     stored_spec,
     write_spec,
 )
+from raystudy.study.points import STUDY_TRIAL_ID, point_study_trial_id
 from raystudy.study.preflight import configuration_problems, weights_load_error
 from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
@@ -108,7 +110,8 @@ def _search_setup(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     from ray import tune
 
     if points is not None:
-        param_space = {"point": tune.grid_search(points)}
+        # the study's trial id beside its point (Tune's trial_id is Tune's): resolved from the point drawn
+        param_space = {"point": tune.grid_search(points), STUDY_TRIAL_ID: tune.sample_from(point_study_trial_id)}
         tune_config = tune.TuneConfig(num_samples=1, reuse_actors=True)
         n = len(points)
     else:
@@ -149,6 +152,7 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     if not verbose:
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's legacy reporter at verbose=0 prints nothing
     echo(f"[{spec.name}] launching {n} trial(s) as Tune experiment {join(spec.out, 'tune', name)}")
+    write_study_hparams(spec)  # TensorBoard's HParams experiment: every axis with its domain
     tuner = tune.Tuner(trainable(spec), param_space=param_space, tune_config=tune_config, run_config=run_config)
     try:
         # a Ray Train controller lost with its node leaves a placement group behind
