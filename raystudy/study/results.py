@@ -12,7 +12,7 @@ Layout of ``<out>/`` (local path or pyarrow URI)::
     trials/<trial_id>/   one finetuning run: summary.json, curves.parquet, changes.parquet, tb/ (its TensorBoard)
     tb/<trial_id>/       the TensorBoard run of every finished trial (``tensorboard --logdir <out>/tb``)
     train/<trial_id>/    Ray Train's run storage (checkpoints), so an interrupted trial resumes from them
-    tune/<launch>/       one Tune experiment per launch (``tune.Tuner.restore`` / ``ResultGrid``)
+    tune/<launch>/       one Tune experiment per launch (``restore_tuner`` / ``ResultGrid``)
     analysis/            tables, statistical tests, figures and report.html
 
 The per-trial ``summary.json`` is the source of truth: the study tables are a projection of the trial

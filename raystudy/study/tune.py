@@ -41,6 +41,7 @@ that the commands can check a spec with this module without starting Ray.
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ from raystudy.data.store import SPLITS, read_meta
 from raystudy.distributed.cache import build_caches
 from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
 from raystudy.distributed.reaper import start_reaper
+from raystudy.io import table_path
 from raystudy.storage import exists, folder_problem, is_uri, join, subdirs
 from raystudy.study import final
 from raystudy.study.health import (  # noqa: F401  (re-exported: their home before the split)
@@ -90,10 +92,10 @@ from raystudy.study.signals import (  # noqa: F401  (Terminated: re-exported)
 )
 from raystudy.study.spec import SpecError, StudySpec
 from raystudy.study.trial import TrialFailed, final_report, local_dir_for, run_trial, trainable  # noqa: F401
-from raystudy.vocab import FINAL_STATUSES
+from raystudy.vocab import FINAL_STATUSES, SCHEMAS
 
-__all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_tuner", "run_study",
-           "tune_experiments"]
+__all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_command", "restore_tuner",
+           "resume_command", "run_study", "tables_written", "tune_experiments"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -423,10 +425,36 @@ def print_summary(spec: StudySpec, o: StudyOutcome, echo: Echo = _echo) -> None:
     if spec.probe.enabled:
         echo(f"  probes:      {o.probes['ok']}/{len(spec.probe_datasets())} fitted (failed {o.probes['failed']}) "
              f"-> {join(o.study_dir, 'probes')}/<dataset>/probe.json")
-    echo(f"  results:     {o.study_dir}/  (trials.parquet, curves.parquet, plasticity.parquet, bounds.parquet)")
+    echo(f"  results:     {o.study_dir}/  ({', '.join(tables_written(o.study_dir)) or 'no table yet'})")
     echo(f"  notebook:    raystudy.load_study({o.study_dir!r})")
     echo(f"  TensorBoard: tensorboard --logdir {join(o.study_dir, 'tb')}")
-    echo(f"  Tune:        {join(o.study_dir, 'tune')}/<launch>  (ray.tune.Tuner.restore / ResultGrid)")
+    echo(f"  Tune:        {restore_command(o.study_dir)}")
+    echo(f"  resume:      {resume_command(o.study_dir)}")
     if o.analysis_dir:
         echo(f"  analysis:    {o.analysis_dir}/")
         echo(f"  report:      {o.report}")
+
+
+def tables_written(study_dir: str) -> list[str]:
+    """The result tables present in ``study_dir``, in :data:`raystudy.vocab.SCHEMAS` order
+    (``trials.parquet``, ``curves.parquet``, ``changes.parquet``, ``plasticity.parquet``, ``rates.parquet``,
+    ...): a file, or a dataset folder of parts."""
+    return [f"{t}.parquet" for t in SCHEMAS if exists(table_path(study_dir, t))]
+
+
+def _shell_word(word: str) -> str:
+    """``word`` in double quotes when nothing in it is special there, else :func:`shlex.quote`'s quoting."""
+    return f'"{word}"' if not set(word) & set('"$`\\!') else shlex.quote(word)
+
+
+def restore_command(study_dir: str) -> str:
+    """A shell command that restores the study's newest Tune launch (:func:`restore_tuner`, which brings the
+    trainable ``tune.Tuner.restore`` needs) and prints its results as a table."""
+    code = (f"from raystudy.study.tune import restore_tuner, tune_experiments; "
+            f"grid = restore_tuner(tune_experiments({study_dir!r})[-1]).get_results(); print(grid.get_dataframe())")
+    return f"python -c {_shell_word(code)}"
+
+
+def resume_command(study_dir: str) -> str:
+    """The command that continues the study stored in ``study_dir`` (``raystudy study --resume``)."""
+    return f"raystudy study --resume {shlex.quote(study_dir)}"
