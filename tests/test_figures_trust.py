@@ -30,6 +30,7 @@ from matplotlib.text import Text
 
 from raystudy.analysis.html_report import _figure, toc_entries, unique_labels
 from raystudy.analysis.pipeline import FigureInfo, run_analysis
+from raystudy.analysis.scope import scope_items
 from raystudy.io import write_result
 
 MODEL = "vit_tiny"
@@ -342,7 +343,7 @@ def test_table_of_contents_labels_are_unique(drawn):
     labels = [label for _, label in toc_entries(res)]
     anchors = [a for a, _ in toc_entries(res)]
     assert len(set(labels)) == len(labels) and len(set(anchors)) == len(anchors)
-    assert anchors == ["summary", *(["notes"] if res.notes or res.footnote else []),
+    assert anchors == ["summary", *(["scope"] if scope_items(res) else []), *(["notes"] if res.notes else []),
                        *(f"table-{n}" for n in res.rendered), *(f"figure-{f.name}" for f in res.figures)]
 
 

@@ -28,6 +28,7 @@ from raystudy.analysis.options import (
 )
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
 from raystudy.analysis.render import SELECTION_RULES, fmt_num, md_escape, pct
+from raystudy.analysis.scope import SCOPE_TITLE, scope_items
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.vtab import selection_text
 from raystudy.vocab import LINEAR_PROBE
@@ -168,6 +169,12 @@ def _summary(res: AnalysisResult) -> str:
     return f'<section class="block" id="summary"><h2>Summary</h2><dl class="summary">{body}</dl>{head_html}</section>'
 
 
+def _scope(res: AnalysisResult) -> str:
+    body = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in scope_items(res))
+    return (f'<section class="block" id="scope"><h2>{SCOPE_TITLE}</h2><dl class="summary">{body}</dl></section>'
+            if body else "")
+
+
 def build_markdown(res: AnalysisResult) -> str:
     """The report as one Markdown file: the summary (:func:`summary_items`), headlines, notes, then every
     table's Markdown (its title one level down) and a link per figure."""
@@ -175,6 +182,9 @@ def build_markdown(res: AnalysisResult) -> str:
     out = [f"# raystudy report: {md_escape(name)}", "", "## Summary", ""]
     out += [f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in summary_items(res)]
     out += ["", *(f"- {md_escape(h)}" for h in _headlines(res))]
+    scope = scope_items(res)
+    if scope:
+        out += ["", f"## {SCOPE_TITLE}", "", *(f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in scope)]
     notes = res.notes + ([res.footnote] if res.footnote else [])
     if notes:
         out += ["", "## Notes", "", *(f"- {md_escape(n)}" for n in notes)]
@@ -219,10 +229,11 @@ def unique_labels(labels: list[str], kinds: list[str]) -> list[str]:
 
 
 def toc_entries(res: AnalysisResult) -> list[tuple[str, str]]:
-    """``(anchor, label)`` of the report's table of contents: summary, notes, every table, every figure; the
-    labels unique (:func:`unique_labels`)."""
-    entries = [("summary", "Summary", "section")] + ([("notes", "Notes", "section")] if res.notes or res.footnote
-                                                      else [])
+    """``(anchor, label)`` of the report's table of contents: summary, scope, notes, every table, every
+    figure; the labels unique (:func:`unique_labels`)."""
+    entries = [("summary", "Summary", "section")]
+    entries += [("scope", SCOPE_TITLE, "section")] if scope_items(res) else []
+    entries += [("notes", "Notes", "section")] if res.notes or res.footnote else []
     entries += [(f"table-{n}", r.title, "table") for n, r in res.rendered.items()]
     entries += [(f"figure-{f.name}", f.title, "figure") for f in res.figures]
     labels = unique_labels([lab for _, lab, _ in entries], [k for _, _, k in entries])
@@ -256,6 +267,7 @@ def build_html(res: AnalysisResult) -> str:
 <main>
 <nav><ul>{''.join(toc)}</ul></nav>
 {_summary(res)}
+{_scope(res)}
 {notes}
 {tables}
 {figs}

@@ -31,6 +31,7 @@ from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
 from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
 from raystudy.storage import check_path_name
+from raystudy.terminal import progress_bar
 from raystudy.vocab import COMPONENTS
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,6 @@ def build_measured_model(args):
 def run_local(args) -> int:
     import pandas as pd
     import torch
-    from tqdm import tqdm
 
     from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution  # matplotlib, not for --help
     from raystudy.core.plasticity import pair_rates, summarize  # torch (raystudy.core): --help stays light
@@ -185,7 +185,7 @@ def run_local(args) -> int:
     dataset = dataset or y_name
     amp = torch.bfloat16 if args.amp_bf16 else None
     frames = []
-    with tqdm(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
+    with progress_bar(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
         for i in range(0, len(x), args.batch_size):
             xb, yb = x[i:i + args.batch_size].to(device), y[i:i + args.batch_size].to(device)
             frames.append(pair_rates(model, xb, yb, mode=args.mode, amp_dtype=amp, pair_offset=i,
