@@ -343,8 +343,8 @@ def test_table_of_contents_labels_are_unique(drawn):
     labels = [label for _, label in toc_entries(res)]
     anchors = [a for a, _ in toc_entries(res)]
     assert len(set(labels)) == len(labels) and len(set(anchors)) == len(anchors)
-    assert anchors == ["summary", *(["scope"] if scope_items(res) else []), *(["notes"] if res.notes else []),
-                       *(f"table-{n}" for n in res.rendered), *(f"figure-{f.name}" for f in res.figures)]
+    sections = ["summary", *(["scope"] if scope_items(res) else []), *(["notes"] if res.notes or res.footnote else [])]
+    assert anchors == [*sections, *(f"table-{n}" for n in res.rendered), *(f"figure-{f.name}" for f in res.figures)]
 
 
 def test_unique_labels_and_true_size_figures(tmp_path):
