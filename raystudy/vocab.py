@@ -176,6 +176,13 @@ def pretrained_rows(df):
     return df[df["weights"] == PRETRAINED].reset_index(drop=True)
 
 
+def control_rows(df):
+    """The ``random_init`` rows of a plasticity or rates frame (the control); ``None`` when it has none."""
+    if df is None or "weights" not in df.columns or not (df["weights"] == RANDOM_INIT).any():
+        return None
+    return df[df["weights"] == RANDOM_INIT].reset_index(drop=True)
+
+
 def check_name(value: str, allowed: tuple[str, ...], what: str) -> str:
     """``value`` if it is one of ``allowed``; else ``ValueError`` naming ``what`` and the choices."""
     if value not in allowed:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from raystudy import __version__, storage
+from raystudy.analysis.control import ranking_headlines
 from raystudy.analysis.figures import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
@@ -27,7 +28,7 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
 )
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
-from raystudy.analysis.render import SELECTION_RULES, fmt_num, md_escape, pct
+from raystudy.analysis.render import SELECTION_RULES, md_escape, pct
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.vtab import selection_text
 from raystudy.vocab import LINEAR_PROBE
@@ -91,7 +92,8 @@ def _join(values) -> str:
 
 
 def _headlines(res: AnalysisResult) -> list[str]:
-    """One line per optimizer ranking the configurations by overall accuracy, one for plasticity."""
+    """One line per optimizer ranking the configurations by overall accuracy; the plasticity rankings
+    (:func:`raystudy.analysis.control.ranking_headlines`)."""
     lines = []
     overall = res.tables.get("overall")
     if overall is not None:
@@ -100,12 +102,8 @@ def _headlines(res: AnalysisResult) -> list[str]:
             g = g.sort_values("mean", ascending=False)
             ranking = " > ".join(f"{r.configuration} {pct(r.mean)}" for r in g.itertuples())
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
-    p = res.inputs.plasticity
-    if p is not None:
-        mode = "embedding" if (p["mode"] == "embedding").any() else p["mode"].iloc[0]
-        m = p[p["mode"] == mode].groupby("component")["plasticity"].mean().sort_values(ascending=False)
-        ranking = " > ".join(f"{c} {fmt_num(v, 2)}" for c, v in m.items())
-        lines.append(f"Plasticity ({mode} mode, mean over layers and datasets): {ranking}")
+    if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
+        lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
     return lines
 
 
