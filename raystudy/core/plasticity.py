@@ -299,4 +299,5 @@ def summarize(rates: pd.DataFrame) -> pd.DataFrame:
     out["n_pairs"] = out["n_pairs"].astype(np.int64)
     order = {c: i for i, c in enumerate(COMPONENTS)}
     out = out.sort_values(keys[:-1] + ["component"], key=lambda s: s.map(order) if s.name == "component" else s)
-    return out[keys[:-2] + SUMMARY_COLUMNS].reset_index(drop=True)
+    labels = [k for k in keys[:-2] if k != "weights"]
+    return out[labels + SUMMARY_COLUMNS + [k for k in keys if k == "weights"]].reset_index(drop=True)  # schema order

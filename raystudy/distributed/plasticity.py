@@ -486,10 +486,10 @@ def plasticity_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -
             if moments is None:
                 continue
             table = moments.frame()
-            table.insert(0, "weights", weights)
             table.insert(0, "mode", job.mode)
             table.insert(0, "dataset", name)
             table.insert(0, "model", job.model)
+            table["weights"] = weights
             table["init_seed"] = pd.array([seed] * len(table), dtype="Int64")  # the control's torch seed
             tables.append(table)
     return pd.concat(tables, ignore_index=True)
