@@ -31,7 +31,7 @@ KEYS = ["model", "dataset", "mode", "component"]
 
 def _layer_means(p: pd.DataFrame, name: str) -> pd.DataFrame:
     """``KEYS`` + ``name``: the plasticity of each component, mean over layers."""
-    return p.groupby(KEYS, sort=False)["plasticity"].mean().rename(name).reset_index()
+    return p.groupby(KEYS, sort=False).agg(**{name: ("plasticity", "mean")}).reset_index()
 
 
 def plasticity_control_table(plasticity: pd.DataFrame, control: pd.DataFrame) -> pd.DataFrame:

@@ -179,18 +179,19 @@ def measured_models(args, control: str | None = None) -> dict:
     return models
 
 
-def local_rates(models: dict, x, y, args, device, desc: str):
+def local_rates(models: dict, x, y, args, device, dataset: str):
     """Per-pair rates of every model of ``models`` (``{weights: model}``) on the same pairs ``(x, y)``, batch by
-    batch: one frame with a ``weights`` column (:data:`raystudy.vocab.WEIGHTS`)."""
+    batch, and their summary: ``(rates, plasticity)`` frames labelled with the model, ``dataset``, mode and
+    ``weights`` (:data:`raystudy.vocab.WEIGHTS`; the control's ``init_seed`` beside it in ``plasticity``)."""
     import pandas as pd
     import torch
     from tqdm import tqdm
 
-    from raystudy.core.plasticity import pair_rates  # torch (raystudy.core): --help stays light
+    from raystudy.core.plasticity import pair_rates, summarize  # torch (raystudy.core): --help stays light
 
     amp = torch.bfloat16 if args.amp_bf16 else None
     frames = []
-    with tqdm(total=len(x), unit="pair", desc=desc) as bar:
+    with tqdm(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
         for i in range(0, len(x), args.batch_size):
             xb, yb = x[i:i + args.batch_size].to(device), y[i:i + args.batch_size].to(device)
             for weights, model in models.items():
@@ -198,14 +199,19 @@ def local_rates(models: dict, x, y, args, device, desc: str):
                                    mha_input=args.mha_input, gated_fc1=args.gated_fc1)
                 frames.append(frame.assign(weights=weights))
             bar.update(len(xb))
-    return pd.concat(frames, ignore_index=True)
+    rates = pd.concat(frames, ignore_index=True)
+    rates.insert(0, "mode", args.mode)
+    rates.insert(0, "dataset", dataset)
+    rates.insert(0, "model", args.model)
+    table = summarize(rates)
+    table["init_seed"] = table["weights"].map({RANDOM_INIT: args.control_seed}).astype("Int64")
+    return rates, table
 
 
 def run_local(args) -> int:
     import torch
 
     from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution  # matplotlib, not for --help
-    from raystudy.core.plasticity import summarize  # torch (raystudy.core): --help stays light
     from raystudy.io import write_result  # pandas: --help stays light
 
     dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
@@ -216,12 +222,7 @@ def run_local(args) -> int:
     y, y_name = load_images(args.y, size)
     x, y = paired(x, y, args.pairs, args.seed, args.pairing, args.batch_size)
     dataset = dataset or y_name
-    rates = local_rates(models, x, y, args, device, desc=f"plasticity {dataset}")
-    rates.insert(0, "mode", args.mode)
-    rates.insert(0, "dataset", dataset)
-    rates.insert(0, "model", args.model)
-    table = summarize(rates)
-    table["init_seed"] = table["weights"].map({RANDOM_INIT: args.control_seed}).astype("Int64")
+    rates, table = local_rates(models, x, y, args, device, dataset)
     out = Path(args.out_dir)
     write_result(rates, out, "rates")
     write_result(table, out, "plasticity")
