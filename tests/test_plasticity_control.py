@@ -137,3 +137,23 @@ def test_control_table_and_headlines(tmp_path):
     md, page = report.with_suffix(".md").read_text(), report.read_text()
     for line in lines:
         assert f"- {line}" in md.replace("\\", "") and html.escape(line) in page
+
+
+def test_resume_measures_again_a_dataset_measured_without_the_control(tmp_path):
+    from raystudy.study.measure import plasticity_todo
+    from raystudy.study.spec import StudySpec
+
+    old = _plasticity(list(PAPER_RANKING), "pretrained").drop(columns=["weights", "init_seed"])
+    both = pd.concat([_plasticity(list(PAPER_RANKING), "pretrained"), _plasticity(list(PAPER_RANKING), "random_init")])
+    write_result(old.assign(dataset="a"), tmp_path, "plasticity")  # "a" measured before the control existed
+
+    def todo(control: str, rows=None) -> list[str]:
+        if rows is not None:
+            write_result(rows, tmp_path, "plasticity")
+        return plasticity_todo(StudySpec.from_dict({
+            "name": "s", "out": str(tmp_path), "model": "vit_tiny_patch16_224", "pretrain_store": "p",
+            "datasets": {"a": "a", "b": "b"}, "configurations": [],
+            "plasticity": {"enabled": True, "control": control}}))
+
+    assert todo("none") == ["b"] and todo("random_init") == ["a", "b"]
+    assert todo("random_init", both.assign(dataset="a").astype({"init_seed": "Int64"})) == ["b"]
