@@ -157,3 +157,25 @@ def test_resume_measures_again_a_dataset_measured_without_the_control(tmp_path):
 
     assert todo("none") == ["b"] and todo("random_init") == ["a", "b"]
     assert todo("random_init", both.assign(dataset="a").astype({"init_seed": "Int64"})) == ["b"]
+
+
+def test_depth_figure_draws_the_control_dashed_in_each_components_colour(tmp_path, monkeypatch):
+    from raystudy.analysis import figures as F
+
+    drawn = []
+    monkeypatch.setattr(F, "save_figure", lambda fig, stem: drawn.append(fig) or [])
+    measured, control = _plasticity(list(PAPER_RANKING), "pretrained", 2.0), _plasticity(list(PAPER_RANKING),
+                                                                                        "random_init")
+    F.plot_plasticity_depth(pd.concat([measured, control]), tmp_path / "depth")
+    ax = drawn[0].axes[0]
+    solid = [line for line in ax.lines if line.get_linestyle() == "-"]
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--" and len(line.get_xdata())]
+    assert len(solid) == len(dashed) == 5  # one line per component each (and the dotted plasticity-1 line)
+
+    def colour(lines, rows, comp):
+        want = rows[rows.component == comp].sort_values("layer")["plasticity"].to_numpy()
+        return [line.get_color() for line in lines if np.allclose(line.get_ydata(), want)]
+
+    for comp in COMPONENTS:  # the control's values, in the colour of its component's solid line
+        assert colour(dashed, control, comp) == colour(solid, measured, comp) == [F._color(comp)]
+    assert "random init" in [t.get_text() for t in drawn[0].legends[0].get_texts()]
