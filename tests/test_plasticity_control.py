@@ -137,6 +137,7 @@ def test_control_table_and_headlines(tmp_path):
     md, page = report.with_suffix(".md").read_text(), report.read_text()
     for line in lines:
         assert f"- {line}" in md.replace("\\", "") and html.escape(line) in page
+    assert "random-init control**: the same architecture at its library's own init (seed 0)" in md
 
 
 def test_resume_measures_again_a_dataset_measured_without_the_control(tmp_path):

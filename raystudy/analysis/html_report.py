@@ -136,6 +136,11 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
         p = inp.plasticity
         items += [("plasticity", f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
                                  f"modes {_join(sorted(p['mode'].unique()))}, {p['layer'].nunique()} layers")]
+        c = inp.control
+        if c is not None:
+            seeds = _join(sorted({int(v) for v in c["init_seed"].dropna()})) if "init_seed" in c.columns else "–"
+            items.append(("random-init control", f"the same architecture at its library's own init (seed {seeds}) "
+                                                 f"on the same pairs: {c['dataset'].nunique()} dataset(s)"))
     o = res.options
     paper_rule, _ = selection_rules(o.get("select_by"))
     if "best_lr" in res.tables:
