@@ -542,6 +542,9 @@ class RunSettings:
                                             "the pretrained model reads (a study: its plasticity pretraining "
                                             "store; None: weight change only)")
     change_split: str | list[str] = same_as(PlasticitySettings, "pretrain_split", cli=False)
+    hparams: dict = setting(factory=dict, cli=False,
+                            help="more hyperparameters for the run's TensorBoard HParams record (a study's "
+                                 "trial: dataset and phase)")
 
 
 #: every group, by name

@@ -174,6 +174,44 @@ def test_grid_study_tune_experiment_restores(grid_study, monkeypatch):
         assert r.metrics["test_acc"] == pytest.approx(trials.at[r.metrics["study_trial_id"], "test_acc"])
     best = results.get_best_result(metric="best_val_acc", mode="max")
     assert best.metrics["best_val_acc"] == pytest.approx(trials.best_val_acc.max())
+    # docs/analysis.md: Tune's ExperimentAnalysis joins trials.parquet on the config's study_trial_id
+    from ray.tune import ExperimentAnalysis
+
+    assert sorted(r.config["study_trial_id"] for r in results) == GRID_IDS
+    df = ExperimentAnalysis(exp).dataframe()
+    joined = df.merge(trials.reset_index(), left_on="config/study_trial_id", right_on="trial_id",
+                      suffixes=("_tune", ""))
+    assert sorted(joined["trial_id"]) == GRID_IDS and not set(df["trial_id"]) & set(GRID_IDS)
+    assert joined["test_acc_tune"].tolist() == pytest.approx(joined["test_acc"].tolist())
+
+
+def test_grid_study_tensorboard_hparams(grid_study):
+    """TensorBoard's own HParams backend over ``<out>/tb``: the study's experiment (dataset and every axis,
+    lr and configuration differing) and each trial's session with its dataset."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import backend_context, metadata
+
+    tb = str(Path(grid_study["out"]) / "tb")
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(tb)
+    mux.Reload()
+    backend = backend_context.Context(base_plugin.TBContext(
+        data_provider=data_provider.MultiplexerDataProvider(mux, tb), logdir=tb))
+    ctx = context.RequestContext()
+    runs = backend.hparams_metadata(ctx, "")
+    exp = backend.experiment_from_metadata(ctx, "", True, runs, None)
+    infos = {h.name: (h.differs, [v.string_value or v.number_value for v in h.domain_discrete.values])
+             for h in exp.hparam_infos}
+    assert infos["dataset"] == (False, ["color"]) and infos["lr"] == (True, [0.03, 0.3])
+    assert infos["configuration"] == (True, ["LN1", "MHA"]) and infos["optimizer"] == (False, ["sgd"])
+    assert {"seed", "phase", "steps", "batch_size", "model", "model_kwargs"} <= set(infos)
+    sessions = {run: metadata.parse_session_start_info_plugin_data(tags[metadata.SESSION_START_INFO_TAG]).hparams
+                for run, tags in runs.items() if metadata.SESSION_START_INFO_TAG in tags}
+    assert sorted(sessions) == GRID_IDS
+    for tid, hp in sessions.items():
+        assert hp["dataset"].string_value == "color" and tid.startswith(f"color-{hp['configuration'].string_value}-")
 
 
 def test_grid_study_plasticity_analysis_and_progress(grid_study):

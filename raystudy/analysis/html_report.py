@@ -29,6 +29,7 @@ from raystudy.analysis.options import (
 )
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
 from raystudy.analysis.render import SELECTION_RULES, md_escape, pct
+from raystudy.analysis.scope import SCOPE_TITLE, scope_items
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.vtab import selection_text
 from raystudy.vocab import LINEAR_PROBE
@@ -171,6 +172,12 @@ def _summary(res: AnalysisResult) -> str:
     return f'<section class="block" id="summary"><h2>Summary</h2><dl class="summary">{body}</dl>{head_html}</section>'
 
 
+def _scope(res: AnalysisResult) -> str:
+    body = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in scope_items(res))
+    return (f'<section class="block" id="scope"><h2>{SCOPE_TITLE}</h2><dl class="summary">{body}</dl></section>'
+            if body else "")
+
+
 def build_markdown(res: AnalysisResult) -> str:
     """The report as one Markdown file: the summary (:func:`summary_items`), headlines, notes, then every
     table's Markdown (its title one level down) and a link per figure."""
@@ -178,6 +185,9 @@ def build_markdown(res: AnalysisResult) -> str:
     out = [f"# raystudy report: {md_escape(name)}", "", "## Summary", ""]
     out += [f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in summary_items(res)]
     out += ["", *(f"- {md_escape(h)}" for h in _headlines(res))]
+    scope = scope_items(res)
+    if scope:
+        out += ["", f"## {SCOPE_TITLE}", "", *(f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in scope)]
     notes = res.notes + ([res.footnote] if res.footnote else [])
     if notes:
         out += ["", "## Notes", "", *(f"- {md_escape(n)}" for n in notes)]
@@ -200,6 +210,8 @@ def _figure(info) -> str:
 def build_html(res: AnalysisResult) -> str:
     """The report of an analysis as one HTML string (no external resource)."""
     toc = ['<li><a href="#summary">Summary</a></li>']
+    if scope_items(res):
+        toc.append(f'<li><a href="#scope">{SCOPE_TITLE}</a></li>')
     if res.notes or res.footnote:
         toc.append('<li><a href="#notes">Notes</a></li>')
     toc += [f'<li><a href="#table-{_e(n)}">{_e(r.title)}</a></li>' for n, r in res.rendered.items()]
@@ -228,6 +240,7 @@ def build_html(res: AnalysisResult) -> str:
 <main>
 <nav><ul>{''.join(toc)}</ul></nav>
 {_summary(res)}
+{_scope(res)}
 {notes}
 {tables}
 {figs}

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from raystudy import storage
 from raystudy.analysis import beyond as B
@@ -55,6 +54,7 @@ from raystudy.analysis.tables import (
     shared_subset,
     stability_table,
 )
+from raystudy.terminal import progress_bar
 from raystudy.vocab import LINEAR_PROBE
 
 log = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ def draw_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], fig_dir: 
     of one dataset's runs at one seed and lr (:data:`raystudy.analysis.options.FIXED_RUN_KEYS`)."""
     jobs = _plasticity_figures(inputs) + _trial_figures(inputs, tables, notes, fixed_run)
     return [FigureInfo(name, title, caption, draw(fig_dir / name))
-            for name, title, caption, draw in tqdm(jobs, desc="figures", unit="fig", leave=False)]
+            for name, title, caption, draw in progress_bar(jobs, desc="figures", unit="fig", leave=False)]
 
 
 def _clean(out_dir: Path, fig_dir: Path) -> None:

@@ -31,6 +31,7 @@ from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
 from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
 from raystudy.storage import check_path_name
+from raystudy.terminal import progress_bar
 from raystudy.vocab import COMPONENTS, PRETRAINED, RANDOM_INIT, pretrained_rows
 
 log = logging.getLogger(__name__)
@@ -185,13 +186,12 @@ def local_rates(models: dict, x, y, args, device, dataset: str):
     ``weights`` (:data:`raystudy.vocab.WEIGHTS`; the control's ``init_seed`` beside it in ``plasticity``)."""
     import pandas as pd
     import torch
-    from tqdm import tqdm
 
     from raystudy.core.plasticity import pair_rates, summarize  # torch (raystudy.core): --help stays light
 
     amp = torch.bfloat16 if args.amp_bf16 else None
     frames = []
-    with tqdm(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
+    with progress_bar(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
         for i in range(0, len(x), args.batch_size):
             xb, yb = x[i:i + args.batch_size].to(device), y[i:i + args.batch_size].to(device)
             for weights, model in models.items():

@@ -91,7 +91,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from raystudy import storage
 from raystudy.core.bounds import TokenStats
@@ -135,6 +134,7 @@ from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figur
 from raystudy.io import write_result
 from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings
 from raystudy.storage import absolute_path
+from raystudy.terminal import progress_bar
 from raystudy.vocab import CONTROLS, MODES, PRETRAINED, RANDOM_INIT, TEXT_ROWS, check_name
 
 log = logging.getLogger(__name__)
@@ -438,7 +438,7 @@ class RateReducer:
 def stream_rates(ds, reducer: RateReducer, *, t0: float, progress: bool = True) -> None:
     """Pull the actors' output batch by batch into ``reducer`` (a progress bar counting pairs)."""
     job, timing = reducer.job, reducer.timing
-    with tqdm(total=job.pairs * len(reducer.names), unit="pair", desc=f"plasticity {job.model}",
+    with progress_bar(total=job.pairs * len(reducer.names), unit="pair", desc=f"plasticity {job.model}",
               disable=not progress, smoothing=0.1) as bar:
         for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
             if "first_rates_s" not in timing:  # start-up done: actors built, first batch through

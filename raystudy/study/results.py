@@ -10,9 +10,10 @@ Layout of ``<out>/`` (local path or pyarrow URI)::
                          block, CKA per block; raystudy.core.change), a dataset of one file per trial alike
     plasticity.parquet   rates.parquet  bounds.parquet      the plasticity measurement
     trials/<trial_id>/   one finetuning run: summary.json, curves.parquet, changes.parquet, tb/ (its TensorBoard)
-    tb/<trial_id>/       the TensorBoard run of every finished trial (``tensorboard --logdir <out>/tb``)
+    tb/<trial_id>/       the TensorBoard run of every finished trial (``tensorboard --logdir <out>/tb``); the
+                         study's HParams experiment in ``tb/`` itself (:mod:`raystudy.study.hparams`)
     train/<trial_id>/    Ray Train's run storage (checkpoints), so an interrupted trial resumes from them
-    tune/<launch>/       one Tune experiment per launch (``tune.Tuner.restore`` / ``ResultGrid``)
+    tune/<launch>/       one Tune experiment per launch (``restore_tuner`` / ``ResultGrid``)
     analysis/            tables, statistical tests, figures and report.html
 
 The per-trial ``summary.json`` is the source of truth: the study tables are a projection of the trial
