@@ -218,9 +218,13 @@ def test_grid_study_plasticity_analysis_and_progress(grid_study):
     out = grid_study["out"]
     plast = read_result(out, "plasticity")
     assert set(plast.dataset) == {"color"} and set(plast.component) == {"LN1", "MHA", "LN2", "FC1", "FC2"}
-    assert len(plast) == 3 * 5 and (plast.n_pairs == 32).all()
+    # the model and its random-init control (on by default), each per layer and component
+    assert plast.groupby("weights").size().to_dict() == {"pretrained": 3 * 5, "random_init": 3 * 5}
+    assert (plast.n_pairs == 32).all()
     assert len(read_result(out, "bounds")) == 3 * 5
-    assert len(read_result(out, "rates")) == 32 * 3 * 5
+    assert read_result(out, "rates").groupby("weights").size().to_dict() == {"pretrained": 32 * 3 * 5,
+                                                                             "random_init": 32 * 3 * 5}
+    assert (Path(out) / "analysis" / "plasticity_control.csv").is_file()
     assert Path(grid_study["outcome"].report).is_file()
     assert (Path(out) / "spec.yaml").is_file()
     stored = yaml.safe_load((Path(out) / "spec.yaml").read_text())
@@ -412,5 +416,5 @@ def test_plasticity_only_study(ray_session, builtin, tmp_path):
     assert outcome.total == 0 and outcome.launched == 0
     assert any("plasticity only" in ln for ln in lines)
     plast = read_result(out, "plasticity")
-    assert set(plast.dataset) == {"noise"} and (plast.n_pairs == 8).all() and len(plast) == 3 * 5
+    assert set(plast.dataset) == {"noise"} and (plast.n_pairs == 8).all() and len(plast) == 2 * 3 * 5
     assert not (out / "tune").exists() and not (out / "trials").exists()  # no Tune experiment, no trial

@@ -37,7 +37,7 @@ from raystudy.analysis.style import (  # noqa: F401  (re-exported: the palette's
     dataset_markers,
     styled,
 )
-from raystudy.vocab import TRIALS_CONFIGURATIONS
+from raystudy.vocab import RANDOM_INIT, TRIALS_CONFIGURATIONS, pretrained_rows
 
 #: The name the colours had before the vocabulary was unified (kept for user code).
 COMPONENT_COLORS = CONFIGURATION_COLORS
@@ -174,13 +174,16 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
     dataset, mode`` split panels when they vary). x: layer (0-based), y: plasticity = mean rate
     ``||f(x) - f(y)||_F / ||x - y||_F`` over pairs; band: ``plasticity +- ci95``. One line per component in
     COMPONENTS order; a dotted line marks plasticity 1 (above: the component amplifies input differences).
-    The y axis is logarithmic when the values span more than :data:`LOG_RATIO`.
+    Rows with ``weights = random_init`` (the random-init control) are drawn beside them as dashed lines of
+    the same colour. The y axis is logarithmic when the values span more than :data:`LOG_RATIO`.
     """
     _require(plasticity, ["layer", "component", "plasticity", "ci95"], "plasticity")
     panels, constant = _facets(plasticity)
     fig, axes = _grid(len(panels))
     log = _needs_log(plasticity["plasticity"].to_numpy())
     for ax, (name, rows) in zip(axes, panels):
+        control = rows[rows["weights"] == RANDOM_INIT] if "weights" in rows.columns else rows.iloc[:0]
+        rows = pretrained_rows(rows)
         for comp in _ordered(rows["component"].unique()):
             r = rows[rows["component"] == comp].groupby("layer", as_index=False)[["plasticity", "ci95"]].mean()
             r = r.sort_values("layer")
@@ -189,6 +192,7 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
             ci = np.nan_to_num(ci, nan=0.0)
             lo = np.maximum(y - ci, y * 1e-3) if log else y - ci
             ax.fill_between(x, lo, y + ci, color=_color(comp), alpha=0.2, lw=0)
+        _draw_control(ax, control)
         ax.axhline(1.0, color="black", lw=0.8, ls=":", zorder=0)
         if log:
             ax.set_yscale("log")
@@ -201,6 +205,18 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
     _legend(fig, axes)
     _title(fig, title or "Plasticity across depth", constant)
     return save_figure(fig, path_stem)
+
+
+def _draw_control(ax, control: pd.DataFrame) -> None:
+    """The random-init control's plasticity across depth: one dashed line per component (its colour, no
+    band), one legend entry for all of them."""
+    for comp in _ordered(control["component"].unique()):
+        r = control[control["component"] == comp].groupby("layer", as_index=False)["plasticity"].mean()
+        r = r.sort_values("layer")
+        ax.plot(r["layer"].to_numpy(), r["plasticity"].to_numpy(float), color=_color(comp), ls="--", lw=1.2,
+                alpha=0.8)
+    if len(control):
+        ax.plot([], [], color="0.4", ls="--", lw=1.2, label="random init")
 
 
 def _finite_groups(groups: list[tuple[str, np.ndarray]], log: bool) -> list[tuple[str, np.ndarray]]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from raystudy import __version__, storage
+from raystudy.analysis.control import ranking_headlines
 from raystudy.analysis.figures import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
@@ -27,7 +28,7 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
 )
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
-from raystudy.analysis.render import SELECTION_RULES, fmt_num, md_escape, pct
+from raystudy.analysis.render import SELECTION_RULES, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.vtab import selection_text
@@ -92,7 +93,8 @@ def _join(values) -> str:
 
 
 def _headlines(res: AnalysisResult) -> list[str]:
-    """One line per optimizer ranking the configurations by overall accuracy, one for plasticity."""
+    """One line per optimizer ranking the configurations by overall accuracy; the plasticity rankings
+    (:func:`raystudy.analysis.control.ranking_headlines`)."""
     lines = []
     overall = res.tables.get("overall")
     if overall is not None:
@@ -101,12 +103,8 @@ def _headlines(res: AnalysisResult) -> list[str]:
             g = g.sort_values("mean", ascending=False)
             ranking = " > ".join(f"{r.configuration} {pct(r.mean)}" for r in g.itertuples())
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
-    p = res.inputs.plasticity
-    if p is not None:
-        mode = "embedding" if (p["mode"] == "embedding").any() else p["mode"].iloc[0]
-        m = p[p["mode"] == mode].groupby("component")["plasticity"].mean().sort_values(ascending=False)
-        ranking = " > ".join(f"{c} {fmt_num(v, 2)}" for c, v in m.items())
-        lines.append(f"Plasticity ({mode} mode, mean over layers and datasets): {ranking}")
+    if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
+        lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
     return lines
 
 
@@ -139,6 +137,11 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
         p = inp.plasticity
         items += [("plasticity", f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
                                  f"modes {_join(sorted(p['mode'].unique()))}, {p['layer'].nunique()} layers")]
+        c = inp.control
+        if c is not None:
+            seeds = _join(sorted({int(v) for v in c["init_seed"].dropna()})) if "init_seed" in c.columns else "–"
+            items.append(("random-init control", f"the same architecture at its library's own init (seed {seeds}) "
+                                                 f"on the same pairs: {c['dataset'].nunique()} dataset(s)"))
     o = res.options
     paper_rule, _ = selection_rules(o.get("select_by"))
     if "best_lr" in res.tables:

@@ -291,3 +291,19 @@ def build_seeded_model(model: str, *, seed: int, weights: str | Path | None = No
         torch.manual_seed(seed)
         return build_model(modality_of_model(model).build_name(model), weights=weights, pretrained=pretrained,
                            img_size=img_size, **kwargs)
+
+
+def build_control_model(model: str, *, seed: int, model_kwargs: dict | None = None,
+                        img_size: int | None = None) -> nn.Module:
+    """The random-init control of ``model``: the same architecture (``model_kwargs``, ``img_size`` as
+    :func:`build_seeded_model`) at its library's own initialisation (timm's ``create_model``, Hugging Face's
+    ``from_config``), drawn under ``torch.manual_seed(seed)`` without touching the caller's RNG state; no
+    weights are loaded."""
+    kwargs = dict(model_kwargs or {})
+    img_size = img_size or kwargs.pop("img_size", None)
+    name = modality_of_model(model).build_name(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if not modality_of_model(name).takes_images:
+            return build_hf_model(name, pretrained=False, **kwargs)
+        return build_model(name, img_size=img_size, **kwargs)

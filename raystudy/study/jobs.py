@@ -39,7 +39,7 @@ from raystudy.settings import (
 )
 from raystudy.study.points import phase_of
 from raystudy.study.spec import StudySpec
-from raystudy.vocab import PHASES
+from raystudy.vocab import PHASES, pretrained_rows
 
 #: the dataset-level protocol a dataset entry may override (its resolved value wins over the study's)
 PER_DATASET: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
@@ -109,6 +109,7 @@ def plasticity_of(spec: StudySpec, dataset: str, plasticity=None):
     """The plasticity rows of ``dataset`` in the spec's mode (``plasticity`` or the study's table);
     ``ValueError`` when there are none."""
     table = plasticity if plasticity is not None else read_result(spec.out, "plasticity", required=False)
+    table = pretrained_rows(table)  # the model's own plasticity, not its random-init control's
     if table is not None:
         table = table[(table["dataset"] == dataset) & (table["mode"] == spec.plasticity.mode)]
     if table is None or table.empty:

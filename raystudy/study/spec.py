@@ -495,7 +495,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
     #: plasticity fields whose change alters which pairs (or bounds) a measured dataset's rows mean; with
     #: ``sequential`` pairing ``batch_size`` too (where a short side starts over)
     PLASTICITY_FIELDS: ClassVar[tuple[str, ...]] = ("pairing", "pairs", "mode", "seed", "pretrain_split", "radius",
-                                                    "seq_len", "text_rows", "mha_input", "gated_fc1")
+                                                    "seq_len", "text_rows", "mha_input", "gated_fc1",
+                                                    "control_seed")
     #: probe fields whose change alters what a finished probe means
     PROBE_FIELDS: ClassVar[tuple[str, ...]] = ("augment", "seed")
 
