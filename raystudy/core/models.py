@@ -291,3 +291,25 @@ def build_seeded_model(model: str, *, seed: int, weights: str | Path | None = No
         torch.manual_seed(seed)
         return build_model(modality_of_model(model).build_name(model), weights=weights, pretrained=pretrained,
                            img_size=img_size, **kwargs)
+
+
+def weights_load_error(model: str, weights: str | Path, *, num_classes: int | None = None,
+                       img_size: int | None = None, model_kwargs: dict | None = None) -> str | None:
+    """Why the local ``weights`` file cannot be loaded into ``model`` as a run loads it, in one line naming
+    the file, the model and the reason; None when it loads.
+
+    Builds the model once with the file (:func:`build_seeded_model`: the modality's build name, ``img_size``
+    else ``model_kwargs["img_size"]``, ``num_classes`` outputs), so a file that is no weights file (text,
+    empty, truncated), holds NaN, or belongs to another architecture (missing or unexpected keys, shapes)
+    is refused by every command before Ray starts, instead of inside each worker.
+    """
+    if not Path(weights).is_file():
+        return f"weights file not found: {weights}"
+    kwargs = dict(model_kwargs or {})
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    try:
+        build_seeded_model(model, seed=0, weights=weights, model_kwargs=kwargs, img_size=img_size)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:  # WeightsError is a ValueError
+        return f"{weights} cannot be loaded into {model}: {e}"
+    return None

@@ -91,7 +91,7 @@ from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTO
     load_yaml,
     unknown_field,
 )
-from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES
+from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -564,7 +564,8 @@ def load_preset(name_or_path: str) -> StudySpec:
     if not path.suffix:
         path = PRESET_DIR / f"{name_or_path}.yaml"
         if not path.is_file():
-            raise SpecError(f"preset: unknown preset {name_or_path!r}; available: {preset_names()}")
+            hint = did_you_mean(name_or_path, preset_names()) or ";"
+            raise SpecError(f"preset: unknown preset {name_or_path!r}{hint} available: {preset_names()}")
     if not path.is_file():
         raise SpecError(f"preset: file not found: {path}")
     return load_spec_file(path)
