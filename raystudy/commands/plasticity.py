@@ -29,6 +29,7 @@ from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import positions, reuse
 from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.job_inputs import check_inputs, out_problem, plasticity_problems
 from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
 from raystudy.storage import check_path_name
 from raystudy.vocab import COMPONENTS
@@ -176,6 +177,7 @@ def run_local(args) -> int:
     from raystudy.io import write_result  # pandas: --help stays light
 
     dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
+    check_inputs([out_problem(args.out_dir)])  # the tables are written at the end: refuse a file now
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = build_measured_model(args).to(device).eval()
     size = model.patch_embed.img_size[0]
@@ -221,6 +223,7 @@ def pipeline_job(args):
         raise ValueError("the Ray pipeline needs both --pretrain STORE and --downstream STORE ...")
     job = from_args(PlasticityJob, args)
     job.validate()  # before Ray starts
+    check_inputs(plasticity_problems(job))  # --out, the stores, --weights: one line each
     return job
 
 

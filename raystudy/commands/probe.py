@@ -16,6 +16,7 @@ import argparse
 import json
 
 from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.job_inputs import check_inputs, probe_problems
 from raystudy.distributed.probe import ProbeJob, run_probe_job
 from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, add_flags, from_args
 
@@ -41,6 +42,7 @@ def job_from_args(args) -> ProbeJob:
     """The validated :class:`~raystudy.distributed.probe.ProbeJob` of the parsed flags."""
     job = from_args(ProbeJob, args)
     job.validate()  # before Ray starts
+    check_inputs(probe_problems(job))  # --out, --store, --weights: one line each
     return job
 
 

@@ -148,6 +148,15 @@ def _head_prefixes(model: nn.Module) -> tuple[str, ...]:
         return ("head.",)
 
 
+#: how many keys an error of :func:`load_weights` lists (a file of another model differs in hundreds)
+_LISTED = 3
+
+
+def _more(items: list) -> str:
+    """``" and 27 more"`` after the first :data:`_LISTED` of ``items``, or ``""``."""
+    return f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+
+
 def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Module:
     """Load a local weights file into ``model``.
 
@@ -178,7 +187,8 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
         for k, v in state.items() if k in own and v.shape != own[k].shape
     ]
     if mismatched:
-        raise WeightsError(f"{path}: shape mismatch for " + "; ".join(mismatched))
+        raise WeightsError(f"{path}: shape mismatch for {len(mismatched)} tensor(s): "
+                           + "; ".join(mismatched[:_LISTED]) + _more(mismatched))
     result = model.load_state_dict(state, strict=False)
     # A checkpoint without a classifier (timm's *_in21k originals have num_classes=0) or with another class
     # count leaves the model's freshly initialised head in place: that is the finetuning protocol.
@@ -186,9 +196,10 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     missing = [k for k in result.missing_keys if k not in headless]
     problems = []
     if missing:
-        problems.append(f"missing keys {missing}")
+        problems.append(f"missing keys {missing[:_LISTED]}{_more(missing)}")
     if result.unexpected_keys:
-        problems.append(f"unexpected keys {list(result.unexpected_keys)}")
+        unexpected = list(result.unexpected_keys)
+        problems.append(f"unexpected keys {unexpected[:_LISTED]}{_more(unexpected)}")
     if problems:
         msg = f"{path} does not match {type(model).__name__}: " + "; ".join(problems)
         if strict:

@@ -305,10 +305,6 @@ class StudySpec(ModelSettings, ProtocolSettings):
             target = _override_target(data, key, StudySpec.SECTIONS)
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
-            elif parts == ["configurations"] and isinstance(value, str):
-                from raystudy.core.expressions import split_configurations  # torch (raystudy.core): --help stays light
-
-                value = split_configurations(value)
             elif parts == ["tracking"] and isinstance(value, str):
                 value = _split_names(value)
             target[parts[-1]] = value
