@@ -223,7 +223,6 @@ def pipeline_job(args):
         raise ValueError("the Ray pipeline needs both --pretrain STORE and --downstream STORE ...")
     job = from_args(PlasticityJob, args)
     job.validate()  # before Ray starts
-    check_inputs(plasticity_problems(job))  # --out, the stores, --weights: one line each
     return job
 
 
@@ -235,6 +234,7 @@ def run_pipeline(args) -> int:
     if args.pretrained:
         raise ValueError("--pretrained is not available with stores: download the weights and pass --weights")
     job = pipeline_job(args)
+    check_inputs(plasticity_problems(job))  # --out, the stores, --weights: one line before Ray starts
     started = init_ray(args.address, verbose=getattr(args, "verbose", False))
     try:
         summary = run_plasticity(job)

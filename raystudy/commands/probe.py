@@ -42,12 +42,12 @@ def job_from_args(args) -> ProbeJob:
     """The validated :class:`~raystudy.distributed.probe.ProbeJob` of the parsed flags."""
     job = from_args(ProbeJob, args)
     job.validate()  # before Ray starts
-    check_inputs(probe_problems(job))  # --out, --store, --weights: one line each
     return job
 
 
 def run(args) -> int:
     job = job_from_args(args)
+    check_inputs(probe_problems(job))  # --out, --store, --weights: one line before Ray starts
     started = False
     if not job.local:
         started = init_ray(args.address, verbose=getattr(args, "verbose", False))
