@@ -64,10 +64,12 @@ def finetune_problems(cfg) -> Iterator[str | None]:
     """A :class:`~raystudy.core.finetune.FinetuneConfig`'s run directory, store and weights (built with the
     store's class count, as the run builds them)."""
     yield out_problem(cfg.out_dir)
-    problem = store_problem(cfg.store, "--store")
-    yield problem
-    if problem is None:
-        yield weights_problem(cfg, int(read_meta(cfg.store)["num_classes"]))
+    try:
+        meta = read_meta(cfg.store)
+    except (StoreError, OSError) as e:
+        yield f"--store: {e}"
+        return
+    yield weights_problem(cfg, int(meta["num_classes"]))
 
 
 def probe_problems(job) -> Iterator[str | None]:
