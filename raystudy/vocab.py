@@ -22,6 +22,8 @@ use it.
 
 from __future__ import annotations
 
+import difflib
+
 import pyarrow as pa
 
 COMPONENTS: tuple[str, ...] = ("LN1", "MHA", "LN2", "FC1", "FC2")
@@ -183,8 +185,21 @@ def control_rows(df):
     return df[df["weights"] == RANDOM_INIT].reset_index(drop=True)
 
 
+def did_you_mean(name: object, choices) -> str:
+    """``"; did you mean 'FC1'?"`` for the choice closest to ``name`` (``fc1``), or ``""`` when none is close.
+
+    Case is ignored (a choice equal to ``name`` but for case wins), then ``difflib.get_close_matches``
+    (ratio >= 0.6) picks the closest: the one rule of every "unknown X" message (presets, spec fields,
+    configuration names, choices)."""
+    by_folded = {str(c).casefold(): str(c) for c in choices}
+    folded = str(name).casefold()
+    close = [folded] if folded in by_folded else difflib.get_close_matches(folded, list(by_folded), n=1)
+    return f"; did you mean {by_folded[close[0]]!r}?" if close else ""
+
+
 def check_name(value: str, allowed: tuple[str, ...], what: str) -> str:
-    """``value`` if it is one of ``allowed``; else ``ValueError`` naming ``what`` and the choices."""
+    """``value`` if it is one of ``allowed``; else ``ValueError`` naming ``what``, the closest choice and all."""
     if value not in allowed:
-        raise ValueError(f"{what}: unknown value {value!r}; expected one of {list(allowed)}")
+        raise ValueError(f"{what}: unknown value {value!r}{did_you_mean(value, allowed) or ';'} expected one of "
+                         f"{list(allowed)}")
     return value

@@ -489,6 +489,9 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     dirs = study_dirs(study_dir)
     target = _out_dir(dirs, out_dir)
     inputs = read_studies(dirs)
+    problem = storage.folder_problem(target)  # a file on the way, no permission: refused before any table
+    if problem:
+        raise ValueError(f"out_dir (--out): {problem}")
     out, uri = storage.staged(target, prefix="raystudy-analysis-")
     res = AnalysisResult(", ".join(dirs), out, inputs, notes=list(inputs.notes), upload_to=uri,
                          options={**options, "seeds": seeds, "fixed_run": fixed_run})

@@ -29,6 +29,7 @@ from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import positions, reuse
 from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.job_inputs import check_inputs, out_problem, plasticity_problems
 from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
 from raystudy.storage import check_path_name
 from raystudy.terminal import progress_bar
@@ -215,6 +216,7 @@ def run_local(args) -> int:
     from raystudy.io import write_result  # pandas: --help stays light
 
     dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
+    check_inputs([out_problem(args.out_dir)])  # the tables are written at the end: refuse a file now
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models = {weights: m.to(device) for weights, m in measured_models(args).items()}
     size = models[PRETRAINED].patch_embed.img_size[0]
@@ -265,6 +267,7 @@ def run_pipeline(args) -> int:
     if args.pretrained:
         raise ValueError("--pretrained is not available with stores: download the weights and pass --weights")
     job = pipeline_job(args)
+    check_inputs(plasticity_problems(job))  # --out, the stores, --weights: one line before Ray starts
     started = init_ray(args.address, verbose=getattr(args, "verbose", False))
     try:
         summary = run_plasticity(job)

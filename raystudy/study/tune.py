@@ -54,6 +54,7 @@ from raystudy.distributed.reaper import start_reaper
 from raystudy.io import table_path
 from raystudy.storage import exists, folder_problem, is_uri, join, subdirs
 from raystudy.study import final
+from raystudy.study.checks import pretraining_writes_weights, weights_not_found
 from raystudy.study.health import (  # noqa: F401  (re-exported: their home before the split)
     RAY_SNAPSHOT,
     StudyStorageError,
@@ -78,7 +79,7 @@ from raystudy.study.persist import (  # noqa: F401  (re-exported: their home bef
     write_spec,
 )
 from raystudy.study.points import STUDY_TRIAL_ID, point_study_trial_id
-from raystudy.study.preflight import configuration_problems, weights_load_error
+from raystudy.study.preflight import configuration_problems, weights_problem
 from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
@@ -274,7 +275,7 @@ def check_weights_load(spec: StudySpec) -> None:
     not fit the model (wrong architecture, missing keys) stops the study before any launch."""
     if spec.weights is None or is_uri(spec.weights):
         return
-    error = weights_load_error(spec, int(read_meta(next(iter(spec.datasets.values())))["num_classes"]))
+    error = weights_problem(spec, int(read_meta(next(iter(spec.datasets.values())))["num_classes"]))
     if error:
         raise SpecError(error)
 
@@ -294,8 +295,10 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
         if exists(spec.weights):
             check_weights_format_of(spec)
             echo(f"[{spec.name}] pretrained weights found: {spec.weights}")
-        else:
+        elif pretraining_writes_weights(spec):
             pretrain_weights(spec, spec.weights, echo=echo)
+        else:  # a --weights path that does not exist: not where the pretraining writes
+            raise SpecError(weights_not_found(spec))
     spec.check_files(weights=True)
     for problem in final.store_problems(spec):
         raise SpecError(problem)
