@@ -13,15 +13,9 @@ and the plasticity of every dataset land in ``<out>/plasticity.parquet``, ``rate
 re-running a finished study measures nothing again.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a fresh clone
-
-os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-
-from raystudy.commands.study import main  # noqa: E402
+from _environment import study_main  # this folder: checks the Python before raystudy is imported
 
 if __name__ == "__main__":
-    sys.exit(main(prog="plasticity_study.py", preset_prefix="plasticity-"))
+    sys.exit(study_main("plasticity_study.py")(prog="plasticity_study.py", preset_prefix="plasticity-"))

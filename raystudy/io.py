@@ -34,8 +34,10 @@ def check_columns(df: pd.DataFrame, table: str, where: str = "") -> None:
 
 
 def write_result(df: pd.DataFrame, study_dir: str | os.PathLike, table: str) -> str:
-    """Validate ``df`` against the schema of ``table`` and write ``study_dir/<table>.parquet`` atomically."""
+    """Validate ``df`` against the schema of ``table`` and write ``study_dir/<table>.parquet`` atomically
+    (its defaulted columns, :data:`raystudy.vocab.DEFAULTED_COLUMNS`, filled where absent)."""
     check_columns(df, table)
+    df = upgrade_columns(df, table)
     return write_parquet_atomic(table_path(study_dir, table), df)
 
 

@@ -37,7 +37,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-from raystudy.vocab import DATA_PATHS, GATED_FC1, MHA_INPUTS, MODES, OPTIMIZERS, PAIRINGS, PRECISIONS, TEXT_ROWS
+from raystudy.vocab import (
+    CONTROLS,
+    DATA_PATHS,
+    GATED_FC1,
+    MHA_INPUTS,
+    MODES,
+    OPTIMIZERS,
+    PAIRINGS,
+    PRECISIONS,
+    TEXT_ROWS,
+)
 
 #: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's), zeros (the original ViT
 #: finetuning recipe) or nn.Linear's own default (the paper authors' head).
@@ -448,6 +458,10 @@ class PlasticitySettings:
                                    help="fixed token radius r of the bounds (the paper's 19.4); None: measured")
     seed: int = setting(0, check="non_negative_int",
                         help="seed of the random pairing (and of the random init without weights)")
+    control: str = setting("random_init", choices=CONTROLS,
+                           help="random_init: also measure the same architecture at its library's own seeded "
+                                "init on the same pairs (rows weights=random_init); none: the model only")
+    control_seed: int = setting(0, check="non_negative_int", help="torch seed of the control's random init")
     workers: int = setting(1, check="positive_int", help="actors in the pool, each holding the model once")
     gpus_per_worker: float = setting(0.0, check="non_negative", help="GPUs per actor (0: CPU)")
     cpus_per_worker: float = setting(0.5, check="positive",
@@ -528,6 +542,9 @@ class RunSettings:
                                             "the pretrained model reads (a study: its plasticity pretraining "
                                             "store; None: weight change only)")
     change_split: str | list[str] = same_as(PlasticitySettings, "pretrain_split", cli=False)
+    hparams: dict = setting(factory=dict, cli=False,
+                            help="more hyperparameters for the run's TensorBoard HParams record (a study's "
+                                 "trial: dataset and phase)")
 
 
 #: every group, by name

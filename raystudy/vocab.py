@@ -22,6 +22,8 @@ use it.
 
 from __future__ import annotations
 
+import difflib
+
 import pyarrow as pa
 
 COMPONENTS: tuple[str, ...] = ("LN1", "MHA", "LN2", "FC1", "FC2")
@@ -138,6 +140,20 @@ CHANGE_MEASURES: tuple[str, ...] = ("weight_change", "cka")
 #: Old column names, per table, and the name they have now.
 RENAMED_COLUMNS: dict[str, dict[str, str]] = {"trials": {"component": "configuration"}}
 
+#: Which weights a plasticity / rates row was measured with: the model's own (``pretrained``: its weights
+#: file, or whatever the job measured before the control existed) or the same architecture at its library's
+#: own seeded initialisation (``random_init``: timm's / Hugging Face's init, no weights loaded), the control.
+WEIGHTS: tuple[str, ...] = ("pretrained", "random_init")
+PRETRAINED, RANDOM_INIT = WEIGHTS
+#: The control a plasticity measurement runs beside the model: ``random_init`` (the default) or ``none``.
+CONTROLS: tuple[str, ...] = (RANDOM_INIT, "none")
+#: The paper's ranking of the components by plasticity, most plastic first.
+PAPER_RANKING: tuple[str, ...] = ("MHA", "FC1", "FC2", "LN2", "LN1")
+
+#: Columns a table holds beside its schema, with the value older tables (without them) read as.
+DEFAULTED_COLUMNS: dict[str, dict[str, str]] = {"plasticity": {"weights": PRETRAINED},
+                                                "rates": {"weights": PRETRAINED}}
+
 
 def columns(table: str) -> list[str]:
     """The required column names of ``table``."""
@@ -145,14 +161,45 @@ def columns(table: str) -> list[str]:
 
 
 def upgrade_columns(df, table: str):
-    """Rename the old columns of ``table`` (a pandas DataFrame from an older study) to today's names."""
+    """Rename the old columns of ``table`` (a pandas DataFrame from an older study) to today's names and
+    add its :data:`DEFAULTED_COLUMNS` where absent (a plasticity table without ``weights`` is ``pretrained``)."""
     renames = {old: new for old, new in RENAMED_COLUMNS.get(table, {}).items()
                if old in df.columns and new not in df.columns}
-    return df.rename(columns=renames) if renames else df
+    df = df.rename(columns=renames) if renames else df
+    missing = {c: v for c, v in DEFAULTED_COLUMNS.get(table, {}).items() if c not in df.columns}
+    return df.assign(**missing) if missing else df
+
+
+def pretrained_rows(df):
+    """The rows of a plasticity or rates frame measured with the model's own weights (all rows of a frame
+    without a ``weights`` column, which predates the control); ``None`` stays ``None``."""
+    if df is None or "weights" not in df.columns:
+        return df
+    return df[df["weights"] == PRETRAINED].reset_index(drop=True)
+
+
+def control_rows(df):
+    """The ``random_init`` rows of a plasticity or rates frame (the control); ``None`` when it has none."""
+    if df is None or "weights" not in df.columns or not (df["weights"] == RANDOM_INIT).any():
+        return None
+    return df[df["weights"] == RANDOM_INIT].reset_index(drop=True)
+
+
+def did_you_mean(name: object, choices) -> str:
+    """``"; did you mean 'FC1'?"`` for the choice closest to ``name`` (``fc1``), or ``""`` when none is close.
+
+    Case is ignored (a choice equal to ``name`` but for case wins), then ``difflib.get_close_matches``
+    (ratio >= 0.6) picks the closest: the one rule of every "unknown X" message (presets, spec fields,
+    configuration names, choices)."""
+    by_folded = {str(c).casefold(): str(c) for c in choices}
+    folded = str(name).casefold()
+    close = [folded] if folded in by_folded else difflib.get_close_matches(folded, list(by_folded), n=1)
+    return f"; did you mean {by_folded[close[0]]!r}?" if close else ""
 
 
 def check_name(value: str, allowed: tuple[str, ...], what: str) -> str:
-    """``value`` if it is one of ``allowed``; else ``ValueError`` naming ``what`` and the choices."""
+    """``value`` if it is one of ``allowed``; else ``ValueError`` naming ``what``, the closest choice and all."""
     if value not in allowed:
-        raise ValueError(f"{what}: unknown value {value!r}; expected one of {list(allowed)}")
+        raise ValueError(f"{what}: unknown value {value!r}{did_you_mean(value, allowed) or ';'} expected one of "
+                         f"{list(allowed)}")
     return value

@@ -792,8 +792,8 @@ def test_cli_analyze_and_report_write_every_figure(tmp_path, capsys):
 
 
 #: The documented palette (Okabe-Ito): one colour per configuration, written out here, not imported.
-PALETTE = {"LN1": "#0072b2", "MHA": "#d55e00", "LN2": "#56b4e9", "FC1": "#e69f00", "FC2": "#cc79a7",
-           "Emb": "#000000", "All": "#009e73", "Head": "#7f7f7f", "LP": "#bbbbbb"}
+PALETTE = {"LN1": "#0072b2", "MHA": "#d55e00", "LN2": "#009e73", "FC1": "#e69f00", "FC2": "#cc79a7",
+           "Emb": "#56b4e9", "All": "#000000", "Head": "#555555", "LP": "#f0e442"}
 
 
 def test_plot_functions_for_the_plasticity_cli(tmp_path):

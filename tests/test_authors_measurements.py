@@ -133,7 +133,7 @@ def test_padded_text_rows_and_normed_mha_through_the_pipeline(ray_session, gpt2_
     job = PlasticityJob(model=f"hf:{folder}", pretrain=stores["text-news"], downstream=[stores["text-nature"]],
                         out_dir=str(tmp_path / "out"), pairs=PAIRS, batch_size=8, pairing="random", seed=3,
                         seq_len=N_TOKENS, text_rows="padded", mha_input="normed", cpus_per_worker=0.5,
-                        figures=False)
+                        figures=False, control="none")
     assert run_plasticity(job, progress=False)["n_pairs"] == PAIRS
     tok_file = f"{folder}/tokenizer.json"
     pre_index, pre_ids = authors_rows(stores["text-news"], "test", tok_file, gpt2_setup["eos"])

@@ -59,6 +59,9 @@ def seeded_pairs(x, y, n, seed):
 def check_against_reference(out, model, x, y, *, mode, dataset):
     """rates.parquet and plasticity.parquet in ``out`` equal the reference on pairs ``(x[i], y[i])``."""
     rates, table = pd.read_parquet(out / "rates.parquet"), pd.read_parquet(out / "plasticity.parquet")
+    assert set(rates["weights"]) == set(table["weights"]) == {"pretrained", "random_init"}  # the control beside
+    rates = rates[rates["weights"] == "pretrained"].drop(columns="weights")
+    table = table[table["weights"] == "pretrained"].drop(columns=["weights", "init_seed"])
     ref = pair_rates_reference(model, x, y, mode=mode)
     assert (rates["model"] == NAME).all() and (rates["dataset"] == dataset).all() and (rates["mode"] == mode).all()
     merged = rates.merge(ref, on=["pair", "layer", "component"], suffixes=("", "_ref"), validate="one_to_one")

@@ -57,13 +57,14 @@ def test_plasticity_cli_with_stores_runs_the_ray_pipeline(ray_session, tmp_path,
     out = tmp_path / "out"
     assert main(["plasticity", *MODEL, "--weights", path, "--pretrain", pre, "--downstream", *downs,
                  "--pairs", str(PAIRS), "--batch-size", "5", "--workers", "2", "--cpus-per-worker", "0.5",
-                 "--mode", "hidden", "--seed", "3", "--out", str(out)]) == 0
+                 "--mode", "hidden", "--seed", "3", "--control", "none", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"alpha ({PAIRS} pairs):" in printed and f"beta ({PAIRS} pairs):" in printed
 
     pairs = pd.read_parquet(out / "pairs.parquet")
     rates = pd.read_parquet(out / "rates.parquet")
     table = pd.read_parquet(out / "plasticity.parquet")
+    assert set(rates["weights"]) == set(table["weights"]) == {"pretrained"}  # --control none: the model only
     assert sorted(set(pairs["dataset"])) == ["alpha", "beta"] and len(pairs) == 2 * PAIRS
     x_idx = pairs[pairs.dataset == "alpha"]["pretrain_index"].to_numpy()
     assert len(set(x_idx.tolist())) == PAIRS  # 20 test rows for 12 pairs: no image twice
@@ -171,7 +172,8 @@ def test_plasticity_cli_local_sequential_pairs_in_order(tmp_path, weights):
         out = tmp_path / pairing
         assert main(["plasticity", *MODEL, "--weights", path, "--x", str(tmp_path / "x.npy"), "--y",
                      str(tmp_path / "y.npy"), "--pairs", "4", "--pairing", pairing, "--out", str(out)]) == 0
-        runs[pairing] = pd.read_parquet(out / "rates.parquet")
+        rates = pd.read_parquet(out / "rates.parquet")
+        runs[pairing] = rates[rates["weights"] == "pretrained"].reset_index(drop=True)
     ref = pair_rates(model, x[:4], y[:4], mode="embedding")
     got = runs["sequential"]
     pd.testing.assert_frame_equal(got[["pair", "layer", "component"]], ref[["pair", "layer", "component"]])

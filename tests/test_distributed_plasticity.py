@@ -67,8 +67,18 @@ def _positions(n_pre, n_down, pairs, seed):
     return draw(n_pre), draw(n_down)
 
 
-def _reference(setup, mode):
+def _control_model():
+    """The random-init control of the job's model, built here with timm alone: seed 0 (``control_seed``'s
+    default), then ``timm.create_model``."""
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model(TIMM_NAME, **TINY).eval()
+
+
+def _reference(setup, mode, model=None):
     """Core rates and summary per downstream dataset on the pipeline's pairs, plus the pretraining images."""
+    model = model if model is not None else setup["model"]
     pre = read_split(setup["pre"], "val")
     rates, pre_images = [], None
     for store, name in zip(setup["down"], ("alpha", "beta")):
@@ -77,7 +87,7 @@ def _reference(setup, mode):
         x = transform_batch([pre["image"][int(i)].as_py() for i in a], train=False, size=32)
         y = transform_batch([down["image"][int(i)].as_py() for i in b], train=False, size=32)
         pre_images = x
-        df = rates_frame(pair_rates_tensor(setup["model"], x, y, mode=mode))
+        df = rates_frame(pair_rates_tensor(model, x, y, mode=mode))
         df.insert(0, "mode", mode)
         df.insert(0, "dataset", name)
         df.insert(0, "model", TIMM_NAME)
@@ -204,20 +214,25 @@ def test_pipeline_equals_core_on_the_same_pairs(ray_session, setup, workers, bat
     summary, got = _run(setup, workers, batch_size, mode, **({"figures": True} if figures else {}))
     ref_rates, ref_plast, pre_images = _reference(setup, mode)
 
-    # plasticity.parquet: the streamed reduction equals summarize() of the core rates
+    # plasticity.parquet: the streamed reduction equals summarize() of the core rates, for the model
+    # (weights pretrained) and for its random-init control on the same pairs (weights random_init)
     plast = got["plasticity"]
     assert list(plast.columns[:9]) == ["model", "dataset", "mode", "layer", "component", "plasticity", "std",
                                        "ci95", "n_pairs"]
-    pd.testing.assert_frame_equal(plast[["model", "dataset", "mode", "layer", "component", "n_pairs"]],
-                                  ref_plast[["model", "dataset", "mode", "layer", "component", "n_pairs"]])
-    for col in ("plasticity", "std", "ci95"):
-        np.testing.assert_allclose(plast[col], ref_plast[col], rtol=RTOL, err_msg=col)
-
-    # rates.parquet: every pair's rates, in pair order
-    rates = got["rates"]
-    assert len(rates) == len(ref_rates) == 2 * PAIRS * 3 * 5
-    pd.testing.assert_frame_equal(rates.drop(columns="rate"), ref_rates.drop(columns="rate"))
-    np.testing.assert_allclose(rates["rate"], ref_rates["rate"], rtol=RTOL)
+    assert len(got["rates"]) == 2 * len(ref_rates) == 2 * 2 * PAIRS * 3 * 5
+    for weights, (ref_r, ref_p) in (("pretrained", (ref_rates, ref_plast)),
+                                    ("random_init", _reference(setup, mode, _control_model())[:2])):
+        sub = plast[plast["weights"] == weights].reset_index(drop=True)
+        pd.testing.assert_frame_equal(sub[["model", "dataset", "mode", "layer", "component", "n_pairs"]],
+                                      ref_p[["model", "dataset", "mode", "layer", "component", "n_pairs"]])
+        for col in ("plasticity", "std", "ci95"):
+            np.testing.assert_allclose(sub[col], ref_p[col], rtol=RTOL, err_msg=f"{weights} {col}")
+        assert sub["init_seed"].isna().all() if weights == "pretrained" else (sub["init_seed"] == 0).all()
+        # rates.parquet: every pair's rates, in pair order
+        rates = got["rates"][got["rates"]["weights"] == weights].drop(columns="weights").reset_index(drop=True)
+        assert len(rates) == len(ref_r) == 2 * PAIRS * 3 * 5
+        pd.testing.assert_frame_equal(rates.drop(columns="rate"), ref_r.drop(columns="rate"))
+        np.testing.assert_allclose(rates["rate"], ref_r["rate"], rtol=RTOL, err_msg=weights)
 
     # pairs.parquet: which images formed each pair
     pairs = got["pairs"]

@@ -7,18 +7,18 @@ Conventions of the pages (their Markdown source; a reader sees only the blocks):
   the rest of that block. Lines printed by Ray worker processes (``(pid=...)``, ``(raylet)``, ...) are
   left out; stderr is shown when a block fails, never compared.
 * In an expected output, a line ``...`` stands for any number of lines, ``...`` inside a line for any
-  text, and ``~NUMBER`` for any finite number (the page shows the value a real run printed; ``~0.31``
-  never matches ``nan``). Runs of spaces match runs of spaces (table columns move with the numbers).
+  text, and ``~NUMBER`` for a finite number within 20% of NUMBER (:data:`TOLERANCE`; the page shows the
+  value a run of ``make demo``'s study printed; ``~0.31`` matches 0.25-0.37, never ``nan``).
+  Runs of spaces match runs of spaces (table columns move with the numbers).
   A wildcard never stands for ``nan``, ``inf``, ``failed``, ``error`` or a ``Traceback``: a block that
   prints one of them matches only an expected output that spells it out.
 * A block that is not run says why, on the line above it: ``<!-- not run: the reason -->``. Every
   ```python and ```bash block has exactly one of the two. Other ```text blocks are listings and are
   not compared; other languages are refused.
 
-The blocks run in a folder holding a study at ``results/demo``: the ``demo`` preset shrunk by flags (one
-dataset, MHA and Head, a few steps, few pairs) on smaller built-in stores. It holds what the blocks read
-after ``make demo`` (stores under ``results/demo/data``, the pretrained toy model, the plasticity tables,
-the probe, the Tune experiment) in a fraction of the time. ``experiments/`` is linked into it, as the
+The blocks run in a folder holding the study ``make demo`` makes at ``results/demo`` (``conftest.demo_study``:
+``experiments/full_study.py`` run as a user runs it), so that every number a page prints is the one a user
+of the demo gets, within the tolerance. ``experiments/`` is linked into it, as the
 pages run from the repository root, and ``.venv`` is linked to this interpreter's environment. The
 python blocks run in page order in one interpreter (Ray starts once), each in a fresh namespace (no
 block uses another's names); each bash block runs in its own ``bash -e``, with this interpreter's
@@ -28,6 +28,7 @@ block uses another's names); each bash block runs in its own ``bash -e``, with t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -117,27 +118,45 @@ SHELL = [b for b in BLOCKS if b.language == "bash" and b.expected is not None]
 # Matching an output
 
 
-def _line_pattern(line: str) -> str:
+#: how far a run's number may be from a page's ``~NUMBER``: a fraction of it, or one unit of its last printed
+#: digit where that is more (``~0.91`` admits 0.73-1.09; ``~48`` admits 38.4-57.6; ``~0`` admits -1 to 1)
+TOLERANCE = 0.2
+
+
+def within(expected: str, got: str) -> bool:
+    """Whether ``got`` is a finite number within :data:`TOLERANCE` of ``expected`` (a page's ``~NUMBER``)."""
+    want, value = float(expected), float(got)
+    decimals = len(expected.split(".")[1].split("e")[0].split("E")[0]) if "." in expected else 0
+    return math.isfinite(value) and abs(value - want) <= max(TOLERANCE * abs(want), 10.0 ** -decimals)
+
+
+def _line_pattern(line: str, numbers: list[str]) -> str:
     out, pos = [], 0
     for m in _TOKEN.finditer(line):
         out.append(re.escape(line[pos:m.start()]))
         token = m.group()
-        out.append(f"(?:(?!{FORBIDDEN}).)*?" if token == "..." else " +" if token.startswith(" ") else NUMBER)
+        if token == "...":
+            out.append(f"(?:(?!{FORBIDDEN}).)*?")
+        elif token.startswith(" "):
+            out.append(" +")
+        else:
+            numbers.append(token[1:])
+            out.append(f"({NUMBER})")
         pos = m.end()
     out.append(re.escape(line[pos:]))
     return "".join(out)
 
 
-def output_pattern(expected: str) -> re.Pattern:
+def output_pattern(expected: str) -> tuple[re.Pattern, list[str]]:
     """The regular expression an output (lines without trailing spaces, each ending in a newline) must
-    match in full to match ``expected``."""
-    parts = []
+    match in full to match ``expected``, and the numbers of its ``~NUMBER`` wildcards (one group each)."""
+    parts, numbers = [], []
     for line in _clean(expected).splitlines():
         if line.strip() == "...":
             parts.append(f"(?:(?:(?!{FORBIDDEN})[^\\n])*\\n)*?")
         else:
-            parts.append(_line_pattern(line) + r"\n")
-    return re.compile("".join(parts))
+            parts.append(_line_pattern(line, numbers) + r"\n")
+    return re.compile("".join(parts)), numbers
 
 
 def _clean(text: str) -> str:
@@ -156,12 +175,27 @@ def printed(stdout: str) -> str:
     return _clean("\n".join(line for line in lines if not FORWARDED.match(line)))
 
 
+def far_numbers(expected: str, output: str) -> list[str] | None:
+    """None when ``output`` does not match ``expected``'s pattern; else the ``~NUMBER`` wildcards whose printed
+    number is not :func:`within` tolerance, as ``"~0.91: 0.52"`` (empty: it matches)."""
+    pattern, numbers = output_pattern(expected)
+    m = pattern.fullmatch(printed(output))
+    if m is None:
+        return None
+    return [f"~{want}: {got}" for want, got in zip(numbers, m.groups()) if not within(want, got)]
+
+
 def matches(expected: str, output: str) -> bool:
-    return output_pattern(expected).fullmatch(printed(output)) is not None
+    return far_numbers(expected, output) == []
 
 
 def assert_prints(block: Block, stdout: str, stderr: str = "") -> None:
-    if not matches(block.expected, stdout):
+    far = far_numbers(block.expected, stdout)
+    if far:
+        raise AssertionError(f"{block.id}: the {block.language} block\n{block.code}\nprinted numbers more than "
+                             f"{TOLERANCE:.0%} from the page's (page: run):\n" + "\n".join(far)
+                             + f"\nin\n{printed(stdout)}")
+    if far is None:
         raise AssertionError(f"{block.id}: the {block.language} block\n{block.code}\nprinted\n"
                              f"{printed(stdout) or '(nothing)'}\nwhere the page says\n{_clean(block.expected)}"
                              + (f"\nstderr (last 4000 characters):\n{stderr[-4000:]}" if stderr else ""))
@@ -215,8 +249,14 @@ def test_pages_have_the_blocks_they_document():
 
 
 def test_expected_output_wildcards():
-    assert matches("ok ~0.3", "ok 0.4166\n") and matches("a\n...\nz", "a\nb\nc\nz\n") and matches("a\n...\nz", "a\nz")
-    assert matches("x  = ~1 ...", "x = 2.5e-3 and more\n") and matches("Output of ...", "Output of it\n")
+    assert matches("ok ~0.3", "ok 0.35\n") and not matches("ok ~0.3", "ok 0.4166\n")  # within 20%, or not
+    assert matches("~48 trials", "40 trials\n") and not matches("~48 trials", "12 trials\n")
+    assert matches("~0.91", "1.09\n") and not matches("~0.91", "1.1\n") and matches("~0", "1\n")
+    assert matches("~2", "3\n") and not matches("~2", "4\n")  # one unit of the last digit where that is more
+    assert far_numbers("a ~1.00 b ~5", "a 1.5 b 5\n") == ["~1.00: 1.5"] and far_numbers("a ~1", "b 1\n") is None
+    assert matches("ok ~0.3", "ok 0.3\n") and matches("a\n...\nz", "a\nb\nc\nz\n") and matches("a\n...\nz", "a\nz")
+    assert matches("x  = ~1 ...", "x = 1.2 and more\n") and matches("x ~2.5e-3", "x 2.6e-3\n")
+    assert matches("Output of ...", "Output of it\n")
     assert matches("col    1", "col 1\n") and matches("", "(pid=12) worker chatter\n")
     assert matches("a\nb", "a\n\x1b[36m(RayTrainWorker pid=3)\x1b[0m chatter\n(raylet) more\nb\n")
 

@@ -76,7 +76,9 @@ def test_load_study_reads_an_old_directory(tmp_path):
         assert row.trial_lr == t.at[row.trial_id, "lr"]
     # the curve's own (scheduled) lr is kept beside the trial's
     assert c.groupby("trial_id").lr.apply(list).to_dict() == {IDS[0]: [0.002, 0.006, 0.01], IDS[1]: [0.05, 0.1]}
-    pd.testing.assert_frame_equal(study.plasticity, pd.read_parquet(tmp_path / "old" / "plasticity.parquet"))
+    old = pd.read_parquet(tmp_path / "old" / "plasticity.parquet")  # before the control: read as pretrained
+    pd.testing.assert_frame_equal(study.plasticity, old.assign(weights="pretrained"))
+    assert study.control is None
     assert study.bounds.bound.tolist() == [9.0] and study.rates is None
     assert study.spec["name"] == "old" and "trials: 3 rows" in repr(study)
 

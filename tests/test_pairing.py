@@ -253,7 +253,8 @@ def test_sequential_pipeline_rates_and_fixed_radius(ray_session, stores, tmp_pat
         x = _images(stores["pre"], [p for p, _ in expected])
         y = _images(store, [d for _, d in expected], splits=("test",))
         ref = rates_frame(pair_rates_tensor(model, x, y, mode="embedding"))  # pair i on (pre[i], down[i])
-        rates = got["rates"][got["rates"].dataset == name].reset_index(drop=True)
+        rates = got["rates"][(got["rates"].dataset == name) & (got["rates"].weights == "pretrained")]
+        rates = rates.reset_index(drop=True)
         pd.testing.assert_frame_equal(rates[["pair", "layer", "component"]], ref[["pair", "layer", "component"]])
         np.testing.assert_allclose(rates["rate"], ref["rate"], rtol=1e-5)
     assert summary["pairing"] == "sequential" and summary["pretrain"]["split"] == "train+val+test"

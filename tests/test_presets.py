@@ -73,7 +73,7 @@ def test_grid_sizes_of_the_named_presets():
     assert sizes["paper-vtab1k"] == 11 * 7 * 8 * 3 == 1848
     assert sizes["paper-model-size"] == 1 * 6 * 4 * 3 == 72
     assert sizes["paper-low-data"] == 5 * 6 * 1 * 1 == 30
-    assert sizes["demo"] == 2 * 3 * 2 * 1 == 12
+    assert sizes["demo"] == 2 * 6 * 2 * 2 == 48
     assert sizes["beyond"] == 11 * 25 * 4 * 3 == 3300
     assert sizes["beyond-demo"] == 2 * 8 * 1 * 1 == 16
     assert sizes["plasticity-demo"] == sizes["plasticity-paper"] == 0

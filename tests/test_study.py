@@ -174,15 +174,57 @@ def test_grid_study_tune_experiment_restores(grid_study, monkeypatch):
         assert r.metrics["test_acc"] == pytest.approx(trials.at[r.metrics["study_trial_id"], "test_acc"])
     best = results.get_best_result(metric="best_val_acc", mode="max")
     assert best.metrics["best_val_acc"] == pytest.approx(trials.best_val_acc.max())
+    # docs/analysis.md: Tune's ExperimentAnalysis joins trials.parquet on the config's study_trial_id
+    from ray.tune import ExperimentAnalysis
+
+    assert sorted(r.config["study_trial_id"] for r in results) == GRID_IDS
+    df = ExperimentAnalysis(exp).dataframe()
+    joined = df.merge(trials.reset_index(), left_on="config/study_trial_id", right_on="trial_id",
+                      suffixes=("_tune", ""))
+    assert sorted(joined["trial_id"]) == GRID_IDS and not set(df["trial_id"]) & set(GRID_IDS)
+    assert joined["test_acc_tune"].tolist() == pytest.approx(joined["test_acc"].tolist())
+
+
+def test_grid_study_tensorboard_hparams(grid_study):
+    """TensorBoard's own HParams backend over ``<out>/tb``: the study's experiment (dataset and every axis,
+    lr and configuration differing) and each trial's session with its dataset."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import backend_context, metadata
+
+    tb = str(Path(grid_study["out"]) / "tb")
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(tb)
+    mux.Reload()
+    backend = backend_context.Context(base_plugin.TBContext(
+        data_provider=data_provider.MultiplexerDataProvider(mux, tb), logdir=tb))
+    ctx = context.RequestContext()
+    runs = backend.hparams_metadata(ctx, "")
+    exp = backend.experiment_from_metadata(ctx, "", True, runs, None)
+    infos = {h.name: (h.differs, [v.string_value or v.number_value for v in h.domain_discrete.values])
+             for h in exp.hparam_infos}
+    assert infos["dataset"] == (False, ["color"]) and infos["lr"] == (True, [0.03, 0.3])
+    assert infos["configuration"] == (True, ["LN1", "MHA"]) and infos["optimizer"] == (False, ["sgd"])
+    assert {"seed", "phase", "steps", "batch_size", "model", "model_kwargs"} <= set(infos)
+    sessions = {run: metadata.parse_session_start_info_plugin_data(tags[metadata.SESSION_START_INFO_TAG]).hparams
+                for run, tags in runs.items() if metadata.SESSION_START_INFO_TAG in tags}
+    assert sorted(sessions) == GRID_IDS
+    for tid, hp in sessions.items():
+        assert hp["dataset"].string_value == "color" and tid.startswith(f"color-{hp['configuration'].string_value}-")
 
 
 def test_grid_study_plasticity_analysis_and_progress(grid_study):
     out = grid_study["out"]
     plast = read_result(out, "plasticity")
     assert set(plast.dataset) == {"color"} and set(plast.component) == {"LN1", "MHA", "LN2", "FC1", "FC2"}
-    assert len(plast) == 3 * 5 and (plast.n_pairs == 32).all()
+    # the model and its random-init control (on by default), each per layer and component
+    assert plast.groupby("weights").size().to_dict() == {"pretrained": 3 * 5, "random_init": 3 * 5}
+    assert (plast.n_pairs == 32).all()
     assert len(read_result(out, "bounds")) == 3 * 5
-    assert len(read_result(out, "rates")) == 32 * 3 * 5
+    assert read_result(out, "rates").groupby("weights").size().to_dict() == {"pretrained": 32 * 3 * 5,
+                                                                             "random_init": 32 * 3 * 5}
+    assert (Path(out) / "analysis" / "plasticity_control.csv").is_file()
     assert Path(grid_study["outcome"].report).is_file()
     assert (Path(out) / "spec.yaml").is_file()
     stored = yaml.safe_load((Path(out) / "spec.yaml").read_text())
@@ -374,5 +416,5 @@ def test_plasticity_only_study(ray_session, builtin, tmp_path):
     assert outcome.total == 0 and outcome.launched == 0
     assert any("plasticity only" in ln for ln in lines)
     plast = read_result(out, "plasticity")
-    assert set(plast.dataset) == {"noise"} and (plast.n_pairs == 8).all() and len(plast) == 3 * 5
+    assert set(plast.dataset) == {"noise"} and (plast.n_pairs == 8).all() and len(plast) == 2 * 3 * 5
     assert not (out / "tune").exists() and not (out / "trials").exists()  # no Tune experiment, no trial

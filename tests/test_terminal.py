@@ -130,13 +130,19 @@ def test_init_ray_starts_a_local_instance_silently():
 
 @pytest.mark.slow
 def test_demo_cli_prints_only_raystudy_lines(demo_study):
-    """``make demo`` shrunk (``conftest.demo_study``: one dataset, MHA and Head, one lr, a few steps, few pairs):
-    every line it prints is the study's own or a progress bar."""
+    """``make demo`` (``conftest.demo_study``): every line it prints is the study's own or a progress bar."""
     out = demo_study["stdout"] + demo_study["stderr"]
     assert demo_study["returncode"] == 0, out[-4000:]
     assert ray_lines(out) == [], out[-4000:]
+    assert "\r" not in out  # captured, not a terminal: progress as plain lines (raystudy.terminal)
     lines = demo_study["stdout"].splitlines()
     for tid in ("shift-color-MHA-sgd-lr0.03-s0", "shift-color-Head-sgd-lr0.03-s0"):
         assert [ln for ln in lines if ln.startswith(f"[demo] ok {tid}: test acc ")], demo_study["stdout"]
-    assert any(ln.startswith("[demo] 2/2 done, 0 running, 0 failed, 0 pending") for ln in lines), demo_study["stdout"]
+    assert any(ln.startswith("[demo] 48/48 done, 0 running, 0 failed, 0 pending") for ln in lines), demo_study["stdout"]
     assert any("plasticity done" in ln for ln in lines)
+    # the final map: every table the study wrote, a restore command with the study's trainable, the resume
+    results = next(ln for ln in lines if ln.strip().startswith("results:"))
+    for table in ("trials", "curves", "changes", "plasticity", "rates", "bounds"):
+        assert f"{table}.parquet" in results, results
+    assert any("restore_tuner(tune_experiments(" in ln for ln in lines) and "Tuner.restore" not in out
+    assert any(ln.strip().startswith("resume:      raystudy study --resume ") for ln in lines)

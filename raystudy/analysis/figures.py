@@ -3,17 +3,18 @@
 Every function takes tidy DataFrames following the table schemas of :data:`raystudy.vocab.SCHEMAS`
 (see ``docs/architecture.md``), writes ``<path_stem>.png`` and ``<path_stem>.svg`` and returns both paths.
 Figures are built on :class:`matplotlib.figure.Figure` with an Agg canvas, never through ``pyplot``: no
-global state, no GUI backend, safe in worker threads. Each configuration has one colour in every figure
-(:data:`CONFIGURATION_COLORS`): warm colours for the plastic components (MHA, FC1, FC2), cool ones for
-the LayerNorms, green for ``All`` and grey for ``Head``. A component (plasticity, bounds) is drawn in the
-colour of the configuration that trains it.
+global state, no GUI backend, safe in worker threads. The palette, markers and font scale are
+:mod:`raystudy.analysis.style`'s: each configuration has one colour and one marker in every figure, no two
+alike (:func:`configuration_styles`); a component (plasticity, bounds) is drawn in the colour of the
+configuration that trains it; every text takes a size of the one scale :data:`FONT` (``@styled``).
+Bars start at 0, a group of fewer than :data:`MIN_VIOLIN_POINTS` values is drawn as its points (no
+violin), and a legend names only what its figure draws.
 
 When a table holds several models, datasets or modes, each combination gets its own panel.
 """
 
 from __future__ import annotations
 
-import hashlib
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,42 +27,29 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from raystudy.vocab import TRIALS_CONFIGURATIONS
+from raystudy.analysis.style import (  # noqa: F401  (re-exported: the palette's names before style.py)
+    CONFIGURATION_COLORS,
+    EXTRA_COLORS,
+    EXTRA_MARKERS,
+    FONT,
+    MARKERS,
+    configuration_styles,
+    dataset_markers,
+    styled,
+)
+from raystudy.vocab import RANDOM_INIT, TRIALS_CONFIGURATIONS, pretrained_rows
 
-#: One colour per configuration, shared by every figure (Okabe-Ito, colour-blind safe).
-CONFIGURATION_COLORS: dict[str, str] = {
-    "LN1": "#0072B2",  # blue
-    "MHA": "#D55E00",  # vermillion
-    "LN2": "#56B4E9",  # sky blue
-    "FC1": "#E69F00",  # orange
-    "FC2": "#CC79A7",  # reddish purple
-    "All": "#009E73",  # bluish green
-    "Emb": "#000000",  # black
-    "Head": "#7F7F7F",  # grey
-    "LP": "#BBBBBB",  # light grey: the linear probe, a baseline like Head
-}
-assert set(CONFIGURATION_COLORS) == set(TRIALS_CONFIGURATIONS)
 #: The name the colours had before the vocabulary was unified (kept for user code).
 COMPONENT_COLORS = CONFIGURATION_COLORS
-
-#: Marker per configuration (helps in grey-scale prints).
-MARKERS: dict[str, str] = {
-    "LN1": "v", "MHA": "o", "LN2": "^", "FC1": "s", "FC2": "D", "Emb": "P", "All": "*", "Head": "X", "LP": "x",
-}
-
-#: Colours and markers of the configurations outside the vocabulary (expressions: ``MHA+FC1``, ``auto:10%``,
-#: ``lora:r=8``, ...), none of them a colour above; see :func:`configuration_styles`.
-EXTRA_COLORS: tuple[str, ...] = (
-    "#1F77B4", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#BCBD22", "#17BECF",
-    "#393B79", "#637939", "#8C6D31", "#843C39", "#7B4173", "#3182BD", "#E6550D", "#31A354",
-)
-EXTRA_MARKERS: tuple[str, ...] = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p")
 
 #: Columns that split a table into panels when they hold more than one value.
 FACET_KEYS: tuple[str, ...] = ("model", "dataset", "mode", "optimizer")
 
 #: A log axis is used when the plotted values span more than this ratio.
 LOG_RATIO = 100.0
+
+#: Below this many values a group is drawn as its points, not as a violin (a density of a few points misleads).
+MIN_VIOLIN_POINTS = 5
 
 #: Above this many values per violin, the kernel density is estimated on a fixed random subset.
 MAX_VIOLIN_POINTS = 100_000
@@ -81,30 +69,6 @@ def _ordered(names) -> list[str]:
     """Configuration names in TRIALS_CONFIGURATIONS order, unknown names last (sorted)."""
     names = set(names)
     return [c for c in TRIALS_CONFIGURATIONS if c in names] + sorted(names - set(TRIALS_CONFIGURATIONS))
-
-
-def configuration_styles(names) -> dict[str, tuple[str, str]]:
-    """``{name: (colour, marker)}`` for the configurations ``names`` of one figure.
-
-    The vocabulary's configurations keep :data:`CONFIGURATION_COLORS` and :data:`MARKERS`. Every other one
-    (in sorted order) takes the colour of :data:`EXTRA_COLORS` its name hashes to, or the next one no other
-    configuration of the figure has (distinct colours up to 16 of them), and a marker that makes its
-    (colour, marker) pair unique (up to 192). The hash makes a configuration's style the same in every figure
-    that shows it, unless two of them hashed alike and one figure shows only one of the two.
-    """
-    names = list(dict.fromkeys(map(str, names)))
-    styles = {n: (CONFIGURATION_COLORS[n], MARKERS[n]) for n in names if n in CONFIGURATION_COLORS}
-    n_colors, n_markers = len(EXTRA_COLORS), len(EXTRA_MARKERS)
-    colors, pairs = set(), set()
-    for name in sorted(set(names) - set(styles)):
-        h = int(hashlib.sha256(name.encode()).hexdigest(), 16)
-        c = next(((h + k) % n_colors for k in range(n_colors) if (h + k) % n_colors not in colors), h % n_colors)
-        m0 = (h // n_colors) % n_markers
-        m = next(((m0 + k) % n_markers for k in range(n_markers) if (c, (m0 + k) % n_markers) not in pairs), m0)
-        colors.add(c)
-        pairs.add((c, m))
-        styles[name] = (EXTRA_COLORS[c], EXTRA_MARKERS[m])
-    return styles
 
 
 def _color(name: str, names: Sequence[str] = ()) -> str:
@@ -146,10 +110,10 @@ def _title(fig: Figure, title: str, constant: str) -> None:
     if constant:
         text = f"{text} — {constant}" if text else constant
     if text:
-        fig.suptitle(wrap_title(fig, text), fontsize=13)
+        fig.suptitle(wrap_title(fig, text), fontsize=FONT["title"])
 
 
-def wrap_title(fig: Figure, text: str, fontsize: float = 13) -> str:
+def wrap_title(fig: Figure, text: str, fontsize: float = FONT["title"]) -> str:
     """``text`` broken into lines that fit the figure's width (a character ~0.55 of the font size wide)."""
     chars = max(20, int(fig.get_figwidth() * 72 / (0.55 * fontsize)))
     return textwrap.fill(text, width=chars, break_long_words=False, break_on_hyphens=False)
@@ -192,14 +156,17 @@ def category_ticks(ax, positions, labels, *, pad: float = 4.0) -> None:
 
 
 def _legend(fig: Figure, axes: list, title: str = "component") -> None:
-    """One legend for the figure, right of the panels, from the first panel that has entries."""
+    """One legend for the figure, right of the panels: every labelled artist the panels draw, once each
+    (first panel first), none when nothing is labelled."""
+    entries: dict[str, object] = {}
     for ax in axes:
-        handles, labels = ax.get_legend_handles_labels()
-        if handles:
-            fig.legend(handles, labels, loc="outside right center", frameon=False, title=title)
-            return
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="outside right center", frameon=False, title=title)
 
 
+@styled
 def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Plasticity of each component across depth with its 95% interval band.
 
@@ -207,13 +174,16 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
     dataset, mode`` split panels when they vary). x: layer (0-based), y: plasticity = mean rate
     ``||f(x) - f(y)||_F / ||x - y||_F`` over pairs; band: ``plasticity +- ci95``. One line per component in
     COMPONENTS order; a dotted line marks plasticity 1 (above: the component amplifies input differences).
-    The y axis is logarithmic when the values span more than :data:`LOG_RATIO`.
+    Rows with ``weights = random_init`` (the random-init control) are drawn beside them as dashed lines of
+    the same colour. The y axis is logarithmic when the values span more than :data:`LOG_RATIO`.
     """
     _require(plasticity, ["layer", "component", "plasticity", "ci95"], "plasticity")
     panels, constant = _facets(plasticity)
     fig, axes = _grid(len(panels))
     log = _needs_log(plasticity["plasticity"].to_numpy())
     for ax, (name, rows) in zip(axes, panels):
+        control = rows[rows["weights"] == RANDOM_INIT] if "weights" in rows.columns else rows.iloc[:0]
+        rows = pretrained_rows(rows)
         for comp in _ordered(rows["component"].unique()):
             r = rows[rows["component"] == comp].groupby("layer", as_index=False)[["plasticity", "ci95"]].mean()
             r = r.sort_values("layer")
@@ -222,6 +192,7 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
             ci = np.nan_to_num(ci, nan=0.0)
             lo = np.maximum(y - ci, y * 1e-3) if log else y - ci
             ax.fill_between(x, lo, y + ci, color=_color(comp), alpha=0.2, lw=0)
+        _draw_control(ax, control)
         ax.axhline(1.0, color="black", lw=0.8, ls=":", zorder=0)
         if log:
             ax.set_yscale("log")
@@ -236,39 +207,70 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
     return save_figure(fig, path_stem)
 
 
-def _violins(ax, groups: list[tuple[str, np.ndarray]], *, log: bool, ylabel: str) -> None:
-    """Violin + median/quartile marks per group, coloured by component; ``log`` plots log10 values."""
-    rng = np.random.default_rng(0)
-    data, names = [], []
+def _draw_control(ax, control: pd.DataFrame) -> None:
+    """The random-init control's plasticity across depth: one dashed line per component (its colour, no
+    band), one legend entry for all of them."""
+    for comp in _ordered(control["component"].unique()):
+        r = control[control["component"] == comp].groupby("layer", as_index=False)["plasticity"].mean()
+        r = r.sort_values("layer")
+        ax.plot(r["layer"].to_numpy(), r["plasticity"].to_numpy(float), color=_color(comp), ls="--", lw=1.2,
+                alpha=0.8)
+    if len(control):
+        ax.plot([], [], color="0.4", ls="--", lw=1.2, label="random init")
+
+
+def _finite_groups(groups: list[tuple[str, np.ndarray]], log: bool) -> list[tuple[str, np.ndarray]]:
+    """``groups`` with their finite values (log10 of the positive ones when ``log``), empty groups left out."""
+    out = []
     for name, values in groups:
         v = np.asarray(values, dtype=float)
         v = v[np.isfinite(v)]
         if log:
             v = np.log10(v[v > 0])
-        if v.size == 0:
-            continue
-        data.append(v)
-        names.append(name)
-    if not data:
+        if v.size:
+            out.append((name, v))
+    return out
+
+
+def _violin_bodies(ax, data: list[np.ndarray], names: list[str], positions: np.ndarray) -> None:
+    """A violin per group of at least MIN_VIOLIN_POINTS values with some spread, in its configuration's colour."""
+    rng = np.random.default_rng(0)
+    idx = [i for i, d in enumerate(data) if d.size >= MIN_VIOLIN_POINTS and np.ptp(d) > 0]
+    if not idx:
+        return
+    kde = [d if d.size <= MAX_VIOLIN_POINTS else rng.choice(d, MAX_VIOLIN_POINTS, replace=False)
+           for d in (data[i] for i in idx)]
+    parts = ax.violinplot(kde, positions=positions[idx], widths=0.8, showextrema=False)
+    for body, i in zip(parts["bodies"], idx):
+        body.set_facecolor(_color(names[i], names))
+        body.set_edgecolor(_color(names[i], names))
+        body.set_alpha(0.55)
+
+
+def _violins(ax, groups: list[tuple[str, np.ndarray]], *, log: bool, ylabel: str, points: bool = True) -> None:
+    """Per group (coloured by configuration): a violin with its quartiles (black bar), median (white dot)
+    and extremes when it has MIN_VIOLIN_POINTS values or more, else its values as dots (``points``; False
+    when the caller draws every value itself) and their median (a bar); ``log`` plots log10 values."""
+    kept = _finite_groups(groups, log)
+    if not kept:
         ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
         return
+    names, data = [n for n, _ in kept], [d for _, d in kept]
     positions = np.arange(1, len(data) + 1)
-    kde_data = [d if d.size <= MAX_VIOLIN_POINTS else rng.choice(d, MAX_VIOLIN_POINTS, replace=False) for d in data]
-    # A violin needs some spread: constant groups are drawn as a line only.
-    spread = [d.size > 1 and np.ptp(d) > 0 for d in kde_data]
-    if any(spread):
-        idx = [i for i, s in enumerate(spread) if s]
-        parts = ax.violinplot([kde_data[i] for i in idx], positions=positions[idx], widths=0.8,
-                              showextrema=False)
-        for body, i in zip(parts["bodies"], idx):
-            body.set_facecolor(_color(names[i], names))
-            body.set_edgecolor(_color(names[i], names))
-            body.set_alpha(0.55)
+    _violin_bodies(ax, data, names, positions)
+    rng = np.random.default_rng(0)
     for pos, d, name in zip(positions, data, names):
+        color, marker = configuration_styles(names)[name]
+        if d.size < MIN_VIOLIN_POINTS:
+            if points:
+                ax.scatter(pos + rng.uniform(-0.12, 0.12, d.size), d, s=16, color=color, marker=marker,
+                           edgecolor="black", linewidth=0.3, zorder=3)
+            ax.hlines(np.median(d), pos - 0.25, pos + 0.25, color=color, lw=2, zorder=2)
+            continue
         q1, med, q3 = np.percentile(d, [25, 50, 75])
         ax.vlines(pos, q1, q3, color="black", lw=3)
         ax.scatter([pos], [med], color="white", edgecolor="black", zorder=3, s=22)
-        ax.hlines([d.min(), d.max()], pos - 0.12, pos + 0.12, color=_color(name, names), lw=1)
+        ax.hlines([d.min(), d.max()], pos - 0.12, pos + 0.12, color=color, lw=1)
     category_ticks(ax, positions, names)
     if log:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -278,6 +280,7 @@ def _violins(ax, groups: list[tuple[str, np.ndarray]], *, log: bool, ylabel: str
     ax.grid(axis="y", alpha=0.3)
 
 
+@styled
 def plot_rate_distribution(rates: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Distribution of the per-pair rates of each component, pooled over layers.
 
@@ -303,6 +306,7 @@ def plot_rate_distribution(rates: pd.DataFrame, path_stem: str | Path, *, title:
     return save_figure(fig, path_stem)
 
 
+@styled
 def plot_plasticity_layers(plasticity: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Distribution over layers of each component's plasticity (used when ``rates.parquet`` is absent).
 
@@ -325,6 +329,7 @@ def plot_plasticity_layers(plasticity: pd.DataFrame, path_stem: str | Path, *, t
     return save_figure(fig, path_stem)
 
 
+@styled
 def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem: str | Path, *,
                 title: str = "") -> list[Path]:
     """Theoretical upper bounds (dashed) next to the measured plasticity (solid) across depth, log scale.
@@ -340,44 +345,57 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
             plasticity = plasticity[plasticity["mode"] == "embedding"]
     models = sorted(bounds["model"].astype(str).unique())
     fig, axes = _grid(len(models), width=6.0, height=4.2)
+    drawn: set[tuple[str, str]] = set()
     for ax, model in zip(axes, models):
-        b = bounds[bounds["model"].astype(str) == model]
         p = None
         if plasticity is not None:
             p = plasticity[plasticity["model"].astype(str) == model]
             if p.empty and plasticity["model"].nunique() == 1 and len(models) == 1:
                 p = plasticity  # one model each side under different names
-        for comp in _ordered(b["component"].unique()):
-            bb = b[b["component"] == comp].groupby("layer")["bound"].mean().sort_index()
-            bb = bb[np.isfinite(bb) & (bb > 0)]
-            if len(bb):
-                ax.plot(bb.index, bb.to_numpy(), color=_color(comp), ls="--", lw=1.6, marker=MARKERS[comp],
-                        ms=3, mfc="none")
-            if p is not None and len(p):
-                pp = p[p["component"] == comp].groupby("layer")["plasticity"].mean().sort_index()
-                if len(pp):
-                    ax.plot(pp.index, pp.to_numpy(), color=_color(comp), lw=1.8, marker=MARKERS[comp],
-                            ms=4)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("layer")
-        ax.set_ylabel("plasticity / upper bound (log scale)")
-        ax.grid(alpha=0.3, which="both")
+        drawn |= _bounds_panel(ax, bounds[bounds["model"].astype(str) == model], p)
         if len(models) > 1:
             ax.set_title(model)
-    comps = _ordered(bounds["component"].unique())
+    comps = [c for c in _ordered(bounds["component"].unique()) if any(d[0] == c for d in drawn)]
     handles = [Line2D([], [], color=_color(c), marker=MARKERS[c], lw=1.8, ms=4, label=c) for c in comps]
-    handles += [Line2D([], [], color="black", lw=1.8, label="measured"),
-                Line2D([], [], color="black", lw=1.6, ls="--", label="upper bound")]
-    fig.legend(handles=handles, loc="outside right center", frameon=False, title="component")
+    kinds = {k for _, k in drawn}
+    handles += [Line2D([], [], color="black", lw=1.8, label="measured")] if "measured" in kinds else []
+    handles += [Line2D([], [], color="black", lw=1.6, ls="--", label="upper bound")] if "bound" in kinds else []
+    if handles:
+        fig.legend(handles=handles, loc="outside right center", frameon=False, title="component")
     _title(fig, title or "Upper bounds and measured plasticity", models[0] if len(models) == 1 else "")
     return save_figure(fig, path_stem)
 
 
+def _bounds_panel(ax, b: pd.DataFrame, p: pd.DataFrame | None) -> set[tuple[str, str]]:
+    """One model's bounds (dashed) and measured plasticity (solid) per component on ``ax`` (log y);
+    returns the ``(component, "bound" | "measured")`` lines drawn."""
+    drawn = set()
+    for comp in _ordered(b["component"].unique()):
+        bb = b[b["component"] == comp].groupby("layer")["bound"].mean().sort_index()
+        bb = bb[np.isfinite(bb) & (bb > 0)]
+        if len(bb):
+            ax.plot(bb.index, bb.to_numpy(), color=_color(comp), ls="--", lw=1.6, marker=MARKERS[comp],
+                    ms=3, mfc="none")
+            drawn.add((comp, "bound"))
+        if p is not None and len(p):
+            pp = p[p["component"] == comp].groupby("layer")["plasticity"].mean().sort_index()
+            if len(pp):
+                ax.plot(pp.index, pp.to_numpy(), color=_color(comp), lw=1.8, marker=MARKERS[comp], ms=4)
+                drawn.add((comp, "measured"))
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("plasticity / upper bound (log scale)")
+    ax.grid(alpha=0.3, which="both")
+    return drawn
+
+
+@styled
 def plot_accuracy_distribution(counted: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Test accuracy over learning rates x seeds per configuration, one panel per dataset (and optimizer).
 
-    A violin (when it has spread) with quartiles and median per configuration, and every trial as a dot.
+    Every trial as a dot (the configuration's colour and marker) with, when the configuration has at least
+    MIN_VIOLIN_POINTS trials there, its violin (when it has spread), quartiles and median, else the median (bar).
     """
     _require(counted, ["dataset", "configuration", "test_acc"], "trials")
     panels, constant = _facets(counted, ("model", "optimizer", "dataset"))
@@ -385,10 +403,12 @@ def plot_accuracy_distribution(counted: pd.DataFrame, path_stem: str | Path, *, 
     rng = np.random.default_rng(0)
     for ax, (name, rows) in zip(axes, panels):
         configs = _ordered(rows["configuration"].unique())
-        groups = [(c, 100 * rows.loc[rows["configuration"] == c, "test_acc"].to_numpy(float)) for c in configs]
-        _violins(ax, groups, log=False, ylabel="test accuracy (%)")
+        groups = _finite_groups([(c, 100 * rows.loc[rows["configuration"] == c, "test_acc"].to_numpy(float))
+                                 for c in configs], log=False)
+        _violins(ax, groups, log=False, ylabel="test accuracy (%)", points=False)
         for pos, (config, v) in enumerate(groups, start=1):
-            ax.scatter(pos + rng.uniform(-0.15, 0.15, v.size), v, s=9, color=_color(config, configs),
+            color, marker = configuration_styles(configs)[config]
+            ax.scatter(pos + rng.uniform(-0.15, 0.15, v.size), v, s=14, color=color, marker=marker,
                        edgecolor="black", linewidth=0.3, alpha=0.8, zorder=4)
         ax.set_xlabel("configuration")
         if name:
@@ -413,6 +433,7 @@ def fixed_runs(runs: pd.DataFrame, seed: int, lr: float) -> pd.DataFrame:
     return t.drop_duplicates(["model", "dataset", "optimizer", "configuration"]).reset_index(drop=True)
 
 
+@styled
 def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path, *, title: str = "",
                 legend: str = "best run") -> list[Path]:
     """Gradient norm (left) and validation loss (right) against the step for the given runs.
@@ -436,7 +457,7 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path,
                 continue
             lr = f", lr {_fmt_lr(r['lr'])}" if "lr" in r and pd.notna(r["lr"]) else ""
             ax.plot(c["step"], c[col], color=_color(config, configs), lw=1.5,
-                    marker="o" if len(c) < 30 else None, ms=3, label=f"{config}{lr}")
+                    marker=_marker(config, configs) if len(c) < 30 else None, ms=3, label=f"{config}{lr}")
             drawn = True
         if drawn and _needs_log(mine[col].to_numpy()):
             ax.set_yscale("log")
@@ -470,6 +491,7 @@ def grouped_bars(ax, rows: pd.DataFrame, value: str, *, err: str | None = None, 
     ax.grid(axis="y", alpha=0.3)
 
 
+@styled
 def plot_relative_gain(relative_gain: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Grouped bars of the relative gain over linear probing, per dataset (and overall), per configuration.
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from raystudy import __version__, storage
+from raystudy.analysis.control import ranking_headlines
 from raystudy.analysis.figures import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
@@ -27,7 +28,8 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
 )
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
-from raystudy.analysis.render import SELECTION_RULES, fmt_num, md_escape, pct, thesis_check
+from raystudy.analysis.render import SELECTION_RULES, md_escape, pct, thesis_check
+from raystudy.analysis.scope import SCOPE_TITLE, scope_items
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.vtab import selection_text
 from raystudy.vocab import LINEAR_PROBE
@@ -91,7 +93,8 @@ def _join(values) -> str:
 
 
 def _headlines(res: AnalysisResult) -> list[str]:
-    """One line per optimizer ranking the configurations by overall accuracy, one for plasticity."""
+    """One line per optimizer ranking the configurations by overall accuracy; the plasticity rankings
+    (:func:`raystudy.analysis.control.ranking_headlines`)."""
     lines = []
     overall = res.tables.get("overall")
     if overall is not None:
@@ -100,12 +103,8 @@ def _headlines(res: AnalysisResult) -> list[str]:
             g = g.sort_values("mean", ascending=False)
             ranking = " > ".join(f"{r.configuration} {pct(r.mean)}" for r in g.itertuples())
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
-    p = res.inputs.plasticity
-    if p is not None:
-        mode = "embedding" if (p["mode"] == "embedding").any() else p["mode"].iloc[0]
-        m = p[p["mode"] == mode].groupby("component")["plasticity"].mean().sort_values(ascending=False)
-        ranking = " > ".join(f"{c} {fmt_num(v, 2)}" for c, v in m.items())
-        lines.append(f"Plasticity ({mode} mode, mean over layers and datasets): {ranking}")
+    if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
+        lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
     return lines + thesis_check(res.tables.get("ranking"))
 
 
@@ -138,6 +137,11 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
         p = inp.plasticity
         items += [("plasticity", f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
                                  f"modes {_join(sorted(p['mode'].unique()))}, {p['layer'].nunique()} layers")]
+        c = inp.control
+        if c is not None:
+            seeds = _join(sorted({int(v) for v in c["init_seed"].dropna()})) if "init_seed" in c.columns else "–"
+            items.append(("random-init control", f"the same architecture at its library's own init (seed {seeds}) "
+                                                 f"on the same pairs: {c['dataset'].nunique()} dataset(s)"))
     o = res.options
     paper_rule, _ = selection_rules(o.get("select_by"))
     if "best_lr" in res.tables:
@@ -168,6 +172,12 @@ def _summary(res: AnalysisResult) -> str:
     return f'<section class="block" id="summary"><h2>Summary</h2><dl class="summary">{body}</dl>{head_html}</section>'
 
 
+def _scope(res: AnalysisResult) -> str:
+    body = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in scope_items(res))
+    return (f'<section class="block" id="scope"><h2>{SCOPE_TITLE}</h2><dl class="summary">{body}</dl></section>'
+            if body else "")
+
+
 def build_markdown(res: AnalysisResult) -> str:
     """The report as one Markdown file: the summary (:func:`summary_items`), headlines, notes, then every
     table's Markdown (its title one level down) and a link per figure."""
@@ -175,6 +185,9 @@ def build_markdown(res: AnalysisResult) -> str:
     out = [f"# raystudy report: {md_escape(name)}", "", "## Summary", ""]
     out += [f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in summary_items(res)]
     out += ["", *(f"- {md_escape(h)}" for h in _headlines(res))]
+    scope = scope_items(res)
+    if scope:
+        out += ["", f"## {SCOPE_TITLE}", "", *(f"- **{md_escape(k)}**: {md_escape(v)}" for k, v in scope)]
     notes = res.notes + ([res.footnote] if res.footnote else [])
     if notes:
         out += ["", "## Notes", "", *(f"- {md_escape(n)}" for n in notes)]
@@ -186,21 +199,53 @@ def build_markdown(res: AnalysisResult) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+#: Pixels of a figure's PNG (150 dpi) per CSS pixel (96 per inch): every figure shown at its true size (wider
+#: ones shrunk to the page), so that one font size in points reads the same in every figure.
+PNG_PER_CSS_PX = 150 / 96
+
+
+def _png_width(data: bytes) -> int:
+    """The width in pixels of a PNG (bytes 16-19 of its IHDR chunk, big-endian)."""
+    return int.from_bytes(data[16:20], "big")
+
+
 def _figure(info) -> str:
-    png = next(p for p in info.paths if p.suffix == ".png")
-    data = base64.b64encode(png.read_bytes()).decode("ascii")
+    png = next(p for p in info.paths if p.suffix == ".png").read_bytes()
+    data, width = base64.b64encode(png).decode("ascii"), round(_png_width(png) / PNG_PER_CSS_PX)
     return (f'<figure id="figure-{_e(info.name)}"><h3>{_e(info.title)}</h3>'
-            f'<img src="data:image/png;base64,{data}" alt="{_e(info.title)}" data-figure="{_e(info.name)}">'
+            f'<img src="data:image/png;base64,{data}" alt="{_e(info.title)}" data-figure="{_e(info.name)}" '
+            f'width="{width}">'
             f"<figcaption>{_e(info.caption)} (PNG and SVG in figures/{_e(info.name)}.*)</figcaption></figure>")
+
+
+def unique_labels(labels: list[str], kinds: list[str]) -> list[str]:
+    """``labels`` made unique: one that repeats says its kind (``"Best accuracy per dataset (figure)"``), and
+    one still repeated then its rank (``"... (figure 2)"``)."""
+    counts = {lab: labels.count(lab) for lab in labels}
+    out = [f"{lab} ({kind})" if counts[lab] > 1 else lab for lab, kind in zip(labels, kinds)]
+    seen: dict[str, int] = {}
+    for i, lab in enumerate(list(out)):
+        seen[lab] = seen.get(lab, 0) + 1
+        if out.count(lab) > 1 and seen[lab] > 1:
+            out[i] = f"{lab[:-1]} {seen[lab]})" if lab.endswith(")") else f"{lab} ({seen[lab]})"
+    return out
+
+
+def toc_entries(res: AnalysisResult) -> list[tuple[str, str]]:
+    """``(anchor, label)`` of the report's table of contents: summary, scope, notes, every table, every
+    figure; the labels unique (:func:`unique_labels`)."""
+    entries = [("summary", "Summary", "section")]
+    entries += [("scope", SCOPE_TITLE, "section")] if scope_items(res) else []
+    entries += [("notes", "Notes", "section")] if res.notes or res.footnote else []
+    entries += [(f"table-{n}", r.title, "table") for n, r in res.rendered.items()]
+    entries += [(f"figure-{f.name}", f.title, "figure") for f in res.figures]
+    labels = unique_labels([lab for _, lab, _ in entries], [k for _, _, k in entries])
+    return [(anchor, label) for (anchor, _, _), label in zip(entries, labels)]
 
 
 def build_html(res: AnalysisResult) -> str:
     """The report of an analysis as one HTML string (no external resource)."""
-    toc = ['<li><a href="#summary">Summary</a></li>']
-    if res.notes or res.footnote:
-        toc.append('<li><a href="#notes">Notes</a></li>')
-    toc += [f'<li><a href="#table-{_e(n)}">{_e(r.title)}</a></li>' for n, r in res.rendered.items()]
-    toc += [f'<li><a href="#figure-{_e(f.name)}">{_e(f.title)}</a></li>' for f in res.figures]
+    toc = [f'<li><a href="#{_e(anchor)}">{_e(label)}</a></li>' for anchor, label in toc_entries(res)]
     notes = ""
     if res.notes or res.footnote:
         items = "".join(f"<li>{_e(n)}</li>" for n in res.notes + ([res.footnote] if res.footnote else []))
@@ -225,6 +270,7 @@ def build_html(res: AnalysisResult) -> str:
 <main>
 <nav><ul>{''.join(toc)}</ul></nav>
 {_summary(res)}
+{_scope(res)}
 {notes}
 {tables}
 {figs}

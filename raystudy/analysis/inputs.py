@@ -17,6 +17,12 @@ Phases (:data:`raystudy.vocab.PHASES`): rows whose ``phase`` is ``final`` (a ben
 val-chosen lr on train + val) are kept apart in ``final``, so every table of the lr search reads the
 ``search`` rows alone (a study without the column: every row is a search row).
 
+Weights (:data:`raystudy.vocab.WEIGHTS`): ``plasticity`` and ``rates`` hold the rows measured with the
+model's own weights (``pretrained``; a table without the column predates the control and is all
+``pretrained``), so every table and figure about the measurement reads those; ``control`` holds the
+random-init control's plasticity rows (``None`` without a control), read by :mod:`raystudy.analysis.control`
+and the depth figure.
+
 Several study directories (:func:`read_studies`): their tables concatenated, column ``study`` naming each
 row's directory; a trial id, or a key (model, dataset, configuration, optimizer, lr, seed, phase), in two of
 them is an error naming both, unless the rows are identical (then kept once).
@@ -40,6 +46,8 @@ from raystudy.vocab import (
     TRIALS_CONFIGURATIONS,
     check_name,
     columns,
+    control_rows,
+    pretrained_rows,
 )
 
 #: A run that diverged: counted with its pre-divergence best-validation test accuracy, and flagged.
@@ -70,6 +78,7 @@ class StudyInputs:
     excluded: pd.DataFrame | None = None
     curves: pd.DataFrame | None = None
     plasticity: pd.DataFrame | None = None
+    control: pd.DataFrame | None = None
     bounds: pd.DataFrame | None = None
     rates: pd.DataFrame | None = None
     notes: list[str] = field(default_factory=list)
@@ -264,7 +273,7 @@ def _read_optional(inputs: StudyInputs) -> None:
             inputs.notes.append("curves.parquet has no rows: the gradient-norm and validation-loss figures are "
                                 "omitted.")
         elif df is not None:
-            setattr(inputs, name, check(df, inputs.path(name)))
+            setattr(inputs, name, check(pretrained_rows(df) if name == "rates" else df, inputs.path(name)))
         elif name == "curves" and inputs.trials is not None:
             inputs.notes.append("No curves.parquet: the gradient-norm and validation-loss figures are omitted.")
     if inputs.bounds is None:
@@ -287,7 +296,8 @@ def read_inputs(study_dir: str | os.PathLike) -> StudyInputs:
         inputs.notes.append("No trials.parquet: the finetuning tables and figures are omitted.")
     plasticity = read_result(inputs.study_dir, "plasticity", required=False)
     if plasticity is not None:
-        inputs.plasticity = validate_plasticity(plasticity, inputs.path("plasticity"))
+        plasticity = validate_plasticity(plasticity, inputs.path("plasticity"))
+        inputs.plasticity, inputs.control = pretrained_rows(plasticity), control_rows(plasticity)
     else:
         inputs.notes.append("No plasticity.parquet: the plasticity figures and the ranking agreement are omitted.")
     if trials is None and plasticity is None:
@@ -363,7 +373,7 @@ def read_studies(study_dirs) -> StudyInputs:
                 df = df[[not m for m in masks[id(p)]]]
             frames.append(_tag(df, storage.absolute_path(p.study_dir)))
         setattr(merged, name, _concat(frames))
-    for name in ("curves", "plasticity", "bounds", "rates"):
+    for name in ("curves", "plasticity", "control", "bounds", "rates"):
         df = _concat([getattr(p, name) for p in parts])
         setattr(merged, name, None if df is None else df.drop_duplicates(ignore_index=True))
     merged.notes = [f"{p.study_dir}: {n}" for p in parts for n in p.notes]

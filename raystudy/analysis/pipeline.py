@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from raystudy import storage
 from raystudy.analysis import beyond as B
 from raystudy.analysis import change as CH
+from raystudy.analysis import control as C
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
 from raystudy.analysis import sweep_figures as SF
@@ -54,6 +54,7 @@ from raystudy.analysis.tables import (
     shared_subset,
     stability_table,
 )
+from raystudy.terminal import progress_bar
 from raystudy.vocab import LINEAR_PROBE
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 TABLE_FORMATS = (".csv", ".md", ".tex")
 #: Every table the analysis can write, in report order.
 TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking",
-          *B.TABLES, *CH.TABLES, *V.TABLES, "cost")
+          *B.TABLES, *CH.TABLES, *V.TABLES, *C.TABLES, "cost")
 
 
 @dataclass
@@ -198,12 +199,13 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
     check_options(reference, alternative, pair_by, round_to, select_by)
     canonical_reference(reference)
     notes = notes if notes is not None else []
+    control = C.control_tables(inputs, notes)  # the plasticity measurement's own: also without trials
     if inputs.trials is None:
-        return {}
+        return control
     ok = inputs.counted
     if ok is None or ok.empty:
         notes.append("No trial has a counted test accuracy: the accuracy tables and figures are omitted.")
-        return {"cost": cost_table(inputs.trials, inputs.trials.iloc[0:0], inputs.probes)}
+        return {**control, "cost": cost_table(inputs.trials, inputs.trials.iloc[0:0], inputs.probes)}
     reference = study_reference(reference, inputs)
     paper_rule, vtab_rule = selection_rules(select_by)
     tables = _accuracy_tables(ok, inputs, notes, paper_rule, reference=reference, alternative=alternative,
@@ -212,6 +214,7 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
         tables.update(V.vtab_tables(ok, inputs.probes, inputs.final, vtab_rule, notes))
     tables.update(CH.change_tables(inputs, tables["best_lr"], notes))  # what finetuning changed
     tables["cost"] = cost_table(inputs.trials, ok, inputs.probes)
+    tables.update(control)
     return {k: tables[k] for k in TABLES if k in tables}
 
 
@@ -236,6 +239,8 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
             r = getattr(B, f"render_{name}")(df)
         elif name in V.TABLES:
             r = getattr(V, f"render_{name}")(df)
+        elif name in C.TABLES:
+            r = getattr(C, f"render_{name}")(df)
         else:
             r = getattr(R, f"render_{name}")(df)
         if footnote and name != "cost":
@@ -251,9 +256,11 @@ FigureJob = tuple[str, str, str, Callable[[Path], list[Path]]]
 def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
     p, jobs = inputs.plasticity, []
     if p is not None:
+        depth = p if inputs.control is None else pd.concat([p, inputs.control], ignore_index=True)
         jobs.append(("plasticity_depth", "Plasticity across depth",
                      "Mean rate ||f(x) − f(y)||_F / ||x − y||_F per layer and component with its 95% interval; "
-                     "the dotted line marks plasticity 1.", lambda s: F.plot_plasticity_depth(p, s)))
+                     "dashed: the random-init control on the same pairs; the dotted line marks plasticity 1.",
+                     lambda s: F.plot_plasticity_depth(depth, s)))
         if inputs.rates is not None:
             rates = inputs.rates
             jobs.append(("plasticity_distribution", "Distribution of per-pair rates",
@@ -396,7 +403,7 @@ def draw_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], fig_dir: 
     of one dataset's runs at one seed and lr (:data:`raystudy.analysis.options.FIXED_RUN_KEYS`)."""
     jobs = _plasticity_figures(inputs) + _trial_figures(inputs, tables, notes, fixed_run)
     return [FigureInfo(name, title, caption, draw(fig_dir / name))
-            for name, title, caption, draw in tqdm(jobs, desc="figures", unit="fig", leave=False)]
+            for name, title, caption, draw in progress_bar(jobs, desc="figures", unit="fig", leave=False)]
 
 
 def _clean(out_dir: Path, fig_dir: Path) -> None:
@@ -482,6 +489,9 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     dirs = study_dirs(study_dir)
     target = _out_dir(dirs, out_dir)
     inputs = read_studies(dirs)
+    problem = storage.folder_problem(target)  # a file on the way, no permission: refused before any table
+    if problem:
+        raise ValueError(f"out_dir (--out): {problem}")
     out, uri = storage.staged(target, prefix="raystudy-analysis-")
     res = AnalysisResult(", ".join(dirs), out, inputs, notes=list(inputs.notes), upload_to=uri,
                          options={**options, "seeds": seeds, "fixed_run": fixed_run})

@@ -17,7 +17,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from raystudy.analysis.figures import (
     _color,
@@ -30,8 +30,10 @@ from raystudy.analysis.figures import (
     _ordered,
     _require,
     _title,
+    configuration_styles,
     grouped_bars,
     save_figure,
+    styled,
 )
 from raystudy.analysis.tables import population_std
 from raystudy.vocab import LINEAR_PROBE
@@ -55,26 +57,30 @@ def _is_diverged(runs: pd.DataFrame) -> pd.Series:
     return (runs["status"] == "diverged") if "status" in runs.columns else pd.Series(False, index=runs.index)
 
 
-def _curve_legend(fig: Figure, colors: dict, seeds: list) -> None:
+def _curve_legend(fig: Figure, colors: dict, seeds: list, diverged: bool) -> None:
+    """lr colours and seed line styles of the every-run figure, and the diverged mark when one is drawn."""
     handles = [Line2D([], [], color=c, lw=2, label=f"lr {_fmt_lr(lr)}") for lr, c in colors.items()]
     handles += [Line2D([], [], color="black", lw=1.2, ls=SEED_STYLES[i % len(SEED_STYLES)], label=f"seed {s}")
                 for i, s in enumerate(seeds)]
-    handles.append(Line2D([], [], color="black", marker="x", lw=0, label="diverged"))
+    if diverged:
+        handles.append(Line2D([], [], color="black", marker="x", lw=0, label="diverged"))
     fig.legend(handles=handles, loc="outside right center", frameon=False, title="run")
 
 
-def _curve_panel(ax, curves: pd.DataFrame, runs: pd.DataFrame, col: str, colors: dict, seeds: list) -> bool:
-    """Every run of one configuration on ``ax``: one line per (lr, seed); True when something was drawn."""
-    drawn = False
+def _curve_panel(ax, curves: pd.DataFrame, runs: pd.DataFrame, col: str, colors: dict, seeds: list) -> set[str]:
+    """Every run of one configuration on ``ax``: one line per (lr, seed); returns what was drawn (``"line"``,
+    ``"diverged"``)."""
+    drawn = set()
     for r, diverged in zip(runs.itertuples(), _is_diverged(runs)):
         c = curves[curves["trial_id"] == r.trial_id].dropna(subset=[col]).sort_values("step")
         if c.empty:
             continue
         style = SEED_STYLES[seeds.index(r.seed) % len(SEED_STYLES)]
         ax.plot(c["step"], c[col], color=colors[float(r.lr)], ls=style, lw=1.2)
+        drawn.add("line")
         if diverged:
             ax.scatter(c["step"].iloc[-1:], c[col].iloc[-1:], **DIVERGED_STYLE)
-        drawn = True
+            drawn.add("diverged")
     return drawn
 
 
@@ -102,6 +108,7 @@ def _curve_axes(n_configs: int) -> tuple[Figure, list[list]]:
     return fig, pairs
 
 
+@styled
 def plot_sweep_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str | Path, *,
                       title: str = "") -> list[Path]:
     """Gradient norm (upper panel) and validation loss (lower panel) of every run of one sweep (Figs. 21-58).
@@ -118,19 +125,22 @@ def plot_sweep_curves(curves: pd.DataFrame, runs: pd.DataFrame, path_stem: str |
     configs = _ordered(runs["configuration"].unique())
     colors, seeds = _lr_colors(runs["lr"]), sorted(runs["seed"].unique())
     fig, pairs = _curve_axes(len(configs))
+    drawn: set[str] = set()
     for config, pair in zip(configs, pairs):
         for ax, (col, label) in zip(pair, CURVE_QUANTITIES):
-            if not _curve_panel(ax, mine, runs[runs["configuration"] == config], col, colors, seeds):
-                ax.text(0.5, 0.5, f"no {label}", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+            panel = _curve_panel(ax, mine, runs[runs["configuration"] == config], col, colors, seeds)
+            if not panel:
+                ax.text(0.5, 0.5, f"no {label}", ha="center", va="center", transform=ax.transAxes)
+            drawn |= panel
             ax.grid(alpha=0.3)
-            ax.set_ylabel(label, fontsize=9)
+            ax.set_ylabel(label)
         pair[0].set_title(config, color=_color(config, configs), fontweight="bold")
         pair[1].set_xlabel("step")
         pair[1].tick_params(labelbottom=True)
     for k, (col, _label) in enumerate(CURVE_QUANTITIES):
         if _needs_log(mine[col].to_numpy()):
             pairs[0][k].set_yscale("log")
-    _curve_legend(fig, colors, seeds)
+    _curve_legend(fig, colors, seeds, "diverged" in drawn)
     _title(fig, title, "")
     return save_figure(fig, path_stem)
 
@@ -144,9 +154,10 @@ def _seed_points(ax, rows: pd.DataFrame, configs: list[str]) -> None:
             continue
         acc, div = 100 * r["test_acc"].to_numpy(float), _is_diverged(r).to_numpy()
         x = pos + rng.uniform(-0.12, 0.12, acc.size)
-        ax.scatter(x[~div], acc[~div], s=14, color=_color(config, configs), edgecolor="black", linewidth=0.3,
-                   zorder=3)
-        ax.scatter(x[div], acc[div], **DIVERGED_STYLE)
+        ax.scatter(x[~div], acc[~div], s=14, color=_color(config, configs), marker=_marker(config, configs),
+                   edgecolor="black", linewidth=0.3, zorder=3)
+        if div.any():
+            ax.scatter(x[div], acc[div], **DIVERGED_STYLE)
         ax.hlines(acc.mean(), pos - 0.3, pos + 0.3, color=_color(config, configs), lw=2.2, zorder=2)
 
 
@@ -156,6 +167,7 @@ def _row_limits(rows: pd.DataFrame) -> tuple[float, float]:
     return acc.min() - pad, acc.max() + pad
 
 
+@styled
 def plot_accuracy_fixed_lr(counted: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Test accuracy per configuration at each fixed learning rate (the fixed-lr view of Fig. 5, left).
 
@@ -175,14 +187,26 @@ def plot_accuracy_fixed_lr(counted: pd.DataFrame, path_stem: str | Path, *, titl
         for ax, lr in zip(ax_row, lrs):
             _seed_points(ax, rows[rows["lr"] == lr], configs)
             ax.set_ylim(*_row_limits(rows))
-            ax.set_xticks(range(len(configs)), configs, fontsize=7, rotation=90)
-            ax.set_title(f"{name + ' · ' if name else ''}lr {_fmt_lr(lr)}", fontsize=9)
+            ax.set_xticks(range(len(configs)), configs, rotation=90)
+            ax.set_title(f"{name + ' · ' if name else ''}lr {_fmt_lr(lr)}")
             ax.grid(axis="y", alpha=0.3)
         ax_row[0].set_ylabel("test accuracy (%)")
         for ax in ax_row[len(lrs):]:
             ax.set_visible(False)
     _title(fig, title or "Test accuracy at each fixed learning rate", constant)
     return save_figure(fig, path_stem)
+
+
+def lr_ticks(ax, lrs) -> None:
+    """A log x axis ticked at the grid's learning rates ``lrs`` only, labelled plainly (``0.03``, ``0.3``):
+    the values a reader looks up in the tables, not decades the grid may not hold."""
+    grid = sorted(set(float(x) for x in lrs))
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(grid))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    if len(grid) == 1:  # one lr: a decade around it, so that the log axis has a width
+        ax.set_xlim(grid[0] / 3, grid[0] * 3)
 
 
 def _lr_lines(ax, rows: pd.DataFrame) -> None:
@@ -201,6 +225,7 @@ def _lr_lines(ax, rows: pd.DataFrame) -> None:
             ax.scatter(m.index[hit], m.to_numpy()[hit], **DIVERGED_STYLE)
 
 
+@styled
 def plot_accuracy_vs_lr(counted: pd.DataFrame, path_stem: str | Path, probes: pd.DataFrame | None = None, *,
                         title: str = "") -> list[Path]:
     """Test accuracy against the learning rate per configuration, one panel per (model, optimizer, dataset).
@@ -220,18 +245,18 @@ def plot_accuracy_vs_lr(counted: pd.DataFrame, path_stem: str | Path, probes: pd
             if len(lp):
                 ax.axhline(100 * lp["test_acc"].mean(), color=_color(LINEAR_PROBE), ls="--", lw=1.4,
                            label=LINEAR_PROBE)
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())  # labels at the decades only: minor ones collide
+        lr_ticks(ax, rows["lr"])
         ax.set_xlabel("learning rate")
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3, which="both")
         if name:
-            ax.set_title(name, fontsize=10)
+            ax.set_title(name)
     _legend(fig, axes, "configuration")
     _title(fig, title or "Test accuracy against the learning rate", constant)
     return save_figure(fig, path_stem)
 
 
+@styled
 def plot_best_accuracy(best_lr: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
     """Best-lr accuracy per dataset and configuration as grouped bars (the paper's Fig. 19).
 
@@ -244,8 +269,7 @@ def plot_best_accuracy(best_lr: pd.DataFrame, path_stem: str | Path, *, title: s
     fig, axes = _grid(len(panels), width=max(5.5, 0.9 * n_ds + 2.5), height=3.8, max_cols=1 if n_ds > 5 else 2)
     for ax, (name, rows) in zip(axes, panels):
         grouped_bars(ax, rows, "mean", err="std")
-        low = 100 * (rows["mean"] - rows["std"].fillna(0)).min()
-        ax.set_ylim(max(0.0, 10 * np.floor(low / 10) - 10), 100)
+        ax.set_ylim(0, 100)  # from 0: a bar's height is its value
         ax.set_ylabel("best-lr test accuracy (%)")
         if name:
             ax.set_title(name)
@@ -260,13 +284,37 @@ def _params_by_configuration(cost: pd.DataFrame) -> pd.DataFrame:
     return cost.groupby(keys, sort=False)["trainable_params"].median().reset_index()
 
 
+#: Factor between the x of two points a log axis would draw at the same place (:func:`dodged`).
+DODGE = 1.12
+
+
+def dodged(x: np.ndarray) -> np.ndarray:
+    """``x`` (positive) with each run of n values closer than a factor DODGE to the next (sorted) spread to
+    ``c * DODGE ** (k - (n - 1) / 2)``, k = 0..n-1 in that order, around their geometric mean ``c``: points at
+    (nearly) the same parameter count (``Head`` and ``LP`` train the same head, LN1 and LN2 as many
+    parameters) drawn side by side on a log axis, not one on the other."""
+    x = np.asarray(x, dtype=float)
+    out, order = x.copy(), np.argsort(x, kind="stable")
+    runs = [[order[0]]] if x.size else []
+    for prev, i in zip(order, order[1:]):
+        if x[i] < x[prev] * DODGE:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    for run in runs:
+        centre = np.exp(np.log(x[run]).mean())
+        out[run] = centre * DODGE ** (np.arange(len(run)) - (len(run) - 1) / 2)
+    return out
+
+
+@styled
 def plot_accuracy_vs_params(overall: pd.DataFrame, cost: pd.DataFrame, path_stem: str | Path, *,
                             title: str = "") -> list[Path]:
     """Best-lr accuracy (mean over datasets, +- std over datasets, ddof 0) against trainable parameters.
 
     ``overall`` and ``cost`` as written by the analysis; one point per configuration (its colour and
-    marker, labelled) at the configuration's median trainable-parameter count (log axis); one panel per
-    optimizer (and model).
+    marker, named by the legend) at the configuration's median trainable-parameter count (log axis; equal
+    counts side by side, :func:`dodged`); one panel per optimizer (and model).
     """
     _require(overall, ["optimizer", "configuration", "mean", "std"], "overall")
     _require(cost, ["configuration", "trainable_params"], "cost")
@@ -277,9 +325,11 @@ def plot_accuracy_vs_params(overall: pd.DataFrame, cost: pd.DataFrame, path_stem
     fig, axes = _grid(len(panels), width=5.4, height=4.0)
     configs = _ordered(data["configuration"].unique())
     for ax, (name, rows) in zip(axes, panels):
-        for r in rows.itertuples():  # named by the legend: labels beside the points overlap
-            ax.errorbar(r.trainable_params, 100 * r.mean, yerr=100 * r.std, color=_color(r.configuration, configs),
-                        marker=_marker(r.configuration, configs), ms=7, capsize=2, lw=1, label=r.configuration)
+        x = dodged(rows["trainable_params"].to_numpy(float))
+        for xi, r in zip(x, rows.itertuples()):  # named by the legend: labels beside the points overlap
+            color, marker = configuration_styles(configs)[r.configuration]
+            ax.errorbar(xi, 100 * r.mean, yerr=100 * r.std, color=color, marker=marker, ms=7, capsize=2, lw=1,
+                        mec="black", mew=0.5, label=r.configuration)
         ax.set_xscale("log")
         ax.set_xlabel("trainable parameters (log scale)")
         ax.set_ylabel("best-lr test accuracy (%), mean over datasets")

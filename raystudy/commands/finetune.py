@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.job_inputs import check_inputs, finetune_problems
 from raystudy.settings import (
     HubWeights,
     ModelSettings,
@@ -71,7 +71,7 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     cfg, resources = config_from_args(args)
-    read_meta(cfg.store)  # a clear error before Ray starts
+    check_inputs(finetune_problems(cfg))  # --out, --store, --weights: one line before Ray starts
     import ray
 
     from raystudy.distributed.train import format_report, format_summary, run_finetune  # Ray Train: --help stays light

@@ -29,9 +29,11 @@ from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import positions, reuse
 from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.job_inputs import check_inputs, out_problem, plasticity_problems
 from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
 from raystudy.storage import check_path_name
-from raystudy.vocab import COMPONENTS
+from raystudy.terminal import progress_bar
+from raystudy.vocab import COMPONENTS, PRETRAINED, RANDOM_INIT, pretrained_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,8 @@ def register(sub) -> None:
     ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     ray.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     add_flags(p, PlasticitySettings, ["pairs"], unset=True, help={"pairs": PAIRS_HELP})
-    add_flags(p, PlasticitySettings, ["pairing", "batch_size", "mode", "mha_input", "gated_fc1"])
+    add_flags(p, PlasticitySettings, ["pairing", "batch_size", "mode", "mha_input", "gated_fc1", "control",
+                                      "control_seed"])
     add_flags(p, PlasticityRun, ["amp_bf16"])
     p.set_defaults(func=run)
 
@@ -160,56 +163,88 @@ def build_measured_model(args):
     """The model of ``--model/--weights/--pretrained/--model-kwargs/--img-size``
     (:func:`raystudy.core.models.build_seeded_model`): a random init is seeded with ``--seed`` (as the Ray
     pipeline's actors do), so two runs measure the same model."""
-    from raystudy.core.models import build_seeded_model  # torch (raystudy.core): --help stays light
-
-    return build_seeded_model(args.model, seed=args.seed, weights=args.weights, pretrained=args.pretrained,
-                              model_kwargs=args.model_kwargs, img_size=args.img_size)
+    return measured_models(args, control="none")[PRETRAINED]
 
 
-def run_local(args) -> int:
+def measured_models(args, control: str | None = None) -> dict:
+    """``{weights: model}``: :func:`build_measured_model`'s model (``pretrained``) and, with ``--control
+    random_init``, its random-init control seeded with ``--control-seed``
+    (:func:`raystudy.core.models.build_control_model`), both in eval mode."""
+    from raystudy.core.models import build_control_model, build_seeded_model  # torch: --help stays light
+
+    models = {PRETRAINED: build_seeded_model(args.model, seed=args.seed, weights=args.weights,
+                                             pretrained=args.pretrained, model_kwargs=args.model_kwargs,
+                                             img_size=args.img_size).eval()}
+    if (control or args.control) == RANDOM_INIT:
+        models[RANDOM_INIT] = build_control_model(args.model, seed=args.control_seed, model_kwargs=args.model_kwargs,
+                                                  img_size=args.img_size).eval()
+    return models
+
+
+def local_rates(models: dict, x, y, args, device, dataset: str):
+    """Per-pair rates of every model of ``models`` (``{weights: model}``) on the same pairs ``(x, y)``, batch by
+    batch, and their summary: ``(rates, plasticity)`` frames labelled with the model, ``dataset``, mode and
+    ``weights`` (:data:`raystudy.vocab.WEIGHTS`; the control's ``init_seed`` beside it in ``plasticity``)."""
     import pandas as pd
     import torch
-    from tqdm import tqdm
 
-    from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution  # matplotlib, not for --help
     from raystudy.core.plasticity import pair_rates, summarize  # torch (raystudy.core): --help stays light
-    from raystudy.io import write_result  # pandas: --help stays light
 
-    dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_measured_model(args).to(device).eval()
-    size = model.patch_embed.img_size[0]
-    x, _ = load_images(args.x, size)
-    y, y_name = load_images(args.y, size)
-    x, y = paired(x, y, args.pairs, args.seed, args.pairing, args.batch_size)
-    dataset = dataset or y_name
     amp = torch.bfloat16 if args.amp_bf16 else None
     frames = []
-    with tqdm(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
+    with progress_bar(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
         for i in range(0, len(x), args.batch_size):
             xb, yb = x[i:i + args.batch_size].to(device), y[i:i + args.batch_size].to(device)
-            frames.append(pair_rates(model, xb, yb, mode=args.mode, amp_dtype=amp, pair_offset=i,
-                                     mha_input=args.mha_input, gated_fc1=args.gated_fc1))
+            for weights, model in models.items():
+                frame = pair_rates(model, xb, yb, mode=args.mode, amp_dtype=amp, pair_offset=i,
+                                   mha_input=args.mha_input, gated_fc1=args.gated_fc1)
+                frames.append(frame.assign(weights=weights))
             bar.update(len(xb))
     rates = pd.concat(frames, ignore_index=True)
     rates.insert(0, "mode", args.mode)
     rates.insert(0, "dataset", dataset)
     rates.insert(0, "model", args.model)
     table = summarize(rates)
+    table["init_seed"] = table["weights"].map({RANDOM_INIT: args.control_seed}).astype("Int64")
+    return rates, table
+
+
+def run_local(args) -> int:
+    import torch
+
+    from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution  # matplotlib, not for --help
+    from raystudy.io import write_result  # pandas: --help stays light
+
+    dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None  # before any work
+    check_inputs([out_problem(args.out_dir)])  # the tables are written at the end: refuse a file now
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    models = {weights: m.to(device) for weights, m in measured_models(args).items()}
+    size = models[PRETRAINED].patch_embed.img_size[0]
+    x, _ = load_images(args.x, size)
+    y, y_name = load_images(args.y, size)
+    x, y = paired(x, y, args.pairs, args.seed, args.pairing, args.batch_size)
+    dataset = dataset or y_name
+    rates, table = local_rates(models, x, y, args, device, dataset)
     out = Path(args.out_dir)
     write_result(rates, out, "rates")
     write_result(table, out, "plasticity")
     figs = plot_plasticity_depth(table, out / f"plasticity_{dataset}")
-    figs += plot_rate_distribution(rates, out / f"rates_{dataset}")
+    figs += plot_rate_distribution(pretrained_rows(rates), out / f"rates_{dataset}")
     print_table(table)
     print(f"\nwrote {out / 'rates.parquet'}, {out / 'plasticity.parquet'} and {len(figs)} figures in {out}")
     return 0
 
 
 def print_table(table) -> None:
-    """Plasticity per component (rows) and layer (columns) of one dataset's table."""
+    """Plasticity per component (rows) and layer (columns) of one dataset's table; with the control, its
+    per-component mean (``random_init``) and the ratio of the two means."""
+    control = table[table["weights"] == RANDOM_INIT] if "weights" in table.columns else table.iloc[:0]
+    table = pretrained_rows(table)
     wide = table.pivot_table(index="component", columns="layer", values="plasticity").reindex(list(COMPONENTS))
     wide["mean"] = wide.mean(axis=1)
+    if len(control):
+        wide[RANDOM_INIT] = control.groupby("component")["plasticity"].mean().reindex(list(COMPONENTS))
+        wide["ratio"] = wide["mean"] / wide[RANDOM_INIT]
     print(wide.to_string(float_format=lambda v: f"{v:.4f}"))
 
 
@@ -232,6 +267,7 @@ def run_pipeline(args) -> int:
     if args.pretrained:
         raise ValueError("--pretrained is not available with stores: download the weights and pass --weights")
     job = pipeline_job(args)
+    check_inputs(plasticity_problems(job))  # --out, the stores, --weights: one line before Ray starts
     started = init_ray(args.address, verbose=getattr(args, "verbose", False))
     try:
         summary = run_plasticity(job)

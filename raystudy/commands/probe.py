@@ -16,6 +16,7 @@ import argparse
 import json
 
 from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.job_inputs import check_inputs, probe_problems
 from raystudy.distributed.probe import ProbeJob, run_probe_job
 from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, add_flags, from_args
 
@@ -46,6 +47,7 @@ def job_from_args(args) -> ProbeJob:
 
 def run(args) -> int:
     job = job_from_args(args)
+    check_inputs(probe_problems(job))  # --out, --store, --weights: one line before Ray starts
     started = False
     if not job.local:
         started = init_ray(args.address, verbose=getattr(args, "verbose", False))

@@ -56,7 +56,7 @@ from typing import NoReturn
 
 from raystudy.core.components import get_adapter, trainable_parameters
 from raystudy.core.peft_methods import METHODS, TargetError, apply_method
-from raystudy.vocab import COMPONENTS, CONFIGURATIONS
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS, did_you_mean
 
 STRATEGIES: tuple[str, ...] = ("auto", "random")
 #: BitFit's term: every bias outside the head (a name a trial trains, not one of the paper's seven, so it is
@@ -251,7 +251,8 @@ class _Parser:
         if name is None:
             self.fail(f"expected a configuration name, found {self.found()}")
         if name not in TERMS:
-            self.fail(f"unknown name {name!r}; expected one of {', '.join(TERMS)}, auto:<budget>, "
+            self.fail(f"unknown name {name!r}{did_you_mean(name, TERMS + WORDS) or ';'} expected one of "
+                      f"{', '.join(TERMS)}, auto:<budget>, "
                       f"random:<budget>, {':r=<rank>, '.join(m for m in METHODS if METHODS[m].ranked)}:r=<rank> "
                       f"or {', '.join(m for m in METHODS if not METHODS[m].ranked)}", start)
         if not self.accept("@"):
@@ -367,21 +368,34 @@ def split_configurations(text: str) -> list[str]:
     """``"MHA, FC1@0,2,4, lora:r=8:fc1,qkv, ia3, bias"`` -> ``["MHA", "FC1@0,2,4", "lora:r=8:fc1,qkv", "ia3",
     "bias"]``.
 
-    A comma starts a new expression unless what follows continues a block list (a digit) or an adapter's
-    targets: a lower-case layer name that does not start an expression (``auto:``, ``random:``, a method's
-    word followed by ``:`` or the end, ``bias`` followed by ``+``, ``@`` or the end).
+    A comma starts a new expression unless what follows continues the one before: a digit after a block
+    list (``FC1@0,2``), or a lower-case layer name after an adapter's targets (``lora:r=8:fc1,qkv``) that
+    does not start an expression (``auto:``, ``random:``, a method's word followed by ``:`` or the end,
+    ``bias`` followed by ``+``, ``@`` or the end). Anything else is an expression of its own, so
+    ``MHA,fc1`` is ``["MHA", "fc1"]`` and the parser names ``fc1`` (did you mean ``FC1``?).
     """
     starts = re.compile(rf"({'|'.join(WORDS)})(:|$)|{BIAS}([+@]|$)")
     out: list[str] = []
     for piece in (p.strip() for p in text.split(",")):
         if not piece:
             continue
-        continues = piece[0].isdigit() or (piece[0].islower() and not starts.match(piece))
-        if out and continues:
+        if out and _continues(out[-1], piece, starts):
             out[-1] += "," + piece
         else:
             out.append(piece)
     return out
+
+
+#: an adapter expression whose targets are being listed (``lora:r=8:fc1``, ``ia3:qkv``), not ``lora:r=8``
+_ADAPTER_TARGETS = re.compile(rf"({'|'.join(METHODS)})(:r=\d+)?:(?!r=)[A-Za-z_]")
+
+
+def _continues(previous: str, piece: str, starts: re.Pattern) -> bool:
+    """Whether ``piece`` (after a comma) continues ``previous``: a block list's next block, or an adapter's
+    next target (a lower-case name that does not start an expression)."""
+    if piece[0].isdigit():
+        return re.search(r"@[\d,-]*\d$", previous) is not None
+    return piece[0].islower() and not starts.match(piece) and _ADAPTER_TARGETS.match(previous) is not None
 
 
 def plasticity_order(units: list[Unit], plasticity) -> list[Unit]:

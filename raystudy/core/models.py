@@ -148,6 +148,15 @@ def _head_prefixes(model: nn.Module) -> tuple[str, ...]:
         return ("head.",)
 
 
+#: how many keys an error of :func:`load_weights` lists (a file of another model differs in hundreds)
+_LISTED = 3
+
+
+def _more(items: list) -> str:
+    """``" and 27 more"`` after the first :data:`_LISTED` of ``items``, or ``""``."""
+    return f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+
+
 def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Module:
     """Load a local weights file into ``model``.
 
@@ -178,7 +187,8 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
         for k, v in state.items() if k in own and v.shape != own[k].shape
     ]
     if mismatched:
-        raise WeightsError(f"{path}: shape mismatch for " + "; ".join(mismatched))
+        raise WeightsError(f"{path}: shape mismatch for {len(mismatched)} tensor(s): "
+                           + "; ".join(mismatched[:_LISTED]) + _more(mismatched))
     result = model.load_state_dict(state, strict=False)
     # A checkpoint without a classifier (timm's *_in21k originals have num_classes=0) or with another class
     # count leaves the model's freshly initialised head in place: that is the finetuning protocol.
@@ -186,9 +196,10 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
     missing = [k for k in result.missing_keys if k not in headless]
     problems = []
     if missing:
-        problems.append(f"missing keys {missing}")
+        problems.append(f"missing keys {missing[:_LISTED]}{_more(missing)}")
     if result.unexpected_keys:
-        problems.append(f"unexpected keys {list(result.unexpected_keys)}")
+        unexpected = list(result.unexpected_keys)
+        problems.append(f"unexpected keys {unexpected[:_LISTED]}{_more(unexpected)}")
     if problems:
         msg = f"{path} does not match {type(model).__name__}: " + "; ".join(problems)
         if strict:
@@ -291,3 +302,41 @@ def build_seeded_model(model: str, *, seed: int, weights: str | Path | None = No
         torch.manual_seed(seed)
         return build_model(modality_of_model(model).build_name(model), weights=weights, pretrained=pretrained,
                            img_size=img_size, **kwargs)
+
+
+def build_control_model(model: str, *, seed: int, model_kwargs: dict | None = None,
+                        img_size: int | None = None) -> nn.Module:
+    """The random-init control of ``model``: the same architecture (``model_kwargs``, ``img_size`` as
+    :func:`build_seeded_model`) at its library's own initialisation (timm's ``create_model``, Hugging Face's
+    ``from_config``), drawn under ``torch.manual_seed(seed)`` without touching the caller's RNG state; no
+    weights are loaded."""
+    kwargs = dict(model_kwargs or {})
+    img_size = img_size or kwargs.pop("img_size", None)
+    name = modality_of_model(model).build_name(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if not modality_of_model(name).takes_images:
+            return build_hf_model(name, pretrained=False, **kwargs)
+        return build_model(name, img_size=img_size, **kwargs)
+
+
+def weights_load_error(model: str, weights: str | Path, *, num_classes: int | None = None,
+                       img_size: int | None = None, model_kwargs: dict | None = None) -> str | None:
+    """Why the local ``weights`` file cannot be loaded into ``model`` as a run loads it, in one line naming
+    the file, the model and the reason; None when it loads.
+
+    Builds the model once with the file (:func:`build_seeded_model`: the modality's build name, ``img_size``
+    else ``model_kwargs["img_size"]``, ``num_classes`` outputs), so a file that is no weights file (text,
+    empty, truncated), holds NaN, or belongs to another architecture (missing or unexpected keys, shapes)
+    is refused by every command before Ray starts, instead of inside each worker.
+    """
+    if not Path(weights).is_file():
+        return f"weights file not found: {weights}"
+    kwargs = dict(model_kwargs or {})
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    try:
+        build_seeded_model(model, seed=0, weights=weights, model_kwargs=kwargs, img_size=img_size)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:  # WeightsError is a ValueError
+        return f"{weights} cannot be loaded into {model}: {e}"
+    return None

@@ -54,7 +54,7 @@ from raystudy.core.input_checks import PlasticityInputError, check_pair_batches 
 from raystudy.vocab import COMPONENTS, GATED_FC1, MHA_INPUTS, MODES, columns
 
 #: Columns that label a whole run of rates (added by the callers); :func:`summarize` groups by them too.
-GROUP_KEYS = ("model", "dataset", "mode")
+GROUP_KEYS = ("model", "dataset", "mode", "weights")
 #: The per-pair frame of :func:`pair_rates` and the table of :func:`summarize`: the ``rates`` and
 #: ``plasticity`` schemas of :mod:`raystudy.vocab` without the run labels.
 RATE_COLUMNS = [c for c in columns("rates") if c not in GROUP_KEYS]
@@ -281,7 +281,7 @@ def pair_rates(
 def summarize(rates: pd.DataFrame) -> pd.DataFrame:
     """Plasticity table from per-pair rates.
 
-    Groups by ``layer, component`` (and by ``model, dataset, mode`` when those columns exist):
+    Groups by ``layer, component`` (and by ``model, dataset, mode, weights`` when those columns exist):
     ``plasticity`` = mean rate, ``std`` = sample standard deviation (ddof=1; 0 for a single pair),
     ``ci95 = 1.96 std / sqrt(n_pairs)``, ``n_pairs`` = number of pairs. Components keep the
     ``COMPONENTS`` order.
@@ -299,4 +299,5 @@ def summarize(rates: pd.DataFrame) -> pd.DataFrame:
     out["n_pairs"] = out["n_pairs"].astype(np.int64)
     order = {c: i for i, c in enumerate(COMPONENTS)}
     out = out.sort_values(keys[:-1] + ["component"], key=lambda s: s.map(order) if s.name == "component" else s)
-    return out[keys[:-2] + SUMMARY_COLUMNS].reset_index(drop=True)
+    labels = [k for k in keys[:-2] if k != "weights"]
+    return out[labels + SUMMARY_COLUMNS + [k for k in keys if k == "weights"]].reset_index(drop=True)  # schema order

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..terminal import progress_bar
 from .images import ImageError, open_image
 from .readers import (  # noqa: F401  (the readers' public names, importable here as before the split)
     CIFAR10_CLASSES,
@@ -290,11 +291,9 @@ def _load_image(c: Candidate):
 def _load_rows(chosen: list[tuple[Candidate, str]], info: dict, *, name: str, on_bad_image: str,
                workers: int | None, progress: bool):
     """The store's rows in order, images decoded by a thread pool; bad images raise or go to ``info``."""
-    from tqdm.auto import tqdm
-
     skipped = info["skipped"]["items"]
     with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as executor, \
-            tqdm(total=len(chosen), desc=f"prepare {name}", unit="img", disable=not progress) as bar:
+            progress_bar(total=len(chosen), desc=f"prepare {name}", unit="img", disable=not progress) as bar:
         for start in range(0, len(chosen), 256):
             chunk = chosen[start:start + 256]
             for (c, split), (res, err) in zip(chunk, executor.map(_load_image, [c for c, _ in chunk])):

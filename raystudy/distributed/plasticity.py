@@ -91,7 +91,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from raystudy import storage
 from raystudy.core.bounds import TokenStats
@@ -135,7 +134,8 @@ from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figur
 from raystudy.io import write_result
 from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings
 from raystudy.storage import absolute_path
-from raystudy.vocab import MODES, TEXT_ROWS, check_name
+from raystudy.terminal import progress_bar
+from raystudy.vocab import CONTROLS, MODES, PRETRAINED, RANDOM_INIT, TEXT_ROWS, check_name
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,7 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         check_rate_options(self.mode, self.mha_input, self.gated_fc1)  # the rate definition's own check
         check_name(self.pairing, PAIRINGS, "plasticity job: pairing")
         check_name(self.text_rows, TEXT_ROWS, "plasticity job: text_rows")
+        check_name(self.control, CONTROLS, "plasticity job: control")
         check_pretrain_split(self.pretrain_split, "plasticity job: pretrain_split")
         for ok, msg in self._limits():
             if not ok:
@@ -327,7 +328,7 @@ def actor_spec(job: PlasticityJob) -> dict:
     if job.img_size and "img_size" not in model_kwargs and modality.takes_images:
         model_kwargs["img_size"] = job.img_size  # the model must accept the transformed images
     return {"model": modality.build_name(job.model), "weights": job.weights, "model_kwargs": model_kwargs,
-            "seed": job.seed,
+            "seed": job.seed, "control": job.control, "control_seed": job.control_seed,
             "mode": job.mode, "mha_input": job.mha_input, "gated_fc1": job.gated_fc1, "amp_bf16": job.amp_bf16,
             "gpus": job.gpus_per_worker, "cpus": job.cpus_per_worker,
             "threads": job.torch_threads, "crash_marker": str(Path(job.out_dir) / _CRASH_MARKER),
@@ -393,18 +394,27 @@ class RateReducer:
     def __init__(self, job: PlasticityJob, plan: PairPlan, writer: RatesWriter, bounds: BoundsThread, stage: Path):
         self.job, self.names, self.writer, self.bounds, self.stage = job, plan.names, writer, bounds, stage
         self.moments = [StreamingMoments() for _ in plan.down]
+        #: the random-init control's moments, per dataset (empty without a control)
+        self.control = [StreamingMoments() for _ in plan.down] if job.control == RANDOM_INIT else []
         self.stats = TokenStats()
         self.timing: dict[str, float] = {}
 
     def add(self, out: dict) -> int:
         """Reduce one batch of actor output (columns of :class:`RateActor`); returns its pair count."""
         rates = np.asarray(out["rates"], dtype=np.float32)
+        control = np.asarray(out["control_rates"], dtype=np.float32) if self.control else None
         finite = np.isfinite(rates).reshape(len(rates), -1).all(axis=1)
+        if control is not None:
+            finite &= np.isfinite(control).reshape(len(control), -1).all(axis=1)
         for d in np.unique(out["dataset"]):
             sel = out["dataset"] == d
             if not finite[sel].all():
                 raise FloatingPointError(f"{self.names[d]}: non-finite rates for pair(s) "
                                          f"{out['pair'][sel & ~finite][:10].tolist()}")
+            if control is not None:  # written before the model's rows complete the dataset below
+                self.writer.add(self.job.model, self.names[d], self.job.mode, out["pair"][sel], control[sel],
+                                weights=RANDOM_INIT)
+                self.control[int(d)].update(control[sel])
             self._add_dataset(int(d), sel, rates, out)
         return len(rates)
 
@@ -428,7 +438,7 @@ class RateReducer:
 def stream_rates(ds, reducer: RateReducer, *, t0: float, progress: bool = True) -> None:
     """Pull the actors' output batch by batch into ``reducer`` (a progress bar counting pairs)."""
     job, timing = reducer.job, reducer.timing
-    with tqdm(total=job.pairs * len(reducer.names), unit="pair", desc=f"plasticity {job.model}",
+    with progress_bar(total=job.pairs * len(reducer.names), unit="pair", desc=f"plasticity {job.model}",
               disable=not progress, smoothing=0.1) as bar:
         for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
             if "first_rates_s" not in timing:  # start-up done: actors built, first batch through
@@ -470,12 +480,18 @@ def measure_rates(ray, job: PlasticityJob, plan: PairPlan, *, img_size: int | No
 def plasticity_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -> pd.DataFrame:
     """``plasticity.parquet``: every dataset's moments as :func:`raystudy.core.plasticity.summarize` rows."""
     tables = []
-    for name, m in zip(plan.names, reducer.moments):
-        table = m.frame()
-        table.insert(0, "mode", job.mode)
-        table.insert(0, "dataset", name)
-        table.insert(0, "model", job.model)
-        tables.append(table)
+    controls = reducer.control or [None] * len(reducer.moments)
+    for name, m, c in zip(plan.names, reducer.moments, controls):
+        for weights, moments, seed in ((PRETRAINED, m, None), (RANDOM_INIT, c, job.control_seed)):
+            if moments is None:
+                continue
+            table = moments.frame()
+            table.insert(0, "mode", job.mode)
+            table.insert(0, "dataset", name)
+            table.insert(0, "model", job.model)
+            table["weights"] = weights
+            table["init_seed"] = pd.array([seed] * len(table), dtype="Int64")  # the control's torch seed
+            tables.append(table)
     return pd.concat(tables, ignore_index=True)
 
 

@@ -26,9 +26,10 @@ import torch
 from raystudy import faults
 from raystudy.core.bounds import token_radius, token_sigma, upper_bounds
 from raystudy.core.components import get_adapter
-from raystudy.core.models import build_seeded_model
+from raystudy.core.models import build_control_model, build_seeded_model
 from raystudy.core.plasticity import pair_rates_tensor
 from raystudy.data.modality import Modality
+from raystudy.vocab import RANDOM_INIT
 
 
 def load_buckets(batch: dict, *, img_size: int | None, modality: Modality) -> dict:
@@ -62,11 +63,21 @@ def build_model_of(spec: dict):
                               model_kwargs=spec["model_kwargs"])
 
 
+def build_control_of(spec: dict):
+    """The job's random-init control (``spec["control"] == "random_init"``), identical in every process;
+    else ``None``."""
+    if spec.get("control", "none") != RANDOM_INIT:
+        return None
+    return build_control_model(spec["model"], seed=spec["control_seed"], model_kwargs=spec["model_kwargs"])
+
+
 class RateActor:
-    """Holds the model once on its device; maps batches of pairs to per-pair rates.
+    """Holds the model (and its random-init control, when the job has one) once on its device; maps batches
+    of pairs to per-pair rates.
 
     Input columns ``dataset, pair (n,)``, ``x, y (n, 3, S, S)``; output ``dataset, pair (n,)``,
-    ``rates (n, L, 5)`` float32 and, for the pairs of dataset ``spec["stats_dataset"]``, the token
+    ``rates (n, L, 5)`` float32, the control's ``control_rates (n, L, 5)`` on the same pairs (with a control)
+    and, for the pairs of dataset ``spec["stats_dataset"]``, the token
     statistics of the embedded pretraining image: ``radius (n,)`` = ``sqrt(mean_i ||x_i||^2)``,
     ``sigma (n,)`` = minimum over tokens of ``sqrt(var(x_i) + eps)``, ``tokens (n,)`` = sequence length
     (NaN, NaN, 0 for the other pairs).
@@ -82,6 +93,8 @@ class RateActor:
             self.device = torch.device("cpu")
             torch.set_num_threads(spec["threads"] or max(1, int(spec["cpus"])))
         self.model = build_model_of(spec).to(self.device).eval()
+        control = build_control_of(spec)
+        self.control = None if control is None else control.to(self.device).eval()
         self.amp = torch.bfloat16 if spec["amp_bf16"] else None
         self.calls = 0
 
@@ -108,13 +121,19 @@ class RateActor:
         self._maybe_crash()
         x = torch.from_numpy(np.ascontiguousarray(batch["x"])).to(self.device, non_blocking=True)
         y = torch.from_numpy(np.ascontiguousarray(batch["y"])).to(self.device, non_blocking=True)
-        rates = pair_rates_tensor(self.model, x, y, mode=self.spec["mode"], amp_dtype=self.amp,
-                                  mha_input=self.spec.get("mha_input", "raw"),
-                                  gated_fc1=self.spec.get("gated_fc1", "stacked"))
         want = np.asarray(batch["dataset"]) == self.spec["stats_dataset"]
-        return {"dataset": np.asarray(batch["dataset"], dtype=np.int64),
-                "pair": np.asarray(batch["pair"], dtype=np.int64), "rates": rates.cpu().numpy(),
-                **self._token_stats(x, want)}
+        out = {"dataset": np.asarray(batch["dataset"], dtype=np.int64),
+               "pair": np.asarray(batch["pair"], dtype=np.int64), "rates": self._rates(self.model, x, y),
+               **self._token_stats(x, want)}
+        if self.control is not None:
+            out["control_rates"] = self._rates(self.control, x, y)
+        return out
+
+    def _rates(self, model, x, y) -> np.ndarray:
+        """``(n, L, 5)`` float32 rates of ``model`` on the pairs ``(x, y)``."""
+        return pair_rates_tensor(model, x, y, mode=self.spec["mode"], amp_dtype=self.amp,
+                                 mha_input=self.spec.get("mha_input", "raw"),
+                                 gated_fc1=self.spec.get("gated_fc1", "stacked")).cpu().numpy()
 
     def _token_stats(self, x, want: np.ndarray) -> dict[str, np.ndarray]:
         """``radius, sigma, tokens (n,)`` of the embedded images ``x[want]``; NaN, NaN, 0 elsewhere."""

@@ -17,9 +17,10 @@ from raystudy import storage
 from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution
 from raystudy.core.plasticity import rates_frame
 from raystudy.io import read_result, write_result
-from raystudy.vocab import SCHEMAS
+from raystudy.vocab import PRETRAINED, SCHEMAS
 
-RATES_SCHEMA = SCHEMAS["rates"]
+#: ``rates.parquet`` as streamed: the schema and which weights measured the row (:data:`raystudy.vocab.WEIGHTS`).
+RATES_SCHEMA = SCHEMAS["rates"].append(pa.field("weights", pa.string()))
 #: Rates rows buffered on the driver before they are written as one Parquet row group.
 ROWS_PER_WRITE = 1 << 16
 
@@ -49,13 +50,15 @@ class RatesWriter:
             self.flush()
         return self._stack.__exit__(*exc)
 
-    def add(self, model: str, dataset: str, mode: str, pairs: np.ndarray, rates: np.ndarray) -> None:
+    def add(self, model: str, dataset: str, mode: str, pairs: np.ndarray, rates: np.ndarray, *,
+            weights: str = PRETRAINED) -> None:
         n, n_layers, n_comp = rates.shape
         df = rates_frame(rates)
         df["pair"] = np.repeat(pairs.astype(np.int64), n_layers * n_comp)  # pair-major layout of rates_frame
         df.insert(0, "mode", mode)
         df.insert(0, "dataset", dataset)
         df.insert(0, "model", model)
+        df["weights"] = weights
         self.buffer.append(pa.Table.from_pandas(df, schema=RATES_SCHEMA, preserve_index=False))
         self.buffered += len(df)
         if self.buffered >= ROWS_PER_WRITE:
@@ -88,7 +91,7 @@ def write_figures(plasticity: pd.DataFrame, rates_path: Path, out_dir: Path, *, 
         title = f"{model}: {pretrain} vs {dataset} ({mode})"
         files += map(str, plot_plasticity_depth(table.reset_index(drop=True), fig_dir / f"plasticity_depth_{safe}",
                                                 title=title))
-        rates = pq.read_table(rates_path, filters=[("dataset", "=", dataset)]).to_pandas()
+        rates = pq.read_table(rates_path, filters=[("dataset", "=", dataset), ("weights", "=", PRETRAINED)]).to_pandas()
         files += map(str, plot_rate_distribution(rates, fig_dir / f"rate_distribution_{safe}", title=title))
         del rates
     return files
@@ -123,8 +126,11 @@ def _combine_rates(run_dirs: list[Path], path: str) -> str:
     with RatesWriter(path) as writer:
         for d in run_dirs:
             pf = pq.ParquetFile(d / "rates.parquet")
-            if not pf.schema_arrow.equals(RATES_SCHEMA):
+            old = pf.schema_arrow.equals(SCHEMAS["rates"])  # written before the control: pretrained rows
+            if not (old or pf.schema_arrow.equals(RATES_SCHEMA)):
                 raise ValueError(f"{d / 'rates.parquet'}: schema {pf.schema_arrow} is not the rates schema")
             for g in range(pf.metadata.num_row_groups):
-                writer.write_table(pf.read_row_group(g))
+                t = pf.read_row_group(g)
+                writer.write_table(t.append_column("weights", pa.array([PRETRAINED] * len(t), pa.string()))
+                                   if old else t)
     return path

@@ -259,9 +259,28 @@ def check_files(spec: StudySpec, *, weights: bool | None = None) -> None:
         except StoreError as e:
             raise SpecError(f"pretrain_store: store not usable: {e}") from None
     if weights is None:
-        weights = not spec.pretrain.enabled
+        weights = not pretraining_writes_weights(spec)
     if weights and spec.weights is not None and not _file_exists(spec.weights):
-        raise SpecError(f"weights: file not found: {spec.weights}")
+        raise SpecError(weights_not_found(spec))
+
+
+def pretrained_weights_path(out: str) -> str:
+    """Where a study's pretraining step writes its weights: ``<out>/pretrained/model.safetensors``."""
+    return storage.join(out, "pretrained", "model.safetensors")
+
+
+def pretraining_writes_weights(spec: StudySpec) -> bool:
+    """Whether the launch's pretraining writes the (resolved) spec's weights file, so that its absence is
+    no problem: only its own file, :func:`pretrained_weights_path`. A weights path given to a preset that
+    pretrains (``--preset demo --weights w.safetensors``) must exist, like any other preset's."""
+    return spec.pretrain.enabled and spec.weights == pretrained_weights_path(spec.out)
+
+
+def weights_not_found(spec: StudySpec) -> str:
+    """The problem of a weights file that does not exist; with pretraining, where that writes instead."""
+    hint = (f" (this spec's pretraining writes only {pretrained_weights_path(spec.out)}: drop --weights, or "
+            "set weights=null, to pretrain)") if spec.pretrain.enabled else ""
+    return f"weights: file not found: {spec.weights}{hint}"
 
 # ------------------------------------------------------------------------------------------------
 

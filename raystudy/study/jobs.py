@@ -39,7 +39,7 @@ from raystudy.settings import (
 )
 from raystudy.study.points import phase_of
 from raystudy.study.spec import StudySpec
-from raystudy.vocab import PHASES
+from raystudy.vocab import PHASES, pretrained_rows
 
 #: the dataset-level protocol a dataset entry may override (its resolved value wins over the study's)
 PER_DATASET: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
@@ -65,7 +65,8 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     dataset becomes its store path; a final-fit point (``phase: final``) trains on train + val
     (:func:`train_splits_of`). What finetuning changed is measured on the plasticity stage's
     pretraining side (``change_store``: the spec's ``pretrain_store``, ``change_split``: its
-    ``plasticity.pretrain_split``; :meth:`raystudy.core.finetune.Finetuner.measure_changes`). A budget
+    ``plasticity.pretrain_split``; :meth:`raystudy.core.finetune.Finetuner.measure_changes`). The run's
+    TensorBoard HParams session adds the point's ``dataset`` and ``phase`` (``hparams``). A budget
     (``auto:B``, ``random:B``) is resolved here, once per trial, into the config's ``selection``
     (:func:`budget_selection`); ``plasticity`` (the study's plasticity table, default: read from the study
     directory when ``auto:B`` needs it) is for tests and callers holding it.
@@ -74,7 +75,8 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
     cfg = FinetuneConfig(**values(ModelSettings, spec), **protocol, **axes, train_splits=train_splits_of(point),
                          store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir),
-                         change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split)
+                         change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split,
+                         hparams={"dataset": point["dataset"], "phase": phase_of(dict(point))})
     cfg.selection = budget_selection(spec, cfg, point["dataset"], plasticity)
     return cfg, train_resources(spec)
 
@@ -107,6 +109,7 @@ def plasticity_of(spec: StudySpec, dataset: str, plasticity=None):
     """The plasticity rows of ``dataset`` in the spec's mode (``plasticity`` or the study's table);
     ``ValueError`` when there are none."""
     table = plasticity if plasticity is not None else read_result(spec.out, "plasticity", required=False)
+    table = pretrained_rows(table)  # the model's own plasticity, not its random-init control's
     if table is not None:
         table = table[(table["dataset"] == dataset) & (table["mode"] == spec.plasticity.mode)]
     if table is None or table.empty:

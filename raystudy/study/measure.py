@@ -16,13 +16,18 @@ from raystudy.study.progress import Echo, fmt_seconds
 from raystudy.study.progress import echo as _echo
 from raystudy.study.spec import StudySpec
 from raystudy.study.trial import local_dir_for
+from raystudy.vocab import RANDOM_INIT
 
 
 def plasticity_todo(spec: StudySpec) -> list[str]:
-    """The spec's datasets without rows in ``plasticity.parquet`` (all of them when plasticity is off: [])."""
+    """The spec's datasets without rows in ``plasticity.parquet`` (all of them when plasticity is off: []);
+    with the control on (``plasticity.control``), also those measured without it (no ``random_init`` rows):
+    the model and its control are measured on the same pairs, in one job."""
     if not spec.plasticity.enabled:
         return []
     have = read_result(spec.out, "plasticity", required=False)
+    if have is not None and spec.plasticity.control == RANDOM_INIT:
+        have = have[have["weights"] == RANDOM_INIT]
     measured = set() if have is None else set(have["dataset"])
     return [d for d in spec.datasets if d not in measured]
 

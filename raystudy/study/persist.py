@@ -13,6 +13,7 @@ import sys
 
 from raystudy.data.modality import absolute_model
 from raystudy.storage import exists, is_uri, join, read_text, write_text_atomic
+from raystudy.study.checks import pretrained_weights_path
 from raystudy.study.spec import SpecError, StudySpec, load_spec_file
 from raystudy.study.spec_values import load_yaml
 
@@ -30,7 +31,7 @@ def resolve_paths(spec: StudySpec) -> StudySpec:
     if weights is not None and not is_uri(weights):
         weights = os.path.abspath(weights)
     if weights is None and spec.pretrain.enabled:
-        weights = join(out, "pretrained", "model.safetensors")  # what the pretraining step writes
+        weights = pretrained_weights_path(out)  # what the pretraining step writes
     cache_dir = spec.cache_dir
     if cache_dir is not None and not is_uri(cache_dir):
         cache_dir = os.path.abspath(cache_dir)

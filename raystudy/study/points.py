@@ -15,6 +15,9 @@ from raystudy.vocab import PHASES, check_name
 
 #: the phase of a point without one: the grid's search
 SEARCH = PHASES[0]
+#: the key of a Tune trial's config holding the study's trial id (Tune's own ``trial_id`` is another id):
+#: ``ExperimentAnalysis(...).dataframe()["config/study_trial_id"]`` joins ``trials.parquet``'s ``trial_id``
+STUDY_TRIAL_ID = "study_trial_id"
 
 
 def format_lr(lr: float) -> str:
@@ -47,3 +50,13 @@ def grid_point(dataset: str, configuration: str, optimizer: str, lr: float, seed
 def phase_of(point: dict[str, Any]) -> str:
     """The phase of a grid point: its ``phase``, else ``search``."""
     return point.get("phase") or SEARCH
+
+
+def point_study_trial_id(config: dict[str, Any]) -> str:
+    """The study's trial id of a Tune config (``{"point": ...}``): its grid point's ``trial_id``."""
+    return config["point"]["trial_id"]
+
+
+def tune_config(point: dict[str, Any]) -> dict[str, Any]:
+    """The Tune trial config of a grid point: ``{"point": point, "study_trial_id": its trial id}``."""
+    return {"point": point, STUDY_TRIAL_ID: point["trial_id"]}

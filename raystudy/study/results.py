@@ -10,9 +10,10 @@ Layout of ``<out>/`` (local path or pyarrow URI)::
                          block, CKA per block; raystudy.core.change), a dataset of one file per trial alike
     plasticity.parquet   rates.parquet  bounds.parquet      the plasticity measurement
     trials/<trial_id>/   one finetuning run: summary.json, curves.parquet, changes.parquet, tb/ (its TensorBoard)
-    tb/<trial_id>/       the TensorBoard run of every finished trial (``tensorboard --logdir <out>/tb``)
+    tb/<trial_id>/       the TensorBoard run of every finished trial (``tensorboard --logdir <out>/tb``); the
+                         study's HParams experiment in ``tb/`` itself (:mod:`raystudy.study.hparams`)
     train/<trial_id>/    Ray Train's run storage (checkpoints), so an interrupted trial resumes from them
-    tune/<launch>/       one Tune experiment per launch (``tune.Tuner.restore`` / ``ResultGrid``)
+    tune/<launch>/       one Tune experiment per launch (``restore_tuner`` / ``ResultGrid``)
     analysis/            tables, statistical tests, figures and report.html
 
 The per-trial ``summary.json`` is the source of truth: the study tables are a projection of the trial
@@ -66,6 +67,8 @@ from raystudy.vocab import (
     STATUSES,
     TRIAL_COUNT_EXTRAS,
     columns,
+    control_rows,
+    pretrained_rows,
 )
 
 #: columns every row has beyond the schema's: the model's constructor arguments (JSON, sorted keys)
@@ -488,7 +491,9 @@ class Study:
     ``curves``: one row per logged step of every trial, with the trial's ``dataset``, ``model``,
     ``configuration``, ``optimizer``, ``seed``, ``status`` and its learning rate as ``trial_lr`` (the
     curve's own ``lr`` is the schedule's value at that step); ``plasticity``, ``rates``, ``bounds``: the
-    plasticity measurement (``None`` when the study has none); ``spec``: the stored ``spec.yaml`` as a dict;
+    plasticity measurement with the model's own weights (``None`` when the study has none); ``control``: the
+    random-init control's plasticity rows (``weights = random_init``; ``None`` without one); ``spec``: the
+    stored ``spec.yaml`` as a dict;
     ``changes``: what finetuning changed, one row per (trial, layer, component, measure), with the same
     trial columns as ``curves`` (``None`` when no trial recorded any).
     """
@@ -501,9 +506,11 @@ class Study:
     bounds: pd.DataFrame | None = None
     spec: dict[str, Any] = field(default_factory=dict)
     changes: pd.DataFrame | None = None
+    control: pd.DataFrame | None = None
 
     def __repr__(self) -> str:
-        parts = [f"{name}: {len(df)} rows" for name in ("trials", "curves", "changes", "plasticity", "rates", "bounds")
+        parts = [f"{name}: {len(df)} rows" for name in ("trials", "curves", "changes", "plasticity", "control", "rates",
+                                                                "bounds")
                  if (df := getattr(self, name)) is not None]
         probes = int((self.trials["configuration"].astype(str) == LINEAR_PROBE).sum()) if len(self.trials) else 0
         if probes:  # the linear probes' rows are counted apart, as the command line and the report count them
@@ -533,10 +540,11 @@ def load_study(study_dir: str) -> Study:
     trials = tables.trials_frame()
     changes = tables.changes_frame() if tables.change_ids else None
     spec_text = read_text(join(study_dir, "spec.yaml"))
+    plasticity = read_result(study_dir, "plasticity", required=False)
     return Study(
         path=study_dir, trials=trials, curves=joined_curves(trials, tables.curves_frame()),
-        plasticity=read_result(study_dir, "plasticity", required=False),
-        rates=read_result(study_dir, "rates", required=False),
+        plasticity=pretrained_rows(plasticity), control=control_rows(plasticity),
+        rates=pretrained_rows(read_result(study_dir, "rates", required=False)),
         bounds=read_result(study_dir, "bounds", required=False),
         spec=(yaml.safe_load(spec_text) or {}) if spec_text else {},
         changes=None if changes is None else joined_curves(trials, changes),

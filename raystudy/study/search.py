@@ -11,6 +11,7 @@ from optuna.distributions import FloatDistribution
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
+from raystudy.study.points import tune_config
 from raystudy.study.results import ResultTables
 from raystudy.study.spec import StudySpec, grid_point
 from raystudy.vocab import FINAL_STATUSES
@@ -81,7 +82,7 @@ class GroupedOptunaSearch(Searcher):
         if point["trial_id"] in self.used_ids:  # two samples that round alike: keep more digits
             point = grid_point(dataset, configuration, optimizer, float(params["lr"]), seed)
         self.used_ids.add(point["trial_id"])
-        return {"point": point}
+        return tune_config(point)
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         pass  # intermediate Ray Train reports have no objective yet

@@ -91,7 +91,7 @@ from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTO
     load_yaml,
     unknown_field,
 )
-from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES
+from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -305,10 +305,6 @@ class StudySpec(ModelSettings, ProtocolSettings):
             target = _override_target(data, key, StudySpec.SECTIONS)
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
-            elif parts == ["configurations"] and isinstance(value, str):
-                from raystudy.core.expressions import split_configurations  # torch (raystudy.core): --help stays light
-
-                value = split_configurations(value)
             elif parts == ["tracking"] and isinstance(value, str):
                 value = _split_names(value)
             target[parts[-1]] = value
@@ -495,7 +491,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
     #: plasticity fields whose change alters which pairs (or bounds) a measured dataset's rows mean; with
     #: ``sequential`` pairing ``batch_size`` too (where a short side starts over)
     PLASTICITY_FIELDS: ClassVar[tuple[str, ...]] = ("pairing", "pairs", "mode", "seed", "pretrain_split", "radius",
-                                                    "seq_len", "text_rows", "mha_input", "gated_fc1")
+                                                    "seq_len", "text_rows", "mha_input", "gated_fc1",
+                                                    "control_seed")
     #: probe fields whose change alters what a finished probe means
     PROBE_FIELDS: ClassVar[tuple[str, ...]] = ("augment", "seed")
 
@@ -564,7 +561,8 @@ def load_preset(name_or_path: str) -> StudySpec:
     if not path.suffix:
         path = PRESET_DIR / f"{name_or_path}.yaml"
         if not path.is_file():
-            raise SpecError(f"preset: unknown preset {name_or_path!r}; available: {preset_names()}")
+            hint = did_you_mean(name_or_path, preset_names()) or ";"
+            raise SpecError(f"preset: unknown preset {name_or_path!r}{hint} available: {preset_names()}")
     if not path.is_file():
         raise SpecError(f"preset: file not found: {path}")
     return load_spec_file(path)

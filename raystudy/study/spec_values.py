@@ -5,7 +5,6 @@ error names the field (``datasets.<name>.<field>``) as :class:`~raystudy.study.c
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import yaml
 
 from raystudy.study.checks import SpecError
+from raystudy.vocab import did_you_mean
 
 #: the protocol fields a dataset entry may override (see :class:`DatasetOverrides`)
 PROTOCOL_FIELDS: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
@@ -45,7 +45,8 @@ def _sub(cls, value, where):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(value) - known)
     if unknown:
-        raise SpecError(f"{where}: unknown field(s) {unknown} (known: {sorted(known)})")
+        raise SpecError(f"{where}: unknown field(s) {unknown}{did_you_mean(unknown[0], known)} "
+                        f"(known: {sorted(known)})")
     return cls(**value)
 
 
@@ -64,7 +65,8 @@ def _parse_entry(name: str, entry: dict[str, Any]) -> tuple[str, DatasetOverride
     known = ["store", *(f.name for f in dataclasses.fields(DatasetOverrides))]
     unknown = sorted(set(entry) - set(known))
     if unknown:
-        raise SpecError(f"{where}: unknown field(s) {unknown} (a dataset entry may set {known})")
+        raise SpecError(f"{where}: unknown field(s) {unknown}{did_you_mean(unknown[0], known)} (a dataset entry may "
+                        f"set {known})")
     store = entry.get("store")
     values: dict[str, Any] = {}
     for f in PROTOCOL_FIELDS:
@@ -119,7 +121,7 @@ def _override_target(data: dict[str, Any], key: str, sections: Iterable[str]) ->
         if depth == 1 and parts[0] == "datasets" and isinstance(target.get(p), str):
             target[p] = {"store": target[p]}
         if p not in target or not isinstance(target[p], dict):
-            raise SpecError(f"--set {key}: {p!r} is not a section of the spec "
+            raise SpecError(f"--set {key}: {p!r} is not a section of the spec{did_you_mean(p, sections)} "
                             f"(sections: {', '.join(sections)}, datasets.<name>)")
         target = target[p]
     leaf = parts[-1]
@@ -183,9 +185,8 @@ def is_missing(value: Any) -> bool:
 
 def unknown_field(where: str, key: str, known) -> SpecError:
     """The error for an unknown field ``key``: the closest known name first ("did you mean"), then all."""
-    close = difflib.get_close_matches(key, [str(k) for k in known], n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return SpecError(f"{where}: unknown field {key!r}{hint} (known: {', '.join(sorted(map(str, known)))})")
+    return SpecError(f"{where}: unknown field {key!r}{did_you_mean(key, known)} "
+                     f"(known: {', '.join(sorted(map(str, known)))})")
 
 
 def _select_datasets(available: dict[str, str], names) -> dict[str, str]:
@@ -194,7 +195,8 @@ def _select_datasets(available: dict[str, str], names) -> dict[str, str]:
     out = {}
     for n in names:
         if n not in available:
-            raise SpecError(f"datasets: unknown dataset {n!r}; this spec knows {sorted(available)}")
+            raise SpecError(f"datasets: unknown dataset {n!r}{did_you_mean(n, available)}; this spec knows "
+                            f"{sorted(available)}")
         out[n] = available[n]
     return out
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 from raystudy.storage import is_uri, join, upload_dir
 from raystudy.study.jobs import finetune_job
+from raystudy.study.points import STUDY_TRIAL_ID
 from raystudy.study.results import trial_dir
 from raystudy.study.spec import StudySpec
 
@@ -106,7 +107,7 @@ def final_report(summary: dict, point: dict) -> dict:
     """What a trial reports to Tune at its end: the summary's scalars, the study's ids, the objective."""
     final = {k: v for k, v in summary.items() if isinstance(v, int | float | str | bool)}
     # ("trial_id" is Tune's own key in every result: the study's id goes under another name)
-    final.update({"study_trial_id": point["trial_id"], "dataset": point["dataset"],
+    final.update({STUDY_TRIAL_ID: point["trial_id"], "dataset": point["dataset"],
                   "configuration": point["configuration"]})
     # the searcher's objective: a diverged run counts as chance-level, never NaN
     acc = summary.get("best_val_acc")

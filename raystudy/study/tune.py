@@ -41,6 +41,7 @@ that the commands can check a spec with this module without starting Ray.
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 
@@ -50,8 +51,10 @@ from raystudy.data.store import SPLITS, read_meta
 from raystudy.distributed.cache import build_caches
 from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
 from raystudy.distributed.reaper import start_reaper
+from raystudy.io import table_path
 from raystudy.storage import exists, folder_problem, is_uri, join, subdirs
 from raystudy.study import final
+from raystudy.study.checks import pretraining_writes_weights, weights_not_found
 from raystudy.study.health import (  # noqa: F401  (re-exported: their home before the split)
     RAY_SNAPSHOT,
     StudyStorageError,
@@ -61,6 +64,7 @@ from raystudy.study.health import (  # noqa: F401  (re-exported: their home befo
     run_dir_problem,
     storage_errors,
 )
+from raystudy.study.hparams import write_study_hparams
 from raystudy.study.lock import StudyLock
 from raystudy.study.measure import measure_plasticity, plasticity_todo
 from raystudy.study.persist import (  # noqa: F401  (re-exported: their home before the split)
@@ -74,7 +78,8 @@ from raystudy.study.persist import (  # noqa: F401  (re-exported: their home bef
     stored_spec,
     write_spec,
 )
-from raystudy.study.preflight import configuration_problems, weights_load_error
+from raystudy.study.points import STUDY_TRIAL_ID, point_study_trial_id
+from raystudy.study.preflight import configuration_problems, weights_problem
 from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
@@ -88,10 +93,10 @@ from raystudy.study.signals import (  # noqa: F401  (Terminated: re-exported)
 )
 from raystudy.study.spec import SpecError, StudySpec
 from raystudy.study.trial import TrialFailed, final_report, local_dir_for, run_trial, trainable  # noqa: F401
-from raystudy.vocab import FINAL_STATUSES
+from raystudy.vocab import FINAL_STATUSES, SCHEMAS
 
-__all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_tuner", "run_study",
-           "tune_experiments"]
+__all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_command", "restore_tuner",
+           "resume_command", "run_study", "tables_written", "tune_experiments"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -108,7 +113,8 @@ def _search_setup(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     from ray import tune
 
     if points is not None:
-        param_space = {"point": tune.grid_search(points)}
+        # the study's trial id beside its point (Tune's trial_id is Tune's): resolved from the point drawn
+        param_space = {"point": tune.grid_search(points), STUDY_TRIAL_ID: tune.sample_from(point_study_trial_id)}
         tune_config = tune.TuneConfig(num_samples=1, reuse_actors=True)
         n = len(points)
     else:
@@ -149,6 +155,7 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     if not verbose:
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's legacy reporter at verbose=0 prints nothing
     echo(f"[{spec.name}] launching {n} trial(s) as Tune experiment {join(spec.out, 'tune', name)}")
+    write_study_hparams(spec)  # TensorBoard's HParams experiment: every axis with its domain
     tuner = tune.Tuner(trainable(spec), param_space=param_space, tune_config=tune_config, run_config=run_config)
     try:
         # a Ray Train controller lost with its node leaves a placement group behind
@@ -268,7 +275,7 @@ def check_weights_load(spec: StudySpec) -> None:
     not fit the model (wrong architecture, missing keys) stops the study before any launch."""
     if spec.weights is None or is_uri(spec.weights):
         return
-    error = weights_load_error(spec, int(read_meta(next(iter(spec.datasets.values())))["num_classes"]))
+    error = weights_problem(spec, int(read_meta(next(iter(spec.datasets.values())))["num_classes"]))
     if error:
         raise SpecError(error)
 
@@ -288,8 +295,10 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
         if exists(spec.weights):
             check_weights_format_of(spec)
             echo(f"[{spec.name}] pretrained weights found: {spec.weights}")
-        else:
+        elif pretraining_writes_weights(spec):
             pretrain_weights(spec, spec.weights, echo=echo)
+        else:  # a --weights path that does not exist: not where the pretraining writes
+            raise SpecError(weights_not_found(spec))
     spec.check_files(weights=True)
     for problem in final.store_problems(spec):
         raise SpecError(problem)
@@ -419,10 +428,36 @@ def print_summary(spec: StudySpec, o: StudyOutcome, echo: Echo = _echo) -> None:
     if spec.probe.enabled:
         echo(f"  probes:      {o.probes['ok']}/{len(spec.probe_datasets())} fitted (failed {o.probes['failed']}) "
              f"-> {join(o.study_dir, 'probes')}/<dataset>/probe.json")
-    echo(f"  results:     {o.study_dir}/  (trials.parquet, curves.parquet, plasticity.parquet, bounds.parquet)")
+    echo(f"  results:     {o.study_dir}/  ({', '.join(tables_written(o.study_dir)) or 'no table yet'})")
     echo(f"  notebook:    raystudy.load_study({o.study_dir!r})")
     echo(f"  TensorBoard: tensorboard --logdir {join(o.study_dir, 'tb')}")
-    echo(f"  Tune:        {join(o.study_dir, 'tune')}/<launch>  (ray.tune.Tuner.restore / ResultGrid)")
+    echo(f"  Tune:        {restore_command(o.study_dir)}")
+    echo(f"  resume:      {resume_command(o.study_dir)}")
     if o.analysis_dir:
         echo(f"  analysis:    {o.analysis_dir}/")
         echo(f"  report:      {o.report}")
+
+
+def tables_written(study_dir: str) -> list[str]:
+    """The result tables present in ``study_dir``, in :data:`raystudy.vocab.SCHEMAS` order
+    (``trials.parquet``, ``curves.parquet``, ``changes.parquet``, ``plasticity.parquet``, ``rates.parquet``,
+    ...): a file, or a dataset folder of parts."""
+    return [f"{t}.parquet" for t in SCHEMAS if exists(table_path(study_dir, t))]
+
+
+def _shell_word(word: str) -> str:
+    """``word`` in double quotes when nothing in it is special there, else :func:`shlex.quote`'s quoting."""
+    return f'"{word}"' if not set(word) & set('"$`\\!') else shlex.quote(word)
+
+
+def restore_command(study_dir: str) -> str:
+    """A shell command that restores the study's newest Tune launch (:func:`restore_tuner`, which brings the
+    trainable ``tune.Tuner.restore`` needs) and prints its results as a table."""
+    code = (f"from raystudy.study.tune import restore_tuner, tune_experiments; "
+            f"grid = restore_tuner(tune_experiments({study_dir!r})[-1]).get_results(); print(grid.get_dataframe())")
+    return f"python -c {_shell_word(code)}"
+
+
+def resume_command(study_dir: str) -> str:
+    """The command that continues the study stored in ``study_dir`` (``raystudy study --resume``)."""
+    return f"raystudy study --resume {shlex.quote(study_dir)}"

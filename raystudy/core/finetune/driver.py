@@ -77,14 +77,16 @@ class ForwardReports(Reporter):
 
 class TensorBoardLogger:
     """Writes every curve row to ``out_dir/tb`` (one directory per run) and, at the end, the run's result
-    scalars and its HParams record (:func:`~raystudy.core.finetune.outputs.run_hparams` with
-    :data:`~raystudy.core.finetune.outputs.HPARAM_METRICS`) into the same directory. ``purge_step`` drops
-    events after a restored step, so a resumed run leaves no duplicates."""
+    scalars and its HParams session (:func:`~raystudy.core.finetune.outputs.run_hparams` and ``hparams``,
+    e.g. a study trial's dataset and phase, with :data:`~raystudy.core.finetune.outputs.HPARAM_METRICS`)
+    into the same directory. ``purge_step`` drops events after a restored step, so a resumed run leaves no
+    duplicates."""
 
-    def __init__(self, out_dir: str | os.PathLike, purge_step: int | None = None):
+    def __init__(self, out_dir: str | os.PathLike, purge_step: int | None = None, hparams: dict | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=join(out_dir, "tb"), purge_step=purge_step)
+        self.hparams = dict(hparams or {})
 
     def __call__(self, event: Event) -> None:
         if event.final:
@@ -101,12 +103,16 @@ class TensorBoardLogger:
         self.writer.flush()
 
     def write_hparams(self, summary: dict, step: int) -> None:
-        """The HParams plugin's records (experiment, session start and end) in this run's own event file
-        (``SummaryWriter.add_hparams`` would open a second, timestamped run folder)."""
+        """The HParams plugin's session records (start and end) in this run's own event file
+        (``SummaryWriter.add_hparams`` would open a second, timestamped run folder). No experiment record:
+        TensorBoard takes the first one it finds as every run's, so a study writes one for all its trials
+        (:mod:`raystudy.study.hparams`: every axis with its domain) and a lone run lets TensorBoard
+        compute it from the sessions."""
         from torch.utils.tensorboard.summary import hparams
 
         writer = self.writer._get_file_writer()
-        for record in hparams(run_hparams(summary), dict.fromkeys(HPARAM_METRICS, 0.0)):
+        _, start, end = hparams({**run_hparams(summary), **self.hparams}, dict.fromkeys(HPARAM_METRICS, 0.0))
+        for record in (start, end):
             writer.add_summary(record, step)
 
     def close(self) -> None:
@@ -181,7 +187,7 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
     reporter = reporter if reporter is not None else Reporter()
     if resume:
         checkpointer.restore(ft)
-    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None) \
+    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None, hparams=cfg.hparams) \
         if tensorboard and ft.rank == 0 else None
     fail_after = injected("fail_after_step", Path(cfg.out_dir).name)
     hold = injected("hold_after_checkpoint", Path(cfg.out_dir).name)

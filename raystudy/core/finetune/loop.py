@@ -52,6 +52,7 @@ from raystudy.core.peft_methods import adapted_layers, merge
 from raystudy.data.modality import modality_of_model
 from raystudy.data.store import Store
 from raystudy.settings import accuracy_batch
+from raystudy.terminal import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +255,8 @@ class Finetuner:
         return summary
 
     def _progress_bar(self, progress: bool | None):
-        from tqdm.auto import tqdm
-
         disable = (True if self.rank != 0 else None) if progress is None else not progress
-        return tqdm(total=self.cfg.steps, initial=self.step, desc=f"finetune {self.cfg.configuration}",
+        return progress_bar(total=self.cfg.steps, initial=self.step, desc=f"finetune {self.cfg.configuration}",
                     unit="step", disable=disable, leave=False)
 
     def _mark_diverged(self) -> None:

@@ -1,0 +1,187 @@
+"""What a study can show: its scale, the power of its tests, what was omitted, and the paper's thesis check.
+
+The report's section "What this study can show" (:func:`scope_items`) is derived from the analysis itself:
+nothing here is configured. The thesis (plastic components finetune better) is checked by the ``ranking``
+table's Kendall tau between the components' plasticity ranking and their accuracy ranking.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from raystudy.vocab import COMPONENTS, LINEAR_PROBE
+
+if TYPE_CHECKING:
+    from raystudy.analysis.pipeline import AnalysisResult
+
+#: the significance level the section's sentences speak of
+ALPHA = 0.05
+#: the section's title in the HTML and the Markdown report
+SCOPE_TITLE = "What this study can show"
+
+
+def smallest_wilcoxon_p(n_pairs: int, alternative: str) -> float:
+    """The smallest p-value ``scipy.stats.wilcoxon`` returns on ``n_pairs`` paired differences: all of one sign
+    (the alternative's) with distinct magnitudes. Exactly ``2**-n`` one-sided, ``2 * 2**-n`` two-sided."""
+    if n_pairs < 1:
+        return math.nan
+    sign = -1.0 if alternative == "less" else 1.0
+    return float(stats.wilcoxon(sign * np.arange(1.0, n_pairs + 1), alternative=alternative).pvalue)
+
+
+def pairs_needed(alternative: str, alpha: float = ALPHA) -> int:
+    """The fewest pairs whose smallest Wilcoxon p-value (:func:`smallest_wilcoxon_p`) is below ``alpha``."""
+    n = 1
+    while smallest_wilcoxon_p(n, alternative) >= alpha:
+        n += 1
+    return n
+
+
+def smallest_kendall_p(n: int) -> float:
+    """The smallest two-sided p-value of Kendall's tau over ``n`` items (both rankings equal: tau = 1), exact:
+    ``2 / n!`` (``scipy.stats.kendalltau``'s exact distribution)."""
+    if n < 3:
+        return math.nan
+    return float(stats.kendalltau(np.arange(n), np.arange(n)).pvalue)
+
+
+def agreement_words(tau: float) -> str:
+    """How a Kendall tau between two rankings reads in a sentence."""
+    if tau >= 0.6:
+        return "agree"
+    if tau >= 0.2:
+        return "agree weakly"
+    if tau > -0.2:
+        return "are unrelated"
+    return "disagree"
+
+
+def thesis_sentences(ranking: pd.DataFrame | None) -> list[str]:
+    """The paper's thesis check, one sentence per model, optimizer and plasticity mode of ``ranking`` (the
+    analysis' ``ranking`` table): its ``overall`` row (the mean over datasets), or its one dataset's row."""
+    if ranking is None or ranking.empty:
+        return []
+    out = []
+    keys = [c for c in ("model", "optimizer", "mode") if c in ranking.columns]
+    for group, g in ranking.groupby(keys, sort=True):
+        group = group if isinstance(group, tuple) else (group,)
+        row = g[g["dataset"] == "overall"] if (g["dataset"] == "overall").any() else g
+        if len(row) != 1:
+            continue
+        r = row.iloc[0]
+        what = "mean over datasets" if r["dataset"] == "overall" else f"dataset {r['dataset']}"
+        label = ", ".join(f"{v} mode" if k == "mode" else str(v) for k, v in zip(keys, group))
+        if pd.isna(r["kendall"]):
+            why = (f"it needs at least 3 of the five components finetuned alone, this study ranks "
+                   f"{r['accuracy_ranking']}" if int(r["n_components"]) < 3 else
+                   "the plasticities or the accuracies are all equal")
+            out.append(f"{label}, {what}: not computed: {why}.")
+            continue
+        n = int(r["n_components"])
+        verdict = (f"significant at {ALPHA:g}" if r["kendall_p"] < ALPHA else
+                   f"not significant at {ALPHA:g} (the smallest p {n} components allow is "
+                   f"{smallest_kendall_p(n):.3f}, at tau = 1)")
+        out.append(f"{label}, {what}: accuracy ranks the components {r['accuracy_ranking']}, "
+                   f"plasticity ranks them {r['plasticity_ranking']}; they {agreement_words(r['kendall'])}: "
+                   f"Kendall tau {r['kendall']:.2f} (p {r['kendall_p']:.3f}, {n} components), {verdict}.")
+    return out
+
+
+def _thesis(res: AnalysisResult) -> str:
+    sentences = thesis_sentences(res.tables.get("ranking"))
+    if sentences:
+        return " ".join(sentences)
+    why = [n for n in res.notes if n.startswith(("Ranking agreement", "Spearman and Kendall"))]
+    trained = [] if res.inputs.counted is None else sorted(
+        set(res.inputs.counted["configuration"].astype(str)) & set(COMPONENTS))
+    reason = why[0] if why else (
+        "no plasticity table" if res.inputs.plasticity is None else
+        f"it needs at least 3 of the five components finetuned alone; this study trains "
+        f"{', '.join(trained) or 'none'}")
+    return f"not computed: {reason}"
+
+
+def _scale(res: AnalysisResult) -> str | None:
+    t = res.inputs.trials
+    if t is None or t.empty:
+        return None
+    t = t[t["configuration"].astype(str) != LINEAR_PROBE]  # a probe has no steps
+    parts = []
+    for model, g in t.groupby("model", sort=True):
+        kwargs = g["model_kwargs"].dropna().astype(str).iloc[0] if "model_kwargs" in g else ""
+        size = f" at {int(g['img_size'].dropna().iloc[0])} px" if "img_size" in g and g["img_size"].notna().any() \
+            else ""
+        steps = sorted(pd.to_numeric(g["steps"]).dropna().astype(int).unique())
+        trainable = pd.to_numeric(g["trainable_params"]).dropna()
+        batch = int(g["batch_size"].dropna().iloc[0])
+        text = f"{model}{f' {kwargs}' if kwargs and kwargs != '{}' else ''}{size}, " \
+               f"{'/'.join(map(str, steps))} steps of batch {batch} per trial"
+        if len(trainable):
+            text += f"; {int(trainable.min()):,} to {int(trainable.max()):,} trainable parameters per trial"
+        parts.append(text)
+    p = res.inputs.rates
+    if p is not None and len(p):
+        pairs = p.groupby("dataset")["pair"].nunique()
+        parts.append(f"plasticity from {int(pairs.min())}{'' if pairs.min() == pairs.max() else f'-{int(pairs.max())}'}"
+                     " pairs of inputs per dataset")
+    return "; ".join(parts)
+
+
+def _seeds(res: AnalysisResult) -> str | None:
+    counted = res.inputs.counted
+    if counted is None or counted.empty:
+        return None
+    seeds = sorted(pd.to_numeric(counted["seed"]).dropna().astype(int).unique())
+    if len(seeds) == 1:
+        return (f"1 ({seeds[0]}): every accuracy is one run; no spread over seeds is measured, and the stability "
+                "table's spread is over learning rates alone")
+    return f"{len(seeds)} ({', '.join(map(str, seeds))}): each accuracy is the mean of {len(seeds)} runs"
+
+
+def _tests(res: AnalysisResult) -> str | None:
+    o, w = res.options, res.tables.get("wilcoxon")
+    counted = res.inputs.counted
+    if counted is None or counted.empty:
+        return None
+    if w is not None and len(w):
+        n = int(pd.to_numeric(w["n_pairs"]).max())
+    else:
+        by = ["dataset", "seed"] if o.get("pair_by") == "dataset_seed" else ["dataset"]
+        n = int(counted[by].drop_duplicates().shape[0])
+    alt = o.get("alternative", "greater")
+    low = smallest_wilcoxon_p(n, alt)
+    need = pairs_needed(alt)
+    side = "two-sided" if alt == "two-sided" else "one-sided"
+    text = (f"Wilcoxon signed-rank against {o.get('reference')}: {n} pair(s) per test "
+            f"(paired by {str(o.get('pair_by', 'dataset')).replace('_', ' and ')}); the smallest p-value {n} "
+            f"pair(s) can reach is {low:.3g} ({side})")
+    if not low < ALPHA:
+        text += (f", so no difference can be significant at {ALPHA:g} here: that needs at least {need} pairs "
+                 f"(p {smallest_wilcoxon_p(need, alt):.3g})")
+    return text
+
+
+#: the paper's tables a study may lack without a note, and what each needs
+NEEDS = {"optimizers": "the optimizer comparison needs at least two optimizers"}
+
+
+def _omitted(res: AnalysisResult) -> str:
+    omitted = [n for n in res.notes if "omitted" in n.lower() or "undefined" in n.lower()]
+    if res.tables.get("best_lr") is not None:
+        omitted += [f"{why} (table {name})." for name, why in NEEDS.items() if name not in res.tables]
+    if not omitted:
+        return "none: every analysis the study's grid allows was computed (the notes list what each table left out)"
+    return " ".join(omitted)
+
+
+def scope_items(res: AnalysisResult) -> list[tuple[str, str]]:
+    """The section "What this study can show" as (label, plain text) pairs: model scale, seeds, the Wilcoxon
+    tests' pairs and the smallest p-value they can reach, what was omitted and why, and the thesis check."""
+    items = [("model scale", _scale(res)), ("seeds", _seeds(res)), ("tests", _tests(res)),
+             ("omitted", _omitted(res)), ("thesis check", _thesis(res))]
+    return [(k, v) for k, v in items if v]
