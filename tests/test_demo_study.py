@@ -45,7 +45,7 @@ def test_the_thesis_check_is_computed_from_the_demos_own_tables(demo):
     assert overall["kendall"] == pytest.approx(tau) and overall["kendall_p"] == pytest.approx(pval)
     report = (demo / "analysis" / "report.md").read_text()
     assert "## What this study can show" in report
-    assert f"Kendall tau {tau:.2f} (p {pval:.3f}, 5 components)" in report
+    assert f"Kendall τ {tau:.2f} (p {pval:.3f}, 5 components)" in report
 
 
 def test_the_demos_pretraining_puts_mha_above_the_layernorms(demo):
@@ -78,3 +78,15 @@ def test_the_demo_measures_the_random_init_control_beside_every_plasticity(demo)
     rankings = next(ln for ln in report.splitlines() if ln.startswith("- Rankings: measured "))
     assert "; random-init " in rankings and rankings.endswith("; paper MHA > FC1 > FC2 > LN2 > LN1")
     assert "- Kendall τ between the rankings: measured vs random-init " in report
+
+
+def test_the_scope_section_reads_as_docs_analysis_shows(demo):
+    """docs/analysis.md quotes the demo report's section "What this study can show": each quoted line (the
+    thesis check's varies with the run: '...') is in the report as the demo wrote it."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "analysis.md").read_text()
+    quoted = page.split("In the demo's `report.md` it reads")[1].split("```text\n")[1].split("```")[0]
+    report = (demo / "analysis" / "report.md").read_text().splitlines()
+    lines = [ln for ln in quoted.splitlines() if not ln.endswith("...")]
+    assert len(lines) == 4
+    for line in lines:
+        assert line in report, line

