@@ -195,7 +195,7 @@ def test_report_renders_in_headless_chromium(tmp_path, browser):
         assert t in names
     assert all(rows > 0 and width > 200 for _, rows, width in state["tables"])
     assert state["scrolling"] == []  # every table fits a 1,400 px window (the cost table needed scrolling)
-    assert state["headings"] == ["Summary", "Notes", "Tables", "Figures"]
+    assert state["headings"] == ["Summary", "What this study can show", "Notes", "Tables", "Figures"]
     # A value computed here from the raw trials is on the page as a percentage.
     _lr, mean, std, _n = expected_best(raw_trials(d))[("vit_tiny", "cifar10", "sgd", "MHA")]
     assert f"{100 * mean:.1f} ± {100 * std:.1f}" in state["text"]

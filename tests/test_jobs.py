@@ -37,7 +37,7 @@ PLASTICITY = {"pairs": "pairs", "batch_size": "batch_size", "mode": "mode", "see
               "gpus_per_worker": "gpus_per_worker", "cpus_per_worker": "cpus_per_worker",
               "torch_threads": "torch_threads", "pairing": "pairing", "pretrain_split": "pretrain_split",
               "radius": "radius", "seq_len": "seq_len", "tokenizer": "tokenizer", "text_rows": "text_rows",
-              "mha_input": "mha_input", "gated_fc1": "gated_fc1"}
+              "mha_input": "mha_input", "gated_fc1": "gated_fc1", "control": "control", "control_seed": "control_seed"}
 #: pretrain section field -> FinetuneConfig field of the pretraining run
 PRETRAIN = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "optimizer": "optimizer",
             "warmup_steps": "warmup_steps", "seed": "seed", "augment": "augment"}
@@ -75,7 +75,7 @@ SPEC = dict(
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
                     cpus_per_worker=1.5, torch_threads=3, pairing="sequential", pretrain_split=["val", "test"],
                     radius=2.5, seq_len=12, tokenizer="/t/tok.json", text_rows="padded", mha_input="normed",
-                    gated_fc1="up"),
+                    gated_fc1="up", control="none", control_seed=7),
     pretrain=dict(enabled=True, steps=77, batch_size=16, lr=5e-4, optimizer="adamw", warmup_steps=7, seed=5,
                   augment=False),
     probe=dict(enabled=True, augment=False, seed=13, batch_size=20, workers=6, gpus_per_worker=0.5,

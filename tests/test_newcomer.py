@@ -490,7 +490,7 @@ def test_item12_yaml_aliases_a_huge_preset_a_huge_grid_and_batch_are_refused_at_
     assert "more than the 1,048,576 a spec may hold" in capsys.readouterr().err
     assert cli(["study", "--preset", "demo", "--set", f"seeds=[{', '.join(map(str, range(90_000)))}]",
                 "--dry-run"]) == 2
-    assert "the grid holds 1,080,000 trials, more than the 1,000,000 a study may hold" in capsys.readouterr().err
+    assert "the grid holds 2,160,000 trials, more than the 1,000,000 a study may hold" in capsys.readouterr().err
     assert cli(["study", "--preset", "demo", "--set", "batch_size=1000000000", "--dry-run"]) == 2
     assert "batch_size: 1000000000 must be an integer between 1 and 65,536" in capsys.readouterr().err
     assert time.monotonic() - t0 < 60

@@ -73,8 +73,9 @@ def test_installed_cli_runs_the_demo_dry_run(installed):
     proc = _run([str(installed["raystudy"]), "study", "--preset", "demo", "--dry-run"], cwd=installed["cwd"])
     out = proc.stdout
     assert f"study 'demo' -> {installed['cwd'] / 'results' / 'demo'}" in out
-    # The demo preset: 2 datasets x 3 configurations (MHA, LN1, Head) x 2 lrs x 1 seed.
-    assert "3 configuration(s)" in out and "grid: 12 trials, 0 done, 12 to run" in out
+    # The demo preset: 2 datasets x 6 configurations (the five components, Head) x 2 lrs x 2 seeds.
+    assert "6 configuration(s)" in out and "grid: 48 trials, 0 done, 48 to run" in out
+    assert "256 pairs per dataset (embedding), beside its random_init control (seed 0)" in out
     assert "shift-noise-Head-sgd-lr0.3-s0" in out
     assert not (installed["cwd"] / "results").exists()  # a dry run writes nothing
 

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from raystudy.analysis.tables import OVERALL
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE
 
 if TYPE_CHECKING:
@@ -61,11 +62,11 @@ def thesis_sentences(ranking: pd.DataFrame | None) -> list[str]:
     keys = [c for c in ("model", "optimizer", "mode") if c in ranking.columns]
     for group, g in ranking.groupby(keys, sort=True):
         group = group if isinstance(group, tuple) else (group,)
-        row = g[g["dataset"] == "overall"] if (g["dataset"] == "overall").any() else g
+        row = g[g["dataset"] == OVERALL] if (g["dataset"] == OVERALL).any() else g
         if len(row) != 1:
             continue
         r = row.iloc[0]
-        what = "mean over datasets" if r["dataset"] == "overall" else f"dataset {r['dataset']}"
+        what = "mean over datasets" if r["dataset"] == OVERALL else f"dataset {r['dataset']}"
         label = ", ".join(f"{v} mode" if k == "mode" else str(v) for k, v in zip(keys, group))
         if pd.isna(r["kendall"]):
             why = (f"it needs at least 3 of the five components finetuned alone, this study ranks "

@@ -20,7 +20,7 @@ from raystudy.cli import Parser, interrupted, setup_logging
 from raystudy.settings import add_flags
 from raystudy.storage import exists
 from raystudy.study.spec import TRACKERS, StudySpec, load_preset, preset_names
-from raystudy.vocab import CONFIGURATIONS
+from raystudy.vocab import CONFIGURATIONS, RANDOM_INIT
 
 DESCRIPTION = (
     "Run a study: the grid dataset x configuration x optimizer x lr x seed of finetuning runs on Ray Tune "
@@ -185,7 +185,8 @@ def print_plan(spec) -> None:
     print(f"  model {spec.model} (weights: {spec.weights}); {len(spec.datasets)} dataset(s)")
     p = spec.plasticity
     if p.enabled:
-        print(f"  plasticity: {p.pairs} pairs per dataset ({p.mode}), {p.workers} worker(s)")
+        control = f", beside its {p.control} control (seed {p.control_seed})" if p.control == RANDOM_INIT else ""
+        print(f"  plasticity: {p.pairs} pairs per dataset ({p.mode}){control}, {p.workers} worker(s)")
     if spec.probe.enabled:
         print(f"  probes: {len(spec.probe_datasets())} (linear probe once per dataset, "
               f"augment={spec.probe.augment}, seed {spec.probe.seed})")
