@@ -221,3 +221,17 @@ def test_progress_on_a_terminal_is_tqdm():
         os.close(main)
         os.close(sub)
     assert proc.returncode == 0 and "tqdm" in out
+
+
+def test_loading_a_hugging_face_checkpoint_into_a_pipe_writes_no_carriage_return():
+    """transformers' own "Loading weights" bar (the text demo's log showed it) is off where stdout is no
+    terminal; the model still loads (a real checkpoint: the dev extra all-MiniLM-L6-v2)."""
+    from test_hf import minilm_dir
+
+    code = (f"from raystudy.core.hf import build_hf_model\n"
+            f"m = build_hf_model({str(minilm_dir())!r}, pretrained=True)\n"
+            "print(sum(p.numel() for p in m.parameters()))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO}, check=True)
+    assert "\r" not in proc.stdout + proc.stderr, proc.stderr
+    assert int(proc.stdout.split()[-1]) == 22_713_216  # all-MiniLM-L6-v2's BertModel

@@ -158,7 +158,7 @@ def _tests(res: AnalysisResult) -> str | None:
 
 
 #: the paper's tables a study may lack without a note, and what each needs
-NEEDS = {"optimizers": "the optimizer comparison needs at least two optimizers"}
+NEEDS = {"optimizers": "The optimizer comparison needs at least two optimizers"}
 
 
 def _omitted(res: AnalysisResult) -> str:

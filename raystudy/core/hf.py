@@ -445,4 +445,6 @@ def build_hf_model(
         config.pad_token_id = classifier_pad_id(config)
     if not pretrained:
         return auto.from_config(config, **kwargs)
+    if not sys.stdout.isatty():  # its "Loading weights" bar would write carriage returns into a log
+        transformers.utils.logging.disable_progress_bar()
     return auto.from_pretrained(source, config=config, local_files_only=local.is_dir(), **kwargs)
