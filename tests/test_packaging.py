@@ -76,7 +76,7 @@ def test_installed_cli_runs_the_demo_dry_run(installed):
     # The demo preset: 2 datasets x 6 configurations (the five components, Head) x 2 lrs x 2 seeds.
     assert "6 configuration(s)" in out and "grid: 48 trials, 0 done, 48 to run" in out
     assert "256 pairs per dataset (embedding), beside its random_init control (seed 0)" in out
-    assert "shift-noise-Head-sgd-lr0.3-s0" in out
+    assert "shift-color-FC2-sgd-lr0.3-s1" in out and "... and 28 more" in out  # the first 20 trial ids
     assert not (installed["cwd"] / "results").exists()  # a dry run writes nothing
 
 
