@@ -15,9 +15,9 @@ from __future__ import annotations
 import copy
 
 from raystudy.core.expressions import Adapter, Budgeted, normalise, resolve
-from raystudy.core.models import weights_load_error
 from raystudy.data.modality import modality_of_model, resolve_modality
 from raystudy.data.store import StoreError, check_store
+from raystudy.distributed.job_inputs import weights_problem
 from raystudy.storage import exists, folder_problem, is_uri, join
 from raystudy.study.checks import dataset_store_problem, pretraining_writes_weights, weights_not_found
 from raystudy.study.cost import spec_meta_model
@@ -94,7 +94,8 @@ def _store_problems(spec: StudySpec, problems: list[str]) -> dict[str, dict]:
 def _weights_problems(spec: StudySpec, metas: dict[str, dict], problems: list[str]) -> None:
     """The weights file exists (unless the launch's pretraining writes it: only its own file, whatever the
     preset, :func:`~raystudy.study.checks.pretraining_writes_weights`) and loads into the model as every trial
-    loads it (:func:`weights_problem`; a file that is no weights file is refused from its first bytes)."""
+    loads it (:func:`raystudy.distributed.job_inputs.weights_problem`; a file that is no weights file is
+    refused from its first bytes)."""
     if spec.weights is None or is_uri(spec.weights):
         return
     if not exists(spec.weights):
@@ -102,18 +103,9 @@ def _weights_problems(spec: StudySpec, metas: dict[str, dict], problems: list[st
             problems.append(weights_not_found(spec))
         return
     num_classes = next((int(m["num_classes"]) for f, m in metas.items() if f.startswith("datasets.")), 2)
-    error = weights_problem(spec, num_classes)
+    error = weights_problem(spec, num_classes, flag="weights")
     if error:
         problems.append(error)
-
-
-def weights_problem(spec: StudySpec, num_classes: int) -> str | None:
-    """Build the model with its local weights file once, as every trial will
-    (:func:`raystudy.core.models.weights_load_error`): why that fails (the file, the model and the reason,
-    e.g. missing keys), as a problem of the ``weights`` field, or None."""
-    error = weights_load_error(spec.model, spec.weights, num_classes=num_classes, img_size=spec.img_size,
-                               model_kwargs=spec.model_kwargs)
-    return f"weights: {error}" if error else None
 
 
 def _tokenizer_problems(spec: StudySpec, problems: list[str]) -> None:

@@ -50,6 +50,7 @@ from raystudy.data.cache import kinds_read
 from raystudy.data.store import SPLITS, read_meta
 from raystudy.distributed.cache import build_caches
 from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
+from raystudy.distributed.job_inputs import weights_problem
 from raystudy.distributed.reaper import start_reaper
 from raystudy.io import table_path
 from raystudy.storage import exists, folder_problem, is_uri, join, subdirs
@@ -79,7 +80,7 @@ from raystudy.study.persist import (  # noqa: F401  (re-exported: their home bef
     write_spec,
 )
 from raystudy.study.points import STUDY_TRIAL_ID, point_study_trial_id
-from raystudy.study.preflight import configuration_problems, weights_problem
+from raystudy.study.preflight import configuration_problems
 from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
@@ -275,7 +276,7 @@ def check_weights_load(spec: StudySpec) -> None:
     not fit the model (wrong architecture, missing keys) stops the study before any launch."""
     if spec.weights is None or is_uri(spec.weights):
         return
-    error = weights_problem(spec, int(read_meta(next(iter(spec.datasets.values())))["num_classes"]))
+    error = weights_problem(spec, int(read_meta(next(iter(spec.datasets.values())))["num_classes"]), flag="weights")
     if error:
         raise SpecError(error)
 
