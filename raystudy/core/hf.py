@@ -47,6 +47,7 @@ from raystudy.core.components import (
 )
 from raystudy.core.input_checks import PlasticityInputError
 from raystudy.data.modality import hf_source
+from raystudy.terminal import interactive
 
 #: What :func:`build_hf_model` builds: the bare base model, or one with a sequence-classification head.
 HF_TASKS = ("features", "classification")
@@ -445,6 +446,6 @@ def build_hf_model(
         config.pad_token_id = classifier_pad_id(config)
     if not pretrained:
         return auto.from_config(config, **kwargs)
-    if not sys.stdout.isatty():  # its "Loading weights" bar would write carriage returns into a log
+    if not interactive():  # its "Loading weights" bar would write carriage returns into a log
         transformers.utils.logging.disable_progress_bar()
     return auto.from_pretrained(source, config=config, local_files_only=local.is_dir(), **kwargs)
