@@ -100,25 +100,92 @@ def accuracy_batches(protocol: Any) -> tuple[int, int] | None:
 # --------------------------------------------------------------------------------------------------
 
 
+#: What a setting affects, declared on the setting itself (``setting(..., roles={"trial", "resume"})``).
+#: Every list of the settings one concern covers is derived from these declarations (:func:`fields_with`,
+#: computed from the dataclass's fields at each call), none is kept by hand. Role -> what it means:
+ROLES: dict[str, str] = {
+    "resume": "a finetuning run's checkpoint records it and a resume must agree on it (a checkpoint of another "
+              "value is refused: raystudy.core.finetune.state.resume_config)",
+    "trial": "changing it changes what a study's trials mean: a study resumed with another value is refused, the "
+             "field named (StudySpec.conflicts, the value as StudySpec.trial_value resolves it)",
+    "row": "each trial's row in trials.parquet records it (raystudy.core.finetune.outputs.run_summary) and every "
+           "launch compares it with the finished rows (StudySpec.row_conflicts)",
+    "plasticity": "changing it changes which pairs (or bounds) a measured dataset's plasticity rows mean: refused "
+                  "on a study's resume (StudySpec.conflicts)",
+    "probe": "changing it changes what a finished linear probe means: refused on a study's resume "
+             "(StudySpec.conflicts)",
+    "study_flag": "a flag of `raystudy study` sets it (raystudy.commands.study; a preset's value stands when "
+                  "the flag is not given)",
+}
+#: Declarations of a setting beside its roles, asked like a role by :func:`fields_with`: ``path``: a user's
+#: path, made absolute where the setting enters a job (Ray workers run in another directory;
+#: :func:`resolve_paths`); ``per_dataset``: a dataset entry of a study spec may override it
+#: (:class:`raystudy.study.spec_values.DatasetOverrides`). ``legacy=V`` (:func:`legacy_values`): the value a
+#: config, checkpoint or probe result written before the setting existed ran with.
+FLAGS: tuple[str, ...] = ("path", "per_dataset")
+
+
 def setting(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None,
             choices: tuple | None = None, check: str | None = None, flag: str | None = None,
-            aliases: tuple[str, ...] = (), metavar: str | None = None, cli: bool = True) -> Any:
+            aliases: tuple[str, ...] = (), metavar: str | None = None, cli: bool = True,
+            roles: Iterable[str] = (), path: bool = False, per_dataset: bool = False, legacy: Any = MISSING) -> Any:
     """A dataclass field with its definition: ``default`` (or ``factory`` for a mutable one), ``help``
     (one sentence, shown by every flag made from it), ``choices``, ``check`` (one of :data:`CHECKS`),
     the flag's name (default ``--field-name``), its ``aliases`` and ``metavar``; ``cli=False`` keeps it off
-    the command line."""
+    the command line. What the setting affects: its ``roles`` (of :data:`ROLES`), ``path``, ``per_dataset``
+    and ``legacy`` (:data:`FLAGS`)."""
     meta = {"help": help, "choices": choices, "check": check, "flag": flag, "aliases": tuple(aliases),
-            "metavar": metavar, "cli": cli}
+            "metavar": metavar, "cli": cli, **_roles_meta(roles, path=path, per_dataset=per_dataset, legacy=legacy)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
+def _roles_meta(roles: Iterable[str], *, path: bool, per_dataset: bool, legacy: Any) -> dict[str, Any]:
+    """The metadata entries of a setting's roles; an unknown role is refused where it is declared."""
+    roles = frozenset(roles)
+    unknown = sorted(roles - set(ROLES))
+    if unknown:
+        raise ValueError(f"unknown setting role(s) {unknown}; the roles are {sorted(ROLES)}")
+    meta: dict[str, Any] = {"roles": roles, "path": path, "per_dataset": per_dataset}
+    if legacy is not MISSING:
+        meta["legacy"] = legacy
+    return meta
+
+
+def fields_with(cls: type | Any, role: str) -> tuple[str, ...]:
+    """The names of the settings of dataclass ``cls`` (or an instance's class) that carry ``role`` (one of
+    :data:`ROLES` or :data:`FLAGS`), in field order; read from ``dataclasses.fields`` at each call, so a
+    setting declared with the role (in a group, or in a subclass) is in the list with no other edit."""
+    if role not in ROLES and role not in FLAGS:
+        raise ValueError(f"unknown setting role {role!r}; the roles are {sorted(ROLES)} and {list(FLAGS)}")
+    if role in FLAGS:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get(role))
+    return tuple(f.name for f in dataclasses.fields(cls) if role in f.metadata.get("roles", ()))
+
+
+def legacy_values(cls: type | Any) -> dict[str, Any]:
+    """``{field: value}`` of ``cls``'s settings declared with ``legacy=``: what a config, checkpoint or result
+    written before the setting existed ran with (filled in where such a file lacks the field)."""
+    return {f.name: f.metadata["legacy"] for f in dataclasses.fields(cls) if "legacy" in f.metadata}
+
+
+def resolve_paths(obj: Any, absolute: Callable[[Any], Any]) -> None:
+    """Pass every ``path`` setting of dataclass ``obj`` through ``absolute`` (e.g.
+    :func:`raystudy.storage.absolute_path`), each entry of a list alike; done where the settings enter a job."""
+    for name in fields_with(obj, "path"):
+        value = getattr(obj, name)
+        setattr(obj, name, [absolute(v) for v in value] if isinstance(value, list) else absolute(value))
+
+
 def same_as(group: type, name: str, **changes: Any) -> Any:
     """A field defined by ``group``'s field ``name`` (default, help text, check), for a consumer that names
     the setting differently (``StudySpec.workers_per_trial`` is :class:`ResourceSettings`' ``workers``);
-    ``changes`` override metadata such as ``flag``."""
+    ``changes`` override metadata such as ``flag`` or ``roles`` (what the setting affects in the consumer;
+    the group's roles otherwise)."""
     f = _field(group, name)
+    if "roles" in changes:
+        changes["roles"] = _roles_meta(changes["roles"], path=False, per_dataset=False, legacy=MISSING)["roles"]
     meta = {**f.metadata, **changes, "origin": (group.__name__, name)}
     if f.default_factory is not MISSING:
         return dataclasses.field(default_factory=f.default_factory, metadata=meta)
@@ -342,13 +409,16 @@ class ModelSettings:
     """The model every job builds: a timm name (or ``hf:DIR``, a Hugging Face text model), its
     ``timm.create_model`` arguments, its local weights and its input resolution."""
 
-    model: str = setting(DEFAULT_MODEL, help="timm model name, or hf:DIR for a Hugging Face text model")
-    model_kwargs: dict = setting(factory=dict, help='extra timm.create_model arguments, e.g. {"depth": 3}')
+    model: str = setting(DEFAULT_MODEL, help="timm model name, or hf:DIR for a Hugging Face text model",
+                         roles={"trial", "resume", "study_flag"})
+    model_kwargs: dict = setting(factory=dict, help='extra timm.create_model arguments, e.g. {"depth": 3}',
+                                 roles={"trial", "resume", "study_flag"})
     weights: str | None = setting(None, help="local weights file (.safetensors or a PyTorch state dict)",
-                                  metavar="FILE")
+                                  metavar="FILE", roles={"trial", "study_flag"}, path=True)
     img_size: int | None = setting(None, check="optional_positive_int",
                                    help="input resolution; None: the model's (model_kwargs' img_size, else "
-                                        "the timm model's own; no size for a text model)")
+                                        "the timm model's own; no size for a text model)",
+                                        roles={"trial", "resume", "study_flag"})
 
 
 @dataclass
@@ -364,57 +434,71 @@ class DeviceSettings:
 
     precision: str | None = setting(None, choices=PRECISIONS,
                                     help="bf16: autocast with fp32 master weights; fp32: the paper's; "
-                                         "None: bf16 on GPUs, fp32 on CPUs")
+                                         "None: bf16 on GPUs, fp32 on CPUs", roles={"trial", "resume", "row"})
     amp_bf16: bool = setting(False, cli=False, help="bf16 autocast for the forward passes (norms stay float32); "
-                                                    "for finetuning the older spelling of precision: bf16")
+                                                    "for finetuning the older spelling of precision: bf16",
+                                                    roles={"trial"})
     data_path: str = setting("cache", choices=DATA_PATHS,
                              help="cache: decode each image once into a uint8 cache and augment on the device; "
-                                  "decode: decode and augment every image on the CPU at every step")
-    cache_dir: str | None = setting(None, help="root of the uint8 caches (None: beside each store)")
+                                  "decode: decode and augment every image on the CPU at every step",
+                                  roles={"trial", "resume", "row"}, legacy="decode")
+    cache_dir: str | None = setting(None, help="root of the uint8 caches (None: beside each store)", path=True)
 
 
 @dataclass
 class ProtocolSettings(DeviceSettings):
     """The finetuning protocol (the paper's, Appendix D): what every run of a study shares."""
 
-    steps: int = setting(10_000, check="positive_int", help="optimizer steps of a run")
-    batch_size: int = setting(512, check="batch_size", help="global batch over all workers")
-    eval_period: int = setting(500, check="positive_int", help="evaluate on val every this many steps")
+    steps: int = setting(10_000, check="positive_int", help="optimizer steps of a run",
+                         roles={"trial", "resume", "row", "study_flag"}, per_dataset=True)
+    batch_size: int = setting(512, check="batch_size", help="global batch over all workers",
+                              roles={"trial", "resume", "row"})
+    eval_period: int = setting(500, check="positive_int", help="evaluate on val every this many steps",
+                               roles={"trial"}, per_dataset=True)
     warmup_steps: int | None = setting(None, check="optional_non_negative_int",
-                                       help="linear warmup steps; None: 20% of steps (the paper's 2000/10000)")
-    log_period: int = setting(10, check="positive_int", help="training curve (loss, grad norm, lr) every N steps")
+                                       help="linear warmup steps; None: 20% of steps (the paper's 2000/10000)",
+                                       roles={"trial", "resume"}, per_dataset=True)
+    log_period: int = setting(10, check="positive_int", help="training curve (loss, grad norm, lr) every N steps",
+                              roles={"trial"}, per_dataset=True)
     micro_batch_size: int | None = setting(None, check="optional_positive_int",
                                            help="per-worker micro-batch (gradient accumulation); None: the "
                                                 "whole share at once")
-    augment: bool = setting(True, help="random-resized crop and flip on the train split")
+    augment: bool = setting(True, help="random-resized crop and flip on the train split", roles={"trial", "resume"})
     resize: str = setting("crop", choices=RESIZES,
                           help="without augmentation (val, test; train with augment off): crop: shorter side "
                                "to img_size, centre crop (the paper's); stretch: the whole image to img_size x "
-                               "img_size, bicubic (VTAB-1k's VPT/NOAH)")
-    shuffle: bool = setting(True, help="a new seeded order of the train rows every epoch (else store order)")
+                               "img_size, bicubic (VTAB-1k's VPT/NOAH)", roles={"trial", "resume"}, legacy="crop")
+    shuffle: bool = setting(True, help="a new seeded order of the train rows every epoch (else store order)",
+                            roles={"trial", "resume"})
     drop_last: bool = setting(False, help="each epoch is whole batches only, its last train_rows mod batch_size "
-                                          "rows left out (the authors' DataLoader drop_last=True)")
+                                          "rows left out (the authors' DataLoader drop_last=True)",
+                                          roles={"trial", "resume"}, legacy=False)
     checkpoint_period: int | None = setting(None, check="optional_non_negative_int",
                                             help="checkpoint every N steps; None: every eval_period; 0: off")
-    train_final_norm: bool = setting(False, help="also train the norm after the last block")
+    train_final_norm: bool = setting(False, help="also train the norm after the last block", roles={"trial", "resume"})
     compile: bool = setting(False, help="torch.compile the training step (minutes of start-up)")
-    momentum: float = setting(0.9, check="non_negative", help="SGD momentum (no Nesterov)")
-    betas: tuple[float, float] = setting((0.9, 0.999), cli=False, help="AdamW betas")
-    weight_decay: float = setting(0.0, check="non_negative", help="weight decay of SGD and AdamW")
+    momentum: float = setting(0.9, check="non_negative", help="SGD momentum (no Nesterov)", roles={"trial", "resume"})
+    betas: tuple[float, float] = setting((0.9, 0.999), cli=False, help="AdamW betas", roles={"trial", "resume"})
+    weight_decay: float = setting(0.0, check="non_negative", help="weight decay of SGD and AdamW",
+                                  roles={"trial", "resume"})
     clip_norm: float | None = setting(1.0, check="optional_positive",
-                                      help="gradient clipping at this global norm (None: no clipping)")
-    head_init: str = setting("trunc_normal", choices=HEAD_INITS, help="initialisation of the new head")
-    include_layerscale: bool = setting(False, help="train a component's LayerScale with it")
+                                      help="gradient clipping at this global norm (None: no clipping)",
+                                      roles={"trial", "resume"})
+    head_init: str = setting("trunc_normal", choices=HEAD_INITS, help="initialisation of the new head",
+                             roles={"trial", "resume"})
+    include_layerscale: bool = setting(False, help="train a component's LayerScale with it", roles={"trial", "resume"})
     eval_batch_size: int = setting(256, check="positive_int", help="images per evaluation forward pass")
     accuracy: str = setting("per_sample", choices=ACCURACIES,
                             help="val/test accuracy: over images (per_sample) or the mean of the accuracies of "
-                                 "the split's consecutive eval_batch_size batches (per_batch: the authors')")
+                                 "the split's consecutive eval_batch_size batches (per_batch: the authors')",
+                                 roles={"trial", "resume"}, legacy="per_sample")
     val_batch_size: int | None = setting(None, check="optional_positive_int",
                                          help="per_batch accuracy on val: the batches it averages over (None: "
                                               "eval_batch_size; the authors' ViT-L runs: 128)")
     val_split: str = setting("fixed", choices=VAL_SPLITS,
                              help="fixed: the store's train/val split for every seed; per_seed: train and val "
-                                  "pooled and split anew by each run's seed, sizes kept (the authors')")
+                                  "pooled and split anew by each run's seed, sizes kept (the authors')",
+                                  roles={"trial", "resume"}, legacy="fixed")
     eval_cache_mb: int = setting(512, check="non_negative_int",
                                  help="val/test data kept resident per worker up to this size")
     loader_workers: int = setting(0, check="non_negative_int", help="DataLoader processes per worker (decode path)")
@@ -440,28 +524,32 @@ class PlasticitySettings:
     """One plasticity measurement: how pretraining and downstream inputs are paired and the pool that
     computes the rates (:mod:`raystudy.distributed.plasticity`)."""
 
-    pairs: int = setting(12800, check="positive_int", help="pairs N per downstream dataset")
+    pairs: int = setting(12800, check="positive_int", help="pairs N per downstream dataset", roles={"plasticity"})
     batch_size: int = setting(256, check="positive_int",
                               help="pairs per actor call; with sequential pairing also where a short side "
                                    "starts over (after its last full batch)")
-    mode: str = setting("embedding", choices=MODES, help="rate definition (embedding: the paper's)")
+    mode: str = setting("embedding", choices=MODES, help="rate definition (embedding: the paper's)",
+                        roles={"plasticity"})
     mha_input: str = setting("raw", choices=MHA_INPUTS,
                              help="embedding mode: MHA of the embeddings (raw: the paper's) or of LN1 of them "
-                                  "(normed: the authors' GPT-2 script)")
+                                  "(normed: the authors' GPT-2 script)", roles={"plasticity"})
     pairing: str = setting("random", choices=PAIRINGS,
                            help="random: a seeded shuffle of each side; sequential: the i-th input of each "
-                                "side in store order (the authors' way)")
+                                "side in store order (the authors' way)", roles={"plasticity"})
     pretrain_split: str | list[str] = setting("test", metavar="SPLIT",
                                               help="split(s) of the pretraining store: a split, a comma list "
-                                                   "or 'all'; test falls back to val")
+                                                   "or 'all'; test falls back to val", roles={"plasticity"})
     radius: float | None = setting(None, check="optional_positive",
-                                   help="fixed token radius r of the bounds (the paper's 19.4); None: measured")
+                                   help="fixed token radius r of the bounds (the paper's 19.4); None: measured",
+                                   roles={"plasticity"})
     seed: int = setting(0, check="non_negative_int",
-                        help="seed of the random pairing (and of the random init without weights)")
+                        help="seed of the random pairing (and of the random init without weights)",
+                        roles={"plasticity"})
     control: str = setting("random_init", choices=CONTROLS,
                            help="random_init: also measure the same architecture at its library's own seeded "
                                 "init on the same pairs (rows weights=random_init); none: the model only")
-    control_seed: int = setting(0, check="non_negative_int", help="torch seed of the control's random init")
+    control_seed: int = setting(0, check="non_negative_int", help="torch seed of the control's random init",
+                                roles={"plasticity"})
     workers: int = setting(1, check="positive_int", help="actors in the pool, each holding the model once")
     gpus_per_worker: float = setting(0.0, check="non_negative", help="GPUs per actor (0: CPU)")
     cpus_per_worker: float = setting(0.5, check="positive",
@@ -469,24 +557,27 @@ class PlasticitySettings:
     torch_threads: int | None = setting(None, check="optional_positive_int",
                                         help="intra-op threads of a CPU actor; None: its CPUs")
     seq_len: int | None = setting(None, check="optional_positive_int", metavar="N",
-                                  help="text stores: tokens per window (each side of a pair is one window)")
+                                  help="text stores: tokens per window (each side of a pair is one window)",
+                                  roles={"plasticity"})
     gated_fc1: str = setting("stacked", choices=GATED_FC1,
                              help="a gated MLP's FC1: the stacked [W_g; W_x] or the value projection W_x alone "
-                                  "(up: timm's fc1_x, the authors' DINOv3 script)")
+                                  "(up: timm's fc1_x, the authors' DINOv3 script)", roles={"plasticity"})
     text_rows: str = setting("windows", choices=TEXT_ROWS,
                              help="text stores: windows of seq_len real tokens, or each text's first seq_len "
-                                  "tokens padded to seq_len (padded: the authors' GPT-2 loaders)")
+                                  "tokens padded to seq_len (padded: the authors' GPT-2 loaders)", roles={"plasticity"})
     tokenizer: str | None = setting(None, metavar="FILE",
-                                    help="text models: the tokenizer.json (None: the hf: model folder's)")
+                                    help="text models: the tokenizer.json (None: the hf: model folder's)", path=True)
 
 
 @dataclass
 class ProbeSettings:
     """The linear probe (configuration ``LP``): logistic regression on the frozen model's features."""
 
-    augment: bool = setting(True, help="the train split through the training transforms once (the authors')")
+    augment: bool = setting(True, help="the train split through the training transforms once (the authors')",
+                            roles={"probe"})
     seed: int = setting(42, check="non_negative_int",
-                        help="LogisticRegression's random_state and the augmentation seed (the authors' 42)")
+                        help="LogisticRegression's random_state and the augmentation seed (the authors' 42)",
+                        roles={"probe"})
     batch_size: int | None = setting(None, check="optional_positive_int",
                                      help="images per forward pass; None: 512 on the cache path, 64 decoding")
     workers: int = setting(1, check="positive_int", help="actors of the feature pass")
@@ -500,15 +591,16 @@ class PlasticityRun:
     :class:`PlasticitySettings`)."""
 
     pretrain: str = setting(flag="--pretrain", aliases=("--pretrain-store",), metavar="STORE",
-                            help="prepared store of the pretraining side (x)")
+                            help="prepared store of the pretraining side (x)", path=True)
     downstream: list[str] = setting(flag="--downstream", aliases=("--downstream-stores",), metavar="STORE",
-                                    help="prepared downstream store(s) (y)")
-    out_dir: str = setting(flag="--out", metavar="DIR", help="output directory")
+                                    help="prepared downstream store(s) (y)", path=True)
+    out_dir: str = setting(flag="--out", metavar="DIR", help="output directory", path=True)
     amp_bf16: bool = same_as(DeviceSettings, "amp_bf16", flag="--bf16", cli=True)
     figures: bool = setting(True, cli=False, help="write the per-dataset figures")
     loaders: int | None = setting(None, check="optional_positive_int", cli=False,
                                   help="load tasks at once (None: one per CPU left beside the actors)")
-    stage_dir: str | None = setting(None, cli=False, help="where the staging directory is made (None: out_dir)")
+    stage_dir: str | None = setting(None, cli=False, help="where the staging directory is made (None: out_dir)",
+                                    path=True)
 
 
 @dataclass
@@ -516,32 +608,39 @@ class RunSettings:
     """What one finetuning run trains, on which store, into which directory: the axes a study's grid
     spans (configuration, optimizer, lr, seed) and the run's own files."""
 
-    store: str = setting("", flag="--store", metavar="STORE", help="prepared store directory (raystudy data prepare)")
+    store: str = setting("", flag="--store", metavar="STORE", help="prepared store directory (raystudy data prepare)",
+                         path=True)
     configuration: str = setting("MHA", aliases=("--component", "--config"), metavar="EXPR",
                                  help="what to train: a component in every block (LN1 MHA LN2 FC1 FC2), Emb, All "
                                       "or Head; unions and blocks (MHA+FC1, MHA@8-11, FC1@0,2,4); "
                                       "bias (BitFit; bias@8-11); random:<budget> (5%, 2M, 500k); "
                                       "lora|dora|loha|lokr|vera:r=<rank>[:targets], ia3[:targets] (peft). "
-                                      "auto:<budget> needs a study's plasticity table (raystudy study)")
-    selection: str | None = setting(None, cli=False, help="auto:/random: only: the units they were resolved to")
-    optimizer: str = setting("sgd", choices=OPTIMIZERS, help="sgd (momentum) or adamw")
-    lr: float = setting(1e-2, check="positive", help="learning rate as used (AdamW: the caller scales)")
-    seed: int = setting(0, check="non_negative_int", help="seed of the head, the data order and augmentation")
-    out_dir: str = setting("finetune_run", flag="--out", metavar="DIR", help="run directory")
+                                      "auto:<budget> needs a study's plasticity table (raystudy study)",
+                                      roles={"resume"})
+    selection: str | None = setting(None, cli=False, help="auto:/random: only: the units they were resolved to",
+                                    roles={"resume"})
+    optimizer: str = setting("sgd", choices=OPTIMIZERS, help="sgd (momentum) or adamw", roles={"resume"})
+    lr: float = setting(1e-2, check="positive", help="learning rate as used (AdamW: the caller scales)",
+                        roles={"resume"})
+    seed: int = setting(0, check="non_negative_int", help="seed of the head, the data order and augmentation",
+                        roles={"resume"})
+    out_dir: str = setting("finetune_run", flag="--out", metavar="DIR", help="run directory", path=True)
     train_splits: str = setting("train", choices=TRAIN_SPLITS,
                                 help="train: train on train, validate on val; train+val: train on their union "
-                                     "(a store with a val split of its own), no validation, test the last step")
+                                     "(a store with a val split of its own), no validation, test the last step",
+                                     roles={"resume"}, legacy="train")
     num_classes: int | None = setting(None, check="optional_positive_int",
-                                      help="classes of the head; None: the store's")
+                                      help="classes of the head; None: the store's", roles={"resume"})
     save_final: bool = setting(False, help="also write the final full model to out_dir/final_model.safetensors")
     seq_len: int | None = setting(None, metavar="N",
-                                  help="text: tokens per text (None: the store's longest, capped at the model's)")
-    tokenizer: str | None = same_as(PlasticitySettings, "tokenizer")
+                                  help="text: tokens per text (None: the store's longest, capped at the model's)",
+                                  roles={"resume"})
+    tokenizer: str | None = same_as(PlasticitySettings, "tokenizer", roles={"resume"}, path=True)
     change_store: str | None = setting(None, metavar="STORE",
                                        help="store whose first change_images rows of change_split a run's CKA to "
                                             "the pretrained model reads (a study: its plasticity pretraining "
-                                            "store; None: weight change only)")
-    change_split: str | list[str] = same_as(PlasticitySettings, "pretrain_split", cli=False)
+                                            "store; None: weight change only)", path=True)
+    change_split: str | list[str] = same_as(PlasticitySettings, "pretrain_split", cli=False, roles=())
     hparams: dict = setting(factory=dict, cli=False,
                             help="more hyperparameters for the run's TensorBoard HParams record (a study's "
                                  "trial: dataset and phase)")

@@ -11,51 +11,45 @@ import pytest
 
 from raystudy.core.finetune import FinetuneConfig
 from raystudy.distributed.plasticity import PlasticityJob
+from raystudy.distributed.probe import ProbeJob
 from raystudy.distributed.train import TrainResources
+from raystudy.settings import ModelSettings, ProtocolSettings, ResourceSettings, fields_with, origin_of
 from raystudy.study.jobs import finetune_job, plasticity_job, pretrain_job, probe_job
-from raystudy.study.spec import PlasticitySpec, PretrainSpec, StudySpec, grid_point
+from raystudy.study.spec import PlasticitySpec, PretrainSpec, ProbeSpec, StudySpec, grid_point
 
-#: spec field -> FinetuneConfig field of every finetuning run
-FINETUNE = {
-    "model": "model", "model_kwargs": "model_kwargs", "weights": "weights", "img_size": "img_size",
-    "steps": "steps", "batch_size": "batch_size", "eval_period": "eval_period", "warmup_steps": "warmup_steps",
-    "augment": "augment", "shuffle": "shuffle", "checkpoint_period": "checkpoint_period",
-    "amp_bf16": "amp_bf16", "train_final_norm": "train_final_norm", "log_period": "log_period",
-    "micro_batch_size": "micro_batch_size", "precision": "precision", "data_path": "data_path",
-    "compile": "compile", "cache_dir": "cache_dir", "momentum": "momentum", "betas": "betas",
-    "weight_decay": "weight_decay", "clip_norm": "clip_norm", "head_init": "head_init",
-    "include_layerscale": "include_layerscale", "eval_batch_size": "eval_batch_size",
-    "eval_cache_mb": "eval_cache_mb", "loader_workers": "loader_workers", "accuracy": "accuracy",
-    "val_split": "val_split", "drop_last": "drop_last", "val_batch_size": "val_batch_size",
-    "change_images": "change_images", "resize": "resize",
-}
-#: spec field -> TrainResources field (the Ray Train workers of a run)
-RESOURCES = {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
-             "cpus_per_worker": "cpus_per_worker", "worker_retries": "max_failures"}
+
+def _shared(source: type, job: type) -> dict[str, str]:
+    """source field -> job field, for every setting the two share (the same field of the same group: same
+    name and :func:`~raystudy.settings.origin_of`), read from the dataclasses."""
+    job_fields = {f.name for f in dataclasses.fields(job)}
+    return {f.name: f.name for f in dataclasses.fields(source)
+            if f.name in job_fields and origin_of(source, f.name) == origin_of(job, f.name)}
+
+
+def _section(section: type, job: type) -> dict[str, str]:
+    """A spec section's settings (all but ``enabled``) -> the same-named field of ``job``."""
+    job_fields = {f.name for f in dataclasses.fields(job)}
+    return {f.name: f.name for f in dataclasses.fields(section) if f.name != "enabled" and f.name in job_fields}
+
+
+#: spec field -> FinetuneConfig field of every finetuning run (the model and protocol groups both compose)
+FINETUNE = _shared(StudySpec, FinetuneConfig)
+#: spec field -> TrainResources field (the Ray Train workers of a run): the spec's renamed ResourceSettings
+RESOURCES = {f.name: origin_of(StudySpec, f.name)[1] for f in dataclasses.fields(StudySpec)
+             if origin_of(StudySpec, f.name)[0] == ResourceSettings.__name__}
 #: plasticity section field -> PlasticityJob field
-PLASTICITY = {"pairs": "pairs", "batch_size": "batch_size", "mode": "mode", "seed": "seed", "workers": "workers",
-              "gpus_per_worker": "gpus_per_worker", "cpus_per_worker": "cpus_per_worker",
-              "torch_threads": "torch_threads", "pairing": "pairing", "pretrain_split": "pretrain_split",
-              "radius": "radius", "seq_len": "seq_len", "tokenizer": "tokenizer", "text_rows": "text_rows",
-              "mha_input": "mha_input", "gated_fc1": "gated_fc1", "control": "control", "control_seed": "control_seed"}
+PLASTICITY = _section(PlasticitySpec, PlasticityJob)
 #: pretrain section field -> FinetuneConfig field of the pretraining run
-PRETRAIN = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "optimizer": "optimizer",
-            "warmup_steps": "warmup_steps", "seed": "seed", "augment": "augment"}
+PRETRAIN = _section(PretrainSpec, FinetuneConfig)
 #: probe section field -> ProbeJob field
-PROBE = {"augment": "augment", "seed": "seed", "batch_size": "batch_size", "workers": "workers",
-         "gpus_per_worker": "gpus_per_worker", "cpus_per_worker": "cpus_per_worker"}
+PROBE = _section(ProbeSpec, ProbeJob)
 #: the model fields every job builds its model from
-MODEL = ("model", "model_kwargs", "weights", "img_size", "amp_bf16")
-#: spec fields that are about the study (its grid, directory, scheduling), not any one job's config
-STUDY_ONLY = {
-    "name", "out", "data_root", "builtin_data", "pretrain_store", "datasets", "configurations", "optimizers",
-    "seeds", "trial_driver_cpus", "max_concurrent_trials", "trial_retries", "search", "samples", "plasticity",
-    "pretrain", "analysis", "tracking", "dataset_overrides", "probe", "execution", "analysis_seeds", "fixed_run",
-    "analysis_round", "analysis_select_by", "final_fit",
-}
+MODEL = (*(f.name for f in dataclasses.fields(ModelSettings)), "amp_bf16")
+#: spec fields that are about the study (its grid, directory, scheduling), not any one job's config: the
+#: fields StudySpec declares itself
+STUDY_ONLY = {f.name for f in dataclasses.fields(StudySpec) if origin_of(StudySpec, f.name)[0] == StudySpec.__name__}
 #: the protocol fields a dataset entry overrides -> FinetuneConfig field
-PER_DATASET = {"steps": "steps", "eval_period": "eval_period", "warmup_steps": "warmup_steps",
-               "log_period": "log_period"}
+PER_DATASET = {name: name for name in fields_with(ProtocolSettings, "per_dataset")}
 
 SPEC = dict(
     name="jobs", out="/tmp/jobs-study", data_root="/data/root", pretrain_store="pre",
@@ -100,12 +94,20 @@ def _defaults(cls) -> dict:
     return out
 
 
-def test_every_spec_field_is_mapped_or_study_only():
-    """A new spec field fails here until it is added to a job mapping above (or declared study-only)."""
+def test_every_spec_field_reaches_a_job_or_is_the_studys_own():
+    """Every setting the spec takes from a group is a field of the job that group is for (the finetuning
+    run's config, its resources), and every setting of a section a field of its job: a group setting no job
+    receives fails here. The maps above are read from the dataclasses, so a new setting needs no entry."""
     spec_fields = {f.name for f in dataclasses.fields(StudySpec)}
     assert spec_fields == set(FINETUNE) | set(RESOURCES) | STUDY_ONLY
     assert {f.name for f in dataclasses.fields(PlasticitySpec)} == set(PLASTICITY) | {"enabled"}
     assert {f.name for f in dataclasses.fields(PretrainSpec)} == set(PRETRAIN) | {"enabled"}
+    assert {f.name for f in dataclasses.fields(ProbeSpec)} == set(PROBE) | {"enabled"}
+    # the maps hold what they must: the protocol, the renamed resources, the per-dataset protocol
+    assert {"steps", "model", "precision", "resize"} <= set(FINETUNE) and "lr" not in FINETUNE  # lr: the grid's
+    assert RESOURCES == {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
+                         "cpus_per_worker": "cpus_per_worker", "worker_retries": "max_failures"}
+    assert set(PER_DATASET) == {"steps", "eval_period", "warmup_steps", "log_period"}
 
 
 def test_the_test_values_differ_from_every_default(spec):

@@ -42,18 +42,11 @@ COMPOSED = {
     ProbeJob: (ModelSettings, HubWeights, DeviceSettings, ProbeSettings),
     PlasticityJob: (PlasticityRun, ModelSettings, PlasticitySettings),
 }
-#: consumer field -> the group field it is (another name for the same setting)
-RENAMED = {
-    (StudySpec, "workers_per_trial"): (ResourceSettings, "workers"),
-    (StudySpec, "worker_retries"): (ResourceSettings, "max_failures"),
-    (StudySpec, "gpus_per_worker"): (ResourceSettings, "gpus_per_worker"),
-    (StudySpec, "cpus_per_worker"): (ResourceSettings, "cpus_per_worker"),
-    (FinetuneConfig, "tokenizer"): (PlasticitySettings, "tokenizer"),
-    (FinetuneConfig, "change_split"): (PlasticitySettings, "pretrain_split"),
-    (PlasticityJob, "amp_bf16"): (DeviceSettings, "amp_bf16"),
-    (PlasticityRun, "amp_bf16"): (DeviceSettings, "amp_bf16"),
-    (ProbeJob, "resize"): (ProtocolSettings, "resize"),
-}
+#: consumer field -> the group field it is (another name for the same setting): every field a consumer
+#: declares with ``same_as`` (its ``origin``), read from the dataclasses
+RENAMED = {(consumer, f.name): (settings.GROUPS[f.metadata["origin"][0]], f.metadata["origin"][1])
+           for consumer in (*COMPOSED, *settings.GROUPS.values()) for f in dataclasses.fields(consumer)
+           if "origin" in f.metadata}
 
 
 #: flags that default to None ("not given"): the job then keeps the definition's default (shown in the help)
@@ -142,11 +135,19 @@ def test_generated_flags_take_default_and_help_from_the_definition(command, sour
     assert seen == {"finetune": 51, "probe": 18, "plasticity": 27}[command]
 
 
+def test_the_renamed_settings_are_read_from_their_declarations():
+    assert RENAMED[(StudySpec, "workers_per_trial")] == (ResourceSettings, "workers")
+    assert RENAMED[(StudySpec, "worker_retries")] == (ResourceSettings, "max_failures")
+    assert RENAMED[(FinetuneConfig, "change_split")] == (PlasticitySettings, "pretrain_split")
+    assert RENAMED[(ProbeJob, "resize")] == (ProtocolSettings, "resize")
+    assert len(RENAMED) >= 9
+
+
 def test_study_flags_keep_the_preset_unless_given_and_show_the_fields_default():
     flags = _flags("study")
-    from raystudy.commands.study import FLAG_FIELDS
+    from raystudy.study.spec import flag_fields
 
-    for name in FLAG_FIELDS:
+    for name in flag_fields():
         action = flags[name]
         assert action.default is None, name  # not given: the preset's value stands
         f = _field(StudySpec, name)

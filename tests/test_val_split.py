@@ -14,13 +14,13 @@ import torch
 from conftest import png_bytes
 
 from raystudy.core.finetune import FinetuneConfig, Finetuner, open_split_data
-from raystudy.core.finetune.config import RESUME_KEYS
 from raystudy.core.finetune.data import PooledSplitData, per_seed_rows
 from raystudy.data.cache import kinds_read
 from raystudy.data.readers import Candidate
 from raystudy.data.sources import prepare_candidates
 from raystudy.data.splits import val_origin
 from raystudy.data.store import read_meta, read_split, write_store
+from raystudy.settings import fields_with
 from raystudy.study.spec import StudySpec, load_preset
 
 TINY = dict(patch_size=8, embed_dim=48, depth=3, num_heads=4)
@@ -130,7 +130,7 @@ def test_a_run_records_it_and_a_resume_must_agree(store, tmp_path):
     assert summary["status"] == "ok" and ft.state_dict()["data"]["val_split"] == "per_seed"
     assert ft.state_dict()["data"]["train_rows"] == 36 and len(ft._eval_data["val"]) == 10
     assert np.isfinite(summary["test_acc"])
-    assert "val_split" in RESUME_KEYS
+    assert "val_split" in fields_with(FinetuneConfig, "resume")
     ft.save(tmp_path / "ckpt")
     other = Finetuner(_cfg(store, tmp_path / "run2", data_path="cache", val_split="fixed"))
     with pytest.raises(ValueError, match="val_split"):
@@ -141,7 +141,7 @@ def test_cache_kinds_presets_and_the_spec():
     assert kinds_read("train", True) == ("full",) and kinds_read("val", True) == ("eval",)
     assert kinds_read("train", True, "per_seed") == ("full", "eval") == kinds_read("val", True, "per_seed")
     assert kinds_read("train", False, "per_seed") == ("eval",) and kinds_read("test", True, "per_seed") == ("eval",)
-    assert "val_split" in StudySpec.TRIAL_FIELDS and StudySpec().val_split == "fixed"
+    assert "val_split" in fields_with(StudySpec, "trial") and StudySpec().val_split == "fixed"
     for name in ("paper", "paper-model-size", "paper-low-data"):
         assert load_preset(name).val_split == "per_seed" and load_preset(name).drop_last, name
     vtab = load_preset("paper-vtab1k")
@@ -177,4 +177,4 @@ def test_drop_last_is_the_authors_loader_and_a_run_checks_it(store, tmp_path):
     ft.run()
     pos = ft.state_dict()["data"]
     assert (pos["epoch"], pos["position_in_epoch"], pos["drop_last"]) == (1, 16, True)  # 36 // 16 = 2 per epoch
-    assert "drop_last" in RESUME_KEYS and "drop_last" in StudySpec.TRIAL_FIELDS
+    assert "drop_last" in fields_with(FinetuneConfig, "resume") and "drop_last" in fields_with(StudySpec, "trial")

@@ -1,12 +1,13 @@
 """``raystudy study``: run, continue or inspect a study (the grid of finetuning runs + plasticity + analysis).
 
 ``experiments/full_study.py`` is the same command as a script (``make demo`` runs it), and
-``experiments/plasticity_study.py`` the same with the plasticity-only presets. Flags set spec fields
-(:data:`FLAG_FIELDS`), ``--set key=value`` any field (``--set datasets.pets.steps=2000`` one dataset's
-protocol); ``--print-spec`` shows the result as YAML, ``--dry-run`` the resolved per-dataset protocol and
-the grid (``--dry-run --json``: one JSON object, :func:`dry_run_json`), with its cost: FLOPs, GPU-hours and
-wall time per dataset and in total (:mod:`raystudy.study.cost`; ``--gpus K``, ``--mfu X`` or a GPU benchmark's
-``--gpu-result FILE`` set what they assume).
+``experiments/plasticity_study.py`` the same with the plasticity-only presets. Flags set spec fields (the
+spec's settings of role ``study_flag``: :func:`raystudy.study.spec.flag_fields`), ``--set key=value`` any
+field (``--set datasets.pets.steps=2000`` one dataset's protocol); ``--print-spec`` shows the result as YAML,
+``--dry-run`` the resolved per-dataset protocol and the grid (``--dry-run --json``: one JSON object,
+:func:`dry_run_json`), with its cost: FLOPs, GPU-hours and wall time per dataset and in total
+(:mod:`raystudy.study.cost`; ``--gpus K``, ``--mfu X`` or a GPU benchmark's ``--gpu-result FILE`` set what
+they assume).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from raystudy.cli import Parser, interrupted, setup_logging
 from raystudy.settings import add_flags
 from raystudy.storage import exists
-from raystudy.study.spec import TRACKERS, StudySpec, load_preset, preset_names
+from raystudy.study.spec import TRACKERS, StudySpec, flag_fields, load_preset, preset_names
 from raystudy.vocab import CONFIGURATIONS, RANDOM_INIT
 
 DESCRIPTION = (
@@ -50,13 +51,6 @@ def _configuration_list(text: str) -> list[str]:
     return split_configurations(text)
 
 
-#: the spec fields a flag of this command sets (each flag overrides the preset; --set overrides the flags);
-#: the flags are generated from the fields' definitions (:mod:`raystudy.settings`)
-FLAG_FIELDS: tuple[str, ...] = (
-    "out", "model", "model_kwargs", "weights", "img_size", "data_root", "configurations", "seeds", "steps",
-    "search", "samples", "max_concurrent_trials", "workers_per_trial", "cpus_per_worker", "gpus_per_worker",
-    "tracking",
-)
 #: flags whose value is a comma list
 _LIST_TYPES = {"configurations": _configuration_list, "seeds": _int_list, "tracking": _name_list}
 _FLAG_HELP = {
@@ -82,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a spec field (YAML value; dotted keys for plasticity.* / pretrain.*), "
                         "e.g. --set steps=200 --set 'seeds=[0,1]' --set plasticity.pairs=512")
     spec = p.add_argument_group("spec fields (not given: the preset's value; the default shown is the field's)")
-    add_flags(spec, StudySpec, FLAG_FIELDS, unset=True, help=_FLAG_HELP, types=_LIST_TYPES)
+    add_flags(spec, StudySpec, flag_fields(StudySpec), unset=True, help=_FLAG_HELP, types=_LIST_TYPES)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the preset's datasets")
     p.add_argument("--no-plasticity", action="store_true", help="skip the plasticity measurement")
     p.add_argument("--no-analysis", action="store_true", help="skip the analysis")
@@ -128,7 +122,7 @@ def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
         spec = load_study_spec(args.resume)
     else:
         spec = load_preset(preset_of(args, preset_prefix))
-    flags = {field: getattr(args, field) for field in FLAG_FIELDS if getattr(args, field) is not None}
+    flags = {field: getattr(args, field) for field in flag_fields(StudySpec) if getattr(args, field) is not None}
     if args.resume:
         flags.pop("out", None)
     if flags:

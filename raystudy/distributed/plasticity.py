@@ -132,10 +132,10 @@ from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figur
     write_figures,
 )
 from raystudy.io import write_result
-from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings
+from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings, problems, resolve_paths
 from raystudy.storage import absolute_path
 from raystudy.terminal import progress_bar
-from raystudy.vocab import CONTROLS, MODES, PRETRAINED, RANDOM_INIT, TEXT_ROWS, check_name
+from raystudy.vocab import PRETRAINED, RANDOM_INIT
 
 log = logging.getLogger(__name__)
 
@@ -206,21 +206,18 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         if isinstance(self.downstream, str | os.PathLike):
             self.downstream = [self.downstream]
         self.downstream = [str(s) for s in self.downstream]
-        self.pretrain, self.out_dir = absolute_path(self.pretrain), absolute_path(self.out_dir)
-        self.downstream = [absolute_path(s) for s in self.downstream]
-        self.weights, self.tokenizer = absolute_path(self.weights), absolute_path(self.tokenizer)
-        self.stage_dir, self.model = absolute_path(self.stage_dir), absolute_model(self.model)
+        resolve_paths(self, absolute_path)  # pretrain, downstream, out_dir, weights, tokenizer, stage_dir
+        self.model = absolute_model(self.model)
         self.model_kwargs = dict(self.model_kwargs or {})
         if not isinstance(self.pretrain_split, str):
             self.pretrain_split = [str(s) for s in self.pretrain_split]
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad parameter (``FileNotFoundError`` for the weights)."""
-        check_name(self.mode, MODES, "plasticity job: mode")
+        """Raise ``ValueError`` naming the first bad parameter (``FileNotFoundError`` for the weights): each
+        setting against its definition (:func:`raystudy.settings.problems`), then what relates them."""
+        for name, why in problems(self):
+            raise ValueError(f"plasticity job: {name}: {getattr(self, name)!r} {why}")
         check_rate_options(self.mode, self.mha_input, self.gated_fc1)  # the rate definition's own check
-        check_name(self.pairing, PAIRINGS, "plasticity job: pairing")
-        check_name(self.text_rows, TEXT_ROWS, "plasticity job: text_rows")
-        check_name(self.control, CONTROLS, "plasticity job: control")
         check_pretrain_split(self.pretrain_split, "plasticity job: pretrain_split")
         for ok, msg in self._limits():
             if not ok:
@@ -229,22 +226,11 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
             load_state_dict_file(self.weights)  # missing, unreadable or NaN/inf: refused before Ray starts
 
     def _limits(self) -> list[tuple[bool, str]]:
-        """``(holds, message)`` for every range a field must lie in."""
+        """``(holds, message)`` for what the settings' definitions do not say: a model and a downstream store
+        are given, the inputs fit the model."""
         return [
             (bool(self.model), "model: empty model name"),
             (len(self.downstream) > 0, "downstream: give at least one downstream store"),
-            (self.pairs >= 1, f"pairs must be >= 1, got {self.pairs}"),
-            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.workers >= 1, f"workers must be >= 1, got {self.workers}"),
-            (self.gpus_per_worker >= 0, f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}"),
-            (self.cpus_per_worker > 0, f"cpus_per_worker must be > 0, got {self.cpus_per_worker}"),
-            (self.img_size is None or self.img_size > 0, f"img_size must be positive, got {self.img_size}"),
-            (self.radius is None or (math.isfinite(self.radius) and self.radius > 0),
-             f"radius must be a positive number or None, got {self.radius}"),
-            (self.loaders is None or self.loaders >= 1, f"loaders must be >= 1, got {self.loaders}"),
-            (self.torch_threads is None or self.torch_threads >= 1,
-             f"torch_threads must be >= 1, got {self.torch_threads}"),
-            (self.seq_len is None or self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}"),
             *modality_of_model(self.model).input_limits(self.model, img_size=self.img_size, seq_len=self.seq_len),
         ]
 

@@ -43,17 +43,17 @@ from raystudy.data.modality import absolute_model
 from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
 from raystudy.settings import (
-    RESIZES,
     DeviceSettings,
     HubWeights,
     ModelSettings,
     ProbeSettings,
     ProtocolSettings,
+    problems,
+    resolve_paths,
     same_as,
     setting,
 )
 from raystudy.storage import absolute_path
-from raystudy.vocab import DATA_PATHS, PRECISIONS
 
 #: Logical CPUs of one transform task (decode + transform). Distinct from the actors' request: Ray Data
 #: fuses a task step into the next actor step when their requests are equal (see distributed.plasticity).
@@ -82,32 +82,25 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
     path, :data:`DECODE_BATCH` decoding.
     """
 
-    store: str = setting(help="prepared store (train and test splits)", metavar="STORE", flag="--store")
+    store: str = setting(help="prepared store (train and test splits)", metavar="STORE", flag="--store", path=True)
     resize: str = same_as(ProtocolSettings, "resize")
     local: bool = setting(False, help="extract the features in this process, without Ray")
-    out_dir: str | None = setting(None, flag="--out", metavar="DIR", help="where probe.json goes (None: not written)")
+    out_dir: str | None = setting(None, flag="--out", metavar="DIR", help="where probe.json goes (None: not written)",
+                                  path=True)
 
     def __post_init__(self) -> None:
         self.model_kwargs = dict(self.model_kwargs or {})
         if self.amp_bf16 and self.precision is None:
             self.precision = "bf16"  # the older spelling
-        self.store, self.out_dir = absolute_path(self.store), absolute_path(self.out_dir)
-        self.weights, self.cache_dir = absolute_path(self.weights), absolute_path(self.cache_dir)
+        resolve_paths(self, absolute_path)  # store, out_dir, weights, cache_dir
         self.model = absolute_model(self.model)
 
-
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field (``FileNotFoundError`` for the weights)."""
+        """Raise ``ValueError`` naming the first bad field (``FileNotFoundError`` for the weights): each setting
+        against its definition (:func:`raystudy.settings.problems`), then what relates them."""
+        for name, why in problems(self):
+            raise ValueError(f"probe job: {name}: {getattr(self, name)!r} {why}")
         limits = [(bool(self.model), "model: empty model name"),
-                  (self.batch_size is None or self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-                  (self.data_path in DATA_PATHS, f"data_path {self.data_path!r}: expected one of {list(DATA_PATHS)}"),
-                  (self.resize in RESIZES, f"resize {self.resize!r}: expected one of {list(RESIZES)}"),
-                  (self.precision is None or self.precision in PRECISIONS,
-                   f"precision {self.precision!r}: expected one of {list(PRECISIONS)} (or None)"),
-                  (self.workers >= 1, f"workers must be >= 1, got {self.workers}"),
-                  (self.cpus_per_worker > 0, f"cpus_per_worker must be > 0, got {self.cpus_per_worker}"),
-                  (self.gpus_per_worker >= 0, f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}"),
-                  (self.img_size is None or self.img_size > 0, f"img_size must be positive, got {self.img_size}"),
                   (not (self.weights and self.pretrained), "pass either weights or pretrained, not both"),
                   (self.local or not self.pretrained,
                    "pretrained (a hub download in every worker) needs local; download the weights and pass them")]

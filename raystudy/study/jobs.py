@@ -41,9 +41,6 @@ from raystudy.study.points import phase_of
 from raystudy.study.spec import StudySpec
 from raystudy.vocab import PHASES, pretrained_rows
 
-#: the dataset-level protocol a dataset entry may override (its resolved value wins over the study's)
-PER_DATASET: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
-
 
 def train_resources(spec: StudySpec):
     """The Ray Train resources of each of the spec's runs: the spec's :class:`ResourceSettings`

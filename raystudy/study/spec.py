@@ -66,6 +66,7 @@ from raystudy.settings import (
     ResourceSettings,
     accuracy_batches,
     coerce,
+    fields_with,
     same_as,
     setting,
     warmup_of,
@@ -73,8 +74,7 @@ from raystudy.settings import (
 from raystudy.study import checks
 from raystudy.study.checks import TRACKERS, SpecError  # noqa: F401  (SpecError, TRACKERS: importable here)
 from raystudy.study.points import format_lr, grid_point, trial_id  # noqa: F401  (their home before points.py)
-from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTOCOL_FIELDS: importable here)
-    PROTOCOL_FIELDS,
+from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides: importable here)
     DatasetOverrides,
     _dataset_entry,
     _optimizers,
@@ -89,6 +89,7 @@ from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTO
     _to_int,
     is_missing,
     load_yaml,
+    per_dataset_fields,
     unknown_field,
 )
 from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, did_you_mean
@@ -116,7 +117,8 @@ class PlasticitySpec(PlasticitySettings):
     last complete ``batch_size`` batch). ``pretrain_split``: the pretraining store's split, a list of splits,
     or ``all`` (e.g. the whole ImageNet validation set of a store prepared with the 80/20 rule). ``radius``:
     a fixed token radius for the bounds (the paper's 19.4); ``None``: the measured one. Changing any of
-    :attr:`StudySpec.PLASTICITY_FIELDS` of a study that measured plasticity is refused on resume.
+    its settings of role ``plasticity`` (:data:`raystudy.settings.ROLES`) of a study that measured plasticity is
+    refused on resume.
     ``seq_len`` and ``tokenizer``: a text model (``model: hf:...``) on text stores, whose pairs are windows of
     ``seq_len`` tokens cut with ``tokenizer`` (default: the model folder's ``tokenizer.json``); see
     :mod:`raystudy.distributed.text_pairs`.
@@ -185,11 +187,12 @@ class StudySpec(ModelSettings, ProtocolSettings):
     """
 
     name: str = setting("study", help="the study's name (a word: letters, digits, '_', '-', '.')")
-    out: str = setting("results/study", help="study directory: a local path or a pyarrow URI (s3://...)")
+    out: str = setting("results/study", help="study directory: a local path or a pyarrow URI (s3://...)",
+                       roles={"study_flag"})
 
     # data: prepared stores (see raystudy.data.store); relative paths are under data_root
     data_root: str | None = setting(None, help='directory holding the prepared stores (None: "data", or '
-                                               '"<out>/data" with builtin_data)')
+                                               '"<out>/data" with builtin_data)', roles={"study_flag"})
     builtin_data: bool = setting(False, help="prepare raystudy's procedural default data into data_root first")
     pretrain_store: str | None = setting(None, help="the pretraining store (plasticity's x side)")
     datasets: dict[str, str] = setting(factory=dict, help="name -> store path (or an entry with overrides)")
@@ -201,32 +204,34 @@ class StudySpec(ModelSettings, ProtocolSettings):
     configurations: list[str] = setting(factory=lambda: list(DEFAULT_CONFIGURATIONS),
                                         aliases=("--configuration", "--config", "--component", "--components"),
                                         metavar="LIST",
-                                        help="what the trials train (names or expressions); empty: plasticity only")
+                                        help="what the trials train (names or expressions); empty: plasticity only",
+                                        roles={"study_flag"})
     optimizers: dict[str, list[float]] = setting(factory=lambda: {"sgd": [1e-3, 3e-3, 1e-2, 3e-2]},
                                                  help="optimizer -> its learning rates")
     seeds: list[int] = setting(factory=lambda: [0, 42, 3407], aliases=("--seed",), metavar="LIST",
-                               help="the seeds of every run")
+                               help="the seeds of every run", roles={"study_flag"})
 
     # resources: each trial trains on `workers_per_trial` workers, where `execution` says (vocab.EXECUTIONS):
     # a Ray Train worker group per trial (train), or the trial's own reused Tune actor (actor, one worker)
     execution: str = setting("auto", choices=EXECUTIONS,
                              help="where a trial trains: train (a Ray Train worker group), actor (its reused "
                                   "Tune actor, one worker), auto (actor for one worker per trial)")
-    workers_per_trial: int = same_as(ResourceSettings, "workers", flag="--workers")
-    gpus_per_worker: float = same_as(ResourceSettings, "gpus_per_worker")
-    cpus_per_worker: float = same_as(ResourceSettings, "cpus_per_worker")
+    workers_per_trial: int = same_as(ResourceSettings, "workers", flag="--workers", roles={"study_flag"})
+    gpus_per_worker: float = same_as(ResourceSettings, "gpus_per_worker", roles={"study_flag"})
+    cpus_per_worker: float = same_as(ResourceSettings, "cpus_per_worker", roles={"study_flag"})
     worker_retries: int = same_as(ResourceSettings, "max_failures", flag="--worker-retries")
     trial_driver_cpus: float = setting(0.01, check="positive",
                                        help="execution train: CPUs of the Tune trial that waits on its Ray Train run")
-    max_concurrent_trials: int = setting(0, check="non_negative_int", help="0: as many as the resources allow")
+    max_concurrent_trials: int = setting(0, check="non_negative_int", help="0: as many as the resources allow",
+                                         roles={"study_flag"})
     trial_retries: int = setting(1, check="non_negative_int",
                                  help="Tune re-runs a trial whose driver failed (FailureConfig.max_failures)")
 
     # search: the full grid, or Optuna (TPE) over lr with `samples` runs per (dataset, config, optimizer, seed)
     search: str = setting("grid", choices=SEARCHES,
                           help="grid: every lr of the spec; optuna: TPE over the lr range, `samples` runs per "
-                               "(dataset, configuration, optimizer, seed)")
-    samples: int = setting(4, check="positive_int", help="runs per cell with search optuna")
+                               "(dataset, configuration, optimizer, seed)", roles={"trial", "study_flag"})
+    samples: int = setting(4, check="positive_int", help="runs per cell with search optuna", roles={"study_flag"})
     final_fit: bool = setting(False, help="after the grid: per (dataset, configuration, optimizer, seed) one run on "
                                           "train + val at the lr chosen on val, test reported (VTAB-1k's)")
 
@@ -242,7 +247,8 @@ class StudySpec(ModelSettings, ProtocolSettings):
     analysis_select_by: str = setting(DEFAULT_SELECT_BY, cli=False, choices=SELECT_BY,
                                       help="the analysis picks each sweep's best lr by test or val accuracy")
     tracking: list[str] = setting(factory=list, metavar="LIST",
-                                  help="experiment trackers every trial also logs to (wandb, mlflow)")
+                                  help="experiment trackers every trial also logs to (wandb, mlflow)",
+                                  roles={"study_flag"})
 
     # ------------------------------------------------------------------------------------------------
     # loading and overriding
@@ -356,7 +362,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
     def protocol(self, dataset: str) -> DatasetProtocol:
         """The protocol and grid ``dataset`` runs with: its entry's overrides, else the study's values."""
         o = self.dataset_overrides.get(dataset) or DatasetOverrides()
-        values = {f: getattr(self, f) if getattr(o, f) is None else getattr(o, f) for f in PROTOCOL_FIELDS}
+        values = {f: getattr(self, f) if getattr(o, f) is None else getattr(o, f) for f in per_dataset_fields()}
         optimizers = self.optimizers if o.optimizers is None else o.optimizers
         seeds = {opt: list(_seeds_of(o.seeds, opt, self.seeds)) for opt in optimizers}
         return DatasetProtocol(**values, optimizers=copy.deepcopy(optimizers), seeds=seeds)
@@ -460,19 +466,6 @@ class StudySpec(ModelSettings, ProtocolSettings):
         """The datasets the linear probe runs on: every dataset once, when the probe is enabled."""
         return list(self.datasets) if self.probe.enabled else []
 
-    #: fields whose change alters what a finished trial means; a study directory keeps its values (compared
-    #: as resolved: :meth:`trial_value`)
-    TRIAL_FIELDS: ClassVar[tuple[str, ...]] = (
-        "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
-        "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search", "momentum", "betas",
-        "weight_decay", "clip_norm", "head_init", "include_layerscale", "precision", "data_path", "accuracy",
-        "val_split", "drop_last", "resize",
-    )
-    #: what each finished trial's row records of how it ran, checked against the spec at every launch (a
-    #: hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean): the dataset's resolved
-    #: protocol for ``steps``, the study's value for the others (``precision`` when the spec fixes it)
-    ROW_FIELDS: ClassVar[tuple[str, ...]] = ("steps", "batch_size", "data_path", "precision")
-
     def trial_value(self, name: str) -> Any:
         """Field ``name`` as a trial uses it: ``img_size`` and ``warmup_steps`` with their None resolved
         (the model's size; 20% of ``steps``), so that a spec spelling the default and one leaving it out agree;
@@ -488,21 +481,14 @@ class StudySpec(ModelSettings, ProtocolSettings):
             return f"per_batch of {test}" + (f" (val {val})" if val != test else "")
         value = getattr(self, name)
         return tuple(value) if name == "betas" else value
-    #: plasticity fields whose change alters which pairs (or bounds) a measured dataset's rows mean; with
-    #: ``sequential`` pairing ``batch_size`` too (where a short side starts over)
-    PLASTICITY_FIELDS: ClassVar[tuple[str, ...]] = ("pairing", "pairs", "mode", "seed", "pretrain_split", "radius",
-                                                    "seq_len", "text_rows", "mha_input", "gated_fc1",
-                                                    "control_seed")
-    #: probe fields whose change alters what a finished probe means
-    PROBE_FIELDS: ClassVar[tuple[str, ...]] = ("augment", "seed")
-
     def conflicts(self, stored: StudySpec) -> list[str]:
-        """Fields in which this spec disagrees with the one a study directory was created with: the study's
-        protocol, a dataset's store, a dataset's resolved protocol where either spec overrides it
-        (``datasets.clipart.steps: stored 20000, given 10000``), the probe's settings, and the plasticity
-        pairing when both specs measure plasticity (:attr:`PLASTICITY_FIELDS`)."""
+        """Fields in which this spec disagrees with the one a study directory was created with: the settings
+        declared with the role ``trial`` (:data:`raystudy.settings.ROLES`; compared as resolved:
+        :meth:`trial_value`), a dataset's store, a dataset's resolved protocol where either spec overrides it
+        (``datasets.clipart.steps: stored 20000, given 10000``), the probe's settings of role ``probe``, and
+        the plasticity pairing (role ``plasticity``) when both specs measure plasticity."""
         out = [] if self.name == stored.name else [f"name: stored {stored.name!r}, given {self.name!r}"]
-        for name in self.TRIAL_FIELDS:
+        for name in fields_with(self, "trial"):
             a, b = self.trial_value(name), stored.trial_value(name)
             if a != b:
                 out.append(f"{name}: stored {b!r}, given {a!r}")
@@ -514,36 +500,48 @@ class StudySpec(ModelSettings, ProtocolSettings):
             if name in self.dataset_overrides or name in stored.dataset_overrides:
                 mine, theirs = self.protocol(name), stored.protocol(name)
                 out += [f"datasets.{name}.{f}: stored {getattr(theirs, f)!r}, given {getattr(mine, f)!r}"
-                        for f in PROTOCOL_FIELDS if getattr(mine, f) != getattr(theirs, f)]
+                        for f in per_dataset_fields() if getattr(mine, f) != getattr(theirs, f)]
         if self.probe.enabled and stored.probe.enabled:
             out += [f"probe.{f}: stored {getattr(stored.probe, f)!r}, given {getattr(self.probe, f)!r}"
-                    for f in self.PROBE_FIELDS if getattr(self.probe, f) != getattr(stored.probe, f)]
+                    for f in fields_with(self.probe, "probe") if getattr(self.probe, f) != getattr(stored.probe, f)]
         return out + self._plasticity_conflicts(stored)
 
     def row_conflicts(self, rows: dict[str, dict]) -> list[str]:
-        """Fields of :attr:`ROW_FIELDS` in which finished trials' rows (``{trial id: row}``) disagree with
-        this spec (``trials/<id>: steps ran 6, the spec says 9``), one per field, the first trial named."""
+        """Settings of role ``row`` (:data:`raystudy.settings.ROLES`) in which finished trials' rows
+        (``{trial id: row}``) disagree with this spec (``trials/<id>: steps ran 6, the spec says 9``), one per
+        field, the first trial named: what each finished trial's row records of how it ran, checked at every
+        launch (a hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean). The value
+        wanted is the dataset's resolved protocol for a per-dataset setting (``steps``), the study's for the
+        others (``precision`` when the spec fixes it)."""
         out: dict[str, str] = {}
         for tid, row in sorted(rows.items()):
             if (row.get("status") not in ("ok", "diverged") or row.get("dataset") not in self.datasets
                     or row.get("configuration") == LINEAR_PROBE):  # a probe has its own batch, no steps
                 continue
-            for name in self.ROW_FIELDS:
-                want = self.protocol(row["dataset"]).steps if name == "steps" else getattr(self, name)
+            for name in fields_with(self, "row"):
+                want = self.row_value(name, row["dataset"])
                 have = row.get(name)
                 if name not in out and want is not None and not is_missing(have) and have != want:
                     out[name] = f"{name}: trials/{tid} ran with {have!r}, the spec says {want!r}"
         return list(out.values())
 
+    def row_value(self, name: str, dataset: str) -> Any:
+        """Setting ``name`` as the rows of ``dataset``'s trials record it: the dataset's resolved protocol for a
+        per-dataset setting (:meth:`protocol`), else the study's value."""
+        if name in per_dataset_fields():
+            return getattr(self.protocol(dataset), name)
+        return getattr(self, name)
+
     def _plasticity_conflicts(self, stored: StudySpec) -> list[str]:
-        """:attr:`PLASTICITY_FIELDS` (and ``batch_size`` under sequential pairing) that differ, when both
-        specs measure plasticity: the study's plasticity tables would mix two pairings."""
+        """The plasticity settings of role ``plasticity`` (and ``batch_size`` under sequential pairing: where a
+        short side starts over) that differ, when both specs measure plasticity: the study's plasticity tables
+        would mix two pairings."""
         mine, theirs = self.plasticity, stored.plasticity
         if not (mine.enabled and theirs.enabled):
             return []
-        names = self.PLASTICITY_FIELDS + (("batch_size",) if "sequential" in (mine.pairing, theirs.pairing) else ())
+        sequential = ("batch_size",) if "sequential" in (mine.pairing, theirs.pairing) else ()
         return [f"plasticity.{f}: stored {getattr(theirs, f)!r}, given {getattr(mine, f)!r}"
-                for f in names if getattr(mine, f) != getattr(theirs, f)]
+                for f in fields_with(mine, "plasticity") + sequential if getattr(mine, f) != getattr(theirs, f)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -577,14 +575,21 @@ def _section_name(spec: StudySpec, section: Any) -> str:
     return next(name for name in StudySpec.SECTIONS if getattr(spec, name) is section)
 
 
-def _file_order() -> list[str]:
-    """The spec's keys as a preset file lists them: name and directory, the model, the data, the grid,
-    the protocol (steps first, the device settings last), then the study's resources, search and sections
-    (the dataclass order puts the inherited groups first)."""
-    own = [f.name for f in dataclasses.fields(StudySpec) if f.name != "dataset_overrides"]
+def _file_order(cls: type | None = None) -> list[str]:
+    """The keys of ``cls`` (default :class:`StudySpec`) as a preset file lists them: name and directory, the
+    model, the data, the grid, the protocol (steps first, the device settings last), then the study's
+    resources, search and sections (the dataclass order puts the inherited groups first)."""
+    own = [f.name for f in dataclasses.fields(cls or StudySpec) if f.name != "dataset_overrides"]
     model = [f.name for f in dataclasses.fields(ModelSettings)]
     device = [f.name for f in dataclasses.fields(DeviceSettings)]
     protocol = [f.name for f in dataclasses.fields(ProtocolSettings) if f.name not in device] + device
     head = ["name", "out", *model, "data_root", "builtin_data", "pretrain_store", "datasets", "configurations",
             "optimizers", "seeds", *protocol]
     return head + [k for k in own if k not in head]
+
+
+def flag_fields(cls: type | None = None) -> list[str]:
+    """The fields of ``cls`` (default :class:`StudySpec`) that a ``raystudy study`` flag sets: its settings
+    declared with the role ``study_flag`` (:data:`raystudy.settings.ROLES`), in the order of a preset file."""
+    flagged = fields_with(cls or StudySpec, "study_flag")
+    return [name for name in _file_order(cls) if name in flagged]

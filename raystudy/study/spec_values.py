@@ -11,11 +11,15 @@ from typing import Any
 
 import yaml
 
+from raystudy.settings import ProtocolSettings, fields_with
 from raystudy.study.checks import SpecError
 from raystudy.vocab import did_you_mean
 
-#: the protocol fields a dataset entry may override (see :class:`DatasetOverrides`)
-PROTOCOL_FIELDS: tuple[str, ...] = ("steps", "eval_period", "warmup_steps", "log_period")
+
+def per_dataset_fields() -> tuple[str, ...]:
+    """The protocol settings a dataset entry may override (see :class:`DatasetOverrides`): those of
+    :class:`~raystudy.settings.ProtocolSettings` declared ``per_dataset``."""
+    return fields_with(ProtocolSettings, "per_dataset")
 
 
 @dataclass
@@ -69,7 +73,7 @@ def _parse_entry(name: str, entry: dict[str, Any]) -> tuple[str, DatasetOverride
                         f"set {known})")
     store = entry.get("store")
     values: dict[str, Any] = {}
-    for f in PROTOCOL_FIELDS:
+    for f in per_dataset_fields():
         if entry.get(f) is not None:
             values[f] = _to_int(entry[f], f"{where}.{f}")
     if entry.get("optimizers") is not None:

@@ -24,7 +24,9 @@ from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-export
     ModelSettings,
     ProtocolSettings,
     RunSettings,
+    legacy_values,
     problems,
+    resolve_paths,
     warmup_of,
 )
 from raystudy.storage import absolute_path
@@ -39,16 +41,10 @@ RENAMED_KEYS = {"component": "configuration"}
 #: :mod:`raystudy.faults`). :meth:`FinetuneConfig.from_dict` ignores them.
 MOVED_KEYS = ("workers", "gpus_per_worker", "cpus_per_worker", "max_failures", "keep_checkpoints",
               "cleanup_checkpoints", "fail_after_step")
-#: Values of fields that older ``config.json`` files lack: the settings of the only behaviour they knew.
-LEGACY_DEFAULTS = {"data_path": "decode", "accuracy": "per_sample", "val_split": "fixed", "drop_last": False,
-                   "resize": "crop", "train_splits": "train"}
-#: Fields a checkpoint must agree on to be resumed (others, e.g. eval_period or the workers, may change).
-RESUME_KEYS = ("model", "configuration", "selection", "optimizer", "lr", "seed", "steps", "batch_size", "warmup_steps",
-               "img_size", "augment", "shuffle", "train_final_norm", "include_layerscale", "momentum", "betas",
-               "weight_decay", "clip_norm", "model_kwargs", "num_classes", "head_init", "data_path", "precision",
-               "seq_len", "tokenizer", "accuracy", "val_split", "drop_last", "resize", "train_splits")
-#: Path settings made absolute where a config is built (Ray workers do not run in the caller's directory).
-PATH_FIELDS = ("store", "out_dir", "weights", "cache_dir", "tokenizer", "change_store")
+# What a setting means to a run is declared on the setting (raystudy.settings.ROLES): the fields a checkpoint
+# must agree on are ``fields_with(FinetuneConfig, "resume")`` (others, e.g. eval_period or the workers, may
+# change), the paths made absolute on construction ``fields_with(FinetuneConfig, "path")`` (Ray workers do not
+# run in the caller's directory), and what an older ``config.json`` lacks ``legacy_values(FinetuneConfig)``.
 
 
 @dataclass
@@ -98,8 +94,7 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         self.model_kwargs = dict(self.model_kwargs or {})
         if self.amp_bf16 and self.precision is None:
             self.precision = "bf16"
-        for name in PATH_FIELDS:
-            setattr(self, name, absolute_path(getattr(self, name)))
+        resolve_paths(self, absolute_path)
         self.model = absolute_model(self.model)
         if self.img_size is None:
             self.img_size = resolve_img_size(self.model, self.model_kwargs)
@@ -175,9 +170,10 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     @classmethod
     def from_dict(cls, d: dict) -> FinetuneConfig:
         """The config of ``d`` (e.g. a run's ``config.json``); the keys of older files are accepted:
-        :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored, missing :data:`LEGACY_DEFAULTS` and
-        ``precision`` (``amp_bf16``'s value) filled in with what such a file's run did."""
-        d = {**LEGACY_DEFAULTS, **d}
+        :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored, missing fields declared with a
+        ``legacy`` value (:func:`~raystudy.settings.legacy_values`) and ``precision`` (``amp_bf16``'s value)
+        filled in with what such a file's run did."""
+        d = {**legacy_values(cls), **d}
         d.setdefault("precision", "bf16" if d.get("amp_bf16") else "fp32")
         for old, new in RENAMED_KEYS.items():
             if old in d:

@@ -14,6 +14,7 @@ import torch
 from raystudy.core.expressions import Budgeted, canonical, normalise
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.data.modality import modality_of_model
+from raystudy.settings import fields_with
 from raystudy.storage import join, write_bytes_atomic, write_json_atomic, write_parquet_atomic
 from raystudy.vocab import RUN_CURVE_COLUMNS, columns
 
@@ -45,8 +46,9 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     then every key of :data:`RESULT_DEFAULTS` (``results`` or the default) and ``error`` when given.
 
     The ``trials.parquet`` columns less trial_id, dataset and model, plus throughput, memory and restores,
-    the data path, what its throughput counts (``inputs``: images, sequences), the precision the run used
-    (``fp32`` | ``bf16``) and whether it was compiled.
+    every setting of role ``row`` (:data:`raystudy.settings.ROLES`: the data path, ...), what its throughput
+    counts (``inputs``: images, sequences), the precision the run used (``fp32`` | ``bf16``) and whether it was
+    compiled.
     ``units`` is the canonical expression of what the run trained (:attr:`Selection.chosen`: a budget's
     units, the configuration otherwise); without a result it is known from ``cfg`` except for a
     ``random:B`` resolved by the run itself (then None).
@@ -60,6 +62,8 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
         "model_kwargs": dict(cfg.model_kwargs), "img_size": cfg.img_size, "train_final_norm": cfg.train_final_norm,
         "data_path": cfg.data_path, "inputs": modality_of_model(cfg.model).inputs,
     }
+    protocol.update({name: getattr(cfg, name) for name in fields_with(cfg, "row")  # the row's settings
+                     if name not in protocol and name not in RESULT_DEFAULTS})  # (precision: as it ran)
     return {**protocol, **RESULT_DEFAULTS, "units": _known_units(cfg), **results}
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raystudy.core.finetune.config import LEGACY_DEFAULTS, RENAMED_KEYS, RESUME_KEYS, FinetuneConfig
-from raystudy.settings import accuracy_batches
+from raystudy.core.finetune.config import RENAMED_KEYS, FinetuneConfig
+from raystudy.settings import accuracy_batches, fields_with, legacy_values
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,11 @@ def fingerprint(obj) -> str:
 
 
 def resume_config(cfg: FinetuneConfig) -> dict:
-    """The fields of ``cfg`` a checkpoint records and must agree on (:data:`RESUME_KEYS`), and the batches of a
-    per-batch accuracy (:func:`~raystudy.settings.accuracy_batches`)."""
-    batches = accuracy_batches(cfg)
-    return {**{k: v for k, v in cfg.to_dict().items() if k in RESUME_KEYS},
+    """The fields of ``cfg`` a checkpoint records and must agree on (its settings declared with the role
+    ``resume``: :func:`~raystudy.settings.fields_with`), and the batches of a per-batch accuracy
+    (:func:`~raystudy.settings.accuracy_batches`)."""
+    batches, keys = accuracy_batches(cfg), fields_with(cfg, "resume")
+    return {**{k: v for k, v in cfg.to_dict().items() if k in keys},
             "accuracy_batches": None if batches is None else list(batches)}
 
 
@@ -151,7 +152,7 @@ def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows:
         if old in saved:
             saved.setdefault(new, saved.pop(old))
     mine = resume_config(cfg)
-    for k, v in LEGACY_DEFAULTS.items():  # a checkpoint older than the field ran its only behaviour
+    for k, v in legacy_values(cfg).items():  # a checkpoint older than the field ran its only behaviour
         saved.setdefault(k, v)
     saved.setdefault("precision", mine["precision"])  # older checkpoints did not record it
     saved.setdefault("accuracy_batches", mine["accuracy_batches"])
