@@ -190,11 +190,12 @@ def test_streaming_moments_equal_summarize():
 
 def test_bad_jobs_fail_before_any_work(setup, tmp_path):
     base = dict(model=TIMM_NAME, pretrain=setup["pre"], downstream=setup["down"], out_dir=str(tmp_path))
-    for bad, msg in [({"mode": "tokens"}, r"mode: unknown value 'tokens'; expected one of \['embedding', 'hidden'\]"),
+    for bad, msg in [({"mode": "tokens"}, r"plasticity job: mode: 'tokens' expected one of \['embedding', 'hidden'\]"),
                      ({"pretrain_split": "dev"}, "pretrain_split: unknown value 'dev'"),
-                     ({"pairs": 0}, "pairs must be >= 1"),
-                     ({"workers": 0}, "workers must be >= 1"), ({"batch_size": 0}, "batch_size must be >= 1"),
-                     ({"cpus_per_worker": 0}, "cpus_per_worker must be > 0")]:
+                     ({"pairs": 0}, "plasticity job: pairs: 0 must be an integer >= 1"),
+                     ({"workers": 0}, "workers: 0 must be an integer >= 1"), ({"batch_size": 0}, "batch_size: 0 must be an integer"),
+                     ({"cpus_per_worker": 0}, "cpus_per_worker: 0 must be a positive number"),
+                     ({"radius": float("inf")}, "radius: inf must be None or a positive number")]:
         with pytest.raises(ValueError, match=msg):
             run_plasticity(PlasticityJob(**{**base, **bad}), progress=False)
     with pytest.raises(FileNotFoundError, match="no-such.pt"):

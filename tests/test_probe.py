@@ -233,13 +233,13 @@ def test_probe_row_fills_the_trials_schema():
 
 
 def test_bad_jobs_are_refused_before_any_work(setup):
-    with pytest.raises(ValueError, match="workers must be >= 1"):
+    with pytest.raises(ValueError, match="probe job: workers: 0 must be an integer >= 1"):
         _job(setup, workers=0).validate()
     with pytest.raises(ValueError, match="pretrained"):
         _job(setup, weights=None, pretrained=True).validate()
-    with pytest.raises(ValueError, match="data_path 'jpeg'"):
+    with pytest.raises(ValueError, match="data_path: 'jpeg' expected one of"):
         _job(setup, data_path="jpeg").validate()
-    with pytest.raises(ValueError, match="precision 'fp16'"):
+    with pytest.raises(ValueError, match="precision: 'fp16' expected one of"):
         _job(setup, precision="fp16").validate()
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         _job(setup, weights="nope.pt").validate()
