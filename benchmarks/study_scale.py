@@ -49,7 +49,7 @@ def stub_trial(config: dict) -> None:
     folder = Path(out) / "trials" / point["trial_id"]
     folder.mkdir(parents=True, exist_ok=True)
     steps = np.arange(1, CURVE_ROWS + 1) * 100
-    curves = pd.DataFrame({"step": steps, "lr": np.full(CURVE_ROWS, point["lr"]), "train_loss": 1.0 / steps,
+    curves = pd.DataFrame({"step": steps, "lr_now": np.full(CURVE_ROWS, point["lr"]), "train_loss": 1.0 / steps,
                            "grad_norm": np.ones(CURVE_ROWS), "val_loss": np.nan, "val_acc": np.nan})
     curves.to_parquet(folder / "curves.parquet", index=False)
     summary = {"status": "ok", "configuration": point["configuration"], "optimizer": point["optimizer"],

@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raystudy.storage import exists, filesystem, join, write_parquet_atomic
@@ -41,6 +44,17 @@ def write_result(df: pd.DataFrame, study_dir: str | os.PathLike, table: str) -> 
     return write_parquet_atomic(table_path(study_dir, table), df)
 
 
+def _read_table(fs: pafs.FileSystem, p: str) -> pa.Table:
+    """A Parquet file, or a dataset folder of part files (``curves.parquet/``: one per trial) read with the
+    union of its parts' columns: parts written before and after a column was renamed each keep their own
+    (a folder read with its first part's columns only would drop the others' values)."""
+    if fs.get_file_info(p).type != pafs.FileType.Directory:
+        return pq.read_table(p, filesystem=fs)
+    parts = ds.dataset(p, filesystem=fs, format="parquet")
+    schema = pa.unify_schemas([fragment.physical_schema for fragment in parts.get_fragments()])
+    return ds.dataset(p, schema=schema, filesystem=fs, format="parquet").to_table()
+
+
 def read_result(study_dir: str | os.PathLike, table: str, *, required: bool = True) -> pd.DataFrame | None:
     """Read ``study_dir/<table>.parquet`` (old column names upgraded) and check its columns.
 
@@ -53,7 +67,7 @@ def read_result(study_dir: str | os.PathLike, table: str, *, required: bool = Tr
         return None
     fs, p = filesystem(path)
     try:
-        df = pq.read_table(p, filesystem=fs).to_pandas()
+        df = _read_table(fs, p).to_pandas()
     except Exception as e:
         raise TableError(f"{path}: not a readable Parquet file ({e})") from e
     df = upgrade_columns(df, table)

@@ -108,9 +108,10 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("status", _str), ("best_val_acc", _float), ("best_val_step", _int), ("test_acc", _float),
         ("final_val_loss", _float), ("wall_seconds", _float),
     ]),
-    # one row per logged step of a trial; val columns null between evaluations
+    # one row per logged step of a trial; val columns null between evaluations; ``lr_now`` the learning rate
+    # of that step's update (the schedule's: warmup, cosine decay), the trial's base rate being trials' ``lr``
     "curves": pa.schema([
-        ("trial_id", _str), ("step", _int), ("lr", _float), ("train_loss", _float), ("grad_norm", _float),
+        ("trial_id", _str), ("step", _int), ("lr_now", _float), ("train_loss", _float), ("grad_norm", _float),
         ("val_loss", _float), ("val_acc", _float),
     ]),
     # what finetuning changed, per trial (raystudy.core.change): measure weight_change per (layer, component),
@@ -130,15 +131,16 @@ TRIAL_COUNT_EXTRAS: tuple[str, ...] = (
 
 #: The columns of one run's own ``curves.parquet`` (a trial directory: no ``trial_id`` yet, two extras).
 RUN_CURVE_COLUMNS: tuple[str, ...] = (
-    "step", "lr", "train_loss", "grad_norm", "component_grad_norm", "images_per_s", "val_loss", "val_acc",
+    "step", "lr_now", "train_loss", "grad_norm", "component_grad_norm", "images_per_s", "val_loss", "val_acc",
 )
 
 #: The measures of the ``changes`` table: the relative weight change ||W_ft - W_0|| / ||W_0|| of a (component,
 #: block), and the linear CKA of a block's output tokens between the pretrained and the finetuned model.
 CHANGE_MEASURES: tuple[str, ...] = ("weight_change", "cka")
 
-#: Old column names, per table, and the name they have now.
-RENAMED_COLUMNS: dict[str, dict[str, str]] = {"trials": {"component": "configuration"}}
+#: Old column names, per table, and the name they have now (curves' ``lr`` was the scheduled rate of the step,
+#: ``lr_now`` now: ``lr`` means the trial's base rate in every table).
+RENAMED_COLUMNS: dict[str, dict[str, str]] = {"trials": {"component": "configuration"}, "curves": {"lr": "lr_now"}}
 
 #: Which weights a plasticity / rates row was measured with: the model's own (``pretrained``: its weights
 #: file, or whatever the job measured before the control existed) or the same architecture at its library's
@@ -162,10 +164,14 @@ def columns(table: str) -> list[str]:
 
 def upgrade_columns(df, table: str):
     """Rename the old columns of ``table`` (a pandas DataFrame from an older study) to today's names and
-    add its :data:`DEFAULTED_COLUMNS` where absent (a plasticity table without ``weights`` is ``pretrained``)."""
-    renames = {old: new for old, new in RENAMED_COLUMNS.get(table, {}).items()
-               if old in df.columns and new not in df.columns}
-    df = df.rename(columns=renames) if renames else df
+    add its :data:`DEFAULTED_COLUMNS` where absent (a plasticity table without ``weights`` is ``pretrained``).
+    A frame holding both names (a dataset folder whose older part files have the old one) takes the old
+    column's value in the rows where the new one is null, then drops the old column."""
+    for old, new in RENAMED_COLUMNS.get(table, {}).items():
+        if old in df.columns and new not in df.columns:
+            df = df.rename(columns={old: new})
+        elif old in df.columns:
+            df = df.assign(**{new: df[new].where(df[new].notna(), df[old])}).drop(columns=[old])
     missing = {c: v for c, v in DEFAULTED_COLUMNS.get(table, {}).items() if c not in df.columns}
     return df.assign(**missing) if missing else df
 

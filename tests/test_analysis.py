@@ -74,7 +74,7 @@ def _write_trials_table(path: Path, rows: list[dict], *, old: bool) -> None:
 def _curve_rows(row: dict, config: str, lr: float, rng) -> list[dict]:
     """The logged steps of one run; a diverged run stops halfway."""
     acc, last = row["test_acc"], 100 if row["status"] == "ok" else 50
-    return [dict(trial_id=row["trial_id"], step=step, lr=lr, train_loss=2.0 / (1 + step),
+    return [dict(trial_id=row["trial_id"], step=step, lr_now=lr, train_loss=2.0 / (1 + step),
                  grad_norm=PLASTICITY.get(config, 1.0) * (1 + rng.uniform()) / (1 + step / 50),
                  val_loss=(2.0 - acc) / (1 + step / 30) if step % 20 == 0 else np.nan,
                  val_acc=acc if step % 20 == 0 else np.nan) for step in range(0, last, 10)]

@@ -196,7 +196,7 @@ def test_the_study_table_has_one_part_per_trial_and_load_study_joins_it(tmp_path
         pd.testing.assert_frame_equal(own, _changes(i), check_dtype=False)
     loaded = load_study(study)
     assert len(loaded.changes) == 18 and set(loaded.changes.seed) == {0, 1, 2}
-    assert (loaded.changes.configuration == "MHA").all() and (loaded.changes.trial_lr == 0.01).all()
+    assert (loaded.changes.configuration == "MHA").all() and (loaded.changes.lr == 0.01).all()
     assert "changes: 18 rows" in repr(loaded)
     # a trial without changes (an older run) drops its part; the others stay
     tables.add(trial_row(points[0], "m", _summary(0)))

@@ -148,7 +148,8 @@ def test_plasticity_cli_with_stores_refuses_incomplete_flags(tmp_path, capsys):
     store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
     base = ["plasticity", *MODEL, "--pretrain", store, "--out", str(tmp_path / "o")]
     for extra, message in [([], "needs both --pretrain STORE and --downstream STORE"),
-                           (["--downstream", store, "--pairs", "4", "--workers", "0"], "workers: 0 must be an integer >= 1"),
+                           (["--downstream", store, "--pairs", "4", "--workers", "0"],
+                            "workers: 0 must be an integer >= 1"),
                            (["--downstream", store, "--pairs", "4", "--pretrained"], "--pretrained is not available")]:
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err

@@ -193,7 +193,8 @@ def test_bad_jobs_fail_before_any_work(setup, tmp_path):
     for bad, msg in [({"mode": "tokens"}, r"plasticity job: mode: 'tokens' expected one of \['embedding', 'hidden'\]"),
                      ({"pretrain_split": "dev"}, "pretrain_split: unknown value 'dev'"),
                      ({"pairs": 0}, "plasticity job: pairs: 0 must be an integer >= 1"),
-                     ({"workers": 0}, "workers: 0 must be an integer >= 1"), ({"batch_size": 0}, "batch_size: 0 must be an integer"),
+                     ({"workers": 0}, "workers: 0 must be an integer >= 1"),
+                     ({"batch_size": 0}, "batch_size: 0 must be an integer"),
                      ({"cpus_per_worker": 0}, "cpus_per_worker: 0 must be a positive number"),
                      ({"radius": float("inf")}, "radius: inf must be None or a positive number")]:
         with pytest.raises(ValueError, match=msg):

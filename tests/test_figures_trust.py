@@ -84,7 +84,7 @@ def _changes(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def _curves(trials: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame([dict(trial_id=t.trial_id, step=step, lr=t.lr, train_loss=2.0 / (1 + step),
+    return pd.DataFrame([dict(trial_id=t.trial_id, step=step, lr_now=t.lr, train_loss=2.0 / (1 + step),
                               grad_norm=(1 + t.lr) / (1 + step / 10), val_loss=2.0 - t.test_acc + 1 / (1 + step),
                               val_acc=t.test_acc) for t in trials[trials["configuration"] != "LP"].itertuples()
                          for step in range(0, 40, 10)])

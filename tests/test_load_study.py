@@ -73,9 +73,9 @@ def test_load_study_reads_an_old_directory(tmp_path):
     for _, row in c.iterrows():
         assert row.configuration == t.at[row.trial_id, "configuration"]
         assert row.dataset == t.at[row.trial_id, "dataset"] and row.status == t.at[row.trial_id, "status"]
-        assert row.trial_lr == t.at[row.trial_id, "lr"]
-    # the curve's own (scheduled) lr is kept beside the trial's
-    assert c.groupby("trial_id").lr.apply(list).to_dict() == {IDS[0]: [0.002, 0.006, 0.01], IDS[1]: [0.05, 0.1]}
+        assert row.lr == t.at[row.trial_id, "lr"]
+    # the old file's scheduled lr (its column `lr`) is read as lr_now, beside the trial's base rate lr
+    assert c.groupby("trial_id").lr_now.apply(list).to_dict() == {IDS[0]: [0.002, 0.006, 0.01], IDS[1]: [0.05, 0.1]}
     old = pd.read_parquet(tmp_path / "old" / "plasticity.parquet")  # before the control: read as pretrained
     pd.testing.assert_frame_equal(study.plasticity, old.assign(weights="pretrained"))
     assert study.control is None
@@ -98,6 +98,30 @@ def test_old_directory_resumes_with_todays_columns(tmp_path):
     trials = read_result(root, "trials").set_index("trial_id")
     assert trials.at[IDS[2], "status"] == "ok" and json.loads(trials.at[IDS[2], "model_kwargs"]) == {"depth": 3}
     assert trials.at[IDS[0], "wall_seconds"] == 10.0  # untouched rows kept as they were
+
+
+def test_curves_parts_written_before_and_after_lr_now_read_as_one_table(tmp_path):
+    """A study resumed across the rename of curves' scheduled rate holds part files of both kinds: an old
+    part's ``lr`` (the scheduled rate) and a new part's ``lr_now`` are both read as ``lr_now``, whichever
+    part comes first, and no ``lr`` column is left to be mistaken for the base rate; a new trial's curves
+    from an older run's own file (``lr``) are written with ``lr_now``."""
+    folder = tmp_path / "s" / "curves.parquet"
+    folder.mkdir(parents=True)
+    old = pd.DataFrame({"trial_id": ["t1"] * 2, "step": [1, 2], "lr": [0.001, 0.002], "train_loss": [2.0, 1.9],
+                        "grad_norm": [1.0, 1.0], "val_loss": [None, 1.5], "val_acc": [None, 0.4]})
+    new = old.rename(columns={"lr": "lr_now"}).assign(trial_id="t2", lr_now=[0.003, 0.004])
+    for first, second in (("part-a", "part-b"), ("part-b", "part-a")):  # either kind first in the listing
+        old.to_parquet(folder / f"{first}.parquet")
+        new.to_parquet(folder / f"{second}.parquet")
+        got = read_result(tmp_path / "s", "curves")
+        assert "lr" not in got.columns
+        assert got.set_index(["trial_id", "step"])["lr_now"].to_dict() == {
+            ("t1", 1): 0.001, ("t1", 2): 0.002, ("t2", 1): 0.003, ("t2", 2): 0.004}
+    tables = ResultTables(str(tmp_path / "fresh"))
+    p = {"trial_id": "t3", "dataset": "a", "configuration": "MHA", "optimizer": "sgd", "lr": 0.01, "seed": 0}
+    tables.add(trial_row(p, "m", {"status": "ok", "steps": 2}), old.drop(columns="trial_id"))
+    part = pq.read_table(tmp_path / "fresh" / "curves.parquet" / "part-t3.parquet")
+    assert "lr" not in part.column_names and part["lr_now"].to_pylist() == [0.001, 0.002]
 
 
 def test_failed_trial_row_has_nulls_and_the_model_kwargs(tmp_path):

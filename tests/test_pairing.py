@@ -149,7 +149,7 @@ def test_whole_validation_set_split_names(stores, tmp_path):
     for bad in ("dev", ["val", "val"], "all,test"):
         with pytest.raises(ValueError, match="plasticity job: pretrain_split: unknown value"):
             _job(stores, tmp_path, pretrain_split=bad).validate()
-    with pytest.raises(ValueError, match=r"plasticity job: pairing: 'shuffled' expected one of \['random', 'sequential'\]"):
+    with pytest.raises(ValueError, match=r"plasticity job: pairing: 'shuffled' expected one of \['random', "):
         _job(stores, tmp_path, pairing="shuffled").validate()
 
 

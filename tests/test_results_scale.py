@@ -46,7 +46,7 @@ def _summary(i: int, status: str = "ok") -> dict:
 
 def _curves(i: int) -> pd.DataFrame:
     evals = STEPS % 1000 == 0
-    return pd.DataFrame({"step": STEPS, "lr": 0.01, "train_loss": 1.0 + i / 10_000, "grad_norm": 1.0,
+    return pd.DataFrame({"step": STEPS, "lr_now": 0.01, "train_loss": 1.0 + i / 10_000, "grad_norm": 1.0,
                          "component_grad_norm": 0.5, "images_per_s": 900.0,
                          "val_loss": np.where(evals, 1.0, math.nan), "val_acc": np.where(evals, i / 10_000, math.nan)})
 
@@ -94,7 +94,7 @@ def test_an_add_costs_the_same_at_the_5000th_trial_and_flush_keeps_everything(tm
     assert last.step.tolist() == STEPS.tolist() and set(last.train_loss) == {1.0 + (n + 10) / 10_000}
     assert last.val_acc.dropna().tolist() == [(n + 10) / 10_000] * (ROWS // 10)
     assert study.trials.set_index("trial_id").at[_point(4321)["trial_id"], "test_acc"] == 0.4321
-    assert (study.curves.trial_lr == 0.01).all() and set(study.curves.configuration) == {"MHA"}
+    assert (study.curves.lr == 0.01).all() and set(study.curves.configuration) == {"MHA"}
 
 
 def test_the_curves_folder_is_one_table_for_every_reader(tmp_path):

@@ -229,7 +229,7 @@ def _point(ds="a", cfg="MHA", lr=0.01, seed=0):
 
 
 def _curves(n=3):
-    return pd.DataFrame({"step": range(1, n + 1), "lr": [0.01] * n, "train_loss": [2.0, 1.5, 1.0][:n],
+    return pd.DataFrame({"step": range(1, n + 1), "lr_now": [0.01] * n, "train_loss": [2.0, 1.5, 1.0][:n],
                          "grad_norm": [1.0] * n, "val_loss": [math.nan, math.nan, 1.1][:n],
                          "val_acc": [math.nan, math.nan, 0.4][:n]})
 

@@ -5,7 +5,7 @@ Ray Train's checkpointer and reporter.
 ``resources.workers`` workers, fits it and writes the run's outputs into ``cfg.out_dir``:
 
 * ``summary.json``: the ``trials.parquet`` columns of the run (the caller adds trial_id, dataset, model)
-  plus memory, throughput and restore figures; ``curves.parquet``: step, lr, train_loss, grad_norm,
+  plus memory, throughput and restore figures; ``curves.parquet``: step, lr_now, train_loss, grad_norm,
   component_grad_norm, images_per_s, val_loss, val_acc (val columns null between evaluations);
 * ``tb/``: TensorBoard events and the run's HParams record (written by worker 0);
   ``best_trainable.safetensors``: the trainable parameters and head of the best-validation step;
@@ -450,9 +450,10 @@ def _fmt(v) -> str:
 
 
 def format_report(metrics: dict, steps: int) -> str:
-    """One progress line of a report: step, train loss, lr, images/s, and the val metrics at evaluations."""
+    """One progress line of a report: step, train loss, the step's lr (``lr_now``), images/s, and the val
+    metrics at evaluations."""
     line = (f"step {metrics.get('step', '?')}/{steps}  loss {_fmt(metrics.get('train_loss'))}  "
-            f"lr {_fmt(metrics.get('lr'))}  {_fmt(metrics.get('images_per_s'))} img/s")
+            f"lr {_fmt(metrics.get('lr_now'))}  {_fmt(metrics.get('images_per_s'))} img/s")
     if "val_acc" in metrics:
         line += f"  val_loss {_fmt(metrics.get('val_loss'))}  val_acc {_fmt(metrics['val_acc'])}"
     return line

@@ -62,6 +62,7 @@ from raystudy.vocab import (
     FINAL_STATUSES,
     LINEAR_PROBE,
     PHASES,
+    RENAMED_COLUMNS,
     RUN_CURVE_COLUMNS,
     SCHEMAS,
     STATUSES,
@@ -214,6 +215,9 @@ def _part_table(trial_id: str, curves: pd.DataFrame | pa.Table, table_name: str 
     of 120 rows cost well under a millisecond."""
     types = PART_TYPES[table_name]
     table = curves if isinstance(curves, pa.Table) else pa.Table.from_pandas(curves, preserve_index=False)
+    renamed = {old: new for old, new in RENAMED_COLUMNS.get(table_name, {}).items()  # an older run's own file
+               if old in table.column_names and new not in table.column_names}
+    table = table.rename_columns([renamed.get(c, c) for c in table.column_names]) if renamed else table
     n, have = table.num_rows, set(table.column_names)
     columns = {"trial_id": pa.array([trial_id] * n, types["trial_id"])}
     for name, kind in types.items():
@@ -489,8 +493,8 @@ class Study:
 
     ``trials``: one row per trial (``trials.parquet``; ``configuration`` also in older studies);
     ``curves``: one row per logged step of every trial, with the trial's ``dataset``, ``model``,
-    ``configuration``, ``optimizer``, ``seed``, ``status`` and its learning rate as ``trial_lr`` (the
-    curve's own ``lr`` is the schedule's value at that step); ``plasticity``, ``rates``, ``bounds``: the
+    ``configuration``, ``optimizer``, ``seed``, ``status`` and its base learning rate ``lr`` (``lr_now``: the
+    schedule's value at that step); ``plasticity``, ``rates``, ``bounds``: the
     plasticity measurement with the model's own weights (``None`` when the study has none); ``control``: the
     random-init control's plasticity rows (``weights = random_init``; ``None`` without one); ``spec``: the
     stored ``spec.yaml`` as a dict;
@@ -519,9 +523,9 @@ class Study:
 
 
 def joined_curves(trials: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
-    """``curves`` (or the ``changes`` table) with the trial columns of :data:`CURVE_TRIAL_COLUMNS` and
-    ``trial_lr``, by ``trial_id``."""
-    own = trials[["trial_id", *CURVE_TRIAL_COLUMNS, "lr"]].rename(columns={"lr": "trial_lr"})
+    """``curves`` (or the ``changes`` table) with the trial columns of :data:`CURVE_TRIAL_COLUMNS` and the
+    trial's base learning rate ``lr``, by ``trial_id``."""
+    own = trials[["trial_id", *CURVE_TRIAL_COLUMNS, "lr"]]
     return curves.merge(own, on="trial_id", how="left", validate="many_to_one")
 
 

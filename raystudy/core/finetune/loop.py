@@ -62,7 +62,7 @@ class Event:
     """What the loop hands its callback after a logged, evaluated or checkpointed step (every worker)."""
 
     step: int
-    metrics: dict  # the curve row of this step (lr, train_loss, grad norms, images_per_s, val_* or None)
+    metrics: dict  # the curve row of this step (lr_now, train_loss, grad norms, images_per_s, val_* or None)
     checkpoint: bool  # this step is a checkpoint step: the callback should persist :meth:`Finetuner.save`
     final: bool = False  # the end of the run: ``metrics`` is the run summary
 
@@ -132,7 +132,7 @@ class ThroughputMeter:
 
 def curve_row(step: int, res: StepResult, images_per_s: float) -> dict:
     """One row of the run's curves (val columns filled in at evaluation steps)."""
-    return {"step": step, "lr": res.lr, "train_loss": res.loss, "grad_norm": res.grad_norm,
+    return {"step": step, "lr_now": res.lr, "train_loss": res.loss, "grad_norm": res.grad_norm,
             "component_grad_norm": res.component_grad_norm, "images_per_s": images_per_s,
             "val_loss": None, "val_acc": None}
 
