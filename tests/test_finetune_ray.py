@@ -103,7 +103,7 @@ def test_ddp_two_workers_equal_one_worker_with_twice_the_batch(baseline, store, 
     assert base["status"] == summary["status"] == "ok" and summary["workers"] == 2
     a, b = curves(base_cfg), curves(cfg)
     assert a["step"].tolist() == b["step"].tolist() == list(range(1, 7))
-    for col in ("train_loss", "grad_norm", "component_grad_norm", "lr"):
+    for col in ("train_loss", "grad_norm", "component_grad_norm", "lr_now"):
         torch.testing.assert_close(torch.tensor(b[col].values), torch.tensor(a[col].values), rtol=1e-5, atol=0)
     fa, fb = final_model(base_cfg), final_model(cfg)
     for n in trainable_names(cfg):
@@ -167,7 +167,7 @@ def test_resume_with_shuffling_restores_optimizer_schedule_and_rng(store, tmp_pa
     ref_cfg = cfg_for(store, tmp_path / "ref", **kw)
     ref, ft = train_local(ref_cfg, tensorboard=False)
     a = curves(ref_cfg)
-    for col in ("train_loss", "grad_norm", "lr", "val_loss", "val_acc"):
+    for col in ("train_loss", "grad_norm", "lr_now", "val_loss", "val_acc"):
         torch.testing.assert_close(torch.tensor(b[col].values), torch.tensor(a[col].values), rtol=1e-5, atol=0,
                                    equal_nan=True)
     for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "steps_completed"):

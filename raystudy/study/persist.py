@@ -43,11 +43,11 @@ def resolve_paths(spec: StudySpec) -> StudySpec:
     return resolved
 
 
-def stored_spec(study_dir: str) -> StudySpec | None:
-    """The spec a study directory was created with, or ``None`` for a new directory."""
+def stored_spec(study_dir: str, cls: type[StudySpec] = StudySpec) -> StudySpec | None:
+    """The spec a study directory was created with (read as a ``cls``), or ``None`` for a new directory."""
     path = join(study_dir, SPEC_FILE)
     text = read_text(path)
-    return None if text is None else StudySpec.from_dict(load_yaml(text, path) or {}, where=path)
+    return None if text is None else cls.from_dict(load_yaml(text, path) or {}, where=path)
 
 
 def load_study_spec(study_dir: str, *, what: str | None = "--resume") -> StudySpec:
@@ -66,7 +66,7 @@ def check_stored(spec: StudySpec) -> None:
     Growing the grid (datasets, configurations, lrs, seeds) is allowed; changing what a trial means
     (model, weights, steps, ...) is an error naming the fields.
     """
-    stored = stored_spec(spec.out)
+    stored = stored_spec(spec.out, type(spec))
     if stored is not None:
         conflicts = spec.conflicts(stored)
         if conflicts:

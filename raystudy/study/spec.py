@@ -64,6 +64,7 @@ from raystudy.settings import (
     ProbeSettings,
     ProtocolSettings,
     ResourceSettings,
+    RunSettings,
     accuracy_batches,
     coerce,
     fields_with,
@@ -132,13 +133,14 @@ class PretrainSpec:
     """Pretrain the model from a random init on ``pretrain_store`` and use the result as ``weights``.
 
     Used by the demo, which has no downloadable checkpoint: a short full training (configuration ``All``)
-    saved as ``<out>/pretrained/model.safetensors``.
+    saved as ``<out>/pretrained/model.safetensors``. ``lr`` is the finetuning run's setting
+    (:class:`~raystudy.settings.RunSettings`), its one default included.
     """
 
     enabled: bool = False
     steps: int = 300
     batch_size: int = 64
-    lr: float = 1e-3
+    lr: float = same_as(RunSettings, "lr")
     optimizer: str = "adamw"
     warmup_steps: int = 30
     seed: int = 0
@@ -289,7 +291,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         data = dataclasses.asdict(self)
         overrides = data.pop("dataset_overrides")
         data["datasets"] = {name: _dataset_entry(store, overrides.get(name)) for name, store in self.datasets.items()}
-        return {key: data[key] for key in _file_order()}
+        return {key: data[key] for key in _file_order(type(self))}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -314,7 +316,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
             elif parts == ["tracking"] and isinstance(value, str):
                 value = _split_names(value)
             target[parts[-1]] = value
-        return StudySpec.from_dict(data, where="overrides")
+        return type(self).from_dict(data, where="overrides")
 
     def normalize(self) -> None:
         """Coerce YAML-ish values to their types (``1e-3`` strings, single values where lists belong) and
