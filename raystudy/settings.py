@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, dataclass
 from typing import Any
 
+from raystudy.setting_roles import roles_metadata
 from raystudy.vocab import (
     CONTROLS,
     DATA_PATHS,
@@ -100,31 +101,6 @@ def accuracy_batches(protocol: Any) -> tuple[int, int] | None:
 # --------------------------------------------------------------------------------------------------
 
 
-#: What a setting affects, declared on the setting itself (``setting(..., roles={"trial", "resume"})``).
-#: Every list of the settings one concern covers is derived from these declarations (:func:`fields_with`,
-#: computed from the dataclass's fields at each call), none is kept by hand. Role -> what it means:
-ROLES: dict[str, str] = {
-    "resume": "a finetuning run's checkpoint records it and a resume must agree on it (a checkpoint of another "
-              "value is refused: raystudy.core.finetune.state.resume_config)",
-    "trial": "changing it changes what a study's trials mean: a study resumed with another value is refused, the "
-             "field named (StudySpec.conflicts, the value as StudySpec.trial_value resolves it)",
-    "row": "each trial's row in trials.parquet records it (raystudy.core.finetune.outputs.run_summary) and every "
-           "launch compares it with the finished rows (StudySpec.row_conflicts)",
-    "plasticity": "changing it changes which pairs (or bounds) a measured dataset's plasticity rows mean: refused "
-                  "on a study's resume (StudySpec.conflicts)",
-    "probe": "changing it changes what a finished linear probe means: refused on a study's resume "
-             "(StudySpec.conflicts)",
-    "study_flag": "a flag of `raystudy study` sets it (raystudy.commands.study; a preset's value stands when "
-                  "the flag is not given)",
-}
-#: Declarations of a setting beside its roles, asked like a role by :func:`fields_with`: ``path``: a user's
-#: path, made absolute where the setting enters a job (Ray workers run in another directory;
-#: :func:`resolve_paths`); ``per_dataset``: a dataset entry of a study spec may override it
-#: (:class:`raystudy.study.spec_values.DatasetOverrides`). ``legacy=V`` (:func:`legacy_values`): the value a
-#: config, checkpoint or probe result written before the setting existed ran with.
-FLAGS: tuple[str, ...] = ("path", "per_dataset")
-
-
 def setting(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None,
             choices: tuple | None = None, check: str | None = None, flag: str | None = None,
             aliases: tuple[str, ...] = (), metavar: str | None = None, cli: bool = True,
@@ -132,50 +108,13 @@ def setting(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | N
     """A dataclass field with its definition: ``default`` (or ``factory`` for a mutable one), ``help``
     (one sentence, shown by every flag made from it), ``choices``, ``check`` (one of :data:`CHECKS`),
     the flag's name (default ``--field-name``), its ``aliases`` and ``metavar``; ``cli=False`` keeps it off
-    the command line. What the setting affects: its ``roles`` (of :data:`ROLES`), ``path``, ``per_dataset``
-    and ``legacy`` (:data:`FLAGS`)."""
+    the command line. What the setting affects: its ``roles``, ``path``, ``per_dataset`` and ``legacy``
+    (:mod:`raystudy.setting_roles`)."""
     meta = {"help": help, "choices": choices, "check": check, "flag": flag, "aliases": tuple(aliases),
-            "metavar": metavar, "cli": cli, **_roles_meta(roles, path=path, per_dataset=per_dataset, legacy=legacy)}
+            "metavar": metavar, "cli": cli, **roles_metadata(roles, path=path, per_dataset=per_dataset, legacy=legacy)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
-
-
-def _roles_meta(roles: Iterable[str], *, path: bool, per_dataset: bool, legacy: Any) -> dict[str, Any]:
-    """The metadata entries of a setting's roles; an unknown role is refused where it is declared."""
-    roles = frozenset(roles)
-    unknown = sorted(roles - set(ROLES))
-    if unknown:
-        raise ValueError(f"unknown setting role(s) {unknown}; the roles are {sorted(ROLES)}")
-    meta: dict[str, Any] = {"roles": roles, "path": path, "per_dataset": per_dataset}
-    if legacy is not MISSING:
-        meta["legacy"] = legacy
-    return meta
-
-
-def fields_with(cls: type | Any, role: str) -> tuple[str, ...]:
-    """The names of the settings of dataclass ``cls`` (or an instance's class) that carry ``role`` (one of
-    :data:`ROLES` or :data:`FLAGS`), in field order; read from ``dataclasses.fields`` at each call, so a
-    setting declared with the role (in a group, or in a subclass) is in the list with no other edit."""
-    if role not in ROLES and role not in FLAGS:
-        raise ValueError(f"unknown setting role {role!r}; the roles are {sorted(ROLES)} and {list(FLAGS)}")
-    if role in FLAGS:
-        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get(role))
-    return tuple(f.name for f in dataclasses.fields(cls) if role in f.metadata.get("roles", ()))
-
-
-def legacy_values(cls: type | Any) -> dict[str, Any]:
-    """``{field: value}`` of ``cls``'s settings declared with ``legacy=``: what a config, checkpoint or result
-    written before the setting existed ran with (filled in where such a file lacks the field)."""
-    return {f.name: f.metadata["legacy"] for f in dataclasses.fields(cls) if "legacy" in f.metadata}
-
-
-def resolve_paths(obj: Any, absolute: Callable[[Any], Any]) -> None:
-    """Pass every ``path`` setting of dataclass ``obj`` through ``absolute`` (e.g.
-    :func:`raystudy.storage.absolute_path`), each entry of a list alike; done where the settings enter a job."""
-    for name in fields_with(obj, "path"):
-        value = getattr(obj, name)
-        setattr(obj, name, [absolute(v) for v in value] if isinstance(value, list) else absolute(value))
 
 
 def same_as(group: type, name: str, **changes: Any) -> Any:
@@ -185,7 +124,7 @@ def same_as(group: type, name: str, **changes: Any) -> Any:
     the group's roles otherwise)."""
     f = _field(group, name)
     if "roles" in changes:
-        changes["roles"] = _roles_meta(changes["roles"], path=False, per_dataset=False, legacy=MISSING)["roles"]
+        changes["roles"] = roles_metadata(changes["roles"])["roles"]
     meta = {**f.metadata, **changes, "origin": (group.__name__, name)}
     if f.default_factory is not MISSING:
         return dataclasses.field(default_factory=f.default_factory, metadata=meta)

@@ -13,7 +13,8 @@ from raystudy.core.finetune import FinetuneConfig
 from raystudy.distributed.plasticity import PlasticityJob
 from raystudy.distributed.probe import ProbeJob
 from raystudy.distributed.train import TrainResources
-from raystudy.settings import ModelSettings, ProtocolSettings, ResourceSettings, fields_with, origin_of
+from raystudy.setting_roles import fields_with
+from raystudy.settings import ModelSettings, ProtocolSettings, ResourceSettings, origin_of
 from raystudy.study.jobs import finetune_job, plasticity_job, pretrain_job, probe_job
 from raystudy.study.spec import PlasticitySpec, PretrainSpec, ProbeSpec, StudySpec, grid_point
 

@@ -1,4 +1,4 @@
-"""What a setting affects is declared on the setting (``setting(..., roles={...})``, raystudy.settings.ROLES)
+"""What a setting affects is declared on the setting (``setting(..., roles={...})``, raystudy.setting_roles.ROLES)
 and every list of one concern is derived from the declarations: a setting added with the roles ``trial``,
 ``resume``, ``row`` and ``study_flag`` is refused on a changed resume, recorded in the trial's row and a
 ``raystudy study`` flag, with nothing else written. No Ray, no training."""
@@ -17,7 +17,8 @@ from raystudy.core.finetune.outputs import run_summary
 from raystudy.core.finetune.state import ForeignCheckpoint, read_state, resume_config
 from raystudy.distributed.plasticity import PlasticityJob
 from raystudy.distributed.probe import ProbeJob
-from raystudy.settings import ProtocolSettings, RunSettings, fields_with, legacy_values, setting
+from raystudy.setting_roles import ROLES, fields_with, legacy_values
+from raystudy.settings import ProtocolSettings, RunSettings, setting
 from raystudy.study import persist
 from raystudy.study.results import trial_row
 from raystudy.study.spec import DatasetProtocol, PretrainSpec, SpecError, StudySpec, flag_fields, grid_point
@@ -107,7 +108,7 @@ def test_roles_are_a_closed_vocabulary():
         setting(1, help="x", roles={"trail"})
     with pytest.raises(ValueError, match="unknown setting role"):
         fields_with(FinetuneConfig, "trail")
-    assert set(settings.ROLES) == {"resume", "trial", "row", "plasticity", "probe", "study_flag"}
+    assert set(ROLES) == {"resume", "trial", "row", "plasticity", "probe", "study_flag"}
 
 
 def test_lists_derived_from_the_roles_agree_with_the_code_that_reads_them():

@@ -20,7 +20,7 @@ from raystudy.data.readers import Candidate
 from raystudy.data.sources import prepare_candidates
 from raystudy.data.splits import val_origin
 from raystudy.data.store import read_meta, read_split, write_store
-from raystudy.settings import fields_with
+from raystudy.setting_roles import fields_with
 from raystudy.study.spec import StudySpec, load_preset
 
 TINY = dict(patch_size=8, embed_dim=48, depth=3, num_heads=4)

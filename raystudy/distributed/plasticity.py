@@ -132,7 +132,8 @@ from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figur
     write_figures,
 )
 from raystudy.io import write_result
-from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings, problems, resolve_paths
+from raystudy.setting_roles import absolute_paths
+from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings, problems
 from raystudy.storage import absolute_path
 from raystudy.terminal import progress_bar
 from raystudy.vocab import PRETRAINED, RANDOM_INIT
@@ -206,7 +207,7 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         if isinstance(self.downstream, str | os.PathLike):
             self.downstream = [self.downstream]
         self.downstream = [str(s) for s in self.downstream]
-        resolve_paths(self, absolute_path)  # pretrain, downstream, out_dir, weights, tokenizer, stage_dir
+        absolute_paths(self, absolute_path)  # pretrain, downstream, out_dir, weights, tokenizer, stage_dir
         self.model = absolute_model(self.model)
         self.model_kwargs = dict(self.model_kwargs or {})
         if not isinstance(self.pretrain_split, str):

@@ -42,6 +42,7 @@ from raystudy import storage
 from raystudy.data.modality import absolute_model
 from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
+from raystudy.setting_roles import absolute_paths
 from raystudy.settings import (
     DeviceSettings,
     HubWeights,
@@ -49,7 +50,6 @@ from raystudy.settings import (
     ProbeSettings,
     ProtocolSettings,
     problems,
-    resolve_paths,
     same_as,
     setting,
 )
@@ -92,7 +92,7 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
         self.model_kwargs = dict(self.model_kwargs or {})
         if self.amp_bf16 and self.precision is None:
             self.precision = "bf16"  # the older spelling
-        resolve_paths(self, absolute_path)  # store, out_dir, weights, cache_dir
+        absolute_paths(self, absolute_path)  # store, out_dir, weights, cache_dir
         self.model = absolute_model(self.model)
 
     def validate(self) -> None:

@@ -57,6 +57,7 @@ import yaml
 
 from raystudy import storage
 from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY, SELECT_BY
+from raystudy.setting_roles import fields_with
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -67,7 +68,6 @@ from raystudy.settings import (
     RunSettings,
     accuracy_batches,
     coerce,
-    fields_with,
     same_as,
     setting,
     warmup_of,
@@ -118,7 +118,7 @@ class PlasticitySpec(PlasticitySettings):
     last complete ``batch_size`` batch). ``pretrain_split``: the pretraining store's split, a list of splits,
     or ``all`` (e.g. the whole ImageNet validation set of a store prepared with the 80/20 rule). ``radius``:
     a fixed token radius for the bounds (the paper's 19.4); ``None``: the measured one. Changing any of
-    its settings of role ``plasticity`` (:data:`raystudy.settings.ROLES`) of a study that measured plasticity is
+    its settings of role ``plasticity`` (:data:`raystudy.setting_roles.ROLES`) of a study that measured plasticity is
     refused on resume.
     ``seq_len`` and ``tokenizer``: a text model (``model: hf:...``) on text stores, whose pairs are windows of
     ``seq_len`` tokens cut with ``tokenizer`` (default: the model folder's ``tokenizer.json``); see
@@ -485,7 +485,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         return tuple(value) if name == "betas" else value
     def conflicts(self, stored: StudySpec) -> list[str]:
         """Fields in which this spec disagrees with the one a study directory was created with: the settings
-        declared with the role ``trial`` (:data:`raystudy.settings.ROLES`; compared as resolved:
+        declared with the role ``trial`` (:data:`raystudy.setting_roles.ROLES`; compared as resolved:
         :meth:`trial_value`), a dataset's store, a dataset's resolved protocol where either spec overrides it
         (``datasets.clipart.steps: stored 20000, given 10000``), the probe's settings of role ``probe``, and
         the plasticity pairing (role ``plasticity``) when both specs measure plasticity."""
@@ -509,7 +509,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         return out + self._plasticity_conflicts(stored)
 
     def row_conflicts(self, rows: dict[str, dict]) -> list[str]:
-        """Settings of role ``row`` (:data:`raystudy.settings.ROLES`) in which finished trials' rows
+        """Settings of role ``row`` (:data:`raystudy.setting_roles.ROLES`) in which finished trials' rows
         (``{trial id: row}``) disagree with this spec (``trials/<id>: steps ran 6, the spec says 9``), one per
         field, the first trial named: what each finished trial's row records of how it ran, checked at every
         launch (a hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean). The value
@@ -592,6 +592,6 @@ def _file_order(cls: type | None = None) -> list[str]:
 
 def flag_fields(cls: type | None = None) -> list[str]:
     """The fields of ``cls`` (default :class:`StudySpec`) that a ``raystudy study`` flag sets: its settings
-    declared with the role ``study_flag`` (:data:`raystudy.settings.ROLES`), in the order of a preset file."""
+    declared with the role ``study_flag`` (:data:`raystudy.setting_roles.ROLES`), in the order of a preset file."""
     flagged = fields_with(cls or StudySpec, "study_flag")
     return [name for name in _file_order(cls) if name in flagged]

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from raystudy.settings import ProtocolSettings, fields_with
+from raystudy.setting_roles import fields_with
+from raystudy.settings import ProtocolSettings
 from raystudy.study.checks import SpecError
 from raystudy.vocab import did_you_mean
 

@@ -17,6 +17,7 @@ import torch
 from raystudy.core.expressions import Budgeted, Combination, ExpressionError, parse
 from raystudy.core.models import resolve_img_size
 from raystudy.data.modality import absolute_model
+from raystudy.setting_roles import absolute_paths, legacy_values
 from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-exported by raystudy.core.finetune
     HEAD_INITS,  # noqa: F401
     WARMUP_FRACTION,  # noqa: F401  (re-exported by raystudy.core.finetune)
@@ -24,9 +25,7 @@ from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-export
     ModelSettings,
     ProtocolSettings,
     RunSettings,
-    legacy_values,
     problems,
-    resolve_paths,
     warmup_of,
 )
 from raystudy.storage import absolute_path
@@ -41,7 +40,7 @@ RENAMED_KEYS = {"component": "configuration"}
 #: :mod:`raystudy.faults`). :meth:`FinetuneConfig.from_dict` ignores them.
 MOVED_KEYS = ("workers", "gpus_per_worker", "cpus_per_worker", "max_failures", "keep_checkpoints",
               "cleanup_checkpoints", "fail_after_step")
-# What a setting means to a run is declared on the setting (raystudy.settings.ROLES): the fields a checkpoint
+# What a setting means to a run is declared on the setting (raystudy.setting_roles.ROLES): the fields a checkpoint
 # must agree on are ``fields_with(FinetuneConfig, "resume")`` (others, e.g. eval_period or the workers, may
 # change), the paths made absolute on construction ``fields_with(FinetuneConfig, "path")`` (Ray workers do not
 # run in the caller's directory), and what an older ``config.json`` lacks ``legacy_values(FinetuneConfig)``.
@@ -94,7 +93,7 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         self.model_kwargs = dict(self.model_kwargs or {})
         if self.amp_bf16 and self.precision is None:
             self.precision = "bf16"
-        resolve_paths(self, absolute_path)
+        absolute_paths(self, absolute_path)
         self.model = absolute_model(self.model)
         if self.img_size is None:
             self.img_size = resolve_img_size(self.model, self.model_kwargs)
@@ -171,7 +170,7 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     def from_dict(cls, d: dict) -> FinetuneConfig:
         """The config of ``d`` (e.g. a run's ``config.json``); the keys of older files are accepted:
         :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored, missing fields declared with a
-        ``legacy`` value (:func:`~raystudy.settings.legacy_values`) and ``precision`` (``amp_bf16``'s value)
+        ``legacy`` value (:func:`~raystudy.setting_roles.legacy_values`) and ``precision`` (``amp_bf16``'s value)
         filled in with what such a file's run did."""
         d = {**legacy_values(cls), **d}
         d.setdefault("precision", "bf16" if d.get("amp_bf16") else "fp32")

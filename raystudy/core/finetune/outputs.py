@@ -14,7 +14,7 @@ import torch
 from raystudy.core.expressions import Budgeted, canonical, normalise
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.data.modality import modality_of_model
-from raystudy.settings import fields_with
+from raystudy.setting_roles import fields_with
 from raystudy.storage import join, write_bytes_atomic, write_json_atomic, write_parquet_atomic
 from raystudy.vocab import RUN_CURVE_COLUMNS, columns
 
@@ -46,7 +46,7 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     then every key of :data:`RESULT_DEFAULTS` (``results`` or the default) and ``error`` when given.
 
     The ``trials.parquet`` columns less trial_id, dataset and model, plus throughput, memory and restores,
-    every setting of role ``row`` (:data:`raystudy.settings.ROLES`: the data path, ...), what its throughput
+    every setting of role ``row`` (:data:`raystudy.setting_roles.ROLES`: the data path, ...), what its throughput
     counts (``inputs``: images, sequences), the precision the run used (``fp32`` | ``bf16``) and whether it was
     compiled.
     ``units`` is the canonical expression of what the run trained (:attr:`Selection.chosen`: a budget's

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from raystudy.core.finetune.config import RENAMED_KEYS, FinetuneConfig
-from raystudy.settings import accuracy_batches, fields_with, legacy_values
+from raystudy.setting_roles import fields_with, legacy_values
+from raystudy.settings import accuracy_batches
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def fingerprint(obj) -> str:
 
 def resume_config(cfg: FinetuneConfig) -> dict:
     """The fields of ``cfg`` a checkpoint records and must agree on (its settings declared with the role
-    ``resume``: :func:`~raystudy.settings.fields_with`), and the batches of a per-batch accuracy
+    ``resume``: :func:`~raystudy.setting_roles.fields_with`), and the batches of a per-batch accuracy
     (:func:`~raystudy.settings.accuracy_batches`)."""
     batches, keys = accuracy_batches(cfg), fields_with(cfg, "resume")
     return {**{k: v for k, v in cfg.to_dict().items() if k in keys},
