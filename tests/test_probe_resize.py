@@ -154,5 +154,5 @@ def test_a_studys_resize_reaches_its_probe_job_and_the_cli_flag_sets_it(store, t
     assert job_from_args(build_parser().parse_args(argv)).resize == "crop"
     with pytest.raises(SystemExit):
         build_parser().parse_args([*argv, "--resize", "squash"])
-    with pytest.raises(ValueError, match="resize 'squash'"):
+    with pytest.raises(ValueError, match="probe job: resize: 'squash' expected one of"):
         _job(store, resize="squash").validate()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from raystudy.core.probe import probe_row, probe_trial_id
 from raystudy.distributed.probe import run_probe_job
+from raystudy.setting_roles import legacy_values
 from raystudy.storage import join, read_text
 from raystudy.study.jobs import probe_job
 from raystudy.study.progress import echo as _echo
@@ -33,9 +34,8 @@ Echo = Callable[[str], object]
 #: how it runs): a ``probe.json`` is reused only when they all agree
 RESULT_FIELDS: tuple[str, ...] = ("store", "model", "seed", "weights", "pretrained", "model_kwargs", "img_size",
                                   "augment", "data_path", "resize")
-#: what a ``probe.json`` written before a field existed ran with (its feature pass decoded, in float32, its
-#: eval transform the crop)
-LEGACY_JOB = {"data_path": "decode", "resize": "crop"}
+#: the precision a ``probe.json`` written before it was recorded ran in (the fields it lacks read as their
+#: settings' ``legacy`` values, :func:`~raystudy.setting_roles.legacy_values`: decoded, the crop)
 LEGACY_PRECISION = "fp32"
 
 
@@ -63,7 +63,7 @@ def stored_result(job) -> dict | None:
         result = json.loads(text)
     except json.JSONDecodeError:
         return None  # a torn write: run the probe again
-    mine, theirs = asdict(job), {**LEGACY_JOB, **(result.get("job") or {})}
+    mine, theirs = asdict(job), {**legacy_values(job), **(result.get("job") or {})}
     same = all(mine[k] == theirs.get(k) for k in RESULT_FIELDS)
     return result if same and result.get("precision", LEGACY_PRECISION) == job.resolved_precision() else None
 
