@@ -66,7 +66,7 @@ DATA_PATHS: tuple[str, ...] = ("cache", "decode")
 #: worker; no per-trial worker-group start); ``auto``: ``actor`` for one worker per trial, else ``train``.
 EXECUTIONS: tuple[str, ...] = ("auto", "train", "actor")
 #: How plasticity pairs pretraining and downstream images: seeded random, or the i-th with the i-th
-#: (the authors' unshuffled loaders; :mod:`raystudy.distributed.pairing`).
+#: (the authors' unshuffled loaders; :mod:`raystudy.data.pairing`).
 PAIRINGS: tuple[str, ...] = ("random", "sequential")
 #: what MHA receives in ``embedding`` mode: the embeddings themselves (the paper's definition) or the
 #: embeddings through the block's LN1 (the authors' GPT-2 script, ``get_decomposition``)

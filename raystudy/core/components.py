@@ -521,9 +521,3 @@ def trainable_parameters(
 
 def count_parameters(params: list[tuple[str, nn.Parameter]]) -> int:
     return sum(p.numel() for _, p in params)
-
-
-def component_modules(model: nn.Module) -> list[BlockComponents]:
-    """Shorthand for ``get_adapter(model).blocks()``."""
-    return get_adapter(model).blocks()
-

@@ -164,7 +164,7 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
     Attributes:
         model: timm model name (e.g. ``vit_base_patch16_224.augreg_in21k``), or ``hf:<dir>`` for a Hugging
             Face text model measured on text stores (``hf:<package>``: see
-            :mod:`raystudy.distributed.text_pairs`).
+            :mod:`raystudy.data.text_rows`).
         weights: local weights file (``.safetensors`` or PyTorch state dict); ``None`` keeps the random
             init, seeded from ``seed`` so that every worker holds the same model.
         model_kwargs: extra ``timm.create_model`` arguments (e.g. a tiny ViT's sizes).

@@ -346,8 +346,3 @@ def run_probe_job(job: ProbeJob, *, address: str | None = None) -> dict:
     if job.out_dir is not None:
         result["path"] = storage.write_json_atomic(storage.join(job.out_dir, "probe.json"), result)
     return result
-
-
-def run_probe(store: str, model: str, *, seed: int = 0, address: str | None = None, **fields) -> dict:
-    """:func:`run_probe_job` of ``ProbeJob(store=store, model=model, seed=seed, **fields)``."""
-    return run_probe_job(ProbeJob(store=store, model=model, seed=seed, **fields), address=address)

@@ -119,7 +119,7 @@ class PlasticitySpec(PlasticitySettings):
     :attr:`StudySpec.PLASTICITY_FIELDS` of a study that measured plasticity is refused on resume.
     ``seq_len`` and ``tokenizer``: a text model (``model: hf:...``) on text stores, whose pairs are windows of
     ``seq_len`` tokens cut with ``tokenizer`` (default: the model folder's ``tokenizer.json``); see
-    :mod:`raystudy.distributed.text_pairs`.
+    :mod:`raystudy.data.text_rows`.
     """
 
     enabled: bool = setting(True, help="measure the plasticity of every dataset")
