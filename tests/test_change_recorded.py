@@ -25,8 +25,8 @@ from raystudy.core.finetune import FinetuneConfig, Finetuner, train_local
 from raystudy.data.store import read_split
 from raystudy.data.transforms import transform_batch
 from raystudy.io import read_result
+from raystudy.study.points import grid_point
 from raystudy.study.results import ResultTables, load_study, part_name, trial_dir, trial_row
-from raystudy.study.spec import grid_point
 
 N_IMAGES = 6
 

@@ -116,7 +116,8 @@ def test_auto_budget_resolved_by_the_study_job_trains_its_units(store, tmp_path)
     """``auto:28%`` through ``finetune_job`` with a constructed plasticity table: the units are packed in
     plasticity order (checked by hand below), recorded in ``selection`` and the summary, and trained alone."""
     from raystudy.study.jobs import finetune_job
-    from raystudy.study.spec import StudySpec, grid_point
+    from raystudy.study.points import grid_point
+    from raystudy.study.spec import StudySpec
 
     # All (head excluded) of the tiny ViT: embedding + blocks + final norm
     emb = 3 * 8 * 8 * D + D + D + 17 * D

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from conftest import kill_at_first_checkpoint, make_store
 
-from raystudy.core.components import CONFIGURATIONS
 from raystudy.core.finetune import (
     MOVED_KEYS,
     DirectoryCheckpointer,
@@ -34,8 +33,9 @@ from raystudy.core.finetune import (
     train_step,
     warmup_cosine,
 )
-from raystudy.distributed.train import TrainResources, failed_summary, run_config_dict, split_legacy
-from raystudy.vocab import RUN_CURVE_COLUMNS, columns
+from raystudy.core.finetune.driver import failed_summary
+from raystudy.distributed.train import TrainResources, run_config_dict, split_legacy
+from raystudy.vocab import CONFIGURATIONS, RUN_CURVE_COLUMNS, columns
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
 D, H, L, C = 48, 192, 3, 10

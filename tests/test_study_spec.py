@@ -11,8 +11,10 @@ import pandas as pd
 import pytest
 
 from raystudy.io import read_result
+from raystudy.study.checks import SpecError
+from raystudy.study.points import trial_id
 from raystudy.study.results import ResultTables, trial_dir, trial_row
-from raystudy.study.spec import SpecError, StudySpec, load_preset, preset_names, trial_id
+from raystudy.study.spec import StudySpec, load_preset, preset_names
 
 PAPER_DATASETS = {
     "cifar10", "cifar100", "cifar10c-contrast", "cifar10c-gaussian_noise", "cifar10c-motion_blur",

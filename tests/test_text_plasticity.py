@@ -179,8 +179,9 @@ def test_kind_mismatch_names_store_and_model(text_setup, tmp_path):
 
 def test_study_spec_plasticity_job_of_a_text_model(text_setup):
     """``plasticity.seq_len`` / ``tokenizer`` reach the job; a text model gets no img_size; seq_len required."""
+    from raystudy.study.checks import SpecError
     from raystudy.study.jobs import plasticity_job
-    from raystudy.study.spec import SpecError, StudySpec, load_preset
+    from raystudy.study.spec import StudySpec, load_preset
 
     spec = load_preset("plasticity-text-demo")
     spec.validate(check_files=False)

@@ -18,7 +18,6 @@ import pandas as pd
 
 from raystudy import __version__, storage
 from raystudy.analysis.control import ranking_headlines
-from raystudy.analysis.figures import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
     DEFAULT_FIXED_RUN,
@@ -31,6 +30,7 @@ from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_r
 from raystudy.analysis.render import SELECTION_RULES, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
 from raystudy.analysis.stats import configuration_order
+from raystudy.analysis.style import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.vtab import selection_text
 from raystudy.vocab import LINEAR_PROBE
 

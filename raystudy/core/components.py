@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from raystudy.core.input_checks import check_pair_batches
-from raystudy.vocab import COMPONENTS, CONFIGURATIONS  # noqa: F401  (public names, re-exported here)
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
 
 class UnsupportedModelError(TypeError):

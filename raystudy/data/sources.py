@@ -44,10 +44,7 @@ import numpy as np
 
 from ..terminal import progress_bar
 from .images import ImageError, open_image
-from .readers import (  # noqa: F401  (the readers' public names, importable here as before the split)
-    CIFAR10_CLASSES,
-    CIFAR10C_CORRUPTIONS,
-    PAPER_CORRUPTIONS,
+from .readers import (
     Candidate,
     Listing,
     read_cifar10,

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from raystudy.data.sources import Candidate, prepare_candidates
+from raystudy.data.readers import Candidate
+from raystudy.data.sources import prepare_candidates
 from raystudy.data.store import StoreError, read_meta, verify_store
 
 NUM_CLASSES = 10

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray import tune
 
-from raystudy.distributed.train import failed_summary
+from raystudy.core.finetune.driver import failed_summary
 from raystudy.study.health import disk_full
 from raystudy.study.jobs import finetune_job
 from raystudy.study.progress import Progress

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from raystudy.core.expressions import Budgeted, normalise, resolve
-from raystudy.core.finetune import FinetuneConfig
+from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
 from raystudy.distributed.probe import ProbeJob

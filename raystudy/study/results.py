@@ -56,8 +56,7 @@ import pyarrow.parquet as pq
 
 from raystudy.io import TableError, read_result, write_result
 from raystudy.storage import delete_dir, exists, filesystem, join, move_aside, read_text, write_parquet_atomic
-from raystudy.study.points import phase_of
-from raystudy.study.spec import grid_point
+from raystudy.study.points import grid_point, phase_of
 from raystudy.vocab import (
     FINAL_STATUSES,
     LINEAR_PROBE,

@@ -71,9 +71,9 @@ from raystudy.settings import (
     warmup_of,
 )
 from raystudy.study import checks
-from raystudy.study.checks import TRACKERS, SpecError  # noqa: F401  (SpecError, TRACKERS: importable here)
-from raystudy.study.points import format_lr, grid_point, trial_id  # noqa: F401  (their home before points.py)
-from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTOCOL_FIELDS: importable here)
+from raystudy.study.checks import SpecError
+from raystudy.study.points import grid_point
+from raystudy.study.spec_values import (
     PROTOCOL_FIELDS,
     DatasetOverrides,
     _dataset_entry,
