@@ -10,16 +10,8 @@ Imports only :mod:`raystudy.vocab`, so the CLI can offer these choices without l
 
 from __future__ import annotations
 
-from raystudy.vocab import check_name
+from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, check_name
 
-#: ``scipy.stats.wilcoxon`` alternatives; ``"greater"``: the reference configuration is better.
-ALTERNATIVES: tuple[str, ...] = ("greater", "two-sided", "less")
-#: What one Wilcoxon pair is: a dataset (best-lr means over seeds) or a (dataset, seed) pair.
-PAIR_BY: tuple[str, ...] = ("dataset", "dataset_seed")
-
-#: How the best learning rate of a sweep is chosen: by its mean test accuracy over seeds (the paper's
-#: Table 8) or by its mean best-validation accuracy (validation only: test never chooses; VTAB-1k's rule).
-SELECT_BY: tuple[str, ...] = ("test", "val")
 #: the paper's tables' rule (and a study spec's default); an analysis given ``select_by=None`` uses it for them
 #: and validation for VTAB-1k's table (:data:`raystudy.analysis.vtab.VTAB_SELECT_BY`, the benchmark's rule)
 DEFAULT_SELECT_BY = "test"

@@ -194,7 +194,7 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
                    round_to: int | None = DEFAULT_ROUND, notes: list[str] | None = None,
                    select_by: str | None = None) -> dict[str, pd.DataFrame]:
     """Every table computable from ``inputs`` (pure: writes nothing). Omitted ones are explained in ``notes``;
-    ``select_by``: how each sweep's best lr is chosen (:data:`~raystudy.analysis.options.SELECT_BY`; None:
+    ``select_by``: how each sweep's best lr is chosen (:data:`~raystudy.vocab.SELECT_BY`; None:
     test for the paper's tables, validation for VTAB-1k's, :func:`selection_rules`)."""
     check_options(reference, alternative, pair_by, round_to, select_by)
     canonical_reference(reference)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from raystudy.analysis.options import (
-    ALTERNATIVES,
     DEFAULT_ALTERNATIVE,
     DEFAULT_FIXED_RUN,
     DEFAULT_PAIR_BY,
@@ -14,11 +13,9 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
     DEFAULT_SELECT_BY,
     FIXED_RUN_KEYS,
-    PAIR_BY,
-    SELECT_BY,
     check_selection,
 )
-from raystudy.vocab import TRIALS_CONFIGURATIONS
+from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, TRIALS_CONFIGURATIONS
 
 
 def _seeds(text: str) -> list[int]:

@@ -12,12 +12,22 @@ import argparse
 import json
 
 from raystudy.data.modality import modality_of_store
-from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES, prepare, prepare_vtab1k
-from raystudy.data.splits import SPLIT_RULES
+from raystudy.data.sources import prepare, prepare_vtab1k
 from raystudy.data.store import read_meta, verify_store
-from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS, prepare_default
-from raystudy.data.text import TEXT_SOURCES, WIKITEXT_UNITS, prepare_text
+from raystudy.data.synthetic import DEFAULT_NAMES, prepare_default
+from raystudy.data.text import prepare_text
 from raystudy.storage import absolute_path
+from raystudy.vocab import (
+    BAD_IMAGE_POLICIES,
+    DATA_PATHS,
+    LOW_DATA,
+    POOLABLE,
+    SOURCES,
+    SPLIT_RULES,
+    TEXT_SOURCES,
+    VARIANTS,
+    WIKITEXT_UNITS,
+)
 
 
 def register(subparsers) -> None:
@@ -188,7 +198,7 @@ def _add_preview(sub) -> None:
     pv.add_argument("--split", default="train", help="split to preview (default train)")
     pv.add_argument("--n", type=int, default=16, help="images, the split's first rows (default 16)")
     pv.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
-    pv.add_argument("--data-path", choices=("cache", "decode"), default="cache",
+    pv.add_argument("--data-path", choices=DATA_PATHS, default="cache",
                     help="whose crops: the uint8 cache's (default) or the decode path's torchvision transform")
     pv.add_argument("--img-size", type=int, default=224, help="model input side (default 224)")
     pv.add_argument("--cache-dir", help="root of the uint8 caches (default STORE/cache)")

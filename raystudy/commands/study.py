@@ -19,9 +19,8 @@ import sys
 from raystudy.cli import Parser, interrupted, setup_logging
 from raystudy.settings import add_flags
 from raystudy.storage import exists
-from raystudy.study.checks import TRACKERS
 from raystudy.study.spec import StudySpec, load_preset, preset_names
-from raystudy.vocab import CONFIGURATIONS, RANDOM_INIT
+from raystudy.vocab import CONFIGURATIONS, RANDOM_INIT, TRACKERS
 
 DESCRIPTION = (
     "Run a study: the grid dataset x configuration x optimizer x lr x seed of finetuning runs on Ray Tune "

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from raystudy.vocab import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES, SPLIT_RULES
+
 from ..terminal import progress_bar
 from .images import ImageError, open_image
 from .readers import (
@@ -59,7 +61,6 @@ from .readers import (
 from .splits import (
     AUTHORS_RULE,
     RULE,
-    SPLIT_RULES,
     VTAB_TRAIN,
     VTAB_VAL,
     assign_splits,
@@ -71,10 +72,6 @@ from .splits import (
 from .store import StoreError, write_store
 from .vtab import read_vtab1k, resolve_tasks
 
-SOURCES = ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets", "imagenet", "imagefolder",
-           "vtab1k", "synthetic")
-BAD_IMAGE_POLICIES = ("error", "skip")
-LOW_DATA = ("vtab1k", "authors")
 #: The store name's suffix of each low-data variant (``cifar100-ld``: the authors' ``cifar100ld``).
 LOW_DATA_SUFFIX = {"vtab1k": "-vtab1k", "authors": "-ld"}
 #: Sources the authors split with ``deterministic_split``, and whether their training pool is then sorted
@@ -82,7 +79,6 @@ LOW_DATA_SUFFIX = {"vtab1k": "-vtab1k", "authors": "-ld"}
 AUTHORS_SPLIT = {"cifar10c": True, "domainnet": False}
 #: Sources of the authors' low-data runs (``*ld.py``); the others have official train/test splits.
 AUTHORS_LOW_DATA_SOURCES = ("cifar100", "cifar10c", "domainnet", "pets")
-POOLABLE = ("val", "test")
 #: Sources torchvision can download into the layout the readers expect (``--download``).
 TORCHVISION = {"cifar10": "CIFAR10", "cifar100": "CIFAR100", "flowers102": "Flowers102", "pets": "OxfordIIITPet"}
 # ----------------------------------------------------------------------------- images

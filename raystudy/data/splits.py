@@ -46,8 +46,6 @@ SPLITS: tuple[str, ...] = ("train", "val", "test")
 TEST_FRACTION = 0.2
 VAL_FRACTION = 0.2
 VTAB_TRAIN, VTAB_VAL = 800, 200
-#: How a store's test split is drawn where the source has none: raystudy's hashed rule, or the authors'.
-SPLIT_RULES: tuple[str, ...] = ("hashed", "authors")
 AUTHORS_SEED = 42
 AUTHORS_TRAIN_SIZE = 0.8
 AUTHORS_LOW_DATA = 1000

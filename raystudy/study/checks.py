@@ -23,13 +23,11 @@ from raystudy.data.pairing import check_pretrain_split
 from raystudy.data.splits import SPLITS
 from raystudy.data.store import StoreError, check_store, required_splits_problem
 from raystudy.settings import ModelSettings, PlasticitySettings, ProbeSettings, ProtocolSettings, problems
-from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, check_name
+from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, TRACKERS, check_name
 
 if TYPE_CHECKING:
     from raystudy.study.spec import StudySpec
 
-#: experiment trackers a study can log to through Ray Tune's own integrations (``tracking: [wandb]``)
-TRACKERS: tuple[str, ...] = ("wandb", "mlflow")
 
 
 #: names go into trial ids and directory names

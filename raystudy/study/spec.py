@@ -56,7 +56,7 @@ from typing import Any, ClassVar
 import yaml
 
 from raystudy import storage
-from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY, SELECT_BY
+from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -91,7 +91,7 @@ from raystudy.study.spec_values import (
     load_yaml,
     unknown_field,
 )
-from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, did_you_mean
+from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, SELECT_BY, did_you_mean
 
 log = logging.getLogger(__name__)
 
