@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pyarrow.fs as pafs
 
@@ -25,10 +25,9 @@ from raystudy.data.store import StoreError, check_store, required_splits_problem
 from raystudy.settings import ModelSettings, PlasticitySettings, ProbeSettings, ProtocolSettings, problems
 from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, TRACKERS, check_name
 
-if TYPE_CHECKING:
-    from raystudy.study.spec import StudySpec
-
-
+#: A :class:`raystudy.study.spec.StudySpec`, read by its fields only: ``spec.py`` imports this module (its
+#: ``validate`` calls :func:`validate`), so this one imports neither it nor :mod:`raystudy.study.spec_values`.
+StudySpec = Any
 
 #: names go into trial ids and directory names
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")

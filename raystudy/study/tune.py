@@ -403,7 +403,7 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
         outcome = StudyOutcome(study_dir=spec.out, total=plan.total, launched=plan.to_launch,
                                counts=tables.counts(), probes=tables.counts(probes=True))
         if spec.analysis:
-            from raystudy.analysis import report  # pandas, scipy, matplotlib: only for a spec that asks
+            from raystudy.analysis.html_report import report  # scipy: only for a spec that asks
 
             t0 = time.monotonic()
             outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,
