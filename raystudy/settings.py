@@ -486,7 +486,7 @@ class PlasticityRun:
     """One plasticity job's stores, output directory and pipeline knobs (beside its model and
     :class:`PlasticitySettings`)."""
 
-    pretrain: str = setting(flag="--pretrain", aliases=("--pretrain-store",), metavar="STORE",
+    pretrain: str = setting(flag="--pretrain-store", metavar="STORE",
                             help="prepared store of the pretraining side (x)")
     downstream: list[str] = setting(flag="--downstream", aliases=("--downstream-stores",), metavar="STORE",
                                     help="prepared downstream store(s) (y)")

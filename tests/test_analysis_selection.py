@@ -94,7 +94,7 @@ def test_the_cli_reaches_both_options(tmp_path, capsys):
 
     path = _study(tmp_path)
     out = tmp_path / "cli"
-    assert main(["analyze", str(path), "--out", str(out), "--seeds", "0", "--fixed-run", "sketch,0,0.01"]) == 0
+    assert main(["analyze", str(path), "--out", str(out), "--analysis-seeds", "0", "--fixed-run", "sketch,0,0.01"]) == 0
     want = run_analysis(path, seeds=[0], figures=False, out_dir=tmp_path / "api").tables["lr_grid"]
     got = pd.read_csv(out / "lr_grid.csv")
     assert got["n_trials"].tolist() == want["n_trials"].tolist()

@@ -288,3 +288,66 @@ def test_the_guide_names_the_components_of_the_vocabulary():
     named = re.search(r"a \*component\* is one of `([^`]+)`", text)
     assert named, "docs/architecture.md: 'a *component* is one of `...`' not found"
     assert tuple(c.strip() for c in named.group(1).split(",")) == COMPONENTS
+
+
+#: dests that name one idea under two names (a study's field for it, a job's): the same flag may set either
+SAME_IDEA: tuple[frozenset[str], ...] = (
+    frozenset({"configuration", "configurations"}),  # one run's, a study's list
+    frozenset({"out", "out_dir"}),
+    frozenset({"seed", "seeds"}),  # `raystudy study --seed 0` is `--seeds 0`: the grid of one seed
+    frozenset({"workers", "workers_per_trial"}),  # a study's runs: DDP workers per trial
+    frozenset({"store", "store_flag"}),
+    frozenset({"img_size", "size"}),
+)
+#: flags another change gives one meaning (``--bf16``: ``precision`` in one command, ``amp_bf16`` in another)
+ONE_MEANING_PENDING = {"--bf16"}
+
+
+def cli_flags() -> dict[str, dict[str, set[str]]]:
+    """sub-command (``"data prepare"``) -> option string -> the dests it sets there."""
+    import argparse
+
+    from raystudy.cli import build_parser
+
+    out: dict[str, dict[str, set[str]]] = {}
+
+    def walk(parser, prefix: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{prefix} {name}".strip())
+            for option in action.option_strings:
+                out.setdefault(prefix, {}).setdefault(option, set()).add(action.dest)
+
+    walk(build_parser(), "")
+    return out
+
+
+def flags_with_two_meanings(flags: dict[str, dict[str, set[str]]]) -> dict[str, set[str]]:
+    """option string -> its dests across sub-commands, where they are not one idea (:data:`SAME_IDEA`)."""
+    dests: dict[str, set[str]] = {}
+    for options in flags.values():
+        for option, names in options.items():
+            dests.setdefault(option, set()).update(names)
+    return {o: d for o, d in dests.items() if len(d) > 1 and not any(d <= same for same in SAME_IDEA)}
+
+
+def test_flags_with_two_meanings_are_found():
+    flags = {"a": {"--split": {"split"}, "--out": {"out"}}, "b": {"--split": {"split_rule"}, "--out": {"out_dir"}}}
+    assert flags_with_two_meanings(flags) == {"--split": {"split", "split_rule"}}
+
+
+def test_a_flag_means_one_thing_in_every_sub_command():
+    flags = cli_flags()
+    assert {"study", "finetune", "plasticity", "probe", "analyze", "data prepare"} <= set(flags)
+    two = {o: d for o, d in flags_with_two_meanings(flags).items() if o not in ONE_MEANING_PENDING}
+    assert not two, f"flags that set different things in different sub-commands (rename the odd one out): {two}"
+    # the meanings docs/architecture.md ("CLI flags") gives them
+    having = {option: sorted(cmd for cmd, options in flags.items() if option in options)
+              for option in ("--seeds", "--analysis-seeds", "--threads", "--pretrain-store", "--split-rule")}
+    assert having == {"--seeds": ["study"], "--analysis-seeds": ["analyze", "report"], "--threads": ["data prepare"],
+                      "--pretrain-store": ["plasticity"], "--split-rule": ["data prepare"]}
+    workers = sorted(cmd for cmd, options in flags.items() if "--workers" in options)
+    assert workers == ["finetune", "plasticity", "probe", "study"]
+    assert all({"--cpus-per-worker", "--gpus-per-worker"} <= set(flags[cmd]) for cmd in workers), \
+        "--workers counts Ray workers, each with --cpus-per-worker and --gpus-per-worker"

@@ -515,8 +515,8 @@ def test_modality_strings_only_in_the_modality_module():
 # ------------------------------------------------------------------------------ layers
 
 FOUNDATION = ("vocab", "storage", "io", "faults", "settings", "terminal")
-#: The one core module the analysis may import: the configuration-expression grammar (pure Python over the
-#: vocabulary at import), to read the expressions in trials tables.
+#: The one core module the analysis may import: the configuration-expression grammar, to read the expressions
+#: in trials tables (it loads torch: docs/architecture.md, "Layers").
 ANALYSIS_MAY_IMPORT = ("raystudy.core.expressions",)
 #: layer -> the layers it may import (docs/architecture.md, "Layers"); nothing imports upward.
 ALLOWED_IMPORTS = {

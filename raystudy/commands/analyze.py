@@ -19,7 +19,7 @@ from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, TRIALS_CONFIGURATIO
 
 
 def _seeds(text: str) -> list[int]:
-    """``--seeds 0,42`` -> ``[0, 42]``."""
+    """``--analysis-seeds 0,42`` -> ``[0, 42]``."""
     try:
         seeds = [int(s) for s in text.split(",")]
         check_selection(seeds, None)
@@ -64,8 +64,9 @@ def _options(p: argparse.ArgumentParser) -> None:
                    help="choose each sweep's best lr by its mean test accuracy over seeds (the paper's rule, the "
                         f"default of the paper's tables: {DEFAULT_SELECT_BY}) or by its mean best-validation "
                         "accuracy (val: test never chooses; the default of VTAB-1k's table without final rows)")
-    p.add_argument("--seeds", type=_seeds, default=DEFAULT_SEEDS, metavar="S,S",
-                   help="only these seeds' trials in every table and figure (the paper's Table 9: --seeds 0; "
+    p.add_argument("--analysis-seeds", dest="seeds", type=_seeds, default=DEFAULT_SEEDS, metavar="S,S",
+                   help="only these seeds' trials in every table and figure (the paper's Table 9: "
+                        "--analysis-seeds 0; the spec's analysis_seeds; "
                         "default: every seed)")
     p.add_argument("--fixed-run", type=_fixed_run, default=DEFAULT_FIXED_RUN, metavar="DATASET,SEED,LR",
                    help="also draw the curves of each configuration's run at this dataset, seed and lr (the "

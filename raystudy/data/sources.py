@@ -182,10 +182,10 @@ def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...
     if split_rule not in SPLIT_RULES:
         raise ValueError(f"split rule must be one of {SPLIT_RULES}, got {split_rule!r}")
     if split_rule == "authors" and source not in AUTHORS_SPLIT:
-        raise ValueError(f"--split authors: the authors split only {sorted(AUTHORS_SPLIT)} this way; "
+        raise ValueError(f"--split-rule authors: the authors split only {sorted(AUTHORS_SPLIT)} this way; "
                          f"{source} keeps its official splits")
     if split_rule == "authors" and pool:
-        raise ValueError("--split authors draws its own train/test split; drop --pool")
+        raise ValueError("--split-rule authors draws its own train/test split; drop --pool")
     if source == "vtab1k" and (low_data or pool):
         raise ValueError("vtab1k: the task folder's train800/val200/test lists are the splits; drop --low-data "
                          "and --pool")
@@ -195,7 +195,7 @@ def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...
                              f"not {source}")
         if source in AUTHORS_SPLIT and split_rule != "authors":
             raise ValueError(f"--low-data authors for {source} draws from the authors' training pool: "
-                             "add --split authors")
+                             "add --split-rule authors")
 
 
 def _low_data_info(low_data: str | None, n_classes: int, source: str) -> dict | None:

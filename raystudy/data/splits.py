@@ -19,7 +19,7 @@ from the training pool (``train`` and ``val`` above), class-balanced where possi
 ``(rank within class, key)`` -- round-robin over classes -- and the first 1,000 are kept; of those,
 200 are taken for ``val`` by :func:`stratified_take`. The test split is unchanged.
 
-The paper authors' rules (``--split authors``, ``--low-data authors``; their ``src/vitef/utils.py`` and
+The paper authors' rules (``--split-rule authors``, ``--low-data authors``; their ``src/vitef/utils.py`` and
 ``src/vitef/data/images/*ld.py``, branch ``dev``), reproduced image for image:
 
 * :func:`deterministic_split` ``(n)``: ``np.random.seed(42)``, a permutation of ``range(n)``; its first
