@@ -147,7 +147,7 @@ def test_a_resumed_run_records_what_the_uninterrupted_run_does(files, tmp_path):
     from_step_2 = Finetuner(cfg)
     from_step_2.load(ckpt)  # what a resume that took its start from the checkpoint would compare with
     with torch.no_grad():
-        moved = {n: float((p - from_step_2.start_state[n]).norm()) for n, p in from_step_2.selection.trainable}
+        moved = {n: float((p - from_step_2.start_state[n]).norm()) for n, p in from_step_2.trained.trainable}
     assert max(moved.values()) > 0
 
 

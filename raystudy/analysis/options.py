@@ -45,7 +45,7 @@ def check_options(reference: str, alternative: str, pair_by: str, round_to: int 
         raise ValueError(f"round_to: decimals of a percent from 0 to {MAX_ROUND}, or None; got {round_to!r}")
 
 
-def check_selection(seeds, fixed_run) -> None:
+def check_subset(seeds, fixed_run) -> None:
     """Reject a ``seeds`` that is not None or a non-empty list of ints, and a ``fixed_run`` that is not None
     or a mapping of exactly :data:`FIXED_RUN_KEYS` (a dataset name, an int seed, a positive lr)."""
     if seeds is not None and (isinstance(seeds, str | bytes) or not hasattr(seeds, "__iter__") or not list(seeds)

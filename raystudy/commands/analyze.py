@@ -13,7 +13,7 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
     DEFAULT_SELECT_BY,
     FIXED_RUN_KEYS,
-    check_selection,
+    check_subset,
 )
 from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, TRIALS_CONFIGURATIONS
 
@@ -22,7 +22,7 @@ def _seeds(text: str) -> list[int]:
     """``--analysis-seeds 0,42`` -> ``[0, 42]``."""
     try:
         seeds = [int(s) for s in text.split(",")]
-        check_selection(seeds, None)
+        check_subset(seeds, None)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integer seeds ({e})") from None
     return seeds
@@ -35,7 +35,7 @@ def _fixed_run(text: str) -> dict:
         if len(parts) != len(FIXED_RUN_KEYS):
             raise ValueError(f"{len(parts)} value(s)")
         run = dict(zip(FIXED_RUN_KEYS, (parts[0], int(parts[1]), float(parts[2]))))
-        check_selection(None, run)
+        check_subset(None, run)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {','.join(k.upper() for k in FIXED_RUN_KEYS)}, "
                                          f"e.g. sketch,42,0.01 ({e})") from None

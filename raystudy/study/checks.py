@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raystudy import storage
-from raystudy.analysis.options import check_selection
+from raystudy.analysis.options import check_subset
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import check_pretrain_split
 from raystudy.data.splits import SPLITS
@@ -224,7 +224,7 @@ def _check_probe(spec: StudySpec) -> None:
 def _check_analysis(spec: StudySpec) -> None:
     """``analysis_seeds`` and ``fixed_run`` as the analysis takes them (``seeds``, ``fixed_run``)."""
     try:
-        check_selection(spec.analysis_seeds, spec.fixed_run)
+        check_subset(spec.analysis_seeds, spec.fixed_run)
     except ValueError as e:
         why = str(e)
         raise SpecError("analysis_" + why if why.startswith("seeds:") else why) from None

@@ -99,7 +99,7 @@ from raystudy.core.finetune.outputs import (
     write_outputs,
 )
 from raystudy.core.finetune.selection import (
-    Selection,
+    TrainedParameters,
     build_finetune_model,
     enable_fused_attention,
     final_norm_parameters,
@@ -133,7 +133,7 @@ __all__ = [
     "open_split_data", "prepare_caches", "set_matmul_precision", "to_device",
     "CURVE_COLUMNS", "HPARAM_KEYS", "HPARAM_METRICS", "MEMORY_KEYS", "MOVED_KEYS",
     "RENAMED_KEYS", "RESULT_DEFAULTS", "RESUME_KEYS", "RNG_FILE", "STATE_FILE",
-    "Event", "FinetuneConfig", "Finetuner", "MicroBatches", "Selection", "SplitData", "StepResult",
+    "Event", "FinetuneConfig", "Finetuner", "MicroBatches", "TrainedParameters", "SplitData", "StepResult",
     "TensorBoardLogger", "ThroughputMeter", "analytic_memory", "autocast", "build_finetune_model", "curve_row",
     "curves_frame", "epoch_permutation", "evaluate", "final_norm_parameters", "fingerprint", "global_batch",
     "make_optimizer", "make_scheduler", "measured_memory", "read_state", "reset_head", "restore_rng",
