@@ -351,3 +351,46 @@ def test_a_flag_means_one_thing_in_every_sub_command():
     assert workers == ["finetune", "plasticity", "probe", "study"]
     assert all({"--cpus-per-worker", "--gpus-per-worker"} <= set(flags[cmd]) for cmd in workers), \
         "--workers counts Ray workers, each with --cpus-per-worker and --gpus-per-worker"
+
+
+#: words of the "Where each concept lives" table that are not code names: a spec key, a table, a variable
+NOT_CODE = {"final_fit": "a spec key", "plasticity_control": "a table", "RAYSTUDY_FAULTS": "an environment variable"}
+
+
+def concept_names(text: str) -> list[tuple[str, list[str]]]:
+    """``(code name, modules of its row)`` for each name of docs/architecture.md's "Where each concept lives"
+    table that looks like code: ``CamelCase``, ``snake_case`` with an underscore, or written as a call."""
+    section = text[text.index("## Where each concept lives"):text.index("## Table schemas")]
+    out = []
+    for line in section.splitlines():
+        cells = line.split(" | ")
+        if not line.startswith("| ") or len(cells) < 2 or line.startswith(("| concept", "| ---")):
+            continue
+        modules = [p.removesuffix(".py").removesuffix("/").replace("/", ".")
+                   for p in re.findall(r"`(raystudy/[\w/]+(?:\.py|/))`", cells[-1])]
+        for name, end in re.findall(r"`([A-Za-z_]\w*)([`(])", line):
+            call = end == "("
+            camel = re.fullmatch(r"[A-Z][a-z0-9]+[A-Z]\w*", name)
+            if (call or "_" in name.strip("_") or camel) and name not in NOT_CODE:
+                out.append((name, modules))
+    return out
+
+
+def test_concept_names_are_read_from_the_table():
+    text = ("## Where each concept lives\n\n| concept | module |\n| --- | --- |\n"
+            "| starting Ray (`init_ray`), `Store`, `LN1`, `TrainResources`, `build_model(\"hf:\")` | "
+            "`raystudy/distributed/cluster.py`, `raystudy/data/` |\n\n## Table schemas\n")
+    modules = ["raystudy.distributed.cluster", "raystudy.data"]
+    assert concept_names(text) == [("init_ray", modules), ("TrainResources", modules), ("build_model", modules)]
+
+
+def test_the_concept_table_names_what_its_modules_define():
+    names = Names(ROOT)
+    rows = concept_names(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert len(rows) > 20, "expected the table to name the functions and classes where concepts live"
+    missing = []
+    for name, modules in rows:
+        within = [m for m in names.paths for home in modules if m == home or m.startswith(home + ".")]
+        if not any(names.home(m, name) for m in within):
+            missing.append(f"{name} (in {', '.join(modules)})")
+    assert not missing, "docs/architecture.md names what its modules do not define:\n" + "\n".join(missing)

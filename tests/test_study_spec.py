@@ -221,7 +221,7 @@ def _summary(status="ok", acc=0.5, **kw):
 
 
 def _failed(**kw):
-    """A failed run's summary: nulls where it has no result (raystudy.distributed.train.failed_summary)."""
+    """A failed run's summary: nulls where it has no result (raystudy.core.finetune.driver.failed_summary)."""
     return _summary(status="failed", acc=math.nan, best_val_step=None, final_val_loss=math.nan, error="boom", **kw)
 
 
