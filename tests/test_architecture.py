@@ -203,14 +203,16 @@ def test_every___all___lists_the_module_s_own_names():
 
 
 def _reexports(path: Path) -> list[int]:
-    """Lines importing a package name kept unused on purpose (``noqa: F401``), not as ``_name`` (a side
-    effect, such as registering adapters)."""
+    """Lines importing a package name to be importable from here: kept unused on purpose (``noqa: F401``, not
+    as ``_name``, which is a side effect such as registering adapters) or as itself (``name as name``, the
+    typing convention of a re-export)."""
     lines = path.read_text(encoding="utf-8").splitlines()
     out = []
     for node in ast.walk(ast.parse("\n".join(lines))):
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("raystudy")):
             text = "\n".join(lines[node.lineno - 1:node.end_lineno])
-            if "noqa: F401" in text and not all((a.asname or "").startswith("_") for a in node.names):
+            kept = "noqa: F401" in text and not all((a.asname or "").startswith("_") for a in node.names)
+            if kept or any(a.asname == a.name for a in node.names):
                 out.append(node.lineno)
     return out
 
@@ -219,8 +221,9 @@ def test_reexports_are_found(tmp_path):
     (tmp_path / "m.py").write_text("from raystudy.a import b  # noqa: F401\n"
                                    "from raystudy import c as _c  # noqa: F401\n"
                                    "from . import (  # noqa: F401\n    d,\n)\n"
-                                   "from raystudy.e import f\nimport os  # noqa: F401\n")
-    assert _reexports(tmp_path / "m.py") == [1, 3]
+                                   "from raystudy.e import f\nimport os  # noqa: F401\n"
+                                   "from raystudy.g import h as h\nfrom raystudy.g import h as k\n")
+    assert _reexports(tmp_path / "m.py") == [1, 3, 8]
 
 
 def test_no_reexport_in_the_package():

@@ -29,7 +29,7 @@ Images are stored as the source's own bytes when they are RGB or greyscale JPEG/
 other formats or modes are encoded losslessly as PNG (the original pixels, no resizing).
 
 The readers themselves (one per benchmark, and :class:`Candidate` / :class:`Listing`) are in
-:mod:`raystudy.data.readers`; their names are importable from here too.
+:mod:`raystudy.data.readers`.
 """
 
 

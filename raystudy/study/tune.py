@@ -33,8 +33,8 @@ through :func:`raystudy.distributed.cluster.init_ray` (quiet unless ``verbose``)
 
 The pieces it drives live beside it: the stored spec (:mod:`raystudy.study.persist`), one trial
 (:mod:`raystudy.study.trial`), the plasticity stage (:mod:`raystudy.study.measure`), full disks and
-unresumable run folders (:mod:`raystudy.study.health`), SIGTERM (:mod:`raystudy.study.signals`). Their
-public names stay importable from here. Ray itself is imported inside the functions that start it, so
+unresumable run folders (:mod:`raystudy.study.health`), SIGTERM (:mod:`raystudy.study.signals`); import
+their names from there. Ray itself is imported inside the functions that start it, so
 that the commands can check a spec with this module without starting Ray.
 """
 
