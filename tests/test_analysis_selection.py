@@ -99,8 +99,8 @@ def test_the_cli_reaches_both_options(tmp_path, capsys):
     got = pd.read_csv(out / "lr_grid.csv")
     assert got["n_trials"].tolist() == want["n_trials"].tolist()
     assert got["mean"].to_numpy() == pytest.approx(want["mean"].to_numpy())
-    assert (out / "figures" / "curves_fixed_sketch_sgd.png").exists()  # a seed --seeds keeps
-    for flag, value, match in (("--seeds", "0,x", "'0,x': a comma-separated list of integer seeds"),
+    assert (out / "figures" / "curves_fixed_sketch_sgd.png").exists()  # a seed --analysis-seeds keeps
+    for flag, value, match in (("--analysis-seeds", "0,x", "'0,x': a comma-separated list of integer seeds"),
                                ("--fixed-run", "sketch,42", "'sketch,42': expected DATASET,SEED,LR")):
         with pytest.raises(SystemExit):
             main(["analyze", str(path), flag, value])
