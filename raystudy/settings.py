@@ -38,35 +38,22 @@ from dataclasses import MISSING, dataclass
 from typing import Any
 
 from raystudy.vocab import (
+    ACCURACIES,
     CONTROLS,
     DATA_PATHS,
     GATED_FC1,
+    HEAD_INITS,
     MHA_INPUTS,
     MODES,
     OPTIMIZERS,
     PAIRINGS,
     PRECISIONS,
+    RESIZES,
     TEXT_ROWS,
+    TRAIN_SPLITS,
+    VAL_SPLITS,
 )
 
-#: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's), zeros (the original ViT
-#: finetuning recipe) or nn.Linear's own default (the paper authors' head).
-HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
-#: How val/test accuracy is averaged: over images, or the mean over eval batches of each batch's
-#: accuracy (the paper authors' run_evaluation, where a short last batch weighs as a full one).
-ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
-#: Which rows a run trains on and validates on: the store's own train/val split, or the store's train and
-#: val rows pooled and split anew by the run's seed in the same sizes (the paper authors' random_split per
-#: run, :func:`raystudy.core.finetune.data.per_seed_rows`).
-VAL_SPLITS: tuple[str, ...] = ("fixed", "per_seed")
-#: How an image becomes ``size x size`` without augmentation (evaluation; training with ``augment`` off):
-#: ``crop`` the shorter side resized to ``size`` then the centre square (the paper's); ``stretch`` the whole
-#: image resized to ``size x size``, bicubic, aspect ratio not kept (VTAB-1k's benchmark: VPT, NOAH's
-#: ``Resize((224, 224), interpolation=3)``, V-PETL Bench), :func:`raystudy.data.transforms.eval_geometry`.
-RESIZES: tuple[str, ...] = ("crop", "stretch")
-#: Which store splits a run trains on: ``train`` (validated on val), or ``train+val`` the union of the two
-#: (VTAB-1k's final fit on train800val200: no validation, the last step is tested).
-TRAIN_SPLITS: tuple[str, ...] = ("train", "train+val")
 #: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
 DEFAULT_MODEL = "vit_base_patch16_224.augreg_in21k"
 #: Fraction of a run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
@@ -499,7 +486,7 @@ class PlasticityRun:
     """One plasticity job's stores, output directory and pipeline knobs (beside its model and
     :class:`PlasticitySettings`)."""
 
-    pretrain: str = setting(flag="--pretrain", aliases=("--pretrain-store",), metavar="STORE",
+    pretrain: str = setting(flag="--pretrain-store", metavar="STORE",
                             help="prepared store of the pretraining side (x)")
     downstream: list[str] = setting(flag="--downstream", aliases=("--downstream-stores",), metavar="STORE",
                                     help="prepared downstream store(s) (y)")

@@ -46,7 +46,8 @@ def png_bytes(rng: np.random.Generator, h: int = 20, w: int = 24) -> bytes:
 
 def make_store(path, *, n_per_split=(40, 10, 20), num_classes=10, seed=0, name="tiny"):
     """Write a miniature prepared store of random PNGs; returns its path."""
-    from raystudy.data.store import SPLITS, write_store
+    from raystudy.data.splits import SPLITS
+    from raystudy.data.store import write_store
 
     rng = np.random.default_rng(seed)
     rows, index = [], 0

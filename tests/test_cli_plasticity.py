@@ -1,4 +1,4 @@
-"""`raystudy plasticity --pretrain/--downstream --workers` (the Ray pipeline through the CLI) and
+"""`raystudy plasticity --pretrain-store/--downstream --workers` (the Ray pipeline through the CLI) and
 `raystudy bounds --radius/--seq-len/--sigma`, each against an independent computation.
 
 The references share no code with the commands: the pipeline's tables are recomputed with the core
@@ -55,7 +55,7 @@ def test_plasticity_cli_with_stores_runs_the_ray_pipeline(ray_session, tmp_path,
     pre = make_store(tmp_path / "pre", name="pre", seed=1)
     downs = [make_store(tmp_path / n, name=n, seed=s) for n, s in (("alpha", 2), ("beta", 3))]
     out = tmp_path / "out"
-    assert main(["plasticity", *MODEL, "--weights", path, "--pretrain", pre, "--downstream", *downs,
+    assert main(["plasticity", *MODEL, "--weights", path, "--pretrain-store", pre, "--downstream", *downs,
                  "--pairs", str(PAIRS), "--batch-size", "5", "--workers", "2", "--cpus-per-worker", "0.5",
                  "--mode", "hidden", "--seed", "3", "--control", "none", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -146,8 +146,8 @@ def test_bounds_cli_random_init_follows_seed(tmp_path):
 
 def test_plasticity_cli_with_stores_refuses_incomplete_flags(tmp_path, capsys):
     store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
-    base = ["plasticity", *MODEL, "--pretrain", store, "--out", str(tmp_path / "o")]
-    for extra, message in [([], "needs both --pretrain STORE and --downstream STORE"),
+    base = ["plasticity", *MODEL, "--pretrain-store", store, "--out", str(tmp_path / "o")]
+    for extra, message in [([], "needs both --pretrain-store STORE and --downstream STORE"),
                            (["--downstream", store, "--pairs", "4", "--workers", "0"], "workers must be >= 1"),
                            (["--downstream", store, "--pairs", "4", "--pretrained"], "--pretrained is not available")]:
         assert main(base + extra) == 2
@@ -186,7 +186,7 @@ def test_plasticity_cli_pairing_flags_reach_the_job(tmp_path, capsys):
     from raystudy.commands.plasticity import pipeline_job
 
     store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
-    argv = ["plasticity", *MODEL, "--pretrain", store, "--downstream", store, "--pairs", "4", "--out",
+    argv = ["plasticity", *MODEL, "--pretrain-store", store, "--downstream", store, "--pairs", "4", "--out",
             str(tmp_path / "o")]
     job = pipeline_job(build_parser().parse_args(argv + ["--pairing", "sequential", "--pretrain-split", "all",
                                                           "--radius", "19.4"]))

@@ -24,7 +24,8 @@ from raystudy.data.pairing import pair_positions
 from raystudy.data.rows import locate_split, resolve_pretrain_split
 from raystudy.data.store import StoreError, read_split, write_store
 from raystudy.data.transforms import transform_batch
-from raystudy.distributed.plasticity import PlasticityJob, combine_runs, run_plasticity
+from raystudy.distributed.plasticity import PlasticityJob, run_plasticity
+from raystudy.distributed.plasticity_output import combine_runs
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=10)
 TIMM_NAME = "vit_tiny_patch16_224"  # overridden to the tiny sizes by TINY

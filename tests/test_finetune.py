@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from conftest import kill_at_first_checkpoint, make_store
 
-from raystudy.core.components import CONFIGURATIONS
 from raystudy.core.finetune import (
     MOVED_KEYS,
     DirectoryCheckpointer,
@@ -34,8 +33,9 @@ from raystudy.core.finetune import (
     train_step,
     warmup_cosine,
 )
-from raystudy.distributed.train import TrainResources, failed_summary, run_config_dict, split_legacy
-from raystudy.vocab import RUN_CURVE_COLUMNS, columns
+from raystudy.core.finetune.driver import failed_summary
+from raystudy.distributed.train import TrainResources, run_config_dict, split_legacy
+from raystudy.vocab import CONFIGURATIONS, RUN_CURVE_COLUMNS, columns
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
 D, H, L, C = 48, 192, 3, 10
@@ -203,7 +203,7 @@ def test_freezing_is_exact(store, tmp_path, config):
     ft = Finetuner(cfg)
     init = {n: p.detach().clone() for n, p in ft.model.named_parameters()}
     ft.run(progress=False)
-    trainable = set(ft.selection.names)
+    trainable = set(ft.trained.names)
     head = {n for n in init if n.startswith("head.")}
     assert head <= trainable
     for n, p in ft.model.named_parameters():
@@ -214,7 +214,7 @@ def test_freezing_is_exact(store, tmp_path, config):
             assert p.grad is None
     total = sum(t.numel() for t in init.values())
     expected = (total if config == "All" else EXPECTED_COUNTS[config] + D * C + C)
-    assert ft.selection.num_trainable == expected
+    assert ft.trained.num_trainable == expected
     if config in ("MHA", "FC1"):
         assert all(n.startswith("blocks.") or n.startswith("head.") for n in trainable)
     if config != "All":
@@ -223,8 +223,8 @@ def test_freezing_is_exact(store, tmp_path, config):
 
 def test_train_final_norm_option(store, tmp_path):
     ft = Finetuner(tiny_cfg(store, tmp_path, configuration="LN1", train_final_norm=True))
-    assert {"norm.weight", "norm.bias"} <= set(ft.selection.names)
-    assert ft.selection.num_trainable == EXPECTED_COUNTS["LN1"] + 2 * D + D * C + C
+    assert {"norm.weight", "norm.bias"} <= set(ft.trained.names)
+    assert ft.trained.num_trainable == EXPECTED_COUNTS["LN1"] + 2 * D + D * C + C
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -252,14 +252,14 @@ def test_train_step_norms_clipping_and_accumulation(store, tmp_path):
     cfg = tiny_cfg(store, tmp_path, configuration="MHA", lr=0.05, warmup_steps=0)
     ft = Finetuner(cfg)
     x, y = ft.train_data.load(np.arange(8), size=32, train=False)
-    before = {n: p.detach().clone() for n, p in ft.selection.trainable}
+    before = {n: p.detach().clone() for n, p in ft.trained.trainable}
     # independent reference: gradient of the mean loss over the batch
     loss = F.cross_entropy(ft.model(x), y)
     loss_value = loss.item()
     grads = torch.autograd.grad(loss, ft.trainable)
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
-    comp = {n for n, _ in ft.selection.component}
-    comp_norm = torch.sqrt(sum((g.double() ** 2).sum() for (n, _), g in zip(ft.selection.trainable, grads)
+    comp = {n for n, _ in ft.trained.component}
+    comp_norm = torch.sqrt(sum((g.double() ** 2).sum() for (n, _), g in zip(ft.trained.trainable, grads)
                                if n in comp))
     micro = [(x[i:i + 3], y[i:i + 3]) for i in range(0, 8, 3)]  # 3 + 3 + 2: uneven accumulation
     res = train_step(ft.net, ft.optimizer, ft.scheduler, micro, share=8, trainable=ft.trainable, group=ft.group,
@@ -270,7 +270,7 @@ def test_train_step_norms_clipping_and_accumulation(store, tmp_path):
     assert res.component_grad_norm == pytest.approx(float(comp_norm), rel=1e-5)
     assert float(norm) > 1.0  # so clipping is active
     scale = 1.0 / (float(norm) + 1e-6)
-    for (n, p), g in zip(ft.selection.trainable, grads):  # first SGD step: momentum buffer = clipped grad
+    for (n, p), g in zip(ft.trained.trainable, grads):  # first SGD step: momentum buffer = clipped grad
         torch.testing.assert_close(p.detach(), before[n] - 0.05 * scale * g, rtol=1e-5, atol=1e-7)
 
 
@@ -339,8 +339,8 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_p
     for a, b in zip(ref_ft.curves, ft.curves):  # bitwise, except the wall-clock throughput
         assert {k: v for k, v in a.items() if k != "images_per_s"} == {k: v for k, v in b.items()
                                                                          if k != "images_per_s"}
-    for n, p in ref_ft.selection.trainable:
-        assert torch.equal(p, dict(ft.selection.trainable)[n])
+    for n, p in ref_ft.trained.trainable:
+        assert torch.equal(p, dict(ft.trained.trainable)[n])
     for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "trainable_params", "status"):
         assert summary[k] == ref[k]
     assert summary["num_restores"] == 1 and summary["restored_from_step"] == 4
@@ -562,7 +562,7 @@ def test_dataloader_processes_give_the_same_run(store, tmp_path):
     _, a = train_local(tiny_cfg(store, tmp_path / "a", **kw), tensorboard=False, write=False)
     _, b = train_local(tiny_cfg(store, tmp_path / "b", loader_workers=2, **kw), tensorboard=False, write=False)
     assert [r["train_loss"] for r in a.curves] == [r["train_loss"] for r in b.curves]
-    for (n, p), (_, q) in zip(a.selection.trainable, b.selection.trainable):
+    for (n, p), (_, q) in zip(a.trained.trainable, b.trained.trainable):
         assert torch.equal(p, q), n
 
 

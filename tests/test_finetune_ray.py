@@ -119,7 +119,7 @@ def test_ddp_two_workers_equal_one_worker_with_twice_the_batch(baseline, store, 
     local, ft = train_local(local_cfg, tensorboard=False)
     torch.testing.assert_close(torch.tensor(curves(local_cfg)["train_loss"].values),
                                torch.tensor(a["train_loss"].values), rtol=1e-6, atol=0)
-    for n, p in ft.selection.trainable:
+    for n, p in ft.trained.trainable:
         assert rel_close(fa[n], p.detach(), 1e-6), n
     # outputs of the Ray run
     assert read_hparams(Path(cfg.out_dir) / "tb")["configuration"] == "MHA"
@@ -173,7 +173,7 @@ def test_resume_with_shuffling_restores_optimizer_schedule_and_rng(store, tmp_pa
     for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "steps_completed"):
         assert summary[k] == pytest.approx(ref[k], rel=1e-5), k
     fb = final_model(cfg)
-    for n, p in ft.selection.trainable:
+    for n, p in ft.trained.trainable:
         assert rel_close(fb[n], p.detach(), 1e-5), n
     assert_frozen_exact(cfg)
 

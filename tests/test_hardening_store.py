@@ -185,7 +185,8 @@ def test_truncated_shard_stops_the_study_before_launch(tmp_path):
     """A study whose store has a truncated shard is refused by its file check, before any trial launches."""
     import os
 
-    from raystudy.study.spec import SpecError, StudySpec
+    from raystudy.study.checks import SpecError
+    from raystudy.study.spec import StudySpec
 
     store = make_store(tmp_path / "tiny")
     shard = next((tmp_path / "tiny").glob("part-*.parquet"))

@@ -25,9 +25,11 @@ from conftest import STUDY_MODEL, STUDY_TINY
 
 from raystudy.faults import ENV as FAULTS_ENV
 from raystudy.io import TableError, read_result
+from raystudy.study.checks import SpecError
 from raystudy.study.lock import LOCK_FILE, StudyLock, StudyLocked
+from raystudy.study.points import grid_point, trial_id
 from raystudy.study.results import ResultTables, trial_dir
-from raystudy.study.spec import SpecError, StudySpec, grid_point, trial_id
+from raystudy.study.spec import StudySpec
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, MODEL = STUDY_TINY, STUDY_MODEL

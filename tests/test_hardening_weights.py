@@ -111,7 +111,8 @@ def test_nonfinite_weights_stop_local_plasticity(tmp_path, capsys):
 
 
 def test_nonfinite_weights_stop_the_study_before_launch(tmp_path):
-    from raystudy.study.spec import SpecError, StudySpec
+    from raystudy.study.checks import SpecError
+    from raystudy.study.spec import StudySpec
     from raystudy.study.tune import check_weights_load
 
     bad = _state()

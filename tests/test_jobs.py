@@ -13,7 +13,8 @@ from raystudy.core.finetune import FinetuneConfig
 from raystudy.distributed.plasticity import PlasticityJob
 from raystudy.distributed.train import TrainResources
 from raystudy.study.jobs import finetune_job, plasticity_job, pretrain_job, probe_job
-from raystudy.study.spec import PlasticitySpec, PretrainSpec, StudySpec, grid_point
+from raystudy.study.points import grid_point
+from raystudy.study.spec import PlasticitySpec, PretrainSpec, StudySpec
 
 #: spec field -> FinetuneConfig field of every finetuning run
 FINETUNE = {

@@ -33,7 +33,7 @@ import torch
 from conftest import STUDY_MODEL, STUDY_TINY
 
 from raystudy.io import read_result
-from raystudy.study.spec import trial_id
+from raystudy.study.points import trial_id
 
 pytestmark = pytest.mark.slow
 

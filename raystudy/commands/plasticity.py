@@ -3,7 +3,7 @@
 Local inputs (``--x PATH --y PATH``, no Ray): each PATH is an image folder (searched recursively, files
 in sorted order), a tensor file (``.pt`` / ``.pth`` / ``.npy``, shape ``(N, 3, H, W)``, already
 preprocessed, read without running pickled code, NaN/inf refused), or a prepared store (its ``test``
-split, ``val`` when it has no test images). Stores (``--pretrain STORE --downstream STORE ...``) run the
+split, ``val`` when it has no test images). Stores (``--pretrain-store STORE --downstream STORE ...``) run the
 distributed Ray Data pipeline.
 
 Text: a Hugging Face text model (``--model hf:DIR``, a folder with ``config.json``, weights and
@@ -11,7 +11,7 @@ Text: a Hugging Face text model (``--model hf:DIR``, a folder with ``config.json
 window of ``--seq-len`` tokens cut with the model's tokenizer (``--tokenizer FILE`` to use another
 ``tokenizer.json``), e.g.::
 
-    raystudy plasticity --model hf:path/to/minilm --pretrain data/agnews --downstream data/wikitext103 \
+    raystudy plasticity --model hf:path/to/minilm --pretrain-store data/agnews --downstream data/wikitext103 \
         --seq-len 64 --pairs 1024 --out results/minilm
 """
 
@@ -149,13 +149,13 @@ def run(args) -> int:
     if args.pretrain or args.downstream:
         return run_pipeline(args)
     if not (args.x and args.y):
-        raise ValueError("give --x and --y (local images) or --pretrain and --downstream (stores)")
+        raise ValueError("give --x and --y (local images) or --pretrain-store and --downstream (stores)")
     if not modality_of_model(args.model).takes_images:
-        raise ValueError(f"--model {args.model} is a text model: measure it on text stores with --pretrain STORE "
+        raise ValueError(f"--model {args.model} is a text model: measure it on text stores with --pretrain-store STORE "
                          "--downstream STORE --seq-len N")
     if args.radius is not None or args.pretrain_split != "test":
-        raise ValueError("--radius and --pretrain-split apply to stores (--pretrain/--downstream); for the bounds "
-                         "of local images use `raystudy bounds --images PATH --radius R`")
+        raise ValueError("--radius and --pretrain-split apply to stores (--pretrain-store/--downstream); for the "
+                         "bounds of local images use `raystudy bounds --images PATH --radius R`")
     return run_local(args)
 
 
@@ -253,7 +253,7 @@ def pipeline_job(args):
     from raystudy.distributed.plasticity import PlasticityJob  # torch, pandas, matplotlib: --help stays light
 
     if not (args.pretrain and args.downstream):
-        raise ValueError("the Ray pipeline needs both --pretrain STORE and --downstream STORE ...")
+        raise ValueError("the Ray pipeline needs both --pretrain-store STORE and --downstream STORE ...")
     job = from_args(PlasticityJob, args)
     job.validate()  # before Ray starts
     return job

@@ -150,7 +150,7 @@ def fit_probe(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.n
             "n_iter": n_iter, "converged": n_iter < MAX_ITER, "fit_seconds": time.perf_counter() - t0}
 
 
-#: the eval transform of each ``resize`` (:data:`raystudy.settings.RESIZES`,
+#: the eval transform of each ``resize`` (:data:`raystudy.vocab.RESIZES`,
 #: :func:`raystudy.data.transforms.eval_geometry`): the test split's, and the train split's without augment
 EVAL_TRANSFORMS = {
     "crop": "eval (resize the shorter side + center crop)",

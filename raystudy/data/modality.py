@@ -272,11 +272,6 @@ def modality_of_model(model: str) -> Modality:
     return next((m for p, m in _BY_PREFIX.items() if str(model).startswith(p)), IMAGE)
 
 
-def is_text_model(model: str) -> bool:
-    """Whether ``model`` names a Hugging Face text model (``hf:...``), which takes token ids."""
-    return modality_of_model(model) is TEXT
-
-
 def modality_of_store(meta: dict) -> Modality:
     """The modality of a store's rows, from its ``dataset.json`` (``kind``; none: images)."""
     return MODALITIES[store_kind(meta)]

@@ -29,31 +29,20 @@ from collections.abc import Callable
 
 import torch
 
-from raystudy.core.finetune import (
-    CHECKPOINT_PREFIX,
-    COMPLETE_MARKER,
+from raystudy.core.finetune.checkpoint import (
     DirectoryCheckpointer,
-    FinetuneConfig,
-    ForwardReports,
-    checkpoint_steps,
-    finished_summary,
-    prepare_caches,
-    resume_latest,
-    run,
-    save_checkpoint,
-    write_outputs,
 )
-from raystudy.core.finetune.checkpoint import checkpoint_path
-from raystudy.core.finetune.data import epoch_permutation
+from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.finetune.data import epoch_permutation, prepare_caches
+from raystudy.core.finetune.driver import ForwardReports, finished_summary, run
+from raystudy.core.finetune.outputs import write_outputs
 from raystudy.data.cache import release_reads
 from raystudy.distributed.train import TrainResources, run_config_dict
 from raystudy.storage import delete_dir
 
 log = logging.getLogger(__name__)
 
-#: the checkpoint layout's names are re-exported: the layout was first this module's
-__all__ = ["CHECKPOINT_PREFIX", "COMPLETE_MARKER", "checkpoint_path", "checkpoint_steps", "resume_latest",
-           "run_in_process", "save_checkpoint"]
+__all__ = ["release_trial_memory", "run_in_process"]
 
 
 def _device(resources: TrainResources) -> torch.device:

@@ -98,44 +98,31 @@ from raystudy.core.models import load_state_dict_file
 from raystudy.core.models import resolve_img_size as resolve_model_img_size
 from raystudy.core.plasticity import check_rate_options
 from raystudy.core.plasticity_stats import StreamingMoments, batch_token_stats
-from raystudy.data.modality import (  # noqa: F401  (the pairs.parquet schemas: importable here as before)
-    PAIRS_SCHEMA,
-    TEXT_PAIRS_SCHEMA,
+from raystudy.data.modality import (
     PairPlan,
     absolute_model,
     modality_of_model,
     resolve_modality,
 )
-from raystudy.data.pairing import (  # noqa: F401  (pair_positions: the random recipe, importable here)
-    PAIRINGS,
-    check_pretrain_split,
-    pair_positions,
-    positions,
-    reuse,
-)
-from raystudy.data.rows import (  # noqa: F401  (SplitRows, GATHER_CPUS: importable here as before)
-    GATHER_CPUS,
+from raystudy.data.pairing import check_pretrain_split, positions, reuse
+from raystudy.data.rows import (
     Layout,
     SplitRows,
-    locate_split,
     resolve_pretrain_split,
-    store_name,
 )
 from raystudy.data.store import Store
 from raystudy.data.text_rows import TextRows
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.plasticity_actors import BoundsThread, RateActor, load_buckets
-from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figures, combine_runs: importable here)
-    RATES_SCHEMA,
+from raystudy.distributed.plasticity_output import (
     RatesWriter,
-    combine_runs,
     write_figures,
 )
 from raystudy.io import write_result
 from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings
 from raystudy.storage import absolute_path
 from raystudy.terminal import progress_bar
-from raystudy.vocab import CONTROLS, MODES, PRETRAINED, RANDOM_INIT, TEXT_ROWS, check_name
+from raystudy.vocab import CONTROLS, MODES, PAIRINGS, PRETRAINED, RANDOM_INIT, TEXT_ROWS, check_name
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +151,7 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
     Attributes:
         model: timm model name (e.g. ``vit_base_patch16_224.augreg_in21k``), or ``hf:<dir>`` for a Hugging
             Face text model measured on text stores (``hf:<package>``: see
-            :mod:`raystudy.distributed.text_pairs`).
+            :mod:`raystudy.data.text_rows`).
         weights: local weights file (``.safetensors`` or PyTorch state dict); ``None`` keeps the random
             init, seeded from ``seed`` so that every worker holds the same model.
         model_kwargs: extra ``timm.create_model`` arguments (e.g. a tiny ViT's sizes).

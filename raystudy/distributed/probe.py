@@ -43,7 +43,6 @@ from raystudy.data.modality import absolute_model
 from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
 from raystudy.settings import (
-    RESIZES,
     DeviceSettings,
     HubWeights,
     ModelSettings,
@@ -53,7 +52,7 @@ from raystudy.settings import (
     setting,
 )
 from raystudy.storage import absolute_path
-from raystudy.vocab import DATA_PATHS, PRECISIONS
+from raystudy.vocab import DATA_PATHS, PRECISIONS, RESIZES
 
 #: Logical CPUs of one transform task (decode + transform). Distinct from the actors' request: Ray Data
 #: fuses a task step into the next actor step when their requests are equal (see distributed.plasticity).
@@ -346,8 +345,3 @@ def run_probe_job(job: ProbeJob, *, address: str | None = None) -> dict:
     if job.out_dir is not None:
         result["path"] = storage.write_json_atomic(storage.join(job.out_dir, "probe.json"), result)
     return result
-
-
-def run_probe(store: str, model: str, *, seed: int = 0, address: str | None = None, **fields) -> dict:
-    """:func:`run_probe_job` of ``ProbeJob(store=store, model=model, seed=seed, **fields)``."""
-    return run_probe_job(ProbeJob(store=store, model=model, seed=seed, **fields), address=address)

@@ -43,25 +43,12 @@ from pathlib import Path
 
 from ray.train import UserCallback
 
-from raystudy.core.finetune import (
-    Event,
-    FinetuneConfig,
-    Finetuner,
-    Reporter,
-    finished_summary,
-    prepare_caches,
-    run,
-    write_outputs,
-)
 from raystudy.core.finetune.checkpoint import mark_complete
-
-# the run's summary, reports and test fault were defined here before the run driver: still importable here
-from raystudy.core.finetune.driver import INJECTED_MARKER as INJECTED_MARKER
-from raystudy.core.finetune.driver import InjectedFailure as InjectedFailure
-from raystudy.core.finetune.driver import event_metrics as event_metrics
-from raystudy.core.finetune.driver import failed_summary as failed_summary
-from raystudy.core.finetune.driver import failure_due as failure_due
-from raystudy.core.finetune.driver import inject_failure as inject_failure
+from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.finetune.data import prepare_caches
+from raystudy.core.finetune.driver import Reporter, failed_summary, finished_summary, run
+from raystudy.core.finetune.loop import Event, Finetuner
+from raystudy.core.finetune.outputs import write_outputs
 from raystudy.distributed.cluster import init_ray
 from raystudy.settings import ResourceSettings, problems
 from raystudy.storage import filesystem, join, read_text, write_json_atomic

@@ -12,25 +12,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pyarrow.fs as pafs
 
 from raystudy import storage
-from raystudy.analysis.options import check_selection
+from raystudy.analysis.options import check_subset
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import check_pretrain_split
 from raystudy.data.splits import SPLITS
 from raystudy.data.store import StoreError, check_store, required_splits_problem
 from raystudy.settings import ModelSettings, PlasticitySettings, ProbeSettings, ProtocolSettings, problems
-from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, check_name
+from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, TRACKERS, check_name
 
-if TYPE_CHECKING:
-    from raystudy.study.spec import StudySpec
-
-#: experiment trackers a study can log to through Ray Tune's own integrations (``tracking: [wandb]``)
-TRACKERS: tuple[str, ...] = ("wandb", "mlflow")
-
+#: A :class:`raystudy.study.spec.StudySpec`, read by its fields only: ``spec.py`` imports this module (its
+#: ``validate`` calls :func:`validate`), so this one imports neither it nor :mod:`raystudy.study.spec_values`.
+StudySpec = Any
 
 #: names go into trial ids and directory names
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -227,7 +224,7 @@ def _check_probe(spec: StudySpec) -> None:
 def _check_analysis(spec: StudySpec) -> None:
     """``analysis_seeds`` and ``fixed_run`` as the analysis takes them (``seeds``, ``fixed_run``)."""
     try:
-        check_selection(spec.analysis_seeds, spec.fixed_run)
+        check_subset(spec.analysis_seeds, spec.fixed_run)
     except ValueError as e:
         why = str(e)
         raise SpecError("analysis_" + why if why.startswith("seeds:") else why) from None

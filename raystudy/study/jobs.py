@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from raystudy.core.expressions import Budgeted, normalise, resolve
-from raystudy.core.finetune import FinetuneConfig
+from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
 from raystudy.distributed.probe import ProbeJob
@@ -57,7 +57,7 @@ def train_resources(spec: StudySpec):
 
 def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, plasticity=None):
     """The finetuning run of one grid point (``dataset``, ``configuration``, ``optimizer``, ``lr``,
-    ``seed``; see :func:`raystudy.study.spec.grid_point`): ``(FinetuneConfig, TrainResources)``.
+    ``seed``; see :func:`raystudy.study.points.grid_point`): ``(FinetuneConfig, TrainResources)``.
 
     The spec's protocol fields (batch_size, augment, ...), then the dataset's resolved protocol (steps,
     eval_period, warmup_steps, log_period: its overrides, else the study's; see

@@ -56,7 +56,7 @@ from typing import Any, ClassVar
 import yaml
 
 from raystudy import storage
-from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY, SELECT_BY
+from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -71,9 +71,9 @@ from raystudy.settings import (
     warmup_of,
 )
 from raystudy.study import checks
-from raystudy.study.checks import TRACKERS, SpecError  # noqa: F401  (SpecError, TRACKERS: importable here)
-from raystudy.study.points import format_lr, grid_point, trial_id  # noqa: F401  (their home before points.py)
-from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTOCOL_FIELDS: importable here)
+from raystudy.study.checks import SpecError
+from raystudy.study.points import grid_point
+from raystudy.study.spec_values import (
     PROTOCOL_FIELDS,
     DatasetOverrides,
     _dataset_entry,
@@ -91,7 +91,7 @@ from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides, PROTO
     load_yaml,
     unknown_field,
 )
-from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, did_you_mean
+from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, SELECT_BY, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class PlasticitySpec(PlasticitySettings):
     :attr:`StudySpec.PLASTICITY_FIELDS` of a study that measured plasticity is refused on resume.
     ``seq_len`` and ``tokenizer``: a text model (``model: hf:...``) on text stores, whose pairs are windows of
     ``seq_len`` tokens cut with ``tokenizer`` (default: the model folder's ``tokenizer.json``); see
-    :mod:`raystudy.distributed.text_pairs`.
+    :mod:`raystudy.data.text_rows`.
     """
 
     enabled: bool = setting(True, help="measure the plasticity of every dataset")

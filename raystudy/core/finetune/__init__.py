@@ -46,14 +46,10 @@ from raystudy.core.finetune.checkpoint import (
     save_checkpoint,
 )
 from raystudy.core.finetune.config import (
-    DATA_PATHS,
-    HEAD_INITS,
     LEGACY_DEFAULTS,
     MOVED_KEYS,
-    PRECISIONS,
     RENAMED_KEYS,
     RESUME_KEYS,
-    WARMUP_FRACTION,
     FinetuneConfig,
     make_optimizer,
     make_scheduler,
@@ -103,7 +99,7 @@ from raystudy.core.finetune.outputs import (
     write_outputs,
 )
 from raystudy.core.finetune.selection import (
-    Selection,
+    TrainedParameters,
     build_finetune_model,
     enable_fused_attention,
     final_norm_parameters,
@@ -131,14 +127,13 @@ from raystudy.core.finetune.step import (
     set_matmul_precision,
     train_step,
 )
-from raystudy.vocab import OPTIMIZERS, STATUSES
 
 __all__ = [
-    "DATA_PATHS", "LEGACY_DEFAULTS", "PRECISIONS", "CacheBatch", "CachedSplitData", "enable_fused_attention",
+    "LEGACY_DEFAULTS", "CacheBatch", "CachedSplitData", "enable_fused_attention",
     "open_split_data", "prepare_caches", "set_matmul_precision", "to_device",
-    "CURVE_COLUMNS", "HEAD_INITS", "HPARAM_KEYS", "HPARAM_METRICS", "MEMORY_KEYS", "MOVED_KEYS", "OPTIMIZERS",
-    "RENAMED_KEYS", "RESULT_DEFAULTS", "RESUME_KEYS", "RNG_FILE", "STATE_FILE", "STATUSES", "WARMUP_FRACTION",
-    "Event", "FinetuneConfig", "Finetuner", "MicroBatches", "Selection", "SplitData", "StepResult",
+    "CURVE_COLUMNS", "HPARAM_KEYS", "HPARAM_METRICS", "MEMORY_KEYS", "MOVED_KEYS",
+    "RENAMED_KEYS", "RESULT_DEFAULTS", "RESUME_KEYS", "RNG_FILE", "STATE_FILE",
+    "Event", "FinetuneConfig", "Finetuner", "MicroBatches", "TrainedParameters", "SplitData", "StepResult",
     "TensorBoardLogger", "ThroughputMeter", "analytic_memory", "autocast", "build_finetune_model", "curve_row",
     "curves_frame", "epoch_permutation", "evaluate", "final_norm_parameters", "fingerprint", "global_batch",
     "make_optimizer", "make_scheduler", "measured_memory", "read_state", "reset_head", "restore_rng",

@@ -17,9 +17,7 @@ import torch
 from raystudy.core.expressions import Budgeted, Combination, ExpressionError, parse
 from raystudy.core.models import resolve_img_size
 from raystudy.data.modality import absolute_model
-from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-exported by raystudy.core.finetune
-    HEAD_INITS,  # noqa: F401
-    WARMUP_FRACTION,  # noqa: F401  (re-exported by raystudy.core.finetune)
+from raystudy.settings import (
     HubWeights,
     ModelSettings,
     ProtocolSettings,
@@ -28,7 +26,7 @@ from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-export
     warmup_of,
 )
 from raystudy.storage import absolute_path
-from raystudy.vocab import DATA_PATHS, OPTIMIZERS, PRECISIONS  # noqa: F401
+from raystudy.vocab import OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
