@@ -45,6 +45,7 @@ from raystudy.vocab import (
     MODES,
     OPTIMIZERS,
     PAIRINGS,
+    PRECISION_CHOICES,
     PRECISIONS,
     TEXT_ROWS,
 )
@@ -160,6 +161,50 @@ def values(group: type, source: Any, **renamed: str) -> dict[str, Any]:
         value = get(key, MISSING)
         if value is not MISSING:
             out[f.name] = copy.deepcopy(value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Precision: one setting, one resolver, one upgrade of its older spelling
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_precision(precision: str | None, cuda: bool) -> str:
+    """The precision a run runs in (one of :data:`~raystudy.vocab.PRECISIONS`) for the ``precision`` setting
+    (one of :data:`~raystudy.vocab.PRECISION_CHOICES`; ``None``, the older default, reads as ``auto``) on a
+    device that is CUDA (``cuda``) or not: ``fp32`` and ``bf16`` as given; ``auto``: ``bf16`` on CUDA, else
+    ``fp32``. The one rule finetuning, the probe, plasticity, pretraining and the cost model follow."""
+    if precision is None or precision == "auto":
+        return "bf16" if cuda else "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {list(PRECISION_CHOICES)}")
+    return precision
+
+
+#: Older settings read as today's (timm's ``register_model_deprecations``): old name -> its value -> the
+#: settings it stands for. ``amp_bf16: true`` was the older spelling of ``precision: bf16``; ``false`` said
+#: nothing the precision does not (its run's default).
+DEPRECATED_SETTINGS: dict[str, dict[Any, dict[str, Any]]] = {"amp_bf16": {True: {"precision": "bf16"}, False: {}}}
+
+
+def upgrade_settings(d: dict, where: str = "") -> dict:
+    """``d`` (a spec, a preset, a run's ``config.json`` or checkpoint config) with its
+    :data:`DEPRECATED_SETTINGS` replaced by what they stand for and a ``precision`` of ``None`` read as
+    ``auto``; a new copy. ``ValueError`` (``where`` prefixed) when an old setting contradicts a new one
+    (``amp_bf16: true`` beside ``precision: fp32``)."""
+    out = dict(d)
+    if "precision" in out and out["precision"] is None:
+        out["precision"] = "auto"
+    for old, meanings in DEPRECATED_SETTINGS.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if value not in meanings:
+            raise ValueError(f"{where}{old}: {value!r} is not one of {list(meanings)}")
+        for name, new in meanings[value].items():
+            if out.get(name, "auto") not in ("auto", new):
+                raise ValueError(f"{where}{old}: {value!r} contradicts {name}: {out[name]}")
+            out[name] = new
     return out
 
 
@@ -297,6 +342,12 @@ def add_flags(parser, cls: type, names: Iterable[str] | None = None, *, unset: b
     return added
 
 
+def add_bf16_flag(parser) -> None:
+    """``--bf16`` beside a command's ``--precision``: the same as ``--precision bf16``, in every command."""
+    parser.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                        help="same as --precision bf16")
+
+
 def _flag_kwargs(f: dataclasses.Field, kind: Any, default: Any, unset: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"default": None if unset else default}
     if kind is bool:
@@ -362,11 +413,10 @@ class HubWeights:
 class DeviceSettings:
     """How a model runs on its device and where its images come from."""
 
-    precision: str | None = setting(None, choices=PRECISIONS,
-                                    help="bf16: autocast with fp32 master weights; fp32: the paper's; "
-                                         "None: bf16 on GPUs, fp32 on CPUs")
-    amp_bf16: bool = setting(False, cli=False, help="bf16 autocast for the forward passes (norms stay float32); "
-                                                    "for finetuning the older spelling of precision: bf16")
+    precision: str = setting("auto", choices=PRECISION_CHOICES,
+                             help="the forward passes' precision (finetuning, probe, plasticity, pretraining): "
+                                  "fp32: the paper's; bf16: autocast with fp32 master weights, norms in fp32; "
+                                  "auto: bf16 where the run has a CUDA device, fp32 on a CPU")
     data_path: str = setting("cache", choices=DATA_PATHS,
                              help="cache: decode each image once into a uint8 cache and augment on the device; "
                                   "decode: decode and augment every image on the CPU at every step")
@@ -504,7 +554,7 @@ class PlasticityRun:
     downstream: list[str] = setting(flag="--downstream", aliases=("--downstream-stores",), metavar="STORE",
                                     help="prepared downstream store(s) (y)")
     out_dir: str = setting(flag="--out", metavar="DIR", help="output directory")
-    amp_bf16: bool = same_as(DeviceSettings, "amp_bf16", flag="--bf16", cli=True)
+    precision: str = same_as(DeviceSettings, "precision")
     figures: bool = setting(True, cli=False, help="write the per-dataset figures")
     loaders: int | None = setting(None, check="optional_positive_int", cli=False,
                                   help="load tasks at once (None: one per CPU left beside the actors)")
