@@ -50,8 +50,8 @@ RENAMED = {
     (StudySpec, "cpus_per_worker"): (ResourceSettings, "cpus_per_worker"),
     (FinetuneConfig, "tokenizer"): (PlasticitySettings, "tokenizer"),
     (FinetuneConfig, "change_split"): (PlasticitySettings, "pretrain_split"),
-    (PlasticityJob, "amp_bf16"): (DeviceSettings, "amp_bf16"),
-    (PlasticityRun, "amp_bf16"): (DeviceSettings, "amp_bf16"),
+    (PlasticityJob, "precision"): (DeviceSettings, "precision"),
+    (PlasticityRun, "precision"): (DeviceSettings, "precision"),
     (ProbeJob, "resize"): (ProtocolSettings, "resize"),
 }
 
