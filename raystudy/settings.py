@@ -46,7 +46,6 @@ from raystudy.vocab import (
     OPTIMIZERS,
     PAIRINGS,
     PRECISION_CHOICES,
-    PRECISIONS,
     TEXT_ROWS,
 )
 
@@ -161,50 +160,6 @@ def values(group: type, source: Any, **renamed: str) -> dict[str, Any]:
         value = get(key, MISSING)
         if value is not MISSING:
             out[f.name] = copy.deepcopy(value)
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Precision: one setting, one resolver, one upgrade of its older spelling
-# --------------------------------------------------------------------------------------------------
-
-
-def resolve_precision(precision: str | None, cuda: bool) -> str:
-    """The precision a run runs in (one of :data:`~raystudy.vocab.PRECISIONS`) for the ``precision`` setting
-    (one of :data:`~raystudy.vocab.PRECISION_CHOICES`; ``None``, the older default, reads as ``auto``) on a
-    device that is CUDA (``cuda``) or not: ``fp32`` and ``bf16`` as given; ``auto``: ``bf16`` on CUDA, else
-    ``fp32``. The one rule finetuning, the probe, plasticity, pretraining and the cost model follow."""
-    if precision is None or precision == "auto":
-        return "bf16" if cuda else "fp32"
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: expected one of {list(PRECISION_CHOICES)}")
-    return precision
-
-
-#: Older settings read as today's (timm's ``register_model_deprecations``): old name -> its value -> the
-#: settings it stands for. ``amp_bf16: true`` was the older spelling of ``precision: bf16``; ``false`` said
-#: nothing the precision does not (its run's default).
-DEPRECATED_SETTINGS: dict[str, dict[Any, dict[str, Any]]] = {"amp_bf16": {True: {"precision": "bf16"}, False: {}}}
-
-
-def upgrade_settings(d: dict, where: str = "") -> dict:
-    """``d`` (a spec, a preset, a run's ``config.json`` or checkpoint config) with its
-    :data:`DEPRECATED_SETTINGS` replaced by what they stand for and a ``precision`` of ``None`` read as
-    ``auto``; a new copy. ``ValueError`` (``where`` prefixed) when an old setting contradicts a new one
-    (``amp_bf16: true`` beside ``precision: fp32``)."""
-    out = dict(d)
-    if "precision" in out and out["precision"] is None:
-        out["precision"] = "auto"
-    for old, meanings in DEPRECATED_SETTINGS.items():
-        if old not in out:
-            continue
-        value = out.pop(old)
-        if value not in meanings:
-            raise ValueError(f"{where}{old}: {value!r} is not one of {list(meanings)}")
-        for name, new in meanings[value].items():
-            if out.get(name, "auto") not in ("auto", new):
-                raise ValueError(f"{where}{old}: {value!r} contradicts {name}: {out[name]}")
-            out[name] = new
     return out
 
 

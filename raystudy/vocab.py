@@ -61,7 +61,7 @@ VTAB_TASKS: dict[str, tuple[str, int]] = {
 #: autocast with fp32 master weights (norms and reductions stay float32).
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 #: What the ``precision`` setting may say: one of :data:`PRECISIONS`, or ``auto``: bf16 where the run has a
-#: CUDA device, fp32 on a CPU (:func:`raystudy.settings.resolve_precision`).
+#: CUDA device, fp32 on a CPU (:func:`raystudy.precision.resolve_precision`).
 PRECISION_CHOICES: tuple[str, ...] = (*PRECISIONS, "auto")
 #: How a trial reads images: a checksummed uint8 cache augmented on the device, or decode every step.
 DATA_PATHS: tuple[str, ...] = ("cache", "decode")

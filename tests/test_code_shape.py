@@ -414,7 +414,7 @@ def test_modality_strings_only_in_the_modality_module():
 
 # ------------------------------------------------------------------------------ layers
 
-FOUNDATION = ("vocab", "storage", "io", "faults", "settings", "terminal")
+FOUNDATION = ("vocab", "storage", "io", "faults", "settings", "precision", "terminal")
 #: The one core module the analysis may import: the configuration-expression grammar (pure Python over the
 #: vocabulary at import), to read the expressions in trials tables.
 ANALYSIS_MAY_IMPORT = ("raystudy.core.expressions",)

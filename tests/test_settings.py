@@ -247,7 +247,7 @@ def test_one_resolver_and_one_upgrade_of_the_older_spelling():
     """``resolve_precision``: fp32/bf16 as given on any device, auto (and an older None) bf16 on CUDA only;
     ``upgrade_settings``: ``amp_bf16: true`` is ``precision: bf16``, ``false`` changes nothing, a
     contradiction is refused naming both."""
-    from raystudy.settings import resolve_precision, upgrade_settings
+    from raystudy.precision import resolve_precision, upgrade_settings
 
     table = {(p, cuda): resolve_precision(p, cuda) for p in ("fp32", "bf16", "auto", None) for cuda in (False, True)}
     assert table == {("fp32", False): "fp32", ("fp32", True): "fp32", ("bf16", False): "bf16", ("bf16", True): "bf16",

@@ -30,6 +30,7 @@ from raystudy.data.pairing import positions, reuse
 from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.job_inputs import check_inputs, out_problem, plasticity_problems
+from raystudy.precision import resolve_precision
 from raystudy.settings import (
     HubWeights,
     ModelSettings,
@@ -38,7 +39,6 @@ from raystudy.settings import (
     add_bf16_flag,
     add_flags,
     from_args,
-    resolve_precision,
 )
 from raystudy.storage import check_path_name
 from raystudy.terminal import progress_bar

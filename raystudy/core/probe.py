@@ -21,7 +21,7 @@ seed. Their train split is the 80% part of a seeded 80/20 train/val split: a sto
 
 Features are returned in float32; the model runs in float32 (``precision="fp32"``, the default on a CPU)
 or under bf16 autocast (``"bf16"``, the default on CUDA, as finetuning:
-:func:`raystudy.settings.resolve_precision`). Rows are
+:func:`raystudy.precision.resolve_precision`). Rows are
 ordered by the store's stable ``index`` before the fit, so the fit does not depend on the order in which
 workers return batches.
 

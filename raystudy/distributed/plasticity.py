@@ -132,7 +132,8 @@ from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figur
     write_figures,
 )
 from raystudy.io import write_result
-from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings, resolve_precision
+from raystudy.precision import resolve_precision
+from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings
 from raystudy.storage import absolute_path
 from raystudy.terminal import progress_bar
 from raystudy.vocab import CONTROLS, MODES, PRETRAINED, RANDOM_INIT, TEXT_ROWS, check_name
@@ -231,7 +232,7 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
             load_state_dict_file(self.weights)  # missing, unreadable or NaN/inf: refused before Ray starts
 
     def resolved_precision(self) -> str:
-        """The precision the actors run in (:func:`~raystudy.settings.resolve_precision`), on CUDA when they
+        """The precision the actors run in (:func:`~raystudy.precision.resolve_precision`), on CUDA when they
         have GPUs (``gpus_per_worker > 0``)."""
         return resolve_precision(self.precision, self.gpus_per_worker > 0)
 

@@ -23,7 +23,7 @@ Two data paths (``ProbeJob.data_path``, as finetuning's)::
 ``local=True`` computes the same features in this process (the cache read in batches on this process's
 device, or raystudy.data.stream.iter_batches_local decoding; no Ray): the images are the same tensors
 (per-image seeding), so both give the same ``test_acc``. ``precision`` ``auto`` runs bf16 autocast on CUDA
-and float32 on a CPU (:func:`raystudy.settings.resolve_precision`); the feature batch defaults to
+and float32 on a CPU (:func:`raystudy.precision.resolve_precision`); the feature batch defaults to
 :data:`CACHE_BATCH` images on the cache path (the model's forward is the whole cost) and
 :data:`DECODE_BATCH` decoding.
 
@@ -42,6 +42,7 @@ from raystudy import storage
 from raystudy.data.modality import absolute_model
 from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
+from raystudy.precision import resolve_precision
 from raystudy.settings import (
     RESIZES,
     DeviceSettings,
@@ -49,7 +50,6 @@ from raystudy.settings import (
     ModelSettings,
     ProbeSettings,
     ProtocolSettings,
-    resolve_precision,
     same_as,
     setting,
 )
@@ -122,7 +122,7 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
         return self.batch_size or (CACHE_BATCH if self.data_path == "cache" else DECODE_BATCH)
 
     def resolved_precision(self) -> str:
-        """The feature pass's precision (:func:`~raystudy.settings.resolve_precision`), on CUDA where the
+        """The feature pass's precision (:func:`~raystudy.precision.resolve_precision`), on CUDA where the
         features run there (locally: when this process sees a GPU; through Ray: ``gpus_per_worker > 0``)."""
         if self.local:
             import torch

@@ -59,7 +59,7 @@ from raystudy.core.models import build_model, resolve_img_size
 from raystudy.data.modality import modality_of_model
 from raystudy.data.splits import val_origin
 from raystudy.io import read_result
-from raystudy.settings import resolve_precision
+from raystudy.precision import resolve_precision
 from raystudy.study.final import final_cells
 
 #: the MFU assumed when no GPU benchmark result is given (stated in the output)
@@ -236,7 +236,7 @@ def counted_selection(spec, dataset: str, configuration: str, seed: int, plastic
 
 
 def run_precision(spec) -> str:
-    """The precision the study's GPU runs use: :func:`~raystudy.settings.resolve_precision` of its
+    """The precision the study's GPU runs use: :func:`~raystudy.precision.resolve_precision` of its
     ``precision`` on a CUDA device (``auto``: ``bf16``)."""
     return resolve_precision(spec.precision, cuda=True)
 

@@ -57,6 +57,7 @@ import yaml
 
 from raystudy import storage
 from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY, SELECT_BY
+from raystudy.precision import upgrade_settings
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -68,7 +69,6 @@ from raystudy.settings import (
     coerce,
     same_as,
     setting,
-    upgrade_settings,
     warmup_of,
 )
 from raystudy.study import checks
@@ -261,7 +261,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         """
         if not isinstance(data, dict):
             raise SpecError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
-        try:  # older settings read as today's (raystudy.settings.upgrade_settings)
+        try:  # older settings read as today's (raystudy.precision.upgrade_settings)
             data = upgrade_settings(copy.deepcopy(data), f"{where}: ")
         except ValueError as e:
             raise SpecError(str(e)) from None

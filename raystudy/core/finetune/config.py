@@ -17,6 +17,7 @@ import torch
 from raystudy.core.expressions import Budgeted, Combination, ExpressionError, parse
 from raystudy.core.models import resolve_img_size
 from raystudy.data.modality import absolute_model
+from raystudy.precision import resolve_precision, upgrade_settings
 from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-exported by raystudy.core.finetune
     HEAD_INITS,  # noqa: F401
     WARMUP_FRACTION,  # noqa: F401  (re-exported by raystudy.core.finetune)
@@ -25,8 +26,6 @@ from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-export
     ProtocolSettings,
     RunSettings,
     problems,
-    resolve_precision,
-    upgrade_settings,
     warmup_of,
 )
 from raystudy.storage import absolute_path
@@ -73,7 +72,7 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     ``tokenizer``) are made absolute on construction: Ray workers run in another directory.
 
     Speed settings: ``precision`` ``auto`` picks bf16 on CUDA and fp32 elsewhere
-    (:func:`~raystudy.settings.resolve_precision`); ``compile`` wraps the training forward/backward in
+    (:func:`~raystudy.precision.resolve_precision`); ``compile`` wraps the training forward/backward in
     ``torch.compile``; ``data_path`` ``cache`` (default) reads uint8 rows of a per-store cache under
     ``cache_dir`` (None: ``STORE/cache``) and augments on the training device, ``decode`` decodes every
     image at every step (the data path before the cache; older ``config.json`` files load with it).
@@ -158,7 +157,7 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         return warmup_of(self.steps, self.warmup_steps)
 
     def resolved_precision(self, device: torch.device | str) -> str:
-        """The precision the run runs in on ``device``: :func:`~raystudy.settings.resolve_precision`."""
+        """The precision the run runs in on ``device``: :func:`~raystudy.precision.resolve_precision`."""
         return resolve_precision(self.precision, torch.device(device).type == "cuda")
 
     @property
@@ -174,7 +173,7 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     def from_dict(cls, d: dict) -> FinetuneConfig:
         """The config of ``d`` (e.g. a run's ``config.json``); the keys of older files are accepted:
         :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored, older settings upgraded
-        (:func:`~raystudy.settings.upgrade_settings`), missing :data:`LEGACY_DEFAULTS` and
+        (:func:`~raystudy.precision.upgrade_settings`), missing :data:`LEGACY_DEFAULTS` and
         ``precision`` filled in with what such a file's run did (fp32 before the setting existed)."""
         d = upgrade_settings({**LEGACY_DEFAULTS, **d}, "FinetuneConfig.")
         d.setdefault("precision", "fp32")

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from raystudy.core.finetune.config import LEGACY_DEFAULTS, RENAMED_KEYS, RESUME_KEYS, FinetuneConfig
-from raystudy.settings import accuracy_batches, upgrade_settings
+from raystudy.precision import upgrade_settings
+from raystudy.settings import accuracy_batches
 
 log = logging.getLogger(__name__)
 
