@@ -47,7 +47,7 @@ from raystudy.vocab import (
     MODES,
     OPTIMIZERS,
     PAIRINGS,
-    PRECISIONS,
+    PRECISION_CHOICES,
     RESIZES,
     TEXT_ROWS,
     TRAIN_SPLITS,
@@ -284,6 +284,12 @@ def add_flags(parser, cls: type, names: Iterable[str] | None = None, *, unset: b
     return added
 
 
+def add_bf16_flag(parser) -> None:
+    """``--bf16`` beside a command's ``--precision``: the same as ``--precision bf16``, in every command."""
+    parser.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                        help="same as --precision bf16")
+
+
 def _flag_kwargs(f: dataclasses.Field, kind: Any, default: Any, unset: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"default": None if unset else default}
     if kind is bool:
@@ -349,11 +355,10 @@ class HubWeights:
 class DeviceSettings:
     """How a model runs on its device and where its images come from."""
 
-    precision: str | None = setting(None, choices=PRECISIONS,
-                                    help="bf16: autocast with fp32 master weights; fp32: the paper's; "
-                                         "None: bf16 on GPUs, fp32 on CPUs")
-    amp_bf16: bool = setting(False, cli=False, help="bf16 autocast for the forward passes (norms stay float32); "
-                                                    "for finetuning the older spelling of precision: bf16")
+    precision: str = setting("auto", choices=PRECISION_CHOICES,
+                             help="the forward passes' precision (finetuning, probe, plasticity, pretraining): "
+                                  "fp32: the paper's; bf16: autocast with fp32 master weights, norms in fp32; "
+                                  "auto: bf16 where the run has a CUDA device, fp32 on a CPU")
     data_path: str = setting("cache", choices=DATA_PATHS,
                              help="cache: decode each image once into a uint8 cache and augment on the device; "
                                   "decode: decode and augment every image on the CPU at every step")
@@ -491,7 +496,7 @@ class PlasticityRun:
     downstream: list[str] = setting(flag="--downstream", aliases=("--downstream-stores",), metavar="STORE",
                                     help="prepared downstream store(s) (y)")
     out_dir: str = setting(flag="--out", metavar="DIR", help="output directory")
-    amp_bf16: bool = same_as(DeviceSettings, "amp_bf16", flag="--bf16", cli=True)
+    precision: str = same_as(DeviceSettings, "precision")
     figures: bool = setting(True, cli=False, help="write the per-dataset figures")
     loaders: int | None = setting(None, check="optional_positive_int", cli=False,
                                   help="load tasks at once (None: one per CPU left beside the actors)")

@@ -57,8 +57,12 @@ VTAB_TASKS: dict[str, tuple[str, int]] = {
     "kitti": ("Structured", 4), "dsprites_loc": ("Structured", 16), "dsprites_ori": ("Structured", 16),
     "smallnorb_azi": ("Structured", 18), "smallnorb_ele": ("Structured", 9),
 }
-#: Forward/backward precision of a trial: fp32 (the paper's) or bf16 autocast with fp32 master weights.
+#: The precision a run runs in (finetuning, probe, plasticity, pretraining): fp32 (the paper's) or bf16
+#: autocast with fp32 master weights (norms and reductions stay float32).
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+#: What the ``precision`` setting may say: one of :data:`PRECISIONS`, or ``auto``: bf16 where the run has a
+#: CUDA device, fp32 on a CPU (:func:`raystudy.precision.resolve_precision`).
+PRECISION_CHOICES: tuple[str, ...] = (*PRECISIONS, "auto")
 #: How a trial reads images: a checksummed uint8 cache augmented on the device, or decode every step.
 DATA_PATHS: tuple[str, ...] = ("cache", "decode")
 #: The built-in procedural datasets (:mod:`raystudy.data.synthetic`): the pretraining one and its shifts.
@@ -195,7 +199,8 @@ CONTROLS: tuple[str, ...] = (RANDOM_INIT, "none")
 PAPER_RANKING: tuple[str, ...] = ("MHA", "FC1", "FC2", "LN2", "LN1")
 
 #: Columns a table holds beside its schema, with the value older tables (without them) read as.
-DEFAULTED_COLUMNS: dict[str, dict[str, str]] = {"plasticity": {"weights": PRETRAINED},
+#: (a plasticity table without ``precision`` was measured in fp32, the only precision before it).
+DEFAULTED_COLUMNS: dict[str, dict[str, str]] = {"plasticity": {"weights": PRETRAINED, "precision": PRECISIONS[0]},
                                                 "rates": {"weights": PRETRAINED}}
 
 

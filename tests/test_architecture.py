@@ -302,10 +302,6 @@ SAME_IDEA: tuple[frozenset[str], ...] = (
     frozenset({"store", "store_flag"}),
     frozenset({"img_size", "size"}),
 )
-#: flags another change gives one meaning (``--bf16``: ``precision`` in one command, ``amp_bf16`` in another)
-ONE_MEANING_PENDING = {"--bf16"}
-
-
 def cli_flags() -> dict[str, dict[str, set[str]]]:
     """sub-command (``"data prepare"``) -> option string -> the dests it sets there."""
     import argparse
@@ -343,7 +339,7 @@ def test_flags_with_two_meanings_are_found():
 def test_a_flag_means_one_thing_in_every_sub_command():
     flags = cli_flags()
     assert {"study", "finetune", "plasticity", "probe", "analyze", "data prepare"} <= set(flags)
-    two = {o: d for o, d in flags_with_two_meanings(flags).items() if o not in ONE_MEANING_PENDING}
+    two = {o: d for o, d in flags_with_two_meanings(flags).items()}
     assert not two, f"flags that set different things in different sub-commands (rename the odd one out): {two}"
     # the meanings docs/architecture.md ("CLI flags") gives them
     having = {option: sorted(cmd for cmd, options in flags.items() if option in options)

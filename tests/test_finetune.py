@@ -64,12 +64,13 @@ def test_defaults_are_the_papers_protocol():
     assert (cfg.steps, cfg.batch_size, cfg.img_size, cfg.clip_norm) == (10_000, 512, 224, 1.0)
     assert cfg.warmup == 2000  # 20% of 10,000, the paper's 2000 warmup steps
     assert FinetuneConfig(steps=2500).warmup == 500  # low-data variant keeps the fraction
-    assert not cfg.amp_bf16 and not cfg.train_final_norm
+    assert not cfg.train_final_norm
     # speed settings (issue 13): precision by device, the uint8 cache, no compile unless asked
-    assert cfg.precision is None and cfg.data_path == "cache" and not cfg.compile
+    assert cfg.precision == "auto" and cfg.data_path == "cache" and not cfg.compile
     assert cfg.resolved_precision("cpu") == "fp32" and cfg.resolved_precision("cuda") == "bf16"
-    assert FinetuneConfig(amp_bf16=True).precision == "bf16"  # the older spelling
+    assert FinetuneConfig(precision=None).resolved_precision("cuda") == "bf16"  # an older config's None: auto
     assert FinetuneConfig(precision="fp32").resolved_precision("cuda") == "fp32"
+    assert FinetuneConfig(precision="bf16").resolved_precision("cpu") == "bf16"
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -80,7 +81,6 @@ def test_defaults_are_the_papers_protocol():
     (dict(warmup_steps=99), "warmup_steps"),
     (dict(store=""), "store"),
     (dict(precision="fp16"), "precision"),
-    (dict(amp_bf16=True, precision="fp32"), "amp_bf16"),
     (dict(data_path="jpeg"), "data_path"),
 ])
 def test_validation_names_the_field(kw, field):
@@ -126,7 +126,10 @@ OLD_CONFIG_JSON = {  # a run's config.json as written before the protocol and th
 def test_an_old_config_json_still_loads():
     cfg, res = split_legacy(OLD_CONFIG_JSON)
     assert (cfg.data_path, cfg.precision) == ("decode", "fp32")  # what such a run did
-    assert split_legacy({**OLD_CONFIG_JSON, "amp_bf16": True})[0].precision == "bf16"
+    assert split_legacy({**OLD_CONFIG_JSON, "amp_bf16": True})[0].precision == "bf16"  # the older spelling
+    assert split_legacy({**OLD_CONFIG_JSON, "precision": None})[0].precision == "auto"
+    with pytest.raises(ValueError, match="FinetuneConfig.amp_bf16: True contradicts precision: fp32"):
+        FinetuneConfig.from_dict({**OLD_CONFIG_JSON, "amp_bf16": True, "precision": "fp32"})
     assert (cfg.configuration, cfg.optimizer, cfg.lr, cfg.steps, cfg.batch_size) == ("FC1", "adamw", 0.003, 8, 6)
     assert res == TrainResources(workers=2, gpus_per_worker=0.0, cpus_per_worker=2.0, max_failures=1,
                                  keep_checkpoints=3, cleanup_checkpoints=False)
@@ -540,12 +543,12 @@ def test_cli_builds_the_config(store, tmp_path, capsys):
     fast = config_from_args(build_parser().parse_args([*base, "--configuration", "LN2", "--bf16", "--compile",
                                                        "--data-path", "decode", "--cache-dir", "/c"]))[0]
     assert (fast.precision, fast.compile, fast.data_path, fast.cache_dir) == ("bf16", True, "decode", "/c")
-    assert (cfg.precision, cfg.compile, cfg.data_path, cfg.cache_dir) == (None, False, "cache", None)
-    from raystudy.vocab import DATA_PATHS, PRECISIONS
+    assert (cfg.precision, cfg.compile, cfg.data_path, cfg.cache_dir) == ("auto", False, "cache", None)
+    from raystudy.vocab import DATA_PATHS, PRECISION_CHOICES
 
     actions = build_parser()._subparsers._group_actions[0].choices["finetune"]._actions
     choices = {a.option_strings[0]: a.choices for a in actions if a.option_strings}
-    assert (choices["--precision"], choices["--data-path"]) == (PRECISIONS, DATA_PATHS)  # from the vocabulary
+    assert (choices["--precision"], choices["--data-path"]) == (PRECISION_CHOICES, DATA_PATHS)  # the vocabulary's
     with pytest.raises(SystemExit):  # configurations are checked as they are parsed
         build_parser().parse_args([*base, "--configuration", "Attn"])
     with pytest.raises(SystemExit):

@@ -547,7 +547,7 @@ def test_a_hand_edited_spec_cannot_change_what_finished_trials_mean(builtin, tmp
 
 
 @pytest.mark.parametrize("change, named", [
-    (["--set", "precision=bf16"], "precision: stored None, given 'bf16'"),
+    (["--set", "precision=bf16"], "precision: stored 'auto', given 'bf16'"),
     (["--set", "data_path=decode"], "data_path: stored 'cache', given 'decode'"),
     (["--set", "name=other"], "name: stored 'pre', given 'other'"),
 ])

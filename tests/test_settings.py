@@ -50,8 +50,8 @@ RENAMED = {
     (StudySpec, "cpus_per_worker"): (ResourceSettings, "cpus_per_worker"),
     (FinetuneConfig, "tokenizer"): (PlasticitySettings, "tokenizer"),
     (FinetuneConfig, "change_split"): (PlasticitySettings, "pretrain_split"),
-    (PlasticityJob, "amp_bf16"): (DeviceSettings, "amp_bf16"),
-    (PlasticityRun, "amp_bf16"): (DeviceSettings, "amp_bf16"),
+    (PlasticityJob, "precision"): (DeviceSettings, "precision"),
+    (PlasticityRun, "precision"): (DeviceSettings, "precision"),
     (ProbeJob, "resize"): (ProtocolSettings, "resize"),
 }
 
@@ -232,3 +232,31 @@ def test_architecture_doc_paths_of_a_setting_name_functions_that_exist():
             for part in attr.split("."):
                 obj = getattr(obj, part)
             assert callable(obj), name
+
+
+@pytest.mark.parametrize("command", ["finetune", "probe", "plasticity"])
+def test_bf16_means_precision_bf16_in_every_command(command):
+    """``--bf16`` and ``--precision`` set one destination, the ``precision`` setting, in every command that
+    has them; ``--precision`` offers fp32, bf16 and auto, default auto."""
+    flags = {a.option_strings[0]: a for a in _subparser(command)._actions if a.option_strings}
+    assert flags["--bf16"].dest == flags["--precision"].dest == "precision" and flags["--bf16"].const == "bf16"
+    assert list(flags["--precision"].choices) == ["fp32", "bf16", "auto"] and flags["--precision"].default == "auto"
+
+
+def test_one_resolver_and_one_upgrade_of_the_older_spelling():
+    """``resolve_precision``: fp32/bf16 as given on any device, auto (and an older None) bf16 on CUDA only;
+    ``upgrade_settings``: ``amp_bf16: true`` is ``precision: bf16``, ``false`` changes nothing, a
+    contradiction is refused naming both."""
+    from raystudy.precision import resolve_precision, upgrade_settings
+
+    table = {(p, cuda): resolve_precision(p, cuda) for p in ("fp32", "bf16", "auto", None) for cuda in (False, True)}
+    assert table == {("fp32", False): "fp32", ("fp32", True): "fp32", ("bf16", False): "bf16", ("bf16", True): "bf16",
+                     ("auto", False): "fp32", ("auto", True): "bf16", (None, False): "fp32", (None, True): "bf16"}
+    with pytest.raises(ValueError, match="precision 'fp16'"):
+        resolve_precision("fp16", True)
+    assert upgrade_settings({"amp_bf16": True, "steps": 3}) == {"precision": "bf16", "steps": 3}
+    assert upgrade_settings({"amp_bf16": True, "precision": None}) == {"precision": "bf16"}
+    assert upgrade_settings({"amp_bf16": False}) == {}
+    assert upgrade_settings({"precision": None}) == {"precision": "auto"}
+    with pytest.raises(ValueError, match="spec: amp_bf16: True contradicts precision: fp32"):
+        upgrade_settings({"amp_bf16": True, "precision": "fp32"}, "spec: ")

@@ -14,6 +14,7 @@ from raystudy.settings import (
     ProtocolSettings,
     ResourceSettings,
     RunSettings,
+    add_bf16_flag,
     add_flags,
     from_args,
 )
@@ -42,8 +43,7 @@ def register(subparsers) -> None:
     add_flags(model, HubWeights)
     protocol = p.add_argument_group("protocol")
     add_flags(protocol, ProtocolSettings)
-    protocol.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-                          help="same as --precision bf16")
+    add_bf16_flag(protocol)
     add_flags(p.add_argument_group("Ray Train resources"), ResourceSettings)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

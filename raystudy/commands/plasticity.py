@@ -30,7 +30,16 @@ from raystudy.data.pairing import positions, reuse
 from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.job_inputs import check_inputs, out_problem, plasticity_problems
-from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
+from raystudy.precision import resolve_precision
+from raystudy.settings import (
+    HubWeights,
+    ModelSettings,
+    PlasticityRun,
+    PlasticitySettings,
+    add_bf16_flag,
+    add_flags,
+    from_args,
+)
 from raystudy.storage import check_path_name
 from raystudy.terminal import progress_bar
 from raystudy.vocab import COMPONENTS, PRETRAINED, RANDOM_INIT, pretrained_rows
@@ -69,7 +78,8 @@ def register(sub) -> None:
     add_flags(p, PlasticitySettings, ["pairs"], unset=True, help={"pairs": PAIRS_HELP})
     add_flags(p, PlasticitySettings, ["pairing", "batch_size", "mode", "mha_input", "gated_fc1", "control",
                                       "control_seed"])
-    add_flags(p, PlasticityRun, ["amp_bf16"])
+    add_flags(p, PlasticityRun, ["precision"])
+    add_bf16_flag(p)
     p.set_defaults(func=run)
 
 
@@ -184,13 +194,15 @@ def measured_models(args, control: str | None = None) -> dict:
 def local_rates(models: dict, x, y, args, device, dataset: str):
     """Per-pair rates of every model of ``models`` (``{weights: model}``) on the same pairs ``(x, y)``, batch by
     batch, and their summary: ``(rates, plasticity)`` frames labelled with the model, ``dataset``, mode and
-    ``weights`` (:data:`raystudy.vocab.WEIGHTS`; the control's ``init_seed`` beside it in ``plasticity``)."""
+    ``weights`` (:data:`raystudy.vocab.WEIGHTS`; the control's ``init_seed`` and the ``precision`` the forward
+    passes ran in beside it in ``plasticity``: ``--precision`` resolved on ``device``)."""
     import pandas as pd
     import torch
 
     from raystudy.core.plasticity import pair_rates, summarize  # torch (raystudy.core): --help stays light
 
-    amp = torch.bfloat16 if args.amp_bf16 else None
+    precision = resolve_precision(args.precision, torch.device(device).type == "cuda")
+    amp = torch.bfloat16 if precision == "bf16" else None  # norms stay float32 under it
     frames = []
     with progress_bar(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
         for i in range(0, len(x), args.batch_size):
@@ -206,6 +218,7 @@ def local_rates(models: dict, x, y, args, device, dataset: str):
     rates.insert(0, "model", args.model)
     table = summarize(rates)
     table["init_seed"] = table["weights"].map({RANDOM_INIT: args.control_seed}).astype("Int64")
+    table["precision"] = precision
     return rates, table
 
 

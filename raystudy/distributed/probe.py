@@ -22,8 +22,8 @@ Two data paths (``ProbeJob.data_path``, as finetuning's)::
 
 ``local=True`` computes the same features in this process (the cache read in batches on this process's
 device, or raystudy.data.stream.iter_batches_local decoding; no Ray): the images are the same tensors
-(per-image seeding), so both give the same ``test_acc``. ``precision`` None runs bf16 autocast on CUDA
-and float32 on a CPU (:func:`raystudy.core.probe.resolve_precision`); the feature batch defaults to
+(per-image seeding), so both give the same ``test_acc``. ``precision`` ``auto`` runs bf16 autocast on CUDA
+and float32 on a CPU (:func:`raystudy.precision.resolve_precision`); the feature batch defaults to
 :data:`CACHE_BATCH` images on the cache path (the model's forward is the whole cost) and
 :data:`DECODE_BATCH` decoding.
 
@@ -42,6 +42,7 @@ from raystudy import storage
 from raystudy.data.modality import absolute_model
 from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
+from raystudy.precision import resolve_precision
 from raystudy.settings import (
     DeviceSettings,
     HubWeights,
@@ -52,7 +53,7 @@ from raystudy.settings import (
     setting,
 )
 from raystudy.storage import absolute_path
-from raystudy.vocab import DATA_PATHS, PRECISIONS, RESIZES
+from raystudy.vocab import DATA_PATHS, PRECISION_CHOICES, RESIZES
 
 #: Logical CPUs of one transform task (decode + transform). Distinct from the actors' request: Ray Data
 #: fuses a task step into the next actor step when their requests are equal (see distributed.plasticity).
@@ -77,7 +78,7 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
     (:class:`~raystudy.settings.ProtocolSettings`), a study's own ``resize``. ``local``: extract in this
     process, without Ray. ``out_dir``: where ``probe.json`` goes (``None``: not written). ``data_path``:
     ``cache`` (uint8 rows of a cache under ``cache_dir``, None: ``STORE/cache``) or ``decode``;
-    ``precision`` (None: bf16 on CUDA, fp32 on CPUs); ``batch_size`` None: :data:`CACHE_BATCH` on the cache
+    ``precision`` (``auto``: bf16 on CUDA, fp32 on CPUs); ``batch_size`` None: :data:`CACHE_BATCH` on the cache
     path, :data:`DECODE_BATCH` decoding.
     """
 
@@ -88,8 +89,6 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
 
     def __post_init__(self) -> None:
         self.model_kwargs = dict(self.model_kwargs or {})
-        if self.amp_bf16 and self.precision is None:
-            self.precision = "bf16"  # the older spelling
         self.store, self.out_dir = absolute_path(self.store), absolute_path(self.out_dir)
         self.weights, self.cache_dir = absolute_path(self.weights), absolute_path(self.cache_dir)
         self.model = absolute_model(self.model)
@@ -101,8 +100,8 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
                   (self.batch_size is None or self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
                   (self.data_path in DATA_PATHS, f"data_path {self.data_path!r}: expected one of {list(DATA_PATHS)}"),
                   (self.resize in RESIZES, f"resize {self.resize!r}: expected one of {list(RESIZES)}"),
-                  (self.precision is None or self.precision in PRECISIONS,
-                   f"precision {self.precision!r}: expected one of {list(PRECISIONS)} (or None)"),
+                  (self.precision is None or self.precision in PRECISION_CHOICES,
+                   f"precision {self.precision!r}: expected one of {list(PRECISION_CHOICES)}"),
                   (self.workers >= 1, f"workers must be >= 1, got {self.workers}"),
                   (self.cpus_per_worker > 0, f"cpus_per_worker must be > 0, got {self.cpus_per_worker}"),
                   (self.gpus_per_worker >= 0, f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}"),
@@ -122,10 +121,8 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
         return self.batch_size or (CACHE_BATCH if self.data_path == "cache" else DECODE_BATCH)
 
     def resolved_precision(self) -> str:
-        """``precision``, else bf16 where the features run on CUDA (locally: when this process sees a GPU;
-        through Ray: ``gpus_per_worker > 0``) and fp32 elsewhere."""
-        from raystudy.core.probe import resolve_precision  # torch (raystudy.core): ProbeJob stays light
-
+        """The feature pass's precision (:func:`~raystudy.precision.resolve_precision`), on CUDA where the
+        features run there (locally: when this process sees a GPU; through Ray: ``gpus_per_worker > 0``)."""
         if self.local:
             import torch
 

@@ -128,14 +128,12 @@ def _check_datasets(spec: StudySpec) -> None:
 
 def _check_protocol(spec: StudySpec) -> None:
     """The model's and the protocol's settings against their definitions (:mod:`raystudy.settings`),
-    then what relates them: the warmup ends before the run, ``amp_bf16`` agrees with ``precision``."""
+    then what relates them: the warmup ends before the run."""
     for group in (ModelSettings, ProtocolSettings):
         for name, why in problems(spec, group):
             raise SpecError(f"{name}: {getattr(spec, name)!r} {why}")
     if spec.warmup_steps is not None and not 0 <= spec.warmup_steps < spec.steps:
         raise SpecError(f"warmup_steps: {spec.warmup_steps} must lie in [0, steps={spec.steps})")
-    if spec.amp_bf16 and spec.precision not in (None, "bf16"):
-        raise SpecError(f"amp_bf16: true contradicts precision: {spec.precision}")
 
 def _check_dataset_overrides(spec: StudySpec) -> None:
     """Each dataset's overrides, named ``datasets.<name>.<field>``; the resolved warmup lies before the

@@ -59,6 +59,7 @@ from raystudy.core.models import build_model, resolve_img_size
 from raystudy.data.modality import modality_of_model
 from raystudy.data.splits import val_origin
 from raystudy.io import read_result
+from raystudy.precision import resolve_precision
 from raystudy.study.final import final_cells
 
 #: the MFU assumed when no GPU benchmark result is given (stated in the output)
@@ -235,9 +236,9 @@ def counted_selection(spec, dataset: str, configuration: str, seed: int, plastic
 
 
 def run_precision(spec) -> str:
-    """The precision the study's GPU runs use: ``precision``, ``bf16`` with ``amp_bf16``, else the GPU
-    default ``bf16``."""
-    return spec.precision or "bf16"
+    """The precision the study's GPU runs use: :func:`~raystudy.precision.resolve_precision` of its
+    ``precision`` on a CUDA device (``auto``: ``bf16``)."""
+    return resolve_precision(spec.precision, cuda=True)
 
 
 def device_peaks(device: str | None) -> tuple[str, dict[str, float]]:

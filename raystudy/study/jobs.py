@@ -129,14 +129,14 @@ def _meta_model(cfg):
 def pretrain_job(spec: StudySpec, out_dir: str):
     """The demo's pretraining run: configuration ``All`` of the spec's model from a random init on the
     pretraining store, per ``spec.pretrain`` (steps, batch_size, lr, optimizer, warmup_steps, seed,
-    augment), the spec's model (its weights aside) and ``amp_bf16``; one evaluation at the end, no periodic
+    augment), the spec's model (its weights aside) and ``precision``; one evaluation at the end, no periodic
     checkpoint, the final full model saved (``final_model.safetensors`` in ``out_dir``).
     ``(FinetuneConfig, TrainResources)``.
     """
     t = spec.pretrain
     run = dict(steps=t.steps, batch_size=t.batch_size, lr=t.lr, optimizer=t.optimizer, warmup_steps=t.warmup_steps,
                seed=t.seed, augment=t.augment)
-    model = {**values(ModelSettings, spec), "weights": None, "amp_bf16": spec.amp_bf16}
+    model = {**values(ModelSettings, spec), "weights": None, "precision": spec.precision}
     cfg = FinetuneConfig(
         **model, **run, store=spec.pretrain_store_path(), configuration="All", eval_period=t.steps, shuffle=True,
         checkpoint_period=0, save_final=True, out_dir=str(out_dir),
@@ -148,13 +148,13 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
     """The plasticity measurement of ``datasets`` (names among ``spec.datasets``) against the pretraining
     ``store`` (``None``: the spec's ``pretrain_store``): a
     :class:`~raystudy.distributed.plasticity.PlasticityJob` of the spec's :class:`ModelSettings` (and
-    ``amp_bf16``) and the ``plasticity`` section's :class:`PlasticitySettings`; a text model (``hf:...``)
+    ``precision``) and the ``plasticity`` section's :class:`PlasticitySettings`; a text model (``hf:...``)
     gets no ``img_size``.
     """
     from raystudy.distributed.plasticity import PlasticityJob  # matplotlib (its figures): trials stay without it
 
     names = [datasets] if isinstance(datasets, str) else list(datasets)
-    model = {**values(ModelSettings, spec), "amp_bf16": spec.amp_bf16}
+    model = {**values(ModelSettings, spec), "precision": spec.precision}
     if not modality_of_model(spec.model).takes_images:
         model["img_size"] = None  # a text model's pairs are token windows (plasticity.seq_len)
     return PlasticityJob(
@@ -167,7 +167,7 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
 def probe_job(spec: StudySpec, dataset: str, out_dir: str):
     """The linear probe of ``dataset`` (a name among ``spec.datasets``): a
     :class:`~raystudy.distributed.probe.ProbeJob` of the spec's :class:`ModelSettings`, its feature pass's
-    :class:`DeviceSettings` (the study's ``data_path``, ``precision`` (``amp_bf16``: bf16), ``cache_dir``),
+    :class:`DeviceSettings` (the study's ``data_path``, ``precision``, ``cache_dir``),
     the study's ``resize`` (its eval transform) and the ``probe`` section's :class:`ProbeSettings`, written
     to ``out_dir/probe.json``.
     """

@@ -57,6 +57,7 @@ import yaml
 
 from raystudy import storage
 from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY
+from raystudy.precision import upgrade_settings
 from raystudy.settings import (
     DeviceSettings,
     ModelSettings,
@@ -260,7 +261,10 @@ class StudySpec(ModelSettings, ProtocolSettings):
         """
         if not isinstance(data, dict):
             raise SpecError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
-        data = copy.deepcopy(data)
+        try:  # older settings read as today's (raystudy.precision.upgrade_settings)
+            data = upgrade_settings(copy.deepcopy(data), f"{where}: ")
+        except ValueError as e:
+            raise SpecError(str(e)) from None
         kwargs: dict[str, Any] = {}
         known = {f.name for f in dataclasses.fields(cls)} - {"dataset_overrides"}
         for key, value in data.items():
@@ -464,7 +468,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
     #: as resolved: :meth:`trial_value`)
     TRIAL_FIELDS: ClassVar[tuple[str, ...]] = (
         "model", "model_kwargs", "weights", "img_size", "steps", "batch_size", "eval_period", "warmup_steps",
-        "log_period", "augment", "shuffle", "amp_bf16", "train_final_norm", "search", "momentum", "betas",
+        "log_period", "augment", "shuffle", "train_final_norm", "search", "momentum", "betas",
         "weight_decay", "clip_norm", "head_init", "include_layerscale", "precision", "data_path", "accuracy",
         "val_split", "drop_last", "resize",
     )
@@ -530,6 +534,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
                 continue
             for name in self.ROW_FIELDS:
                 want = self.protocol(row["dataset"]).steps if name == "steps" else getattr(self, name)
+                want = None if want == "auto" else want  # precision auto: what the trial's device resolved it to
                 have = row.get(name)
                 if name not in out and want is not None and not is_missing(have) and have != want:
                     out[name] = f"{name}: trials/{tid} ran with {have!r}, the spec says {want!r}"
