@@ -244,6 +244,6 @@ def test_plasticity_cli_bf16_is_precision_bf16_and_the_table_says_so(tmp_path, w
     np.testing.assert_allclose(tables["bf16"]["plasticity"], ref["plasticity"], rtol=1e-5)
     assert not np.allclose(tables["bf16"]["plasticity"], tables["auto"]["plasticity"], rtol=1e-4)
     store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
-    argv = ["plasticity", *MODEL, "--pretrain", store, "--downstream", store, "--out", str(tmp_path / "o")]
+    argv = ["plasticity", *MODEL, "--pretrain-store", store, "--downstream", store, "--out", str(tmp_path / "o")]
     assert pipeline_job(build_parser().parse_args(argv + ["--bf16"])).precision == "bf16"
     assert pipeline_job(build_parser().parse_args(argv)).resolved_precision() == "fp32"

@@ -512,6 +512,46 @@ def test_modality_strings_only_in_the_modality_module():
                      "instead of testing the modality by name:\n" + "\n".join(hits)
 
 
+#: Flags that say which modality an object is: read only inside the seam; elsewhere the code asks the
+#: modality's operations (``data_path``, ``image_caches``, ``input_size``, ``flops_input``, ...).
+MODALITY_FLAGS = frozenset({"takes_images", "caches_images"})
+
+
+def _modality_flag_reads(source: str) -> list[tuple[int, str]]:
+    """``(line, flag)`` of every read of a :data:`MODALITY_FLAGS` attribute in ``source``: ``x.takes_images``
+    (any expression before the dot) or ``getattr(x, "takes_images")``; found on the syntax tree, so a word in
+    a string, a comment or a docstring is not one."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in MODALITY_FLAGS:
+            hits.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in MODALITY_FLAGS):
+            hits.append((node.lineno, node.args[1].value))
+    return sorted(hits)
+
+
+def test_modality_flag_reads_are_found_on_the_syntax_tree():
+    source = ("if modality.takes_images:\n"  # 1: a branch on the flag
+              "    x = 1\n"
+              "size = None if not modality_of_model(m).takes_images else 224\n"  # 3: on a call's result
+              "skip = [s for s in stores if not modality_of_store(read_meta(s)).caches_images]\n"  # 4
+              "flag = getattr(modality, 'caches_images', False)\n"  # 5: by name
+              "doc = 'takes_images is a flag'  # caches_images in a comment\n"  # 6: words, not reads
+              "takes_images = True\n"  # 7: a name bound, not an attribute read
+              "other = modality.takes_image\n")  # 8: another attribute
+    assert _modality_flag_reads(source) == [(1, "takes_images"), (3, "takes_images"), (4, "caches_images"),
+                                            (5, "caches_images")]
+
+
+def test_modality_flags_read_only_in_the_modality_module():
+    hits = [f"{_rel(path)}:{line}: .{flag}" for path in _sources() if _rel(path) != MODALITY_MODULE
+            for line, flag in _modality_flag_reads(path.read_text(encoding="utf-8"))]
+    assert not hits, f"ask the modality's operations ({MODALITY_MODULE}) instead of branching on its flags:\n" \
+                     + "\n".join(hits)
+
+
 # ------------------------------------------------------------------------------ layers
 
 FOUNDATION = ("vocab", "storage", "io", "faults", "settings", "precision", "terminal")

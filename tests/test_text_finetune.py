@@ -4,6 +4,7 @@ configuration, learning, exact resume, and the Ray Train path equal to the local
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -103,6 +104,36 @@ def test_texts_are_encoded_with_special_tokens_truncated_and_padded(bert, store)
     batch = cut.batch(np.array([3, 0]))
     assert batch.input_ids.dtype == torch.int64 and torch.equal(batch.input_ids[1], torch.from_numpy(cut.ids[0]).long())
     assert batch.labels.tolist() == read_split(store, "train", columns=["label"]).column("label").to_pylist()[3::-3]
+
+
+def test_a_text_store_reads_the_same_tokens_on_every_data_path(bert, store, tmp_path, capsys):
+    """The modality seam: a text store's data path is its tokens whatever ``data_path`` asks; it has no
+    image caches to plan or prepare, no images to preview, no image line in ``data info``; an image model on
+    it raises naming the store and the model."""
+    from raystudy.cli import main
+    from raystudy.core.finetune.data import open_split_data, prepare_caches
+    from raystudy.core.finetune.preview import preview_batch
+    from raystudy.data.store import StoreError
+    from raystudy.distributed.cache import plan_caches
+
+    caches = tmp_path / "caches"
+    decoded = open_split_data(text_cfg(bert, store, tmp_path, data_path="decode"), "test")
+    cached_cfg = text_cfg(bert, store, tmp_path, data_path="cache", cache_dir=str(caches))
+    cached = open_split_data(cached_cfg, "test")
+    assert isinstance(decoded, TextSplitData) and isinstance(cached, TextSplitData)
+    assert np.array_equal(decoded.ids, cached.ids) and np.array_equal(decoded.mask, cached.mask)
+    assert np.array_equal(decoded.labels, cached.labels) and len(decoded) == len(read_split(store, "test"))
+    prepare_caches(cached_cfg)
+    assert not caches.exists()
+    assert plan_caches([store], ["train", "test"], ["full", "eval"], 32, root=str(caches)) == []
+    with pytest.raises(StoreError, match="a text store has no images to preview"):
+        preview_batch(store, "train", n=2, seed=0, data_path="cache", size=32)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(store))} is a text store but model vit_tiny_patch16_224 "
+                                         "takes images"):
+        open_text_split(dataclasses.replace(text_cfg(bert, store, tmp_path), model="vit_tiny_patch16_224"), "train")
+    assert main(["data", "info", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert ", text)" in out.splitlines()[0] and "skipped images" not in out
 
 
 # ---- freezing ------------------------------------------------------------------------------------

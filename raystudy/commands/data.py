@@ -157,9 +157,7 @@ def _prepare_vtab1k(args: argparse.Namespace) -> int:
 def _print_summary(path, meta: dict | None = None) -> None:
     meta = meta or read_meta(path)
     counts = meta["counts"]
-    skipped = meta.get("skipped") or {}
-    modality = modality_of_store(meta)
-    kind = "" if modality.takes_images else f", {modality.kind}"
+    kind, lines = modality_of_store(meta).describe(meta)
     print(f"{meta['name']}  ({meta.get('source', '?')}{kind})  {path}")
     print(f"  classes: {meta['num_classes']}  ({', '.join(meta.get('classes', [])[:5])}"
           f"{', ...' if meta['num_classes'] > 5 else ''})")
@@ -167,9 +165,8 @@ def _print_summary(path, meta: dict | None = None) -> None:
           f"val {counts.get('val', 0)}  test {counts.get('test', 0)}  shards {len(meta.get('shards', []))}")
     if meta.get("low_data"):
         print(f"  low-data: {meta['low_data']['variant']}")
-    if modality.takes_images:
-        print(f"  skipped images: {skipped.get('count', 0)}"
-              + (f"  (indices {[s['index'] for s in skipped.get('items', [])][:10]})" if skipped.get("count") else ""))
+    for line in lines:
+        print(line)
     print(f"  checksum: {meta['checksum']}")
 
 

@@ -160,8 +160,9 @@ def run(args) -> int:
         return run_pipeline(args)
     if not (args.x and args.y):
         raise ValueError("give --x and --y (local images) or --pretrain-store and --downstream (stores)")
-    if not modality_of_model(args.model).takes_images:
-        raise ValueError(f"--model {args.model} is a text model: measure it on text stores with --pretrain-store STORE "
+    why = modality_of_model(args.model).files_problem(args.model)
+    if why:
+        raise ValueError(f"--model {args.model}: {why}; measure it on stores with --pretrain-store STORE "
                          "--downstream STORE --seq-len N")
     if args.radius is not None or args.pretrain_split != "test":
         raise ValueError("--radius and --pretrain-split apply to stores (--pretrain-store/--downstream); for the "

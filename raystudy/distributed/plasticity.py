@@ -320,8 +320,9 @@ def actor_spec(job: PlasticityJob) -> dict:
     """What an actor (and the bounds thread) needs to build the model and compute, as a plain dict."""
     modality = modality_of_model(job.model)
     model_kwargs = dict(job.model_kwargs)
-    if job.img_size and "img_size" not in model_kwargs and modality.takes_images:
-        model_kwargs["img_size"] = job.img_size  # the model must accept the transformed images
+    size = modality.input_size(job.img_size)
+    if size and "img_size" not in model_kwargs:
+        model_kwargs["img_size"] = size  # the model must accept the transformed images
     return {"model": modality.build_name(job.model), "weights": job.weights, "model_kwargs": model_kwargs,
             "seed": job.seed, "control": job.control, "control_seed": job.control_seed,
             "mode": job.mode, "mha_input": job.mha_input, "gated_fc1": job.gated_fc1,

@@ -191,8 +191,12 @@ def _check_plasticity(spec: StudySpec) -> None:
         check_pretrain_split(p.pretrain_split, "plasticity.pretrain_split")
     except ValueError as e:
         raise SpecError(str(e)) from None
-    if not modality_of_model(spec.model).takes_images and p.seq_len is None:
-        raise SpecError(f"plasticity.seq_len: the text model {spec.model} needs tokens per window")
+    modality = modality_of_model(spec.model)
+    # the inputs its plasticity job gets (study.jobs.plasticity_job: img_size as the modality takes it)
+    for holds, message in modality.input_limits(spec.model, img_size=modality.input_size(spec.img_size),
+                                                seq_len=p.seq_len):
+        if not holds:
+            raise SpecError(f"plasticity: {message}")
     if spec.pretrain_store is None and not spec.builtin_data:
         raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
 
@@ -200,7 +204,7 @@ def _check_pretrain(spec: StudySpec) -> None:
     """Pretraining settings, or (without pretraining) the weights file every job starts from."""
     t = spec.pretrain
     if not t.enabled:
-        if spec.weights is None and modality_of_model(spec.model).takes_images:  # an hf: folder holds its weights
+        if modality_of_model(spec.model).weights_source(spec.model, spec.weights) is None:  # hf: its folder's
             raise SpecError(
                 "weights: a local weights file is required (or enable pretrain to train one); "
                 "a random-init model is not a pretrained model"

@@ -155,8 +155,8 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
 
     names = [datasets] if isinstance(datasets, str) else list(datasets)
     model = {**values(ModelSettings, spec), "precision": spec.precision}
-    if not modality_of_model(spec.model).takes_images:
-        model["img_size"] = None  # a text model's pairs are token windows (plasticity.seq_len)
+    # a text model takes no img_size: its pairs are token windows (plasticity.seq_len)
+    model["img_size"] = modality_of_model(spec.model).input_size(model["img_size"])
     return PlasticityJob(
         **model, **values(PlasticitySettings, spec.plasticity),
         pretrain=store if store is not None else spec.pretrain_store_path(),

@@ -318,11 +318,12 @@ class Finetuner:
     def change_images(self) -> torch.Tensor | None:
         """The CKA's images (:func:`raystudy.core.change.first_images`): the first ``cfg.change_images`` rows
         of ``cfg.change_split`` of ``cfg.change_store``, eval transform; None without a store, with 0 images or
-        for a text model."""
+        for a text model (:meth:`~raystudy.data.modality.Modality.change_images`)."""
         cfg = self.cfg
-        if not cfg.change_store or cfg.change_images == 0 or not modality_of_model(cfg.model).takes_images:
+        n = modality_of_model(cfg.model).change_images(cfg.change_images)
+        if not cfg.change_store or n == 0:
             return None
-        return first_images(cfg.change_store, cfg.change_split, cfg.change_images, cfg.img_size)
+        return first_images(cfg.change_store, cfg.change_split, n, cfg.img_size)
 
     @property
     def adapted(self) -> bool:
