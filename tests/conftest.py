@@ -170,7 +170,8 @@ def kill_at_first_checkpoint(ft, ckdir) -> None:
 #: would otherwise send the files with the most tests first), so that its two processes start on the longest
 #: files and end together on short ones: with only the 14 files listed before, test_vtab_demo_study and
 #: test_vtab_protocol came last and one process idled the last 3 of 32 minutes. A file not listed (under
-#: 20 s there) keeps its alphabetical place after these.
+#: 20 s there; test_demo_study's 780 s were the demo study's build, which test_docs does first in a full run)
+#: keeps its alphabetical place after these.
 FILE_SECONDS = {
     "test_docs.py": 971, "test_study.py": 830, "test_hardening_study.py": 689, "test_expressions_wired.py": 512,
     "test_newcomer.py": 388, "test_fast_step.py": 364, "test_analysis_selection.py": 357, "test_analysis.py": 354,
