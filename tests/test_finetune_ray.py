@@ -159,7 +159,10 @@ def test_resume_with_shuffling_restores_optimizer_schedule_and_rng(store, tmp_pa
     assert info["trainable"] == fingerprint(saved["trainable"])
     assert info["rng"] == fingerprint(torch.load(ckpt / "rng_rank0.pt", weights_only=True))
     assert (ckpt / "rng_rank1.pt").is_file()
-    assert (ckpt / ".complete").read_text() == "4\n"  # the one checkpoint layout, inside Ray's checkpoint
+    assert (ckpt / ".complete").read_text() == "4\n"  # the one checkpoint layout, in the Ray Train run's folder
+    run_dir = Path(cfg.out_dir) / "ray" / "train"  # and only it: Ray wrote no checkpoint_<date>/ copies
+    assert ckpt == run_dir / "checkpoint_00000004"
+    assert sorted(p.name for p in run_dir.glob("checkpoint*")) == ["checkpoint_00000004"]
     assert saved["data"]["samples_seen"] == 32 and saved["data"]["shuffle"]
     b = curves(cfg)
     assert b["step"].tolist() == list(range(1, 9))  # every step exactly once: continued at step 5

@@ -22,6 +22,7 @@ from raystudy.study.progress import echo as _echo
 from raystudy.study.results import quarantine
 from raystudy.study.spec import StudySpec
 
+
 class StudyStorageError(ValueError):
     """The study directory cannot be written (a full disk); one line naming it. A ``ValueError``, so every
     command reports it without a traceback."""

@@ -39,11 +39,12 @@ from raystudy.core.finetune.loop import Finetuner
 from raystudy.core.finetune.state import ForeignCheckpoint, checkpoint_problem
 from raystudy.storage import (
     delete_dir,
+    delete_file,
     download_dir,
     exists,
-    filesystem,
     is_uri,
     join,
+    move,
     move_aside,
     read_text,
     staged,
@@ -195,15 +196,11 @@ def upgrade_layout(storage: str) -> list[str]:
             delete_dir(folder)
             continue
         delete_dir(target)  # an incomplete folder of this step
-        fs, path = filesystem(folder)
-        fs.move(path, filesystem(target)[1])
+        move(folder, target)
         mark_complete(target, step)
         log.info("checkpoint %s upgraded to %s", folder, target)
         upgraded.append(target)
-    snapshot = join(storage, RAY_SNAPSHOT)
-    if exists(snapshot):
-        fs, path = filesystem(snapshot)
-        fs.delete_file(path)
+    delete_file(join(storage, RAY_SNAPSHOT))
     return upgraded
 
 
