@@ -150,11 +150,13 @@ class Killed(Exception):
 
 
 def kill_at_first_checkpoint(ft, ckdir) -> None:
-    """Run the ``Finetuner`` ``ft`` until its first checkpoint, save it as ``ckdir/step_XXXXXXXX`` (the layout
-    ``train_local(checkpoint_dir=ckdir, resume=True)`` resumes from) and stop there."""
+    """Run the ``Finetuner`` ``ft`` until its first checkpoint, save it as ``ckdir/checkpoint_XXXXXXXX`` (the one
+    layout, which ``train_local(checkpoint_dir=ckdir, resume=True)`` resumes from) and stop there."""
+    from raystudy.core.finetune.checkpoint import save_checkpoint
+
     def kill(ev):
         if ev.checkpoint:
-            ft.save(ckdir / f"step_{ev.step:08d}")
+            save_checkpoint(ft, str(ckdir), keep=None)
             raise Killed
 
     with pytest.raises(Killed):

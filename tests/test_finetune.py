@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -33,6 +34,7 @@ from raystudy.core.finetune import (
     train_step,
     warmup_cosine,
 )
+from raystudy.core.finetune.checkpoint import upgrade_layout
 from raystudy.core.finetune.driver import failed_summary
 from raystudy.distributed.train import TrainResources, run_config_dict, split_legacy
 from raystudy.vocab import CONFIGURATIONS, RUN_CURVE_COLUMNS, columns
@@ -330,8 +332,8 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_p
     torch.manual_seed(999)
     summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True)
 
-    saved = torch.load(ckdir / "step_00000004" / "state.pt", weights_only=True)
-    rng = torch.load(ckdir / "step_00000004" / "rng_rank0.pt", weights_only=True)
+    saved = torch.load(ckdir / "checkpoint_00000004" / "state.pt", weights_only=True)
+    rng = torch.load(ckdir / "checkpoint_00000004" / "rng_rank0.pt", weights_only=True)
     info = ft.restores[0]
     assert info["step"] == 4 and info["scheduler_last_epoch"] == 4
     assert info["optimizer"] == fingerprint(saved["optimizer"])
@@ -352,7 +354,7 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_p
     with pytest.raises(ValueError, match="data_path"):  # the other data path would see other crops
         Finetuner(tiny_cfg(store, tmp_path / "run", **{**kw, "data_path": {"cache": "decode"}.get(data_path,
                                                                                                   "cache")})
-                  ).load(ckdir / "step_00000004")
+                  ).load(ckdir / "checkpoint_00000004")
 
 
 def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
@@ -367,7 +369,7 @@ def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
 
     first = Finetuner(cfg)
     kill_at_first_checkpoint(first, ckdir)
-    path = ckdir / "step_00000004" / "state.pt"
+    path = ckdir / "checkpoint_00000004" / "state.pt"
     state = torch.load(path, weights_only=True)
     state["config"]["component"] = state["config"].pop("configuration")
     del state["config"]["data_path"], state["config"]["precision"]
@@ -382,7 +384,7 @@ def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
     state["config"]["component"] = "FC2"  # and an old checkpoint of another configuration is refused
     torch.save(state, path)
     with pytest.raises(ValueError, match="configuration"):
-        Finetuner(cfg).load(ckdir / "step_00000004")
+        Finetuner(cfg).load(ckdir / "checkpoint_00000004")
 
 
 class _Killed(Exception):
@@ -425,23 +427,51 @@ def test_one_checkpoint_layout_with_a_completion_marker(store, tmp_path):
     assert not (ckdir / "checkpoint_00000003").exists() and checkpoint_steps(str(ckdir)) == [2, 4, 6]
 
 
-def test_a_run_directory_of_the_old_step_layout_resumes(store, tmp_path):
-    """A checkpoint folder of the earlier local layout (``step_XXXXXXXX``, no marker) resumes exactly; the
-    resumed run writes today's layout, and a later resume takes the newest step of either layout."""
+def _as_older_layout(ckdir, step: int, name: str, marker: bool) -> None:
+    """Turn today's checkpoint of ``step`` under ``ckdir`` into a folder of an older version's layout: ``name``
+    (``step_XXXXXXXX``: train_local's, no marker; ``checkpoint_<date>``: Ray Train's, marker kept)."""
+    folder = ckdir / f"checkpoint_{step:08d}"
+    if not marker:
+        (folder / ".complete").unlink()
+    folder.rename(ckdir / name)
+
+
+@pytest.mark.parametrize("old_name, marker", [("step_00000002", False),
+                                              ("checkpoint_2026-12-01_10-00-00.123456", True)])
+def test_a_checkpoint_of_an_older_layout_is_upgraded_and_resumes(store, tmp_path, old_name, marker):
+    """A checkpoint folder of an older layout (train_local's ``step_XXXXXXXX`` without marker, Ray Train's
+    ``checkpoint_<date>`` with Ray's snapshot beside it) is renamed into today's layout when a run resumes there
+    (the snapshot, which names the old folder, deleted) and resumes exactly; nothing of the old layout is left
+    or written again."""
     kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=2,
               shuffle=True, augment=True, batch_size=6)
     ref, ref_ft = train_local(tiny_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
     cfg, ckdir = tiny_cfg(store, tmp_path / "run", **kw), tmp_path / "run" / "ck"
     kill_at_first_checkpoint(Finetuner(cfg), ckdir)
-    assert sorted(p.name for p in ckdir.iterdir()) == ["step_00000002"]
+    _as_older_layout(ckdir, 2, old_name, marker)
+    (ckdir / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+        {"checkpoint_results": [{"checkpoint_dir_name": old_name, "metrics": {}}]}))
+    assert upgrade_layout(str(ckdir)) == [str(ckdir / "checkpoint_00000002")]
+    assert sorted(p.name for p in ckdir.iterdir()) == ["checkpoint_00000002"]
+    assert (ckdir / "checkpoint_00000002" / ".complete").read_text() == "2\n"
+    _as_older_layout(ckdir, 2, old_name, marker)  # and the same, found by a resume
     summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
     assert summary["restored_from_step"] == 2 and [r["step"] for r in ft.curves] == list(range(1, 9))
     assert [r["train_loss"] for r in ft.curves] == [r["train_loss"] for r in ref_ft.curves]
     assert summary["test_acc"] == ref["test_acc"] and summary["best_val_acc"] == ref["best_val_acc"]
-    assert sorted(p.name for p in ckdir.iterdir()) == ["checkpoint_00000004", "checkpoint_00000006",
-                                                       "step_00000002"]
-    again, _ = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
-    assert again["restored_from_step"] == 6 and again["test_acc"] == ref["test_acc"]
+    assert sorted(p.name for p in ckdir.iterdir()) == [f"checkpoint_{s:08d}" for s in (2, 4, 6)]
+
+
+def test_an_older_folder_of_a_step_already_checkpointed_is_dropped(store, tmp_path):
+    """An older layout's folder whose step today's layout holds complete is deleted by the upgrade (today's is
+    kept); a Ray folder that holds no checkpoint is moved aside."""
+    cfg, ckdir = tiny_cfg(store, tmp_path / "run", steps=4, checkpoint_period=2), tmp_path / "ck"
+    kill_at_first_checkpoint(Finetuner(cfg), ckdir)
+    shutil.copytree(ckdir / "checkpoint_00000002", ckdir / "step_00000002")
+    (ckdir / "checkpoint_2026-12-01_10-00-00.5").mkdir()
+    assert upgrade_layout(str(ckdir)) == []
+    assert sorted(p.name for p in ckdir.iterdir()) == ["checkpoint_00000002",
+                                                       "checkpoint_2026-12-01_10-00-00.5.corrupt-1"]
 
 
 def test_resume_refuses_another_runs_checkpoint(store, tmp_path):

@@ -232,7 +232,7 @@ def test_resume_is_exact_on_text_with_dropout(store, tmp_path):
         assert summary[k] == ref[k]
     other = text_cfg(model, store, tmp_path / "run", **{**kw, "seq_len": 8})
     with pytest.raises(ValueError, match="seq_len"):  # another tokenisation is another run
-        Finetuner(other).load(ckdir / "step_00000003")
+        Finetuner(other).load(ckdir / "checkpoint_00000003")
 
 
 # ---- Ray Train ---------------------------------------------------------------------------------
