@@ -121,10 +121,10 @@ def throughput(args) -> list[dict]:
         over = 1 - ray_ips / plain_ips
         plain_cpu = (before["cpu_ms_per_image"] + after["cpu_ms_per_image"]) / 2
         ray_cpu = ray_summary["cpu_ms_per_image"]
-        rows.append({"config": config, "trainable": ft.selection.num_trainable, "plain": plain_ips,
+        rows.append({"config": config, "trainable": ft.trained.num_trainable, "plain": plain_ips,
                      "ray": ray_ips, "overhead": over, "plain_cpu": plain_cpu, "ray_cpu": ray_cpu,
                      "wall": ray_summary["wall_seconds"]})
-        print(f"{config:<6} {ft.selection.num_trainable:>10,} {plain_ips:>12.1f} {ray_ips:>10.1f} {over:>8.1%} "
+        print(f"{config:<6} {ft.trained.num_trainable:>10,} {plain_ips:>12.1f} {ray_ips:>10.1f} {over:>8.1%} "
               f"{plain_cpu:>10.2f} {ray_cpu:>8.2f} {ray_cpu / plain_cpu - 1:>+8.1%} "
               f"{ray_summary['wall_seconds']:>10.1f}   (load {os.getloadavg()[0]:.1f})", flush=True)
     tot_plain = sum(r["plain"] for r in rows) / len(rows)

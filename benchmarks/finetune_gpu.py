@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raystudy.study.cost import image_flops  # noqa: E402
-from raystudy.vocab import CONFIGURATIONS  # noqa: E402
+from raystudy.vocab import CONFIGURATIONS, PRECISION_CHOICES  # noqa: E402
 
 TINY = {"patch_size": 8, "embed_dim": 48, "depth": 3, "num_heads": 4}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30 if cuda else 5)
     p.add_argument("--warmup", type=int, default=5 if cuda else 2)
     p.add_argument("--configurations", nargs="+", default=list(CONFIGURATIONS), choices=CONFIGURATIONS)
-    p.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--precision", choices=PRECISION_CHOICES, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=None, help="default: 989 H100/H200, 312 A100 (dense bf16)")
     p.add_argument("--preset", default="paper", help="project this preset's GPU-hours ('' to skip)")

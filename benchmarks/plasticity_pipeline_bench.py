@@ -3,7 +3,7 @@
     python benchmarks/plasticity_pipeline_bench.py [--pairs 4000] [--batch-size 64] [--workers 1]
 
 Both sides start from the same two prepared stores (random PNGs) and the same pairs
-(:func:`raystudy.distributed.plasticity.pair_positions`), and both pay for decoding + the evaluation
+(:func:`raystudy.data.pairing.pair_positions`), and both pay for decoding + the evaluation
 transform of every image:
 
 - core: ``read_split`` of each side's image bytes, then per batch ``transform_batch`` (decode + eval
@@ -70,9 +70,9 @@ def core_loop(pre: str, down: str, weights: str, *, pairs: int, batch_size: int,
 
     from raystudy.core.models import build_model
     from raystudy.core.plasticity import pair_rates_tensor, rates_frame, summarize
+    from raystudy.data.pairing import pair_positions
     from raystudy.data.store import read_split
     from raystudy.data.transforms import transform_batch
-    from raystudy.distributed.plasticity import pair_positions
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -15,9 +15,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raystudy.storage import exists, filesystem, join, write_parquet_atomic
-from raystudy.vocab import SCHEMAS, columns, upgrade_columns
+from raystudy.vocab import columns, upgrade_columns
 
-__all__ = ["SCHEMAS", "TableError", "check_columns", "read_result", "table_path", "write_result"]
+__all__ = ["TableError", "check_columns", "read_result", "table_path", "write_result"]
 
 
 class TableError(ValueError):

@@ -39,35 +39,22 @@ from typing import Any
 
 from raystudy.setting_roles import roles_metadata
 from raystudy.vocab import (
+    ACCURACIES,
     CONTROLS,
     DATA_PATHS,
     GATED_FC1,
+    HEAD_INITS,
     MHA_INPUTS,
     MODES,
     OPTIMIZERS,
     PAIRINGS,
-    PRECISIONS,
+    PRECISION_CHOICES,
+    RESIZES,
     TEXT_ROWS,
+    TRAIN_SPLITS,
+    VAL_SPLITS,
 )
 
-#: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's), zeros (the original ViT
-#: finetuning recipe) or nn.Linear's own default (the paper authors' head).
-HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
-#: How val/test accuracy is averaged: over images, or the mean over eval batches of each batch's
-#: accuracy (the paper authors' run_evaluation, where a short last batch weighs as a full one).
-ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
-#: Which rows a run trains on and validates on: the store's own train/val split, or the store's train and
-#: val rows pooled and split anew by the run's seed in the same sizes (the paper authors' random_split per
-#: run, :func:`raystudy.core.finetune.data.per_seed_rows`).
-VAL_SPLITS: tuple[str, ...] = ("fixed", "per_seed")
-#: How an image becomes ``size x size`` without augmentation (evaluation; training with ``augment`` off):
-#: ``crop`` the shorter side resized to ``size`` then the centre square (the paper's); ``stretch`` the whole
-#: image resized to ``size x size``, bicubic, aspect ratio not kept (VTAB-1k's benchmark: VPT, NOAH's
-#: ``Resize((224, 224), interpolation=3)``, V-PETL Bench), :func:`raystudy.data.transforms.eval_geometry`.
-RESIZES: tuple[str, ...] = ("crop", "stretch")
-#: Which store splits a run trains on: ``train`` (validated on val), or ``train+val`` the union of the two
-#: (VTAB-1k's final fit on train800val200: no validation, the last step is tested).
-TRAIN_SPLITS: tuple[str, ...] = ("train", "train+val")
 #: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
 DEFAULT_MODEL = "vit_base_patch16_224.augreg_in21k"
 #: Fraction of a run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
@@ -303,6 +290,12 @@ def add_flags(parser, cls: type, names: Iterable[str] | None = None, *, unset: b
     return added
 
 
+def add_bf16_flag(parser) -> None:
+    """``--bf16`` beside a command's ``--precision``: the same as ``--precision bf16``, in every command."""
+    parser.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                        help="same as --precision bf16")
+
+
 def _flag_kwargs(f: dataclasses.Field, kind: Any, default: Any, unset: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"default": None if unset else default}
     if kind is bool:
@@ -371,12 +364,11 @@ class HubWeights:
 class DeviceSettings:
     """How a model runs on its device and where its images come from."""
 
-    precision: str | None = setting(None, choices=PRECISIONS,
-                                    help="bf16: autocast with fp32 master weights; fp32: the paper's; "
-                                         "None: bf16 on GPUs, fp32 on CPUs", roles={"trial", "resume", "row"})
-    amp_bf16: bool = setting(False, cli=False, help="bf16 autocast for the forward passes (norms stay float32); "
-                                                    "for finetuning the older spelling of precision: bf16",
-                                                    roles={"trial"})
+    precision: str = setting("auto", choices=PRECISION_CHOICES,
+                             help="the forward passes' precision (finetuning, probe, plasticity, pretraining): "
+                                  "fp32: the paper's; bf16: autocast with fp32 master weights, norms in fp32; "
+                                  "auto: bf16 where the run has a CUDA device, fp32 on a CPU",
+                             roles={"trial", "resume", "row"})
     data_path: str = setting("cache", choices=DATA_PATHS,
                              help="cache: decode each image once into a uint8 cache and augment on the device; "
                                   "decode: decode and augment every image on the CPU at every step",
@@ -529,12 +521,12 @@ class PlasticityRun:
     """One plasticity job's stores, output directory and pipeline knobs (beside its model and
     :class:`PlasticitySettings`)."""
 
-    pretrain: str = setting(flag="--pretrain", aliases=("--pretrain-store",), metavar="STORE",
+    pretrain: str = setting(flag="--pretrain-store", metavar="STORE",
                             help="prepared store of the pretraining side (x)", path=True)
     downstream: list[str] = setting(flag="--downstream", aliases=("--downstream-stores",), metavar="STORE",
                                     help="prepared downstream store(s) (y)", path=True)
     out_dir: str = setting(flag="--out", metavar="DIR", help="output directory", path=True)
-    amp_bf16: bool = same_as(DeviceSettings, "amp_bf16", flag="--bf16", cli=True)
+    precision: str = same_as(DeviceSettings, "precision")
     figures: bool = setting(True, cli=False, help="write the per-dataset figures")
     loaders: int | None = setting(None, check="optional_positive_int", cli=False,
                                   help="load tasks at once (None: one per CPU left beside the actors)")

@@ -94,15 +94,20 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Any]:
         raise
 
 
+def move(path: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Rename the file or folder ``path`` to ``target`` on the same file system (one rename when local)."""
+    fs, p = filesystem(path)
+    fs.move(p, filesystem(target)[1])
+
+
 def move_aside(path: str | os.PathLike, tag: str) -> str:
     """Rename the file or folder ``path`` to ``<path>.<tag>-<n>`` (the first free ``n`` from 1), so that
     nothing reads it again and nothing is lost; returns the new path. One rename on a local file system."""
-    fs, p = filesystem(path)
     n = 1
     while exists(f"{path}.{tag}-{n}"):
         n += 1
     target = f"{path}.{tag}-{n}"
-    fs.move(p, filesystem(target)[1])
+    move(path, target)
     return target
 
 
@@ -185,6 +190,13 @@ def download_dir(source: str | os.PathLike, local: str | os.PathLike) -> None:
     Path(local).mkdir(parents=True, exist_ok=True)
     pafs.copy_files(path, str(Path(local).absolute()), source_filesystem=fs,
                     destination_filesystem=pafs.LocalFileSystem())
+
+
+def delete_file(path: str | os.PathLike) -> None:
+    """Remove the file ``path`` (local or URI); nothing when it does not exist."""
+    fs, p = filesystem(path)
+    if fs.get_file_info(p).type == pafs.FileType.File:
+        fs.delete_file(p)
 
 
 def delete_dir(path: str | os.PathLike) -> None:

@@ -57,16 +57,64 @@ VTAB_TASKS: dict[str, tuple[str, int]] = {
     "kitti": ("Structured", 4), "dsprites_loc": ("Structured", 16), "dsprites_ori": ("Structured", 16),
     "smallnorb_azi": ("Structured", 18), "smallnorb_ele": ("Structured", 9),
 }
-#: Forward/backward precision of a trial: fp32 (the paper's) or bf16 autocast with fp32 master weights.
+#: The precision a run runs in (finetuning, probe, plasticity, pretraining): fp32 (the paper's) or bf16
+#: autocast with fp32 master weights (norms and reductions stay float32).
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+#: What the ``precision`` setting may say: one of :data:`PRECISIONS`, or ``auto``: bf16 where the run has a
+#: CUDA device, fp32 on a CPU (:func:`raystudy.precision.resolve_precision`).
+PRECISION_CHOICES: tuple[str, ...] = (*PRECISIONS, "auto")
 #: How a trial reads images: a checksummed uint8 cache augmented on the device, or decode every step.
 DATA_PATHS: tuple[str, ...] = ("cache", "decode")
+#: The built-in procedural datasets (:mod:`raystudy.data.synthetic`): the pretraining one and its shifts.
+VARIANTS: tuple[str, ...] = ("pretrain", "shift-color", "shift-noise", "shift-texture")
+#: How a store's test split is drawn where the source has none: raystudy's hashed rule, or the authors'.
+SPLIT_RULES: tuple[str, ...] = ("hashed", "authors")
+#: Text store sources (:mod:`raystudy.data.text`).
+TEXT_SOURCES: tuple[str, ...] = ("agnews", "wikitext103", "textfolder")
+#: What one WikiText-103 row is (``unit``): an article, a paragraph or a non-empty line.
+WIKITEXT_UNITS: tuple[str, ...] = ("document", "paragraph", "line")
+#: Image store sources, one reader each (:mod:`raystudy.data.sources`, :mod:`raystudy.data.readers`).
+SOURCES: tuple[str, ...] = ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets", "imagenet",
+                             "imagefolder", "vtab1k", "synthetic")
+#: What preparing a store does with an image that does not decode: stop with its name, or skip it.
+BAD_IMAGE_POLICIES: tuple[str, ...] = ("error", "skip")
+#: The low-data variants of a store: VTAB-1k's 800 + 200 rows, or the authors' low-data draw.
+LOW_DATA: tuple[str, ...] = ("vtab1k", "authors")
+#: Official splits a store may pool (``--pool``): ``val`` folds it into train, ``test`` redraws an 80/20 split.
+POOLABLE: tuple[str, ...] = ("val", "test")
+#: experiment trackers a study can log to through Ray Tune's own integrations (``tracking: [wandb]``)
+TRACKERS: tuple[str, ...] = ("wandb", "mlflow")
+#: ``scipy.stats.wilcoxon`` alternatives; ``"greater"``: the reference configuration is better.
+ALTERNATIVES: tuple[str, ...] = ("greater", "two-sided", "less")
+#: What one Wilcoxon pair is: a dataset (best-lr means over seeds) or a (dataset, seed) pair.
+PAIR_BY: tuple[str, ...] = ("dataset", "dataset_seed")
+#: How the best learning rate of a sweep is chosen: by its mean test accuracy over seeds (the paper's
+#: Table 8) or by its mean best-validation accuracy (validation only: test never chooses; VTAB-1k's rule).
+SELECT_BY: tuple[str, ...] = ("test", "val")
+#: How a new head is initialised: truncated normal (std 0.02, zero bias; timm's), zeros (the original ViT
+#: finetuning recipe) or nn.Linear's own default (the paper authors' head).
+HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
+#: How val/test accuracy is averaged: over images, or the mean over eval batches of each batch's
+#: accuracy (the paper authors' run_evaluation, where a short last batch weighs as a full one).
+ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
+#: Which rows a run trains on and validates on: the store's own train/val split, or the store's train and
+#: val rows pooled and split anew by the run's seed in the same sizes (the paper authors' random_split per
+#: run, :func:`raystudy.core.finetune.data.per_seed_rows`).
+VAL_SPLITS: tuple[str, ...] = ("fixed", "per_seed")
+#: How an image becomes ``size x size`` without augmentation (evaluation; training with ``augment`` off):
+#: ``crop`` the shorter side resized to ``size`` then the centre square (the paper's); ``stretch`` the whole
+#: image resized to ``size x size``, bicubic, aspect ratio not kept (VTAB-1k's benchmark: VPT, NOAH's
+#: ``Resize((224, 224), interpolation=3)``, V-PETL Bench), :func:`raystudy.data.transforms.eval_geometry`.
+RESIZES: tuple[str, ...] = ("crop", "stretch")
+#: Which store splits a run trains on: ``train`` (validated on val), or ``train+val`` the union of the two
+#: (VTAB-1k's final fit on train800val200: no validation, the last step is tested).
+TRAIN_SPLITS: tuple[str, ...] = ("train", "train+val")
 #: Where a study trial trains: ``train`` a Ray Train worker group per trial (any number of workers, worker
 #: restarts from checkpoints); ``actor`` inside the trial's own Tune actor, reused from trial to trial (one
 #: worker; no per-trial worker-group start); ``auto``: ``actor`` for one worker per trial, else ``train``.
 EXECUTIONS: tuple[str, ...] = ("auto", "train", "actor")
 #: How plasticity pairs pretraining and downstream images: seeded random, or the i-th with the i-th
-#: (the authors' unshuffled loaders; :mod:`raystudy.distributed.pairing`).
+#: (the authors' unshuffled loaders; :mod:`raystudy.data.pairing`).
 PAIRINGS: tuple[str, ...] = ("random", "sequential")
 #: what MHA receives in ``embedding`` mode: the embeddings themselves (the paper's definition) or the
 #: embeddings through the block's LN1 (the authors' GPT-2 script, ``get_decomposition``)
@@ -153,7 +201,8 @@ CONTROLS: tuple[str, ...] = (RANDOM_INIT, "none")
 PAPER_RANKING: tuple[str, ...] = ("MHA", "FC1", "FC2", "LN2", "LN1")
 
 #: Columns a table holds beside its schema, with the value older tables (without them) read as.
-DEFAULTED_COLUMNS: dict[str, dict[str, str]] = {"plasticity": {"weights": PRETRAINED},
+#: (a plasticity table without ``precision`` was measured in fp32, the only precision before it).
+DEFAULTED_COLUMNS: dict[str, dict[str, str]] = {"plasticity": {"weights": PRETRAINED, "precision": PRECISIONS[0]},
                                                 "rates": {"weights": PRETRAINED}}
 
 

@@ -46,7 +46,8 @@ def png_bytes(rng: np.random.Generator, h: int = 20, w: int = 24) -> bytes:
 
 def make_store(path, *, n_per_split=(40, 10, 20), num_classes=10, seed=0, name="tiny"):
     """Write a miniature prepared store of random PNGs; returns its path."""
-    from raystudy.data.store import SPLITS, write_store
+    from raystudy.data.splits import SPLITS
+    from raystudy.data.store import write_store
 
     rng = np.random.default_rng(seed)
     rows, index = [], 0
@@ -149,27 +150,46 @@ class Killed(Exception):
 
 
 def kill_at_first_checkpoint(ft, ckdir) -> None:
-    """Run the ``Finetuner`` ``ft`` until its first checkpoint, save it as ``ckdir/step_XXXXXXXX`` (the layout
-    ``train_local(checkpoint_dir=ckdir, resume=True)`` resumes from) and stop there."""
+    """Run the ``Finetuner`` ``ft`` until its first checkpoint, save it as ``ckdir/checkpoint_XXXXXXXX`` (the one
+    layout, which ``train_local(checkpoint_dir=ckdir, resume=True)`` resumes from) and stop there."""
+    from raystudy.core.finetune.checkpoint import save_checkpoint
+
     def kill(ev):
         if ev.checkpoint:
-            ft.save(ckdir / f"step_{ev.step:08d}")
+            save_checkpoint(ft, str(ckdir), keep=None)
             raise Killed
 
     with pytest.raises(Killed):
         ft.run(kill, progress=False)
 
 
-#: the slowest test files, slowest first (measured serially on the 2-core machine, 2026-12-02: test_docs ~300 s
-#: with the shared demo study, test_multinode ~170 s, test_newcomer ~150 s, ...). They are collected first, and
-#: `make test` keeps that order (`--no-loadscope-reorder`: pytest-xdist would otherwise send the files with
-#: the most tests first), so that its two pytest processes start on them and end together.
-SLOW_FILES = ("test_docs.py", "test_multinode.py", "test_newcomer.py", "test_finetune_ray.py", "test_study.py",
-              "test_analysis.py", "test_hardening_study.py", "test_distributed_plasticity.py",
-              "test_expressions_wired.py", "test_analysis_paper.py", "test_probe.py", "test_analysis_browser.py",
-              "test_text_plasticity.py", "test_text_finetune.py")
+#: what each slow test file costs a `make test` run, in seconds: pytest's --durations summed over the file's
+#: tests (setup + call + teardown), from two runs on 2026-12-06 on the 2-core machine while other jobs shared it
+#: (load 20-45, so every time is ~2-10x a quiet run's and only the ranking is used; a quiet serial run of
+#: 2026-12-02 took test_docs ~300 s with the demo study, test_multinode ~170 s, test_newcomer ~150 s). The
+#: first run (the whole suite, stopped after 19 min) gave test_docs (with the demo study it builds),
+#: test_newcomer, test_finetune_ray and test_multinode; the second (every other file, 32 min) the rest. The
+#: files are collected slowest first and `make test` keeps that order (`--no-loadscope-reorder`: pytest-xdist
+#: would otherwise send the files with the most tests first), so that its two processes start on the longest
+#: files and end together on short ones: with only the 14 files listed before, test_vtab_demo_study and
+#: test_vtab_protocol came last and one process idled the last 3 of 32 minutes. A file not listed (under
+#: 20 s there; test_demo_study's 780 s were the demo study's build, which test_docs does first in a full run)
+#: keeps its alphabetical place after these.
+FILE_SECONDS = {
+    "test_docs.py": 971, "test_study.py": 830, "test_hardening_study.py": 689, "test_expressions_wired.py": 512,
+    "test_newcomer.py": 388, "test_fast_step.py": 364, "test_analysis_selection.py": 357, "test_analysis.py": 354,
+    "test_finetune_ray.py": 352, "test_text_finetune.py": 313, "test_probe.py": 247, "test_vtab_demo_study.py": 245,
+    "test_finetune.py": 227, "test_text_plasticity.py": 218, "test_analysis_paper.py": 217, "test_multinode.py": 207,
+    "test_distributed_plasticity.py": 206, "test_vtab_protocol.py": 125, "test_actor_memory.py": 99,
+    "test_analysis_compare.py": 97, "test_analysis_beyond.py": 89, "test_peft_methods.py": 77,
+    "test_analysis_vtab.py": 67, "test_authors_measurements.py": 64, "test_cli_plasticity.py": 63,
+    "test_packaging.py": 63, "test_results_scale.py": 56, "test_data_default.py": 52, "test_paper_protocol.py": 50,
+    "test_study_probes.py": 50, "test_cli_core.py": 47, "test_data_stream.py": 47, "test_figures_trust.py": 45,
+    "test_code_shape.py": 41, "test_eva.py": 39, "test_presets.py": 32, "test_accuracy_modes.py": 29,
+    "test_tools.py": 27, "test_pairing.py": 26, "test_study_cost.py": 26, "test_gpu_check.py": 25,
+    "test_authors_splits.py": 22, "test_terminal.py": 22, "test_core.py": 20,
+}
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its own order
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file keeps its own order

@@ -153,3 +153,23 @@ def test_val_batch_size_batches_val_alone_and_a_resume_and_a_study_keep_it(store
 
     assert spec(val_batch_size=128).conflicts(spec()) == [
         "accuracy: stored 'per_batch of 256', given 'per_batch of 256 (val 128)'"]
+
+
+def test_a_checkpoint_of_an_older_precision_spelling_resumes_as_what_it_meant(store, tmp_path):
+    """A checkpoint whose config says ``precision: None`` (the older ``auto``) beside ``amp_bf16: false``
+    resumes a run of today's ``auto``; one whose ``amp_bf16: true`` meant bf16 is another run's."""
+    from raystudy.core.finetune.state import STATE_FILE, ForeignCheckpoint
+
+    _finetuner(store, tmp_path / "a", "per_sample").save(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / STATE_FILE
+    state = torch.load(path, weights_only=True)
+    assert state["config"]["precision"] == "auto"
+    for amp_bf16, resumes in ((False, True), (True, False)):
+        state["config"].update(precision=None, amp_bf16=amp_bf16)  # as an older raystudy wrote it
+        torch.save(state, path)
+        ft = _finetuner(store, tmp_path / f"b{amp_bf16}", "per_sample")
+        if resumes:
+            ft.load(tmp_path / "ckpt")
+        else:
+            with pytest.raises(ForeignCheckpoint, match=r"'precision': \('bf16', 'auto'\)"):
+                ft.load(tmp_path / "ckpt")

@@ -797,7 +797,8 @@ PALETTE = {"LN1": "#0072b2", "MHA": "#d55e00", "LN2": "#009e73", "FC1": "#e69f00
 
 
 def test_plot_functions_for_the_plasticity_cli(tmp_path):
-    from raystudy.analysis.figures import CONFIGURATION_COLORS, plot_plasticity_depth, plot_rate_distribution
+    from raystudy.analysis.figures import plot_plasticity_depth, plot_rate_distribution
+    from raystudy.analysis.style import CONFIGURATION_COLORS
 
     assert {k: v.lower() for k, v in CONFIGURATION_COLORS.items()} == PALETTE
     d = make_study(tmp_path / "s", rates=True, curves=False, bounds=False, datasets=DATASETS[:1])

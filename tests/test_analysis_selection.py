@@ -13,7 +13,7 @@ from test_analysis import make_study
 
 from raystudy.analysis import figures as F
 from raystudy.analysis.html_report import write_report
-from raystudy.analysis.options import check_selection
+from raystudy.analysis.options import check_subset
 from raystudy.analysis.pipeline import run_analysis
 from raystudy.study.checks import SpecError
 from raystudy.study.spec import load_preset
@@ -75,11 +75,11 @@ def test_a_missing_fixed_run_is_a_note_in_the_report(tmp_path):
 
 
 def test_option_checks_and_the_presets():
-    check_selection([0], FIXED)
+    check_subset([0], FIXED)
     for seeds, fixed, match in (([], None, "seeds"), (["0"], None, "seeds"), (None, {"dataset": "sketch"}, "fixed_run"),
                                 (None, {**FIXED, "lr": -1}, "fixed_run")):
         with pytest.raises(ValueError, match=match):
-            check_selection(seeds, fixed)
+            check_subset(seeds, fixed)
     spec = load_preset("paper").with_overrides({"fixed_run": {"dataset": "sketch", "seed": 42}})
     with pytest.raises(SpecError, match="^fixed_run: a mapping of dataset, seed, lr"):
         spec.validate(check_files=False)
@@ -94,13 +94,13 @@ def test_the_cli_reaches_both_options(tmp_path, capsys):
 
     path = _study(tmp_path)
     out = tmp_path / "cli"
-    assert main(["analyze", str(path), "--out", str(out), "--seeds", "0", "--fixed-run", "sketch,0,0.01"]) == 0
+    assert main(["analyze", str(path), "--out", str(out), "--analysis-seeds", "0", "--fixed-run", "sketch,0,0.01"]) == 0
     want = run_analysis(path, seeds=[0], figures=False, out_dir=tmp_path / "api").tables["lr_grid"]
     got = pd.read_csv(out / "lr_grid.csv")
     assert got["n_trials"].tolist() == want["n_trials"].tolist()
     assert got["mean"].to_numpy() == pytest.approx(want["mean"].to_numpy())
-    assert (out / "figures" / "curves_fixed_sketch_sgd.png").exists()  # a seed --seeds keeps
-    for flag, value, match in (("--seeds", "0,x", "'0,x': a comma-separated list of integer seeds"),
+    assert (out / "figures" / "curves_fixed_sketch_sgd.png").exists()  # a seed --analysis-seeds keeps
+    for flag, value, match in (("--analysis-seeds", "0,x", "'0,x': a comma-separated list of integer seeds"),
                                ("--fixed-run", "sketch,42", "'sketch,42': expected DATASET,SEED,LR")):
         with pytest.raises(SystemExit):
             main(["analyze", str(path), flag, value])

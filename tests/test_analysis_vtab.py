@@ -106,7 +106,7 @@ def test_vtab_table_from_search_rows_chosen_on_validation(tmp_path):
             assert t.loc[config, col] == pytest.approx(value, abs=1e-12), (config, col)
         assert t.loc[config, "n_tasks"] == 4 and t.loc[config, "n_seeds"] == 2
         assert t.loc[config, "trainable_params"] == np.median([PARAMS[config] + VTAB_TASKS[x][1] for x in TASKS])
-    assert set(t["selection"]) == {"val"}
+    assert set(t["lr_rule"]) == {"val"}
     # the paper's tables keep their default rule (test): best_lr at the test-chosen lr
     best = res.tables["best_lr"].set_index(["dataset", "configuration"])
     for (task, config), lr in lr_test.items():
@@ -130,7 +130,7 @@ def test_vtab_table_reads_the_final_rows_and_every_other_table_the_search_rows(t
     for config in CONFIGS:
         for col, value in _expected(acc, config).items():
             assert t.loc[config, col] == pytest.approx(value, abs=1e-12), (config, col)
-    assert set(t["selection"]) == {"final"}
+    assert set(t["lr_rule"]) == {"final"}
     md = (res.out_dir / "vtab.md").read_text()
     assert "trained on train800val200 at the lr chosen on val200" in md
     html = write_report(res).read_text()  # the summary names both rules; the report holds the VTAB-1k tables

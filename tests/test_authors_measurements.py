@@ -20,7 +20,8 @@ import transformers as tr
 from families import dinov3_style, eva02_glu_style
 from test_text_plasticity import _read_all, _tokenizer_file
 
-from raystudy.core.plasticity import PlasticityInputError, pair_rates
+from raystudy.core.input_checks import PlasticityInputError
+from raystudy.core.plasticity import pair_rates
 from raystudy.data.pairing import positions
 from raystudy.data.text_demo import prepare_text_demo
 from raystudy.distributed.plasticity import PlasticityJob, run_plasticity

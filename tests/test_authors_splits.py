@@ -1,4 +1,4 @@
-"""``--split authors`` and ``--low-data authors`` against literal copies of the paper authors' code.
+"""``--split-rule authors`` and ``--low-data authors`` against literal copies of the paper authors' code.
 
 The reference functions below are the authors' own lines (github.com/ambroiseodt/vit-plasticity, branch
 ``dev``: ``src/vitef/utils.py::deterministic_split``, ``src/vitef/data/images/{cifar10_c, domainnet,
@@ -245,9 +245,9 @@ def test_cifar100_and_pets_authors_low_data(tmp_path):
 
 def test_authors_rules_cli_and_errors(cifar10c_source, tmp_path, capsys):
     assert main(["data", "prepare", "cifar10c", "--root", str(cifar10c_source.parent), "--out",
-                 str(tmp_path / "c"), "--corruption", "motion_blur", "--split", "authors"]) == 0
+                 str(tmp_path / "c"), "--corruption", "motion_blur", "--split-rule", "authors"]) == 0
     assert read_meta(tmp_path / "c")["splits"]["split_rule"] == "authors"
-    with pytest.raises(ValueError, match="add --split authors"):
+    with pytest.raises(ValueError, match="add --split-rule authors"):
         prepare("cifar10c", cifar10c_source.parent, tmp_path / "x", corruption="motion_blur", low_data="authors")
     with pytest.raises(ValueError, match="keeps its official splits"):
         prepare("cifar100", tmp_path, tmp_path / "y", split_rule="authors")

@@ -15,7 +15,8 @@ import torch
 from conftest import make_store, png_bytes
 
 from raystudy.data.cache import CacheError, ImageCache, cache_dir, ensure_cache, prepare_image, stored_size
-from raystudy.data.store import SPLITS, StoreError, read_split, write_store
+from raystudy.data.splits import SPLITS
+from raystudy.data.store import StoreError, read_split, write_store
 
 
 @pytest.fixture

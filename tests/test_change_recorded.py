@@ -25,8 +25,8 @@ from raystudy.core.finetune import FinetuneConfig, Finetuner, train_local
 from raystudy.data.store import read_split
 from raystudy.data.transforms import transform_batch
 from raystudy.io import read_result
+from raystudy.study.points import grid_point
 from raystudy.study.results import ResultTables, load_study, part_name, trial_dir, trial_row
-from raystudy.study.spec import grid_point
 
 N_IMAGES = 6
 
@@ -147,7 +147,7 @@ def test_a_resumed_run_records_what_the_uninterrupted_run_does(files, tmp_path):
     from_step_2 = Finetuner(cfg)
     from_step_2.load(ckpt)  # what a resume that took its start from the checkpoint would compare with
     with torch.no_grad():
-        moved = {n: float((p - from_step_2.start_state[n]).norm()) for n, p in from_step_2.selection.trainable}
+        moved = {n: float((p - from_step_2.start_state[n]).norm()) for n, p in from_step_2.trained.trainable}
     assert max(moved.values()) > 0
 
 

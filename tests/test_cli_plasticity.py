@@ -1,4 +1,4 @@
-"""`raystudy plasticity --pretrain/--downstream --workers` (the Ray pipeline through the CLI) and
+"""`raystudy plasticity --pretrain-store/--downstream --workers` (the Ray pipeline through the CLI) and
 `raystudy bounds --radius/--seq-len/--sigma`, each against an independent computation.
 
 The references share no code with the commands: the pipeline's tables are recomputed with the core
@@ -55,7 +55,7 @@ def test_plasticity_cli_with_stores_runs_the_ray_pipeline(ray_session, tmp_path,
     pre = make_store(tmp_path / "pre", name="pre", seed=1)
     downs = [make_store(tmp_path / n, name=n, seed=s) for n, s in (("alpha", 2), ("beta", 3))]
     out = tmp_path / "out"
-    assert main(["plasticity", *MODEL, "--weights", path, "--pretrain", pre, "--downstream", *downs,
+    assert main(["plasticity", *MODEL, "--weights", path, "--pretrain-store", pre, "--downstream", *downs,
                  "--pairs", str(PAIRS), "--batch-size", "5", "--workers", "2", "--cpus-per-worker", "0.5",
                  "--mode", "hidden", "--seed", "3", "--control", "none", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -146,8 +146,8 @@ def test_bounds_cli_random_init_follows_seed(tmp_path):
 
 def test_plasticity_cli_with_stores_refuses_incomplete_flags(tmp_path, capsys):
     store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
-    base = ["plasticity", *MODEL, "--pretrain", store, "--out", str(tmp_path / "o")]
-    for extra, message in [([], "needs both --pretrain STORE and --downstream STORE"),
+    base = ["plasticity", *MODEL, "--pretrain-store", store, "--out", str(tmp_path / "o")]
+    for extra, message in [([], "needs both --pretrain-store STORE and --downstream STORE"),
                            (["--downstream", store, "--pairs", "4", "--workers", "0"],
                             "workers: 0 must be an integer >= 1"),
                            (["--downstream", store, "--pairs", "4", "--pretrained"], "--pretrained is not available")]:
@@ -187,7 +187,7 @@ def test_plasticity_cli_pairing_flags_reach_the_job(tmp_path, capsys):
     from raystudy.commands.plasticity import pipeline_job
 
     store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
-    argv = ["plasticity", *MODEL, "--pretrain", store, "--downstream", store, "--pairs", "4", "--out",
+    argv = ["plasticity", *MODEL, "--pretrain-store", store, "--downstream", store, "--pairs", "4", "--out",
             str(tmp_path / "o")]
     job = pipeline_job(build_parser().parse_args(argv + ["--pairing", "sequential", "--pretrain-split", "all",
                                                           "--radius", "19.4"]))
@@ -217,3 +217,34 @@ def test_bounds_cli_keeps_the_measured_radius_beside_a_fixed_one(tmp_path, weigh
     np.testing.assert_allclose(got["radius_measured"], stats.radius, rtol=1e-5)
     ref = _reference_bounds(model, 19.4, stats.seq_len, stats.sigma)
     np.testing.assert_allclose(got["bound"], ref["bound"], rtol=1e-5)
+
+
+def test_plasticity_cli_bf16_is_precision_bf16_and_the_table_says_so(tmp_path, weights):
+    """Local tensors on the CPU: ``--bf16`` and ``--precision bf16`` are one setting (the job's too): rates
+    equal the core's under bf16 autocast, differ from the fp32 run's, and each ``plasticity.parquet`` names
+    the precision it was measured in (the default, ``auto``, is fp32 on a CPU)."""
+    from raystudy.cli import build_parser
+    from raystudy.commands.plasticity import pipeline_job
+
+    model, path = weights
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randn(4, 3, 32, 32, generator=gen)
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "y.npy", y.numpy())
+    tables = {}
+    for name, flags in (("auto", []), ("bf16", ["--bf16"]), ("precision", ["--precision", "bf16"])):
+        out = tmp_path / name
+        assert main(["plasticity", *MODEL, "--weights", path, "--x", str(tmp_path / "x.npy"), "--y",
+                     str(tmp_path / "y.npy"), "--pairing", "sequential", "--control", "none", "--device", "cpu",
+                     *flags, "--out", str(out)]) == 0
+        tables[name] = pd.read_parquet(out / "plasticity.parquet")
+    assert set(tables["auto"]["precision"]) == {"fp32"} and set(tables["bf16"]["precision"]) == {"bf16"}
+    pd.testing.assert_frame_equal(tables["bf16"], tables["precision"])
+    ref = summarize(pair_rates(model, x, y, mode="embedding", amp_dtype=torch.bfloat16).assign(
+        model="vit_tiny_patch16_224", dataset="y", mode="embedding"))
+    np.testing.assert_allclose(tables["bf16"]["plasticity"], ref["plasticity"], rtol=1e-5)
+    assert not np.allclose(tables["bf16"]["plasticity"], tables["auto"]["plasticity"], rtol=1e-4)
+    store = make_store(tmp_path / "s", n_per_split=(2, 2, 4))
+    argv = ["plasticity", *MODEL, "--pretrain-store", store, "--downstream", store, "--out", str(tmp_path / "o")]
+    assert pipeline_job(build_parser().parse_args(argv + ["--bf16"])).precision == "bf16"
+    assert pipeline_job(build_parser().parse_args(argv)).resolved_precision() == "fp32"

@@ -39,7 +39,7 @@ def _ray_starts(cfg: dict, key: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_item7_token_auth_on_for_head_workers_and_drivers(name):
+def test_token_auth_on_for_head_workers_and_drivers(name):
     cfg = _load(name)
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         starts = _ray_starts(cfg, key)
@@ -58,7 +58,7 @@ def test_item7_token_auth_on_for_head_workers_and_drivers(name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_item7_no_world_writable_folder_and_no_piped_install_script(name):
+def test_no_world_writable_folder_and_no_piped_install_script(name):
     text = (CLUSTER / name).read_text(encoding="utf-8")
     commands = _commands(_load(name))
     joined = "\n".join(commands)
@@ -74,13 +74,13 @@ def test_item7_no_world_writable_folder_and_no_piped_install_script(name):
         assert m is None or "==" in m.group(1), cmd
 
 
-def test_item7_shared_folder_owned_by_the_ray_user_with_setgid_group():
+def test_shared_folder_owned_by_the_ray_user_with_setgid_group():
     setup = " ".join(_load("gpu.yaml")["setup_commands"])
     assert 'sudo chown "$(id -u):$(id -g)" /mnt/shared && sudo chmod 2775 /mnt/shared' in setup
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_item7_no_port_bound_to_all_interfaces(name):
+def test_no_port_bound_to_all_interfaces(name):
     cfg = _load(name)
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         for cmd in cfg[key]:
@@ -110,7 +110,7 @@ def _ray_default_inbound_rules():
     return namespace["_create_default_inbound_rules"]
 
 
-def test_item7_gpu_security_group_admits_ray_ports_from_the_cluster_only():
+def test_gpu_security_group_admits_ray_ports_from_the_cluster_only():
     """The rules `ray up` authorizes (Ray's own defaults plus the config's IpPermissions): from outside the
     cluster's own group, SSH only; 6379, 10001 and 8265 are reachable from members of the group only."""
     cfg = prepare_config(_load("gpu.yaml"))
@@ -140,7 +140,7 @@ def _port_set(spec: str) -> set[int]:
     return ports
 
 
-def test_item7_local_firewall_closes_every_pinned_ray_port_to_all_but_the_cluster():
+def test_local_firewall_closes_every_pinned_ray_port_to_all_but_the_cluster():
     cfg = _load("local.yaml")
     provider = cfg["provider"]
     cluster = {ipaddress.ip_address(a.strip()) for a in _nft_define("cluster").split(",")}
@@ -163,7 +163,7 @@ def test_item7_local_firewall_closes_every_pinned_ray_port_to_all_but_the_cluste
 
 
 @pytest.mark.skipif(shutil.which("nft") is None, reason="nftables (nft) is not installed here")
-def test_item7_local_firewall_ruleset_is_valid_nftables():
+def test_local_firewall_ruleset_is_valid_nftables():
     done = subprocess.run(["nft", "-c", "-f", str(FIREWALL)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     broken = FIREWALL.read_text(encoding="utf-8").replace("policy accept;", "policy acept;")

@@ -1,9 +1,13 @@
 """The shape the developer guide asks of ``raystudy/`` (docs/architecture.md), checked on the source itself.
 
 - no function or method over 80 lines, no module over 600;
-- no import cycle between raystudy's modules, and no more in-function imports of them than today, each with
-  a comment on its line saying why it waits (an optional dependency, or a heavy import kept out of a light
-  module: ``import raystudy``, the foundation and ``--help`` load neither torch nor Ray);
+- no import cycle between raystudy's modules (module level, in a function or for type checking alike); an
+  in-function import of one of them only where it defers a heavy library (:data:`HEAVY`) that the imported
+  module loads and the importing one does not, named in a comment on its line (``import raystudy``, the
+  foundation and ``--help`` load neither torch nor Ray);
+- every name imported from the module that defines it (no re-export, no shim), every ``__all__`` naming the
+  module's own names (a package's only where docs/api.md documents it), every ``choices=`` a list of
+  :mod:`raystudy.vocab`;
 - no test-only field in a production config (faults are injected through :mod:`raystudy.faults`);
 - one place for URIs and atomic renames: :mod:`raystudy.storage` (plus the whole-directory rename of a
   prepared store in :mod:`raystudy.data.store`).
@@ -115,23 +119,17 @@ def test_no_module_over_600_lines():
 
 # ------------------------------------------------------------------------------ import graph
 
-#: In-function imports of raystudy's own modules today; the number may only go down (lower it when it does).
-#: What may stay: an optional dependency, or a documented heavy import (torch, Ray, matplotlib) behind a light
-#: one, each saying so in a comment on its line (:func:`test_in_function_imports_of_own_modules_say_why`).
-MAX_IN_FUNCTION_IMPORTS = 53  # +1: commands/data.py's preview (torch via core.finetune.preview: --help stays light)
-
-
 def _module_name(path: Path, root: Path) -> str:
     """``<root>/core/plasticity.py`` -> ``raystudy.core.plasticity``; a package's ``__init__.py`` -> the package."""
     return ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
 
 
-def _own_imports(path: Path, root: Path, modules: set[str]) -> list[tuple[str, int, bool]]:
+def _own_imports(path: Path, root: Path, modules: set[str], *, every: bool = False) -> list[tuple[str, int, bool]]:
     """``(module of the package imported, line, inside a function?)`` of every import in ``path``.
 
     ``from a.b import c`` imports the module ``a.b.c`` when there is one, else ``a.b`` (a name its
     ``__init__`` defines or re-exports: that ``__init__`` runs); other names resolve to the longest prefix
-    that is a module. Imports under ``if TYPE_CHECKING:`` never run and are left out.
+    that is a module. Imports under ``if TYPE_CHECKING:`` never run and are left out, unless ``every``.
     """
     name = _module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -145,7 +143,7 @@ def _own_imports(path: Path, root: Path, modules: set[str]) -> list[tuple[str, i
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not every:
                 continue
             targets: list[str | None] = []
             if isinstance(child, ast.Import):
@@ -164,17 +162,18 @@ def _own_imports(path: Path, root: Path, modules: set[str]) -> list[tuple[str, i
     return out
 
 
-def _import_graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
+def _import_graph(root: Path, *, every: bool = False) -> tuple[dict[str, set[str]], list[str]]:
     """The package under ``root``: ``(module -> the modules its module-level imports import, the
-    in-function imports of its own modules as "module:line")``."""
+    in-function imports of its own modules as "module:line")``; ``every``: the graph counts the in-function
+    and the type-checking imports too (a cycle of them is a cycle of the design, deferred or not)."""
     paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
     graph: dict[str, set[str]] = {m: set() for m in paths}
     in_function: list[str] = []
     for module, path in paths.items():
-        for target, line, inside in _own_imports(path, root, set(paths)):
+        for target, line, inside in _own_imports(path, root, set(paths), every=every):
             if inside:
                 in_function.append(f"{module}:{line}")
-            elif target != module:
+            if target != module and (every or not inside):
                 graph[module].add(target)
     return graph, sorted(set(in_function))
 
@@ -230,21 +229,122 @@ def test_import_graph_is_built_as_python_runs_it(tmp_path):
                      "pkg.sub": set(), "pkg.sub.d": {"pkg.c", "pkg.sub.e"}, "pkg.sub.e": {"pkg.c"}}
     assert in_function == ["pkg.c:5", "pkg.c:8"]
     assert _cycles(graph) == [["pkg", "pkg.a", "pkg.b"]]
+    every = _import_graph(pkg, every=True)[0]  # c's type-checking and in-function imports count too
+    assert every["pkg.c"] == {"pkg.a", "pkg.sub.d"} and every["pkg.sub.d"] == graph["pkg.sub.d"]
+    assert _cycles(every) == [["pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.sub.d", "pkg.sub.e"]]
     graph["pkg.c"].add("pkg.sub.d")  # c -> d -> c and c -> d -> e -> c: a second cycle of three
     assert _cycles(graph) == [["pkg", "pkg.a", "pkg.b"], ["pkg.c", "pkg.sub.d", "pkg.sub.e"]]
 
 
 def test_no_import_cycle():
-    cycles = _cycles(_import_graph(PACKAGE)[0])
-    assert not cycles, ("modules that import each other at module level (move the shared piece down a layer):\n"
-                        + "\n".join(" <-> ".join(c) for c in cycles))
+    """No cycle among module-level imports (Python's own), nor once the in-function and type-checking imports
+    count too: ``spec -> checks -> spec`` through a ``TYPE_CHECKING`` import is a cycle of the design."""
+    for every in (False, True):
+        cycles = _cycles(_import_graph(PACKAGE, every=every)[0])
+        assert not cycles, ("modules that import each other" + (" (in functions and type checks included)" if every
+                            else " at module level") + " (move the shared piece down a layer):\n"
+                            + "\n".join(" <-> ".join(c) for c in cycles))
 
 
-def test_in_function_imports_of_own_modules_do_not_grow():
-    in_function = _import_graph(PACKAGE)[1]
-    assert len(in_function) <= MAX_IN_FUNCTION_IMPORTS, (
-        f"{len(in_function)} in-function imports of raystudy modules, more than {MAX_IN_FUNCTION_IMPORTS}: import "
-        "at module level (an in-function import only for an optional dependency or a documented heavy one)")
+#: The libraries an in-function import of one of raystudy's modules may defer (import name -> the words a
+#: comment names it by): what makes ``import raystudy``, the foundation or ``--help`` slow when loaded.
+HEAVY: dict[str, tuple[str, ...]] = {
+    "torch": ("torch",), "torchvision": ("torchvision",), "timm": ("timm",), "ray": ("ray",),
+    "pandas": ("pandas",), "scipy": ("scipy",), "matplotlib": ("matplotlib",), "optuna": ("optuna",),
+    "transformers": ("transformers",), "peft": ("peft",),
+}
+
+
+def _libraries_imported(path: Path) -> set[str]:
+    """The top-level names of the absolute imports at module level in ``path`` (``torch``, ``raystudy``, ...)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name.split(".")[0] for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.add(child.module.split(".")[0])
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return found
+
+
+def _heavy_at_import(root: Path) -> dict[str, set[str]]:
+    """module -> the :data:`HEAVY` libraries importing it loads: its own module-level imports, its packages'
+    and those of every raystudy module it imports at module level (type-checking imports left out)."""
+    paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph = _import_graph(root)[0]
+    direct = {module: _libraries_imported(path) & set(HEAVY) for module, path in paths.items()}
+    loads: dict[str, set[str]] = {}
+
+    def close(module: str, seen: frozenset) -> set[str]:
+        if module in loads:
+            return loads[module]
+        parts = module.split(".")
+        out = set(direct[module])
+        for dep in graph[module] | {".".join(parts[:i]) for i in range(1, len(parts))} & set(paths):
+            if dep not in seen:
+                out |= close(dep, seen | {module})
+        loads[module] = out
+        return out
+
+    return {m: close(m, frozenset()) for m in paths}
+
+
+def _imports_deferring_nothing(root: Path) -> list[str]:
+    """In-function imports of the package's own modules that defer no heavy library, as ``"module:line"``: the
+    comment on their lines names none of :data:`HEAVY` that the imported module loads and the importing
+    module does not (``# torch (raystudy.core): --help stays light`` in a light module is the reason)."""
+    paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    heavy = _heavy_at_import(root)
+    out = []
+    for module, path in paths.items():
+        source = path.read_text(encoding="utf-8")
+        comments = _comments(source)
+        ends = {n.lineno: n.end_lineno for n in ast.walk(ast.parse(source))
+                if isinstance(n, (ast.Import, ast.ImportFrom))}
+        for target, line, inside in _own_imports(path, root, set(paths)):
+            text = " ".join(comments.get(n, "") for n in range(line, ends[line] + 1)).casefold()
+            named = {lib for lib, words in HEAVY.items() if any(re.search(rf"\b{w}\b", text) for w in words)}
+            if inside and not named & (heavy[target] - heavy[module]):
+                out.append(f"{module}:{line}")
+    return sorted(set(out), key=lambda s: (s.rpartition(":")[0], int(s.rpartition(":")[2])))
+
+
+def test_imports_deferring_nothing_are_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    files = {
+        "__init__.py": "",
+        "heavy.py": "import torch\n",
+        "light.py": "import json\n",
+        "through.py": "from pkg import heavy\n",  # loads torch through pkg.heavy
+        "a.py": ("def f():\n"
+                 "    from pkg import heavy  # torch: --help stays light\n"  # defers torch: fine
+                 "    from pkg import through  # torch (pkg.heavy)\n"  # defers torch, one module away: fine
+                 "    from pkg import light  # torch: --help stays light\n"  # light loads no torch: flagged
+                 "    from pkg import heavy  # pandas\n"  # heavy loads no pandas: flagged
+                 "    from pkg import heavy\n"),  # no reason: flagged
+        "b.py": "import torch\ndef g():\n    from pkg import heavy  # torch\n",  # b loads torch already: flagged
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    assert _imports_deferring_nothing(pkg) == ["pkg.a:4", "pkg.a:5", "pkg.a:6", "pkg.b:3"]
+
+
+def test_in_function_imports_of_own_modules_defer_a_heavy_library():
+    """The rule that replaced a hand-kept count: an in-function import of a raystudy module is there to keep a
+    heavy library (:data:`HEAVY`) out of a module that does not load it, and says which."""
+    bad = _imports_deferring_nothing(PACKAGE)
+    assert not bad, ("in-function imports of raystudy modules that defer no heavy library (import them at module "
+                     "level, or name on their line the library of HEAVY they keep out of this module):\n"
+                     + "\n".join(bad))
 
 
 def _comments(source: str) -> dict[int, str]:
@@ -412,11 +512,51 @@ def test_modality_strings_only_in_the_modality_module():
                      "instead of testing the modality by name:\n" + "\n".join(hits)
 
 
+#: Flags that say which modality an object is: read only inside the seam; elsewhere the code asks the
+#: modality's operations (``data_path``, ``image_caches``, ``input_size``, ``flops_input``, ...).
+MODALITY_FLAGS = frozenset({"takes_images", "caches_images"})
+
+
+def _modality_flag_reads(source: str) -> list[tuple[int, str]]:
+    """``(line, flag)`` of every read of a :data:`MODALITY_FLAGS` attribute in ``source``: ``x.takes_images``
+    (any expression before the dot) or ``getattr(x, "takes_images")``; found on the syntax tree, so a word in
+    a string, a comment or a docstring is not one."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in MODALITY_FLAGS:
+            hits.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in MODALITY_FLAGS):
+            hits.append((node.lineno, node.args[1].value))
+    return sorted(hits)
+
+
+def test_modality_flag_reads_are_found_on_the_syntax_tree():
+    source = ("if modality.takes_images:\n"  # 1: a branch on the flag
+              "    x = 1\n"
+              "size = None if not modality_of_model(m).takes_images else 224\n"  # 3: on a call's result
+              "skip = [s for s in stores if not modality_of_store(read_meta(s)).caches_images]\n"  # 4
+              "flag = getattr(modality, 'caches_images', False)\n"  # 5: by name
+              "doc = 'takes_images is a flag'  # caches_images in a comment\n"  # 6: words, not reads
+              "takes_images = True\n"  # 7: a name bound, not an attribute read
+              "other = modality.takes_image\n")  # 8: another attribute
+    assert _modality_flag_reads(source) == [(1, "takes_images"), (3, "takes_images"), (4, "caches_images"),
+                                            (5, "caches_images")]
+
+
+def test_modality_flags_read_only_in_the_modality_module():
+    hits = [f"{_rel(path)}:{line}: .{flag}" for path in _sources() if _rel(path) != MODALITY_MODULE
+            for line, flag in _modality_flag_reads(path.read_text(encoding="utf-8"))]
+    assert not hits, f"ask the modality's operations ({MODALITY_MODULE}) instead of branching on its flags:\n" \
+                     + "\n".join(hits)
+
+
 # ------------------------------------------------------------------------------ layers
 
-FOUNDATION = ("vocab", "storage", "io", "faults", "settings", "setting_roles", "terminal")
-#: The one core module the analysis may import: the configuration-expression grammar (pure Python over the
-#: vocabulary at import), to read the expressions in trials tables.
+FOUNDATION = ("vocab", "storage", "io", "faults", "settings", "setting_roles", "precision", "terminal")
+#: The one core module the analysis may import: the configuration-expression grammar, to read the expressions
+#: in trials tables (it loads torch: docs/architecture.md, "Layers").
 ANALYSIS_MAY_IMPORT = ("raystudy.core.expressions",)
 #: layer -> the layers it may import (docs/architecture.md, "Layers"); nothing imports upward.
 ALLOWED_IMPORTS = {

@@ -22,17 +22,12 @@ from raystudy.core.bounds import (
     token_sigma,
     upper_bounds,
 )
-from raystudy.core.components import (
-    COMPONENTS,
-    CONFIGURATIONS,
-    UnsupportedModelError,
-    get_adapter,
-    head_parameters,
-    trainable_parameters,
-)
+from raystudy.core.components import UnsupportedModelError, get_adapter, head_parameters, trainable_parameters
+from raystudy.core.input_checks import PlasticityInputError
 from raystudy.core.models import WeightsError, build_model, load_weights
-from raystudy.core.plasticity import PlasticityInputError, pair_rates, pair_rates_tensor, summarize
+from raystudy.core.plasticity import pair_rates, pair_rates_tensor, summarize
 from raystudy.core.plasticity_reference import reference_tokens
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
 # ----------------------------------------------------------------------------------------------- registry
 

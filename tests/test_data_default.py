@@ -11,7 +11,8 @@ from conftest import tiny_vit
 
 from raystudy.data.store import read_meta, read_split
 from raystudy.data.stream import load_tensors
-from raystudy.data.synthetic import CLASSES, VARIANTS, prepare_default, render
+from raystudy.data.synthetic import CLASSES, prepare_default, render
+from raystudy.vocab import VARIANTS
 
 
 def _pixels(store, split="test") -> np.ndarray:

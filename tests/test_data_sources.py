@@ -17,7 +17,8 @@ import pyarrow as pa
 import pytest
 
 from raystudy.data.sources import prepare
-from raystudy.data.store import SPLITS, read_meta, read_split, shard_paths, verify_store
+from raystudy.data.splits import SPLITS
+from raystudy.data.store import read_meta, read_split, shard_paths, verify_store
 
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -370,7 +371,8 @@ def test_determinism_and_split_rule_properties(tmp_path):
 
 
 def test_low_data_vtab1k(tmp_path):
-    from raystudy.data.sources import Candidate, prepare_candidates
+    from raystudy.data.readers import Candidate
+    from raystudy.data.sources import prepare_candidates
 
     rng = np.random.default_rng(0)
     arrays = rng.integers(0, 256, (1500, 4, 4, 3), dtype=np.uint8)

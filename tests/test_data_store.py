@@ -141,7 +141,7 @@ def test_local_iterator_batches_and_per_row_seeding(tmp_path):
 
 
 def test_local_iterator_one_shard(tmp_path):
-    from raystudy.data.store import SPLITS
+    from raystudy.data.splits import SPLITS
 
     rows = [{"image": read_split(make_store(tmp_path / "base", n_per_split=(1, 1, 1)), "train").column("image")[0]
              .as_py(), "label": i % 3, "split": SPLITS[i % 3], "index": i} for i in range(30)]

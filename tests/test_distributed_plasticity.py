@@ -24,7 +24,8 @@ from raystudy.data.pairing import pair_positions
 from raystudy.data.rows import locate_split, resolve_pretrain_split
 from raystudy.data.store import StoreError, read_split, write_store
 from raystudy.data.transforms import transform_batch
-from raystudy.distributed.plasticity import PlasticityJob, combine_runs, run_plasticity
+from raystudy.distributed.plasticity import PlasticityJob, run_plasticity
+from raystudy.distributed.plasticity_output import combine_runs
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=10)
 TIMM_NAME = "vit_tiny_patch16_224"  # overridden to the tiny sizes by TINY
@@ -76,8 +77,9 @@ def _control_model():
     return timm.create_model(TIMM_NAME, **TINY).eval()
 
 
-def _reference(setup, mode, model=None):
-    """Core rates and summary per downstream dataset on the pipeline's pairs, plus the pretraining images."""
+def _reference(setup, mode, model=None, amp_dtype=None):
+    """Core rates and summary per downstream dataset on the pipeline's pairs, plus the pretraining images
+    (``amp_dtype``: the core's forward under that autocast)."""
     model = model if model is not None else setup["model"]
     pre = read_split(setup["pre"], "val")
     rates, pre_images = [], None
@@ -87,7 +89,7 @@ def _reference(setup, mode, model=None):
         x = transform_batch([pre["image"][int(i)].as_py() for i in a], train=False, size=32)
         y = transform_batch([down["image"][int(i)].as_py() for i in b], train=False, size=32)
         pre_images = x
-        df = rates_frame(pair_rates_tensor(model, x, y, mode=mode))
+        df = rates_frame(pair_rates_tensor(model, x, y, mode=mode, amp_dtype=amp_dtype))
         df.insert(0, "mode", mode)
         df.insert(0, "dataset", name)
         df.insert(0, "model", TIMM_NAME)
@@ -267,6 +269,21 @@ def test_pipeline_equals_core_on_the_same_pairs(ray_session, setup, workers, bat
         for name in ("alpha", "beta"):
             assert {f.stem for f in files} >= {f"plasticity_depth_{TIMM_NAME}_{name}_hidden",
                                                f"rate_distribution_{TIMM_NAME}_{name}_hidden"}
+
+
+def test_bf16_rates_are_another_measurement_and_say_so(ray_session, setup):
+    """``precision: bf16`` runs the actors' forward under bf16 autocast (on the CPU too): its rates are the
+    core's bf16 rates on the same pairs, other numbers than the fp32 run's, and ``plasticity.parquet``'s
+    ``precision`` column tells the two apart (the fp32 run: ``auto`` on CPU actors)."""
+    _, fp32 = _run(setup, 1, 8)
+    _, bf16 = _run(setup, 1, 8, precision="bf16", control="none")
+    assert set(fp32["plasticity"]["precision"]) == {"fp32"} and set(bf16["plasticity"]["precision"]) == {"bf16"}
+    ref_rates, ref_plast, _ = _reference(setup, "embedding", amp_dtype=torch.bfloat16)
+    np.testing.assert_allclose(bf16["rates"]["rate"], ref_rates["rate"], rtol=RTOL)
+    np.testing.assert_allclose(bf16["plasticity"]["plasticity"], ref_plast["plasticity"], rtol=RTOL)
+    fp32_plast = fp32["plasticity"][fp32["plasticity"]["weights"] == "pretrained"].reset_index(drop=True)
+    gap = np.abs(bf16["plasticity"]["plasticity"] / fp32_plast["plasticity"] - 1)
+    assert 1e-4 < gap.max() < 0.1  # bf16's 8-bit mantissa: another number, near the fp32 one
 
 
 def test_combine_runs_concatenates_tables_and_refuses_other_pairs(ray_session, setup, tmp_path):

@@ -7,15 +7,10 @@ import torch
 from conftest import tiny_vit
 from families import VARIANTS, beit, clip_style, deit_distilled, dinov2_style
 
-from raystudy.core.components import (
-    COMPONENTS,
-    embedding_parameters,
-    head_parameters,
-    trainable_parameters,
-)
+from raystudy.core.components import embedding_parameters, head_parameters, trainable_parameters
 from raystudy.core.finetune import final_norm_parameters, select_and_freeze
 from raystudy.core.models import build_model
-from raystudy.vocab import BASELINES, CONFIGURATIONS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
+from raystudy.vocab import BASELINES, COMPONENTS, CONFIGURATIONS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 D, P = 48, 8  # the tiny models' width and patch size (tests/families.py): 32 px images -> 16 patches
 PATCH = D * 3 * P * P + D  # conv weight + bias

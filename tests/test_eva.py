@@ -17,8 +17,6 @@ from torch import nn
 
 from raystudy.core.bounds import measure_token_stats, upper_bounds
 from raystudy.core.components import (
-    COMPONENTS,
-    CONFIGURATIONS,
     StackedLinear,
     TimmEvaAdapter,
     UnsupportedModelError,
@@ -30,7 +28,7 @@ from raystudy.core.components import (
 from raystudy.core.models import build_model
 from raystudy.core.plasticity import pair_rates, pair_rates_tensor
 from raystudy.core.plasticity_reference import pair_rates_reference, reference_blocks, reference_embedding
-from raystudy.vocab import MODES
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS, MODES
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 D, P, DEPTH = 48, 8, 2  # the tiny models' width, patch size and depth (tests/families.py)

@@ -101,7 +101,7 @@ def test_a_combination_trains_exactly_its_units_and_the_head(store, tmp_path):
     units = [("MHA", 1), ("MHA", 2)] + [("FC1", b) for b in range(L)]
     want = unit_names(units) | {"head.weight", "head.bias"}
     assert changed(before, after) == want  # every other parameter bit-identical
-    assert set(ft.selection.names) == want
+    assert set(ft.trained.names) == want
     assert summary["trainable_params"] == 2 * SIZES["MHA"] + L * SIZES["FC1"] + HEAD == 47_530
     assert summary["units"] == "MHA@1-2+FC1" and summary["configuration"] == "MHA@1-2+FC1"
 
@@ -116,7 +116,8 @@ def test_auto_budget_resolved_by_the_study_job_trains_its_units(store, tmp_path)
     """``auto:28%`` through ``finetune_job`` with a constructed plasticity table: the units are packed in
     plasticity order (checked by hand below), recorded in ``selection`` and the summary, and trained alone."""
     from raystudy.study.jobs import finetune_job
-    from raystudy.study.spec import StudySpec, grid_point
+    from raystudy.study.points import grid_point
+    from raystudy.study.spec import StudySpec
 
     # All (head excluded) of the tiny ViT: embedding + blocks + final norm
     emb = 3 * 8 * 8 * D + D + D + 17 * D
@@ -166,7 +167,7 @@ def test_random_budget_is_reproducible_per_seed(store, tmp_path):
     assert len(set(picks.values())) > 1  # the seed changes the units
     # the run itself (no selection given) trains the units the study resolves for its seed
     ft = Finetuner(tiny_cfg(store, tmp_path, configuration="random:30%", seed=2))
-    assert ft.selection.chosen == picks[2]
+    assert ft.trained.chosen == picks[2]
     assert budget_selection(spec, tiny_cfg(store, tmp_path, configuration="MHA@1"), "tiny") is None
 
 
@@ -186,7 +187,7 @@ def test_lora_trains_the_adapters_and_head_and_saves_merged_plain_weights(store,
     before = initial_state(cfg)  # plain names: the LoRA-free model the run starts from
     summary, ft = train_local(cfg, tensorboard=False)
     after = {n.replace(".base_layer.", "."): p.detach() for n, p in ft.model.named_parameters()}
-    assert set(ft.selection.names) == lora_names() | {"head.weight", "head.bias"}
+    assert set(ft.trained.names) == lora_names() | {"head.weight", "head.bias"}
     for n, t in before.items():  # the frozen base, bit-identical; only the head among them changed
         assert torch.equal(t, after[n]) or n.startswith("head."), n
     assert not torch.equal(before["head.weight"], after["head.weight"])
@@ -229,9 +230,9 @@ def test_lora_resume_is_exact(store, tmp_path):
     torch.manual_seed(999)
     summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
     assert ft.restores[0]["step"] == 4 and summary["num_restores"] == 1
-    names = {n for n, _ in ref_ft.selection.trainable}
+    names = {n for n, _ in ref_ft.trained.trainable}
     assert any(".mlp.fc1.lora_A." in n for n in names)  # FC1 wrapped: the registry still finds the blocks
-    assert names == set(ft.selection.names)
+    assert names == set(ft.trained.names)
     for a, b in zip(ref_ft.curves, ft.curves):
         assert {k: v for k, v in a.items() if k != "images_per_s"} == {k: v for k, v in b.items()
                                                                          if k != "images_per_s"}

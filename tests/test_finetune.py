@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -12,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from conftest import kill_at_first_checkpoint, make_store
 
-from raystudy.core.components import CONFIGURATIONS
 from raystudy.core.finetune import (
     MOVED_KEYS,
     DirectoryCheckpointer,
@@ -34,8 +34,10 @@ from raystudy.core.finetune import (
     train_step,
     warmup_cosine,
 )
-from raystudy.distributed.train import TrainResources, failed_summary, run_config_dict, split_legacy
-from raystudy.vocab import RUN_CURVE_COLUMNS, columns
+from raystudy.core.finetune.checkpoint import upgrade_layout
+from raystudy.core.finetune.driver import failed_summary
+from raystudy.distributed.train import TrainResources, run_config_dict, split_legacy
+from raystudy.vocab import CONFIGURATIONS, RUN_CURVE_COLUMNS, columns
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4)
 D, H, L, C = 48, 192, 3, 10
@@ -64,12 +66,13 @@ def test_defaults_are_the_papers_protocol():
     assert (cfg.steps, cfg.batch_size, cfg.img_size, cfg.clip_norm) == (10_000, 512, 224, 1.0)
     assert cfg.warmup == 2000  # 20% of 10,000, the paper's 2000 warmup steps
     assert FinetuneConfig(steps=2500).warmup == 500  # low-data variant keeps the fraction
-    assert not cfg.amp_bf16 and not cfg.train_final_norm
+    assert not cfg.train_final_norm
     # speed settings (issue 13): precision by device, the uint8 cache, no compile unless asked
-    assert cfg.precision is None and cfg.data_path == "cache" and not cfg.compile
+    assert cfg.precision == "auto" and cfg.data_path == "cache" and not cfg.compile
     assert cfg.resolved_precision("cpu") == "fp32" and cfg.resolved_precision("cuda") == "bf16"
-    assert FinetuneConfig(amp_bf16=True).precision == "bf16"  # the older spelling
+    assert FinetuneConfig(precision=None).resolved_precision("cuda") == "bf16"  # an older config's None: auto
     assert FinetuneConfig(precision="fp32").resolved_precision("cuda") == "fp32"
+    assert FinetuneConfig(precision="bf16").resolved_precision("cpu") == "bf16"
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -80,7 +83,6 @@ def test_defaults_are_the_papers_protocol():
     (dict(warmup_steps=99), "warmup_steps"),
     (dict(store=""), "store"),
     (dict(precision="fp16"), "precision"),
-    (dict(amp_bf16=True, precision="fp32"), "amp_bf16"),
     (dict(data_path="jpeg"), "data_path"),
 ])
 def test_validation_names_the_field(kw, field):
@@ -126,7 +128,10 @@ OLD_CONFIG_JSON = {  # a run's config.json as written before the protocol and th
 def test_an_old_config_json_still_loads():
     cfg, res = split_legacy(OLD_CONFIG_JSON)
     assert (cfg.data_path, cfg.precision) == ("decode", "fp32")  # what such a run did
-    assert split_legacy({**OLD_CONFIG_JSON, "amp_bf16": True})[0].precision == "bf16"
+    assert split_legacy({**OLD_CONFIG_JSON, "amp_bf16": True})[0].precision == "bf16"  # the older spelling
+    assert split_legacy({**OLD_CONFIG_JSON, "precision": None})[0].precision == "auto"
+    with pytest.raises(ValueError, match="FinetuneConfig.amp_bf16: True contradicts precision: fp32"):
+        FinetuneConfig.from_dict({**OLD_CONFIG_JSON, "amp_bf16": True, "precision": "fp32"})
     assert (cfg.configuration, cfg.optimizer, cfg.lr, cfg.steps, cfg.batch_size) == ("FC1", "adamw", 0.003, 8, 6)
     assert res == TrainResources(workers=2, gpus_per_worker=0.0, cpus_per_worker=2.0, max_failures=1,
                                  keep_checkpoints=3, cleanup_checkpoints=False)
@@ -203,7 +208,7 @@ def test_freezing_is_exact(store, tmp_path, config):
     ft = Finetuner(cfg)
     init = {n: p.detach().clone() for n, p in ft.model.named_parameters()}
     ft.run(progress=False)
-    trainable = set(ft.selection.names)
+    trainable = set(ft.trained.names)
     head = {n for n in init if n.startswith("head.")}
     assert head <= trainable
     for n, p in ft.model.named_parameters():
@@ -214,7 +219,7 @@ def test_freezing_is_exact(store, tmp_path, config):
             assert p.grad is None
     total = sum(t.numel() for t in init.values())
     expected = (total if config == "All" else EXPECTED_COUNTS[config] + D * C + C)
-    assert ft.selection.num_trainable == expected
+    assert ft.trained.num_trainable == expected
     if config in ("MHA", "FC1"):
         assert all(n.startswith("blocks.") or n.startswith("head.") for n in trainable)
     if config != "All":
@@ -223,8 +228,8 @@ def test_freezing_is_exact(store, tmp_path, config):
 
 def test_train_final_norm_option(store, tmp_path):
     ft = Finetuner(tiny_cfg(store, tmp_path, configuration="LN1", train_final_norm=True))
-    assert {"norm.weight", "norm.bias"} <= set(ft.selection.names)
-    assert ft.selection.num_trainable == EXPECTED_COUNTS["LN1"] + 2 * D + D * C + C
+    assert {"norm.weight", "norm.bias"} <= set(ft.trained.names)
+    assert ft.trained.num_trainable == EXPECTED_COUNTS["LN1"] + 2 * D + D * C + C
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -252,14 +257,14 @@ def test_train_step_norms_clipping_and_accumulation(store, tmp_path):
     cfg = tiny_cfg(store, tmp_path, configuration="MHA", lr=0.05, warmup_steps=0)
     ft = Finetuner(cfg)
     x, y = ft.train_data.load(np.arange(8), size=32, train=False)
-    before = {n: p.detach().clone() for n, p in ft.selection.trainable}
+    before = {n: p.detach().clone() for n, p in ft.trained.trainable}
     # independent reference: gradient of the mean loss over the batch
     loss = F.cross_entropy(ft.model(x), y)
     loss_value = loss.item()
     grads = torch.autograd.grad(loss, ft.trainable)
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
-    comp = {n for n, _ in ft.selection.component}
-    comp_norm = torch.sqrt(sum((g.double() ** 2).sum() for (n, _), g in zip(ft.selection.trainable, grads)
+    comp = {n for n, _ in ft.trained.component}
+    comp_norm = torch.sqrt(sum((g.double() ** 2).sum() for (n, _), g in zip(ft.trained.trainable, grads)
                                if n in comp))
     micro = [(x[i:i + 3], y[i:i + 3]) for i in range(0, 8, 3)]  # 3 + 3 + 2: uneven accumulation
     res = train_step(ft.net, ft.optimizer, ft.scheduler, micro, share=8, trainable=ft.trainable, group=ft.group,
@@ -270,7 +275,7 @@ def test_train_step_norms_clipping_and_accumulation(store, tmp_path):
     assert res.component_grad_norm == pytest.approx(float(comp_norm), rel=1e-5)
     assert float(norm) > 1.0  # so clipping is active
     scale = 1.0 / (float(norm) + 1e-6)
-    for (n, p), g in zip(ft.selection.trainable, grads):  # first SGD step: momentum buffer = clipped grad
+    for (n, p), g in zip(ft.trained.trainable, grads):  # first SGD step: momentum buffer = clipped grad
         torch.testing.assert_close(p.detach(), before[n] - 0.05 * scale * g, rtol=1e-5, atol=1e-7)
 
 
@@ -327,8 +332,8 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_p
     torch.manual_seed(999)
     summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True)
 
-    saved = torch.load(ckdir / "step_00000004" / "state.pt", weights_only=True)
-    rng = torch.load(ckdir / "step_00000004" / "rng_rank0.pt", weights_only=True)
+    saved = torch.load(ckdir / "checkpoint_00000004" / "state.pt", weights_only=True)
+    rng = torch.load(ckdir / "checkpoint_00000004" / "rng_rank0.pt", weights_only=True)
     info = ft.restores[0]
     assert info["step"] == 4 and info["scheduler_last_epoch"] == 4
     assert info["optimizer"] == fingerprint(saved["optimizer"])
@@ -339,8 +344,8 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_p
     for a, b in zip(ref_ft.curves, ft.curves):  # bitwise, except the wall-clock throughput
         assert {k: v for k, v in a.items() if k != "images_per_s"} == {k: v for k, v in b.items()
                                                                          if k != "images_per_s"}
-    for n, p in ref_ft.selection.trainable:
-        assert torch.equal(p, dict(ft.selection.trainable)[n])
+    for n, p in ref_ft.trained.trainable:
+        assert torch.equal(p, dict(ft.trained.trainable)[n])
     for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "trainable_params", "status"):
         assert summary[k] == ref[k]
     assert summary["num_restores"] == 1 and summary["restored_from_step"] == 4
@@ -349,7 +354,7 @@ def test_resume_is_exact_with_shuffling_and_augmentation(store, tmp_path, data_p
     with pytest.raises(ValueError, match="data_path"):  # the other data path would see other crops
         Finetuner(tiny_cfg(store, tmp_path / "run", **{**kw, "data_path": {"cache": "decode"}.get(data_path,
                                                                                                   "cache")})
-                  ).load(ckdir / "step_00000004")
+                  ).load(ckdir / "checkpoint_00000004")
 
 
 def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
@@ -364,7 +369,7 @@ def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
 
     first = Finetuner(cfg)
     kill_at_first_checkpoint(first, ckdir)
-    path = ckdir / "step_00000004" / "state.pt"
+    path = ckdir / "checkpoint_00000004" / "state.pt"
     state = torch.load(path, weights_only=True)
     state["config"]["component"] = state["config"].pop("configuration")
     del state["config"]["data_path"], state["config"]["precision"]
@@ -379,7 +384,7 @@ def test_a_checkpoint_of_the_old_format_resumes(store, tmp_path):
     state["config"]["component"] = "FC2"  # and an old checkpoint of another configuration is refused
     torch.save(state, path)
     with pytest.raises(ValueError, match="configuration"):
-        Finetuner(cfg).load(ckdir / "step_00000004")
+        Finetuner(cfg).load(ckdir / "checkpoint_00000004")
 
 
 class _Killed(Exception):
@@ -422,23 +427,51 @@ def test_one_checkpoint_layout_with_a_completion_marker(store, tmp_path):
     assert not (ckdir / "checkpoint_00000003").exists() and checkpoint_steps(str(ckdir)) == [2, 4, 6]
 
 
-def test_a_run_directory_of_the_old_step_layout_resumes(store, tmp_path):
-    """A checkpoint folder of the earlier local layout (``step_XXXXXXXX``, no marker) resumes exactly; the
-    resumed run writes today's layout, and a later resume takes the newest step of either layout."""
+def _as_older_layout(ckdir, step: int, name: str, marker: bool) -> None:
+    """Turn today's checkpoint of ``step`` under ``ckdir`` into a folder of an older version's layout: ``name``
+    (``step_XXXXXXXX``: train_local's, no marker; ``checkpoint_<date>``: Ray Train's, marker kept)."""
+    folder = ckdir / f"checkpoint_{step:08d}"
+    if not marker:
+        (folder / ".complete").unlink()
+    folder.rename(ckdir / name)
+
+
+@pytest.mark.parametrize("old_name, marker", [("step_00000002", False),
+                                              ("checkpoint_2026-12-01_10-00-00.123456", True)])
+def test_a_checkpoint_of_an_older_layout_is_upgraded_and_resumes(store, tmp_path, old_name, marker):
+    """A checkpoint folder of an older layout (train_local's ``step_XXXXXXXX`` without marker, Ray Train's
+    ``checkpoint_<date>`` with Ray's snapshot beside it) is renamed into today's layout when a run resumes there
+    (the snapshot, which names the old folder, deleted) and resumes exactly; nothing of the old layout is left
+    or written again."""
     kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=2,
               shuffle=True, augment=True, batch_size=6)
     ref, ref_ft = train_local(tiny_cfg(store, tmp_path / "ref", **kw), tensorboard=False)
     cfg, ckdir = tiny_cfg(store, tmp_path / "run", **kw), tmp_path / "run" / "ck"
     kill_at_first_checkpoint(Finetuner(cfg), ckdir)
-    assert sorted(p.name for p in ckdir.iterdir()) == ["step_00000002"]
+    _as_older_layout(ckdir, 2, old_name, marker)
+    (ckdir / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+        {"checkpoint_results": [{"checkpoint_dir_name": old_name, "metrics": {}}]}))
+    assert upgrade_layout(str(ckdir)) == [str(ckdir / "checkpoint_00000002")]
+    assert sorted(p.name for p in ckdir.iterdir()) == ["checkpoint_00000002"]
+    assert (ckdir / "checkpoint_00000002" / ".complete").read_text() == "2\n"
+    _as_older_layout(ckdir, 2, old_name, marker)  # and the same, found by a resume
     summary, ft = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
     assert summary["restored_from_step"] == 2 and [r["step"] for r in ft.curves] == list(range(1, 9))
     assert [r["train_loss"] for r in ft.curves] == [r["train_loss"] for r in ref_ft.curves]
     assert summary["test_acc"] == ref["test_acc"] and summary["best_val_acc"] == ref["best_val_acc"]
-    assert sorted(p.name for p in ckdir.iterdir()) == ["checkpoint_00000004", "checkpoint_00000006",
-                                                       "step_00000002"]
-    again, _ = train_local(cfg, checkpoint_dir=ckdir, resume=True, tensorboard=False)
-    assert again["restored_from_step"] == 6 and again["test_acc"] == ref["test_acc"]
+    assert sorted(p.name for p in ckdir.iterdir()) == [f"checkpoint_{s:08d}" for s in (2, 4, 6)]
+
+
+def test_an_older_folder_of_a_step_already_checkpointed_is_dropped(store, tmp_path):
+    """An older layout's folder whose step today's layout holds complete is deleted by the upgrade (today's is
+    kept); a Ray folder that holds no checkpoint is moved aside."""
+    cfg, ckdir = tiny_cfg(store, tmp_path / "run", steps=4, checkpoint_period=2), tmp_path / "ck"
+    kill_at_first_checkpoint(Finetuner(cfg), ckdir)
+    shutil.copytree(ckdir / "checkpoint_00000002", ckdir / "step_00000002")
+    (ckdir / "checkpoint_2026-12-01_10-00-00.5").mkdir()
+    assert upgrade_layout(str(ckdir)) == []
+    assert sorted(p.name for p in ckdir.iterdir()) == ["checkpoint_00000002",
+                                                       "checkpoint_2026-12-01_10-00-00.5.corrupt-1"]
 
 
 def test_resume_refuses_another_runs_checkpoint(store, tmp_path):
@@ -540,12 +573,12 @@ def test_cli_builds_the_config(store, tmp_path, capsys):
     fast = config_from_args(build_parser().parse_args([*base, "--configuration", "LN2", "--bf16", "--compile",
                                                        "--data-path", "decode", "--cache-dir", "/c"]))[0]
     assert (fast.precision, fast.compile, fast.data_path, fast.cache_dir) == ("bf16", True, "decode", "/c")
-    assert (cfg.precision, cfg.compile, cfg.data_path, cfg.cache_dir) == (None, False, "cache", None)
-    from raystudy.vocab import DATA_PATHS, PRECISIONS
+    assert (cfg.precision, cfg.compile, cfg.data_path, cfg.cache_dir) == ("auto", False, "cache", None)
+    from raystudy.vocab import DATA_PATHS, PRECISION_CHOICES
 
     actions = build_parser()._subparsers._group_actions[0].choices["finetune"]._actions
     choices = {a.option_strings[0]: a.choices for a in actions if a.option_strings}
-    assert (choices["--precision"], choices["--data-path"]) == (PRECISIONS, DATA_PATHS)  # from the vocabulary
+    assert (choices["--precision"], choices["--data-path"]) == (PRECISION_CHOICES, DATA_PATHS)  # the vocabulary's
     with pytest.raises(SystemExit):  # configurations are checked as they are parsed
         build_parser().parse_args([*base, "--configuration", "Attn"])
     with pytest.raises(SystemExit):
@@ -562,7 +595,7 @@ def test_dataloader_processes_give_the_same_run(store, tmp_path):
     _, a = train_local(tiny_cfg(store, tmp_path / "a", **kw), tensorboard=False, write=False)
     _, b = train_local(tiny_cfg(store, tmp_path / "b", loader_workers=2, **kw), tensorboard=False, write=False)
     assert [r["train_loss"] for r in a.curves] == [r["train_loss"] for r in b.curves]
-    for (n, p), (_, q) in zip(a.selection.trainable, b.selection.trainable):
+    for (n, p), (_, q) in zip(a.trained.trainable, b.trained.trainable):
         assert torch.equal(p, q), n
 
 

@@ -1,5 +1,6 @@
-"""Finetuning on Ray Train (CPU, gloo): DDP exactness, freezing, exact resume after a worker failure,
-divergence through the CLI. Four Ray Train runs in all (start-up dominates: ~20-30 s each)."""
+"""Finetuning on Ray Train (CPU, gloo): DDP exactness, freezing, exact resume after a worker failure and from
+an older version's Ray checkpoint, divergence through the CLI. Six Ray Train runs in all (start-up dominates:
+~20-30 s each)."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def test_ddp_two_workers_equal_one_worker_with_twice_the_batch(baseline, store, 
     local, ft = train_local(local_cfg, tensorboard=False)
     torch.testing.assert_close(torch.tensor(curves(local_cfg)["train_loss"].values),
                                torch.tensor(a["train_loss"].values), rtol=1e-6, atol=0)
-    for n, p in ft.selection.trainable:
+    for n, p in ft.trained.trainable:
         assert rel_close(fa[n], p.detach(), 1e-6), n
     # outputs of the Ray run
     assert read_hparams(Path(cfg.out_dir) / "tb")["configuration"] == "MHA"
@@ -159,7 +160,10 @@ def test_resume_with_shuffling_restores_optimizer_schedule_and_rng(store, tmp_pa
     assert info["trainable"] == fingerprint(saved["trainable"])
     assert info["rng"] == fingerprint(torch.load(ckpt / "rng_rank0.pt", weights_only=True))
     assert (ckpt / "rng_rank1.pt").is_file()
-    assert (ckpt / ".complete").read_text() == "4\n"  # the one checkpoint layout, inside Ray's checkpoint
+    assert (ckpt / ".complete").read_text() == "4\n"  # the one checkpoint layout, in the Ray Train run's folder
+    run_dir = Path(cfg.out_dir) / "ray" / "train"  # and only it: Ray wrote no checkpoint_<date>/ copies
+    assert ckpt == run_dir / "checkpoint_00000004"
+    assert sorted(p.name for p in run_dir.glob("checkpoint*")) == ["checkpoint_00000004"]
     assert saved["data"]["samples_seen"] == 32 and saved["data"]["shuffle"]
     b = curves(cfg)
     assert b["step"].tolist() == list(range(1, 9))  # every step exactly once: continued at step 5
@@ -173,9 +177,35 @@ def test_resume_with_shuffling_restores_optimizer_schedule_and_rng(store, tmp_pa
     for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "steps_completed"):
         assert summary[k] == pytest.approx(ref[k], rel=1e-5), k
     fb = final_model(cfg)
-    for n, p in ft.selection.trainable:
+    for n, p in ft.trained.trainable:
         assert rel_close(fb[n], p.detach(), 1e-5), n
     assert_frozen_exact(cfg)
+
+
+def test_a_rerun_resumes_from_an_older_versions_ray_checkpoint(baseline, store, tmp_path, faults):
+    """A run that failed (no retries) keeps its checkpoint; turned into what an older version left (Ray's
+    ``checkpoint_<date>/`` folder and Ray's snapshot naming it), a re-run of the same command upgrades it into
+    the one layout before Ray starts, resumes from it and ends with the uninterrupted run's numbers."""
+    from raystudy.distributed.train import run_finetune
+
+    base_cfg, base = baseline
+    faults(fail_after_step={"again": 3})
+    cfg = cfg_for(store, tmp_path / "again")
+    failed = run_finetune(cfg, TrainResources(max_failures=0))
+    run_dir = Path(cfg.out_dir) / "ray" / "train"
+    assert failed["status"] == "failed" and (run_dir / "checkpoint_00000003" / ".complete").is_file()
+    old = "checkpoint_2026-12-01_10-00-00.123456"
+    (run_dir / "checkpoint_00000003").rename(run_dir / old)
+    (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+        {"checkpoint_results": [{"checkpoint_dir_name": old, "metrics": {}}]}))
+    summary = run_finetune(cfg, TrainResources(max_failures=0))
+    assert summary["status"] == "ok" and summary["restored_from_step"] == 3 and summary["num_restores"] == 1
+    for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "final_train_loss"):
+        assert summary[k] == base[k], k
+    a, b = curves(base_cfg), curves(cfg)
+    assert b["step"].tolist() == list(range(1, 7))
+    assert a.drop(columns="images_per_s").equals(b.drop(columns="images_per_s"))
+    assert not run_dir.exists()  # the finished run's checkpoints are cleaned up
 
 
 def test_divergence_through_the_cli(ray_session, store, tmp_path, capsys):

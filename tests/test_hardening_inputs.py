@@ -38,18 +38,18 @@ def _everything(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*")}
 
 
-# ------------------------------------------------------------------------------------------- item 2: names
+# --------------------------------------------------------------------------------------------------- names
 
 @pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", "a\\b", ".hidden", "nul\x00byte", "new\nline",
                                  "tab\tname", "x" * 129, None, 3])
-def test_item2_check_path_name_refuses_what_is_not_one_component(bad):
+def test_check_path_name_refuses_what_is_not_one_component(bad):
     with pytest.raises(ValueError) as e:
         check_path_name(bad, "dataset.json 'name'")
     assert str(e.value).startswith(f"dataset.json 'name': {bad!r} is not a valid name")
 
 
 @pytest.mark.parametrize("good", ["cifar10", "CIFAR-10-C_snow.v2", "my dataset", "x" * 128, "é"])
-def test_item2_check_path_name_keeps_ordinary_names(good):
+def test_check_path_name_keeps_ordinary_names(good):
     assert check_path_name(good, "--dataset") == good
 
 
@@ -62,7 +62,7 @@ def _escaping_store(tmp_path: Path) -> Path:
     return store
 
 
-def test_item2_store_name_cannot_write_outside_out(tmp_path, capsys):
+def test_store_name_cannot_write_outside_out(tmp_path, capsys):
     bad = _escaping_store(tmp_path)
     good = make_store(tmp_path / "stores" / "good", n_per_split=(4, 2, 6), name="good", seed=1)
     out = tmp_path / "a" / "b" / "c" / "out"
@@ -73,7 +73,7 @@ def test_item2_store_name_cannot_write_outside_out(tmp_path, capsys):
     assert _everything(tmp_path) == before  # nothing written, least of all STORE_ESCAPE.png three levels up
 
 
-def test_item2_dataset_flag_cannot_write_outside_out(tmp_path, capsys):
+def test_dataset_flag_cannot_write_outside_out(tmp_path, capsys):
     x = make_store(tmp_path / "stores" / "x", n_per_split=(4, 2, 6), name="x")
     y = make_store(tmp_path / "stores" / "y", n_per_split=(4, 2, 6), name="y", seed=1)
     out = tmp_path / "a" / "b" / "c" / "out"
@@ -88,7 +88,7 @@ def test_item2_dataset_flag_cannot_write_outside_out(tmp_path, capsys):
     assert {"plasticity_renamed.png", "rates_renamed.svg"} <= set(os.listdir(out))
 
 
-def test_item2_ray_pipeline_refuses_the_store_name_before_any_work(tmp_path):
+def test_ray_pipeline_refuses_the_store_name_before_any_work(tmp_path):
     from raystudy.distributed.plasticity import PlasticityJob, plan_pairs
 
     bad = _escaping_store(tmp_path)
@@ -99,7 +99,7 @@ def test_item2_ray_pipeline_refuses_the_store_name_before_any_work(tmp_path):
         plan_pairs(job)
 
 
-# ------------------------------------------------------------------------------------------- item 5: images
+# --------------------------------------------------------------------------------------------------- images
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -114,7 +114,7 @@ def huge_png(width: int = 20000, height: int = 20000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
 
 
-def test_item5_huge_png_refused_from_its_header(tmp_path):
+def test_huge_png_refused_from_its_header(tmp_path):
     data = huge_png()
     assert len(data) < 64_000  # the 48 KB file of the issue
     with Image.open(io.BytesIO(huge_png(64, 48))) as im:  # the builder makes real PNGs
@@ -129,7 +129,7 @@ def test_item5_huge_png_refused_from_its_header(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak RSS read from /proc/self/status (Linux)")
-def test_item5_huge_png_peak_memory_stays_small(tmp_path):
+def test_huge_png_peak_memory_stays_small(tmp_path):
     """In a fresh process: refusing the PNG keeps the peak RSS far below the 400 MB of its pixels.
 
     The peak is the process's ``VmHWM`` (reset by ``exec``; ``ru_maxrss`` would keep pytest's own peak).
@@ -146,7 +146,7 @@ def test_item5_huge_png_peak_memory_stays_small(tmp_path):
     assert int(peak_mb) < 150, res.stdout
 
 
-def test_item5_decoder_gives_rgb_pixels():
+def test_decoder_gives_rgb_pixels():
     rng = np.random.default_rng(0)
     rgb = (rng.random((5, 7, 3)) * 255).astype(np.uint8)
     grey = (rng.random((5, 7)) * 255).astype(np.uint8)
@@ -161,7 +161,7 @@ def test_item5_decoder_gives_rgb_pixels():
         decode_image(buf.getvalue(), source="small.png", max_pixels=34)
 
 
-def test_item5_bad_files_name_the_file(tmp_path):
+def test_bad_image_files_name_the_file(tmp_path):
     good = png_bytes(np.random.default_rng(1))
     cases = {"empty.png": (b"", "empty file (0 bytes)"),
              "truncated.png": (good[: len(good) // 2], "cannot decode image"),
@@ -173,7 +173,7 @@ def test_item5_bad_files_name_the_file(tmp_path):
         assert str(e.value).startswith(f"{tmp_path / name}: {why}"), str(e.value)
 
 
-def test_item5_symlink_loop_fifo_and_folder_refused(tmp_path):
+def test_symlink_loop_fifo_folder_and_oversized_image_refused(tmp_path):
     os.symlink("b.png", tmp_path / "a.png")
     os.symlink("a.png", tmp_path / "b.png")
     loop = re.escape(f"{tmp_path / 'a.png'}: cannot open image file (symbolic link loop)")
@@ -190,7 +190,7 @@ def test_item5_symlink_loop_fifo_and_folder_refused(tmp_path):
         read_image_file(tmp_path / "big.png", max_bytes=99)
 
 
-def test_item5_image_files_lists_sorted_without_following_folder_links(tmp_path):
+def test_image_files_lists_sorted_without_following_folder_links(tmp_path):
     for rel in ("b/2.PNG", "b/10.jpg", "a.png", "c/d/e.webp", "notes.txt"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"")
@@ -200,7 +200,7 @@ def test_item5_image_files_lists_sorted_without_following_folder_links(tmp_path)
 
 
 @pytest.mark.parametrize("case", ["bomb", "empty", "loop"])
-def test_item5_local_plasticity_names_the_bad_image(tmp_path, capsys, case):
+def test_local_plasticity_names_the_bad_image(tmp_path, capsys, case):
     """``raystudy plasticity --x FOLDER``: exit 2 with one line naming the file, no traceback, nothing written."""
     rng = np.random.default_rng(0)
     for side in ("x", "y"):
@@ -224,12 +224,12 @@ def test_item5_local_plasticity_names_the_bad_image(tmp_path, capsys, case):
     assert not (tmp_path / "out").exists()
 
 
-# ------------------------------------------------------------------------------- item 6: Markdown escaping
+# --------------------------------------------------------------------------------------- Markdown escaping
 
 EVIL = "<script>alert(1)</script>|x"
 
 
-def test_item6_markdown_escapes_names_from_data(tmp_path):
+def test_markdown_escapes_names_from_data(tmp_path):
     from test_analysis import make_study
 
     from raystudy.analysis.pipeline import run_analysis

@@ -50,7 +50,7 @@ def _cli_error(capsys, *args: str) -> str:
     return err
 
 
-def test_item6_truncated_shard_detected(tmp_path, capsys):
+def test_truncated_shard_is_named_by_the_shallow_and_the_full_check(tmp_path, capsys):
     store = _resharded(make_store(tmp_path / "one"), tmp_path / "s", rows_per_shard=25)
     shards = shard_paths(store)
     assert len(shards) == 3
@@ -97,7 +97,7 @@ def _counts_from_shards(store: str) -> tuple[Counter, Counter]:
     return splits, pairs
 
 
-def test_item6_verify_compares_counts(tmp_path, capsys):
+def test_verify_compares_the_shards_row_counts_with_dataset_json(tmp_path, capsys):
     base = make_store(tmp_path / "base")
     splits, pairs = _counts_from_shards(base)
     assert verify_store(base)["counts"] == dict(splits) == dict(zip(("train", "val", "test"), N_PER_SPLIT))
@@ -136,7 +136,7 @@ def test_item6_verify_compares_counts(tmp_path, capsys):
         check_store(store)
 
 
-def test_item6_verify_catches_a_consistently_rewritten_shard_by_its_counts(tmp_path):
+def test_verify_catches_a_consistently_rewritten_shard_by_its_counts(tmp_path):
     """A shard rewritten with one training row moved to val, its hash and the content checksum updated in
     dataset.json (a half-finished re-prepare): only the counts reveal it."""
     store = make_store(tmp_path / "s")
@@ -151,7 +151,7 @@ def test_item6_verify_catches_a_consistently_rewritten_shard_by_its_counts(tmp_p
         verify_store(store)
 
 
-def test_item6_old_store_without_shard_list_still_checked(tmp_path):
+def test_old_store_without_shard_list_still_has_its_counts_checked(tmp_path):
     """Stores written before ``shards``/``label_counts`` existed: the split counts are still compared."""
     store = make_store(tmp_path / "s")
     _edit_meta(store, lambda m: (m.pop("shards"), m.pop("label_counts"), m.pop("num_rows")))
@@ -167,25 +167,26 @@ def test_item6_old_store_without_shard_list_still_checked(tmp_path):
     (lambda m: m.update(num_classes="10"), r"'num_classes' must be an integer >= 1"),
     (lambda m: m.update(shards=[{"file": "part-00000.parquet"}]), r"'shards' must be a list of"),
 ])
-def test_item6_malformed_counts_in_dataset_json_named(tmp_path, edit, message):
+def test_malformed_counts_in_dataset_json_are_named(tmp_path, edit, message):
     store = make_store(tmp_path / "s")
     _edit_meta(store, edit)
     with pytest.raises(StoreError, match=rf"{Path(store) / META_FILE}: {message}"):
         read_meta(store)
 
 
-def test_item6_dataset_json_not_an_object(tmp_path):
+def test_dataset_json_that_is_not_an_object_is_refused(tmp_path):
     store = make_store(tmp_path / "s")
     (Path(store) / META_FILE).write_text("[1, 2]")
     with pytest.raises(StoreError, match=r"dataset.json: expected a JSON object, got list"):
         read_meta(store)
 
 
-def test_item6_truncated_shard_stops_the_study_before_launch(tmp_path):
+def test_truncated_shard_stops_the_study_before_launch(tmp_path):
     """A study whose store has a truncated shard is refused by its file check, before any trial launches."""
     import os
 
-    from raystudy.study.spec import SpecError, StudySpec
+    from raystudy.study.checks import SpecError
+    from raystudy.study.spec import StudySpec
 
     store = make_store(tmp_path / "tiny")
     shard = next((tmp_path / "tiny").glob("part-*.parquet"))

@@ -25,9 +25,11 @@ from conftest import STUDY_MODEL, STUDY_TINY
 
 from raystudy.faults import ENV as FAULTS_ENV
 from raystudy.io import TableError, read_result
+from raystudy.study.checks import SpecError
 from raystudy.study.lock import LOCK_FILE, StudyLock, StudyLocked
+from raystudy.study.points import grid_point, trial_id
 from raystudy.study.results import ResultTables, trial_dir
-from raystudy.study.spec import SpecError, StudySpec, grid_point, trial_id
+from raystudy.study.spec import StudySpec
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, MODEL = STUDY_TINY, STUDY_MODEL
@@ -59,9 +61,9 @@ def _dead_pid() -> int:
     return p.pid
 
 
-# ------------------------------------------------------------------------------------ item 4: the lock
+# -------------------------------------------------------------------------------------------- the lock
 
-def test_item4_lock_refuses_a_live_holder_and_names_it(tmp_path):
+def test_lock_refuses_a_live_holder_and_names_it(tmp_path):
     with StudyLock(str(tmp_path)) as first:
         record = json.loads((tmp_path / LOCK_FILE).read_text())
         assert record["host"] == socket.gethostname() and record["pid"] == os.getpid() and record["started"]
@@ -73,7 +75,7 @@ def test_item4_lock_refuses_a_live_holder_and_names_it(tmp_path):
     assert not (tmp_path / LOCK_FILE).exists()  # released
 
 
-def test_item4_lock_takes_over_a_dead_driver_and_says_so(tmp_path):
+def test_lock_takes_over_a_dead_driver_and_says_so(tmp_path):
     dead = {"host": socket.gethostname(), "pid": _dead_pid(), "started": "2020-01-01T00:00:00", "token": "x"}
     (tmp_path / LOCK_FILE).write_text(json.dumps(dead))
     said: list[str] = []
@@ -91,7 +93,7 @@ def test_item4_lock_takes_over_a_dead_driver_and_says_so(tmp_path):
         StudyLock(str(tmp_path)).acquire()
 
 
-def test_item4_lock_released_on_exception_and_new_dir_left_clean(tmp_path):
+def test_lock_released_on_exception_and_new_dir_left_clean(tmp_path):
     out = tmp_path / "new"
     with pytest.raises(RuntimeError), StudyLock(str(out)):
         assert (out / LOCK_FILE).exists()
@@ -99,10 +101,10 @@ def test_item4_lock_released_on_exception_and_new_dir_left_clean(tmp_path):
     assert not out.exists()  # created for the lock only: removed again
 
 
-# -------------------------------------------------------------------- item 6: seeds, corrupt trials.parquet
+# ---------------------------------------------------------------------------- seeds, corrupt trials.parquet
 
 @pytest.mark.parametrize("seeds", [[-1], [0, 2**32]])
-def test_item6_seeds_out_of_range_are_refused(tmp_path, seeds):
+def test_seeds_out_of_range_are_refused(tmp_path, seeds):
     """numpy's seeds lie in [0, 2**32): ``seeds=[-1]`` used to pass validation and fail in every trial."""
     small_spec(tmp_path).validate(check_files=False)  # (the same spec with seed 0 is valid)
     with pytest.raises(SpecError, match=r"^seeds: .*must lie in \[0, 2\*\*32\)"):
@@ -124,7 +126,7 @@ def _finished_trial(study: Path, point: dict, acc: float) -> None:
         d / "curves.parquet")
 
 
-def test_item6_corrupt_trials_parquet_is_rebuilt_from_the_trial_summaries(tmp_path):
+def test_corrupt_trials_parquet_is_rebuilt_from_the_trial_summaries(tmp_path):
     points = [grid_point("a", "LN1", "sgd", 0.1, 0), grid_point("a-b", "MHA", "adamw", 1e-3, 3)]
     for i, p in enumerate(points):
         _finished_trial(tmp_path, p, 0.25 * (i + 1))
@@ -146,9 +148,9 @@ def test_item6_corrupt_trials_parquet_is_rebuilt_from_the_trial_summaries(tmp_pa
     assert ResultTables(str(tmp_path)).rows[points[1]["trial_id"]]["dataset"] == "a-b"
 
 
-# ------------------------------------------------------------ item 1: corrupt Ray Train folders detected
+# -------------------------------------------------------------------- corrupt Ray Train folders detected
 
-def test_item1_corrupt_run_dirs_are_quarantined(tmp_path):
+def test_corrupt_run_dirs_are_moved_aside_and_temporary_files_removed(tmp_path):
     import torch
 
     from raystudy.study.health import check_run_dirs
@@ -213,7 +215,7 @@ def locked_study(ray_session, builtin, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_item4_second_driver_on_a_running_study_is_refused(locked_study):
+def test_second_driver_on_a_running_study_is_refused(locked_study):
     second = locked_study["second"]
     assert second.returncode != 0 and locked_study["second_seconds"] < 60
     err = second.stderr.strip().splitlines()
@@ -226,7 +228,7 @@ def test_item4_second_driver_on_a_running_study_is_refused(locked_study):
 
 
 @pytest.mark.slow
-def test_item6_worker_restart_before_first_checkpoint_leaves_a_trace(locked_study):
+def test_worker_restart_before_first_checkpoint_leaves_a_trace(locked_study):
     row = read_result(locked_study["out"], "trials").set_index("trial_id").loc[locked_study["tid"]]
     assert row.status == "ok" and row.num_restores == 0  # nothing to restore from: started again
     assert row.worker_failures == 1 and row.trial_restarts == 0
@@ -245,7 +247,7 @@ def _fill(path: Path, leave: int) -> Path:
 
 
 @pytest.mark.slow
-def test_item1_full_disk_one_line_error_then_rerun_finishes(ray_session, builtin, tmp_path, capsys):
+def test_full_disk_gives_one_line_error_then_resume_finishes(ray_session, builtin, tmp_path, capsys):
     if os.geteuid() != 0:
         pytest.skip("mounting a 2 MB tmpfs needs root (CI runs as root)")
     from raystudy.cli import main
@@ -284,7 +286,7 @@ def test_item1_full_disk_one_line_error_then_rerun_finishes(ray_session, builtin
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_item1_failed_row_error_points_at_the_trials_files(tmp_path):
+def test_failed_row_error_points_at_the_trials_files(tmp_path):
     """The ``error`` of a trial that failed in Tune names its own files, not Ray's session folder."""
     from raystudy.study.callback import StudyCallback
     from raystudy.study.progress import Progress
@@ -311,7 +313,7 @@ def test_item1_failed_row_error_points_at_the_trials_files(tmp_path):
     assert read_result(tmp_path, "trials").trial_id.tolist() == [point["trial_id"]]
 
 
-# ---------------------------------------------------------------- item 6: Ray does not outlive its driver
+# ------------------------------------------------------------------------ Ray does not outlive its driver
 
 DRIVER = """
 import sys, time
@@ -343,7 +345,7 @@ def _ray_processes_of(driver_pid: int) -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_item6_ray_processes_do_not_outlive_a_killed_driver(tmp_path, sig):
+def test_ray_processes_do_not_outlive_a_killed_driver(tmp_path, sig):
     import psutil
 
     proc = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, cwd=ROOT,

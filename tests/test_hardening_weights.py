@@ -63,10 +63,10 @@ def _images(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 3: non-finite weights
+# Non-finite weights
 
 
-def test_item3_nonfinite_weights_refused_at_load(tmp_path):
+def test_nonfinite_weights_refused_at_load_naming_the_tensor(tmp_path):
     state = _state()
     save_file({k: torch.full_like(v, float("nan")) for k, v in state.items()}, tmp_path / "nan.safetensors")
     msg = _refused(tmp_path / "nan.safetensors", "non-finite")
@@ -85,7 +85,7 @@ def test_item3_nonfinite_weights_refused_at_load(tmp_path):
              rf" of {48 * 144} \(2 of {len(state)} tensors affected\)")
 
 
-def test_item3_nonfinite_weights_leave_the_model_untouched(tmp_path):
+def test_nonfinite_weights_leave_the_model_untouched(tmp_path):
     bad = _state(seed=1)
     bad["pos_embed"][0, 4, 2] = float("nan")
     save_file(bad, tmp_path / "one-nan.safetensors")
@@ -99,7 +99,7 @@ def test_item3_nonfinite_weights_leave_the_model_untouched(tmp_path):
         build_model("vit_tiny_patch16_224", weights=tmp_path / "one-nan.safetensors", **TINY)
 
 
-def test_item3_nonfinite_weights_stop_local_plasticity(tmp_path, capsys):
+def test_nonfinite_weights_stop_local_plasticity(tmp_path, capsys):
     save_file({k: torch.full_like(v, float("nan")) for k, v in _state().items()}, tmp_path / "nan.safetensors")
     xp, yp = _images(tmp_path)
     out = tmp_path / "out"
@@ -110,8 +110,9 @@ def test_item3_nonfinite_weights_stop_local_plasticity(tmp_path, capsys):
     assert not (out / "plasticity.parquet").exists() and not (out / "rates.parquet").exists()
 
 
-def test_item3_nonfinite_weights_stop_the_study_before_launch(tmp_path):
-    from raystudy.study.spec import SpecError, StudySpec
+def test_nonfinite_weights_stop_the_study_before_launch(tmp_path):
+    from raystudy.study.checks import SpecError
+    from raystudy.study.spec import StudySpec
     from raystudy.study.tune import check_weights_load
 
     bad = _state()
@@ -125,7 +126,7 @@ def test_item3_nonfinite_weights_stop_the_study_before_launch(tmp_path):
         check_weights_load(spec)
 
 
-def test_item3_nonfinite_weights_stop_the_ray_pipeline_before_ray_starts(tmp_path):
+def test_nonfinite_weights_stop_the_ray_pipeline_before_ray_starts(tmp_path):
     """``PlasticityJob.validate`` (run before ``init_ray`` by ``run_plasticity``, for the CLI and the study)
     reads the weights file, so NaN weights are refused on the driver before any actor starts."""
     from raystudy.distributed.plasticity import PlasticityJob
@@ -140,15 +141,15 @@ def test_item3_nonfinite_weights_stop_the_ray_pipeline_before_ray_starts(tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 6: empty, garbage, truncated and malicious weights files
+# Empty, garbage, truncated and malicious weights files
 
 
-def test_item6_empty_safetensors(tmp_path):
+def test_empty_safetensors_file_is_refused(tmp_path):
     (tmp_path / "empty.safetensors").write_bytes(b"")
     _refused(tmp_path / "empty.safetensors", "not a valid .safetensors file")
 
 
-def test_item6_garbage_safetensors(tmp_path, capsys):
+def test_garbage_safetensors_file_is_refused_in_one_cli_line(tmp_path, capsys):
     path = tmp_path / "garbage.safetensors"
     path.write_bytes(np.random.default_rng(0).bytes(4096))
     _refused(path, "not a valid .safetensors file")
@@ -158,13 +159,13 @@ def test_item6_garbage_safetensors(tmp_path, capsys):
     assert err.startswith("raystudy bounds: error: ") and str(path) in err and "Traceback" not in err
 
 
-def test_item6_truncated_safetensors(tmp_path):
+def test_truncated_safetensors_file_is_refused(tmp_path):
     data = _safetensors_bytes(tmp_path)
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
     _refused(tmp_path / "cut.safetensors", "not a valid .safetensors file")
 
 
-def test_item6_truncated_pt(tmp_path):
+def test_truncated_and_empty_pt_files_are_refused(tmp_path):
     torch.save(_state(), tmp_path / "ok.pt")
     data = (tmp_path / "ok.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
@@ -174,7 +175,7 @@ def test_item6_truncated_pt(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["zip", "legacy", "plain-pickle"])
-def test_item6_malicious_pt_runs_no_code(tmp_path, fmt):
+def test_malicious_pt_weights_run_no_code(tmp_path, fmt):
     live, marker = tmp_path / "live", tmp_path / "marker"
     path = tmp_path / "evil.pt"
 
@@ -201,7 +202,7 @@ def test_item6_malicious_pt_runs_no_code(tmp_path, fmt):
     assert not marker.exists()
 
 
-def test_item6_weights_not_a_state_dict(tmp_path):
+def test_weights_that_are_not_a_state_dict_of_tensors_are_refused(tmp_path):
     torch.save([torch.ones(3)], tmp_path / "list.pt")
     torch.save({0: torch.ones(3)}, tmp_path / "intkeys.pt")
     torch.save({"a": torch.ones(3), "b": 3}, tmp_path / "mixed.pt")
@@ -214,11 +215,11 @@ def test_item6_weights_not_a_state_dict(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 6: tensor files given as --x / --y
+# Tensor files given as --x / --y
 
 
 @pytest.mark.parametrize("fmt", ["zip", "plain-pickle"])
-def test_item6_malicious_pt_as_x_runs_no_code(tmp_path, fmt):
+def test_malicious_pt_as_tensor_input_runs_no_code(tmp_path, fmt):
     path, marker = tmp_path / "evil.pt", tmp_path / "marker"
     obj = [torch.zeros(2, 3, 8, 8), Payload(marker)]
     if fmt == "zip":
@@ -231,7 +232,7 @@ def test_item6_malicious_pt_as_x_runs_no_code(tmp_path, fmt):
     assert not marker.exists()
 
 
-def test_item6_npy_with_pickled_objects_refused(tmp_path):
+def test_npy_with_pickled_objects_is_refused(tmp_path):
     marker = tmp_path / "marker"
     np.save(tmp_path / "evil.npy", np.array([Payload(marker)], dtype=object), allow_pickle=True)
     with pytest.raises(TensorFileError, match=f"cannot read tensor file {re.escape(str(tmp_path / 'evil.npy'))}"):
@@ -241,7 +242,7 @@ def test_item6_npy_with_pickled_objects_refused(tmp_path):
     assert marker.read_text() == "pwned"
 
 
-def test_item6_nonfinite_tensor_input_names_index(tmp_path):
+def test_nonfinite_tensor_input_names_the_first_index(tmp_path):
     x = torch.randn(4, 3, 8, 8)
     x[2, 1, 5, 7], x[3, 0, 0, 0] = float("nan"), float("inf")
     torch.save(x, tmp_path / "x.pt")
@@ -260,7 +261,7 @@ def test_item6_nonfinite_tensor_input_names_index(tmp_path):
         load_image_tensor(tmp_path / "big.npy")
 
 
-def test_item6_tensor_input_wrong_dtype(tmp_path):
+def test_tensor_input_of_a_non_float_dtype_is_refused(tmp_path):
     np.save(tmp_path / "u8.npy", np.zeros((2, 3, 8, 8), dtype=np.uint8))
     torch.save(torch.zeros(2, 3, 8, 8, dtype=torch.int64), tmp_path / "i64.pt")
     np.save(tmp_path / "s.npy", np.array(["a", "b"]))
@@ -274,14 +275,14 @@ def test_item6_tensor_input_wrong_dtype(tmp_path):
 
 @pytest.mark.parametrize(("shape", "name"), [((3, 32, 32), "flat"), ((2, 1, 32, 32), "gray"),
                                              ((0, 3, 32, 32), "none"), ((2, 3, 0, 32), "zero-height")])
-def test_item6_tensor_input_wrong_shape(tmp_path, shape, name):
+def test_tensor_input_of_a_wrong_shape_is_refused(tmp_path, shape, name):
     torch.save(torch.zeros(shape), tmp_path / f"{name}.pt")
     with pytest.raises(TensorFileError, match=re.escape(
             f"{tmp_path / name}.pt: expected a tensor of shape (N, 3, H, W), got {shape}")):
         load_image_tensor(tmp_path / f"{name}.pt")
 
 
-def test_item6_garbage_tensor_files(tmp_path):
+def test_garbage_tensor_files_are_refused(tmp_path):
     np.save(tmp_path / "ok.npy", np.zeros((4, 3, 8, 8), dtype=np.float32))
     data = (tmp_path / "ok.npy").read_bytes()
     (tmp_path / "cut.npy").write_bytes(data[: len(data) // 2])
@@ -320,7 +321,7 @@ def test_tensor_inputs_read_exactly(tmp_path):
         np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_item6_tensor_inputs_through_the_cli(tmp_path, capsys):
+def test_bad_tensor_inputs_through_the_cli_are_one_line(tmp_path, capsys):
     """``raystudy plasticity --x`` with a malicious ``.pt`` and with NaN pixels: exit 2, one line naming the file,
     no code run (needs ``load_images`` in raystudy/commands/plasticity.py to call ``load_image_tensor``)."""
     xp, yp = _images(tmp_path)

@@ -24,7 +24,8 @@ from raystudy.core.components import (
     head_parameters,
     trainable_parameters,
 )
-from raystudy.core.plasticity import PlasticityInputError, pair_rates, summarize
+from raystudy.core.input_checks import PlasticityInputError
+from raystudy.core.plasticity import pair_rates, summarize
 from raystudy.core.reference_text import pair_rates_text_reference, reference_text_blocks, reference_text_tokens
 from raystudy.vocab import COMPONENTS, MODES
 

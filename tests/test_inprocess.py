@@ -12,11 +12,10 @@ import torch
 from conftest import make_store
 
 from raystudy.core.finetune import FinetuneConfig, train_local
-from raystudy.distributed.inprocess import (
-    checkpoint_steps,
-    run_in_process,
-)
-from raystudy.distributed.train import InjectedFailure, TrainResources
+from raystudy.core.finetune.checkpoint import checkpoint_steps
+from raystudy.core.finetune.driver import InjectedFailure
+from raystudy.distributed.inprocess import run_in_process
+from raystudy.distributed.train import TrainResources
 
 TINY = dict(patch_size=8, embed_dim=48, depth=3, num_heads=4)
 RESULTS = ("status", "best_val_acc", "best_val_step", "test_acc", "final_val_loss", "final_train_loss",

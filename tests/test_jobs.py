@@ -10,13 +10,15 @@ import dataclasses
 import pytest
 
 from raystudy.core.finetune import FinetuneConfig
-from raystudy.distributed.plasticity import PlasticityJob
+from raystudy.distributed.plasticity import PlasticityJob, actor_spec
 from raystudy.distributed.probe import ProbeJob
 from raystudy.distributed.train import TrainResources
 from raystudy.setting_roles import fields_with
 from raystudy.settings import ModelSettings, ProtocolSettings, ResourceSettings, origin_of
+from raystudy.study.checks import SpecError
 from raystudy.study.jobs import finetune_job, plasticity_job, pretrain_job, probe_job
-from raystudy.study.spec import PlasticitySpec, PretrainSpec, ProbeSpec, StudySpec, grid_point
+from raystudy.study.points import grid_point
+from raystudy.study.spec import PlasticitySpec, PretrainSpec, ProbeSpec, StudySpec
 
 
 def _shared(source: type, job: type) -> dict[str, str]:
@@ -45,7 +47,7 @@ PRETRAIN = _section(PretrainSpec, FinetuneConfig)
 #: probe section field -> ProbeJob field
 PROBE = _section(ProbeSpec, ProbeJob)
 #: the model fields every job builds its model from
-MODEL = (*(f.name for f in dataclasses.fields(ModelSettings)), "amp_bf16")
+MODEL = (*(f.name for f in dataclasses.fields(ModelSettings)), "precision")
 #: spec fields that are about the study (its grid, directory, scheduling), not any one job's config: the
 #: fields StudySpec declares itself
 STUDY_ONLY = {f.name for f in dataclasses.fields(StudySpec) if origin_of(StudySpec, f.name)[0] == StudySpec.__name__}
@@ -61,7 +63,7 @@ SPEC = dict(
     weights="/w/vit.safetensors", img_size=96, configurations=["MHA"], optimizers={"sgd": [0.1]}, seeds=[0],
     steps=321, batch_size=48, eval_period=40, warmup_steps=17, log_period=7, micro_batch_size=8,
     augment=False, shuffle=False,
-    checkpoint_period=80, amp_bf16=True, train_final_norm=True, precision="bf16", data_path="decode",
+    checkpoint_period=80, train_final_norm=True, precision="bf16", data_path="decode",
     compile=True, cache_dir="/caches", momentum=0.8, betas=(0.85, 0.99), weight_decay=0.05, clip_norm=2.0,
     head_init="zero", include_layerscale=True, eval_batch_size=100, eval_cache_mb=64, loader_workers=2,
     accuracy="per_batch", val_split="per_seed", drop_last=True, val_batch_size=50, change_images=16,
@@ -164,7 +166,7 @@ def test_pretrain_job_is_configuration_all_from_a_random_init(spec):
     cfg, res = pretrain_job(spec, "/pre/run")
     for s, j in PRETRAIN.items():
         assert getattr(cfg, j) == getattr(spec.pretrain, s), j
-    for name in ("model", "model_kwargs", "img_size", "amp_bf16"):
+    for name in ("model", "model_kwargs", "img_size", "precision"):
         assert getattr(cfg, name) == getattr(spec, name), name
     assert cfg.configuration == "All" and cfg.weights is None and cfg.store == "/data/root/pre"
     # one evaluation at the end, no periodic checkpoint, the final full model written
@@ -192,3 +194,40 @@ def test_probe_job_takes_the_model_and_the_probe_section(spec):
     for name in ("model", "model_kwargs", "weights", "img_size"):
         assert getattr(job, name) == getattr(spec, name), name
     assert job.store == "/abs/b" and job.out_dir == "/probe/b" and job.local is False
+
+
+def _job_precisions(spec: StudySpec) -> dict[str, set[str]]:
+    """What each job of ``spec`` runs in, on a CPU and on a CUDA device where the job decides it per device
+    (finetuning, pretraining), else on its own resources (plasticity's and the probe's GPUs)."""
+    cfg, _ = finetune_job(spec, grid_point("a", "MHA", "sgd", 0.1, 0), "/runs/p")
+    pre, _ = pretrain_job(spec, "/pre/p")
+    plasticity = plasticity_job(spec, ["a"], None, "/pl/p")
+    return {"finetune": {cfg.resolved_precision(d) for d in ("cpu", "cuda")},
+            "pretrain": {pre.resolved_precision(d) for d in ("cpu", "cuda")},
+            "plasticity": {plasticity.resolved_precision(), actor_spec(plasticity)["precision"]},
+            "probe": {probe_job(spec, "a", "/probe/p").resolved_precision()}}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_study_precision_is_every_jobs_precision(precision):
+    """One precision: a study's ``precision: bf16`` (``fp32``) runs its finetuning trials, pretraining,
+    plasticity actors and probe in bf16 (fp32), on a CPU as on a GPU."""
+    spec = StudySpec.from_dict({**SPEC, "precision": precision})
+    assert _job_precisions(spec) == dict.fromkeys(("finetune", "pretrain", "plasticity", "probe"), {precision})
+
+
+def test_auto_precision_is_bf16_where_a_job_has_a_gpu():
+    """``auto``: bf16 on a CUDA device, fp32 on a CPU, each job by its own device (the plasticity actors'
+    and the probe's GPUs); an older spec's ``amp_bf16: true`` is ``precision: bf16``, and contradicts fp32."""
+    gpu = StudySpec.from_dict({**SPEC, "precision": "auto"})
+    assert _job_precisions(gpu) == {"finetune": {"fp32", "bf16"}, "pretrain": {"fp32", "bf16"},
+                                    "plasticity": {"bf16"}, "probe": {"bf16"}}
+    cpu = StudySpec.from_dict({**SPEC, "precision": None, "plasticity": {**SPEC["plasticity"], "gpus_per_worker": 0},
+                               "probe": {**SPEC["probe"], "gpus_per_worker": 0}})
+    assert cpu.precision == "auto"  # an older spec's null
+    assert _job_precisions(cpu)["plasticity"] == _job_precisions(cpu)["probe"] == {"fp32"}
+    old = {k: v for k, v in SPEC.items() if k != "precision"}
+    assert StudySpec.from_dict({**old, "amp_bf16": True}).precision == "bf16"
+    assert StudySpec.from_dict({**old, "amp_bf16": False}).precision == "auto"
+    with pytest.raises(SpecError, match="amp_bf16: True contradicts precision: fp32"):
+        StudySpec.from_dict({**old, "amp_bf16": True, "precision": "fp32"})

@@ -16,8 +16,9 @@ import yaml
 
 import raystudy
 from raystudy.io import TableError, read_result
+from raystudy.study.points import trial_id
 from raystudy.study.results import ResultTables, load_study, trial_row
-from raystudy.study.spec import StudySpec, trial_id
+from raystudy.study.spec import StudySpec
 from raystudy.study.tune import tune_experiments
 
 IDS = [trial_id("a", "MHA", "sgd", 0.01, 0), trial_id("a", "LN1", "sgd", 0.1, 0), trial_id("b", "MHA", "sgd", 0.01, 0)]

@@ -9,7 +9,8 @@ from torch import nn
 
 from raystudy.core.components import head_parameters
 from raystudy.core.expressions import resolve
-from raystudy.core.lora import apply_lora, is_lora, lora_parameters, merge, target_modules
+from raystudy.core.lora import apply_lora, is_lora, lora_parameters
+from raystudy.core.peft_methods import merge, target_modules
 
 D, H, DEPTH = 48, 192, 3  # tiny_vit
 

@@ -45,10 +45,10 @@ def _dry_run(capsys, *args) -> tuple[int, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 1: relative paths
+# Relative paths
 
 
-def test_item1_relative_paths_are_absolute_where_they_enter(tmp_path, monkeypatch):
+def test_relative_paths_are_absolute_where_they_enter(tmp_path, monkeypatch):
     from raystudy.core.finetune import FinetuneConfig
     from raystudy.data.modality import absolute_model
     from raystudy.distributed.plasticity import PlasticityJob
@@ -80,10 +80,10 @@ def test_item1_relative_paths_are_absolute_where_they_enter(tmp_path, monkeypatc
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 2: --dry-run validates
+# --dry-run validates
 
 
-def test_item2_dry_run_of_the_paper_preset_without_data_lists_every_missing_file(tmp_path, capsys):
+def test_dry_run_of_the_paper_preset_without_data_lists_every_missing_file(tmp_path, capsys):
     rc, out, err = _dry_run(capsys, "--preset", "paper", "--out", str(tmp_path / "p"))
     assert rc == 1
     assert "grid: 888 trials, 0 done, 888 to run" in out  # the grid is still printed
@@ -99,7 +99,7 @@ def test_item2_dry_run_of_the_paper_preset_without_data_lists_every_missing_file
     assert rc == 1 and json.loads(capsys.readouterr().out)["problems"] == problems
 
 
-def test_item2_dry_run_of_a_launchable_study_passes(builtin, tmp_path, capsys):
+def test_dry_run_of_a_launchable_study_passes(builtin, tmp_path, capsys):
     rc, out, err = _dry_run(capsys, "--preset", _spec_file(builtin, tmp_path))
     assert rc == 0, err
     assert "grid: 1 trials, 0 done, 1 to run" in out and "checked: every store" in out
@@ -108,7 +108,7 @@ def test_item2_dry_run_of_a_launchable_study_passes(builtin, tmp_path, capsys):
     assert rc == 0, err
 
 
-def test_item2_dry_run_names_a_store_weights_that_do_not_fit_and_an_unwritable_out(builtin, tmp_path, capsys):
+def test_dry_run_names_a_store_weights_that_do_not_fit_and_an_unwritable_out(builtin, tmp_path, capsys):
     import torch
     from safetensors.torch import save_file
 
@@ -125,17 +125,17 @@ def test_item2_dry_run_names_a_store_weights_that_do_not_fit_and_an_unwritable_o
     assert "datasets.color" not in err  # the prepared store is fine
 
 
-def test_item2_dry_run_checks_the_text_models_tokenizer(tmp_path, capsys):
+def test_dry_run_checks_the_text_models_tokenizer(tmp_path, capsys):
     rc, out, err = _dry_run(capsys, "--preset", "text-demo", "--out", str(tmp_path / "t"),
                             "--set", f"plasticity.tokenizer={tmp_path / 'missing.json'}")
     assert rc == 1 and "plasticity.tokenizer: cannot load the tokenizer" in err and "missing.json" in err
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 3: a text file as weights
+# A text file as weights
 
 
-def test_item3_a_text_file_as_weights_is_refused_in_one_line(builtin, tmp_path, capsys):
+def test_a_text_file_as_weights_is_refused_in_one_line(builtin, tmp_path, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text("remember to download the weights\n")
     for read in (check_weights_format, load_state_dict_file):
@@ -157,7 +157,7 @@ def test_item3_a_text_file_as_weights_is_refused_in_one_line(builtin, tmp_path, 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 5: notes and footnotes that say what the analysis did
+# Notes and footnotes that say what the analysis did
 
 
 def _configuration_study(path: Path, configurations: set[str], *, relabel=None, constant_plasticity=False) -> Path:
@@ -183,7 +183,7 @@ def _notes_of(res) -> str:
     return "\n".join(res.notes + [n for r in res.rendered.values() for n in r.footnotes])
 
 
-def test_item5_each_reason_the_ranking_is_omitted_or_undefined_is_noted(tmp_path):
+def test_each_reason_the_ranking_is_omitted_or_undefined_is_noted(tmp_path):
     from raystudy.analysis.pipeline import run_analysis
 
     composite = run_analysis(_configuration_study(tmp_path / "a", {"Head", "MHA+FC1", "MHA@2-3", "auto:10%"}),
@@ -202,7 +202,7 @@ def test_item5_each_reason_the_ranking_is_omitted_or_undefined_is_noted(tmp_path
     assert "need at least 3" not in _notes_of(flat)
 
 
-def test_item5_the_summary_and_the_bold_notes_name_what_the_tables_hold(tmp_path):
+def test_the_summary_and_the_bold_notes_name_what_the_tables_hold(tmp_path):
     from raystudy.analysis.html_report import write_report
     from raystudy.analysis.pipeline import run_analysis
 
@@ -219,7 +219,7 @@ def test_item5_the_summary_and_the_bold_notes_name_what_the_tables_hold(tmp_path
 
 
 @pytest.mark.parametrize("alternative", ["greater", "two-sided"])
-def test_item5_the_wilcoxon_footnotes_name_the_statistic_they_print(tmp_path, alternative):
+def test_the_wilcoxon_footnotes_name_the_statistic_they_print(tmp_path, alternative):
     """scipy prints W+ for a one-sided test and min(W+, W−) for a two-sided one: each footnote says which,
     and the numbers are those (rank sums computed here)."""
     import numpy as np
@@ -253,7 +253,7 @@ def test_item5_the_wilcoxon_footnotes_name_the_statistic_they_print(tmp_path, al
         assert f"{floor:.3g} for n = 5 here." in res.rendered[name].footnotes[-1], res.rendered[name].footnotes
 
 
-def test_item5_spreads_that_are_zero_by_construction_are_noted(tmp_path):
+def test_spreads_that_are_zero_by_construction_are_noted(tmp_path):
     import pandas as pd
 
     from raystudy.analysis.pipeline import run_analysis
@@ -271,11 +271,11 @@ def test_item5_spreads_that_are_zero_by_construction_are_noted(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 7: the Python API is as quiet as the CLI, beside another Ray instance
+# The Python API is as quiet as the CLI, beside another Ray instance
 
 
 @pytest.mark.slow
-def test_item7_the_python_api_prints_no_ray_lines_beside_another_ray_instance(ray_session, tmp_path):
+def test_the_python_api_prints_no_ray_lines_beside_another_ray_instance(ray_session, tmp_path):
     import subprocess
     import sys
 
@@ -300,10 +300,10 @@ print("status", summary["status"], summary["steps_completed"])
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 6: the linear probes are not counted as trials
+# The linear probes are not counted as trials
 
 
-def test_item6_probes_are_counted_apart_from_trials(tmp_path):
+def test_probes_are_counted_apart_from_trials(tmp_path):
     from test_analysis import DATASETS, make_study
 
     from raystudy.analysis.html_report import write_report
@@ -324,12 +324,12 @@ def test_item6_probes_are_counted_apart_from_trials(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 13: a malformed trial summary
+# A malformed trial summary
 
 
-def test_item13_a_malformed_summary_counts_its_trial_as_failed_and_the_study_goes_on(tmp_path):
+def test_a_malformed_summary_counts_its_trial_as_failed_and_the_study_goes_on(tmp_path):
+    from raystudy.study.points import grid_point
     from raystudy.study.results import ResultTables, read_trial_summary, trial_dir
-    from raystudy.study.spec import grid_point
 
     study = str(tmp_path / "s")
     points = [grid_point("color", "MHA", "sgd", lr, 0) for lr in (0.1, 0.2, 0.3)]
@@ -349,11 +349,11 @@ def test_item13_a_malformed_summary_counts_its_trial_as_failed_and_the_study_goe
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 14: one line, not a traceback, for an --out that cannot be a study directory
+# One line, not a traceback, for an --out that cannot be a study directory
 
 
 @pytest.mark.parametrize("case", ["file", "below-a-file", "read-only"])
-def test_item14_an_unusable_out_is_one_line(builtin, tmp_path, capsys, case):
+def test_an_unusable_out_is_one_line(builtin, tmp_path, capsys, case):
     import os
 
     (tmp_path / "a-file").write_text("x")
@@ -373,7 +373,7 @@ def test_item14_an_unusable_out_is_one_line(builtin, tmp_path, capsys, case):
     assert err.startswith(f"raystudy study: error: out: {out}: ") and why in err, err
 
 
-def test_item14_a_cache_folder_replaced_by_a_file_is_one_line(tmp_path):
+def test_a_cache_folder_replaced_by_a_file_is_one_line(tmp_path):
     import pyarrow.fs as pafs
 
     from raystudy.storage import FolderError, create_dir, write_text_atomic
@@ -387,10 +387,10 @@ def test_item14_a_cache_folder_replaced_by_a_file_is_one_line(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 8 (smaller): one-line errors for a bad flag value, a malformed preset, a misspelt --set field
+# One-line errors for a bad flag value, a malformed preset, a misspelt --set field
 
 
-def test_item8_bad_flag_value_malformed_yaml_and_misspelt_field_are_one_line(tmp_path, capsys):
+def test_bad_flag_value_malformed_yaml_and_misspelt_field_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["study", "--seeds", "0,a", "--dry-run"])
     err = capsys.readouterr().err
@@ -413,7 +413,7 @@ def test_item8_bad_flag_value_malformed_yaml_and_misspelt_field_are_one_line(tmp
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 11: stores checked before any trial
+# Stores checked before any trial
 
 
 def _store_with_label(path: Path, label: int) -> Path:
@@ -446,7 +446,7 @@ def _store_with_label(path: Path, label: int) -> Path:
 
 
 @pytest.mark.parametrize("label", [12, -1])
-def test_item11_a_label_outside_the_classes_is_refused_before_any_trial(tmp_path, capsys, label):
+def test_a_label_outside_the_classes_is_refused_before_any_trial(tmp_path, capsys, label):
     from raystudy.data.store import StoreError, check_store
 
     store = _store_with_label(tmp_path / "bad", label)
@@ -457,7 +457,7 @@ def test_item11_a_label_outside_the_classes_is_refused_before_any_trial(tmp_path
     assert f"holds label {label}" in capsys.readouterr().err
 
 
-def test_item11_an_empty_split_a_run_needs_is_refused_before_any_trial(builtin, tmp_path, capsys):
+def test_an_empty_split_a_run_needs_is_refused_before_any_trial(builtin, tmp_path, capsys):
     from conftest import make_store
 
     store = make_store(tmp_path / "noval", n_per_split=(40, 0, 20))
@@ -470,10 +470,10 @@ def test_item11_an_empty_split_a_run_needs_is_refused_before_any_trial(builtin, 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 12: limits on what a spec may ask
+# Limits on what a spec may ask
 
 
-def test_item12_yaml_aliases_a_huge_preset_a_huge_grid_and_batch_are_refused_at_once(tmp_path, capsys):
+def test_yaml_aliases_a_huge_preset_a_huge_grid_and_batch_are_refused_at_once(tmp_path, capsys):
     import time
 
     bomb = tmp_path / "bomb.yaml"
@@ -497,14 +497,15 @@ def test_item12_yaml_aliases_a_huge_preset_a_huge_grid_and_batch_are_refused_at_
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 10: a study directory is bound to what its trials mean
+# A study directory is bound to what its trials mean
 
 
 def _study_with_a_trial(builtin, tmp_path: Path, **spec_overrides) -> tuple[Path, str]:
     """A study directory as a launch leaves it: ``spec.yaml`` and one finished trial's row (steps 4, batch 8)."""
     from raystudy.study.persist import resolve_paths, write_spec
+    from raystudy.study.points import grid_point
     from raystudy.study.results import ResultTables, trial_row
-    from raystudy.study.spec import StudySpec, grid_point
+    from raystudy.study.spec import StudySpec
     from raystudy.vocab import SCHEMAS
 
     spec = resolve_paths(StudySpec.from_dict(yaml.safe_load(Path(_spec_file(builtin, tmp_path, **spec_overrides))
@@ -518,7 +519,7 @@ def _study_with_a_trial(builtin, tmp_path: Path, **spec_overrides) -> tuple[Path
     return Path(spec.out), point["trial_id"]
 
 
-def test_item10_a_copied_study_resumes_where_it_is_now(builtin, tmp_path, capsys):
+def test_a_copied_study_resumes_where_it_is_now(builtin, tmp_path, capsys):
     import shutil
 
     from raystudy.study.persist import load_study_spec
@@ -532,7 +533,7 @@ def test_item10_a_copied_study_resumes_where_it_is_now(builtin, tmp_path, capsys
     assert f"study 'pre' -> {copy}" in out and "grid: 1 trials, 1 done, 0 to run" in out
 
 
-def test_item10_a_hand_edited_spec_cannot_change_what_finished_trials_mean(builtin, tmp_path, capsys):
+def test_a_hand_edited_spec_cannot_change_what_finished_trials_mean(builtin, tmp_path, capsys):
     study, tid = _study_with_a_trial(builtin, tmp_path)
     spec = yaml.safe_load((study / "spec.yaml").read_text())
     spec.update(steps=9, batch_size=16, seeds=[0, 1])  # edited in place: stored and given agree, the rows do not
@@ -546,11 +547,11 @@ def test_item10_a_hand_edited_spec_cannot_change_what_finished_trials_mean(built
 
 
 @pytest.mark.parametrize("change, named", [
-    (["--set", "precision=bf16"], "precision: stored None, given 'bf16'"),
+    (["--set", "precision=bf16"], "precision: stored 'auto', given 'bf16'"),
     (["--set", "data_path=decode"], "data_path: stored 'cache', given 'decode'"),
     (["--set", "name=other"], "name: stored 'pre', given 'other'"),
 ])
-def test_item10_a_launch_that_changes_what_trials_mean_is_refused(builtin, tmp_path, capsys, change, named):
+def test_a_launch_that_changes_what_trials_mean_is_refused(builtin, tmp_path, capsys, change, named):
     study, _ = _study_with_a_trial(builtin, tmp_path)
     preset = _spec_file(builtin, tmp_path)
     rc, _, err = _dry_run(capsys, "--preset", preset, *change)
@@ -560,21 +561,21 @@ def test_item10_a_launch_that_changes_what_trials_mean_is_refused(builtin, tmp_p
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 9: Ctrl-C and SIGTERM end a study with a non-zero status, nothing analysed
+# Ctrl-C and SIGTERM end a study with a non-zero status, nothing analysed
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, status, said", [(2, 130, "interrupted (Ctrl-C): the launch stopped with 0/1 "
                                                             "trials done; nothing was analysed"),
                                                    (15, 143, "SIGTERM: stopping")])
-def test_item9_an_interrupted_study_exits_non_zero_without_analysing(builtin, tmp_path, signum, status, said):
+def test_an_interrupted_study_exits_non_zero_without_analysing(builtin, tmp_path, signum, status, said):
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    from raystudy.study.spec import trial_id
+    from raystudy.study.points import trial_id
 
     tid = trial_id("color", "MHA", "sgd", 0.1, 0)
     faults = tmp_path / "faults.json"  # the run waits at its first checkpoint: the signal comes mid-run
@@ -601,16 +602,16 @@ def test_item9_an_interrupted_study_exits_non_zero_without_analysing(builtin, tm
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 15: the smaller ones
+# Integer counts, Ray's token file, pinned cluster installs, unusable checkpoints
 
 
-def test_item15_counts_stay_integers_when_the_first_row_written_is_a_failed_trial(tmp_path):
+def test_counts_stay_integers_when_the_first_row_written_is_a_failed_trial(tmp_path):
     import pyarrow.parquet as pq
 
     from raystudy.core.finetune import FinetuneConfig
     from raystudy.core.finetune.driver import failed_summary, finished_summary
+    from raystudy.study.points import grid_point
     from raystudy.study.results import ResultTables, trial_row
-    from raystudy.study.spec import grid_point
 
     cfg = FinetuneConfig(model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32, store=str(tmp_path / "none"),
                          out_dir=str(tmp_path / "run"), configuration="MHA", steps=8)
@@ -629,7 +630,7 @@ def test_item15_counts_stay_integers_when_the_first_row_written_is_a_failed_tria
 
 
 @pytest.mark.slow
-def test_item15_rays_token_file_is_readable_by_its_owner_only(tmp_path):
+def test_rays_token_file_is_readable_by_its_owner_only(tmp_path):
     import os
     import stat
     import subprocess
@@ -648,7 +649,7 @@ def test_item15_rays_token_file_is_readable_by_its_owner_only(tmp_path):
 
 
 @pytest.mark.parametrize("config", ["gpu.yaml", "local.yaml"])
-def test_item15_cluster_nodes_install_the_tested_versions(config):
+def test_cluster_nodes_install_the_tested_versions(config):
     """Every install of the project on a node goes through cluster/constraints.txt, which pins each dependency
     of pyproject.toml at the version this environment (the tests') has."""
     import importlib.metadata as md
@@ -672,7 +673,7 @@ def test_item15_cluster_nodes_install_the_tested_versions(config):
     assert installs and all("-c ~/raystudy/cluster/constraints.txt" in c for c in installs), installs
 
 
-def test_item15_unusable_checkpoints_are_moved_aside_and_reported(tmp_path):
+def test_unusable_checkpoints_are_moved_aside_and_reported(tmp_path):
     """Another run's checkpoints in a run's folder, then a truncated one: each is moved aside (kept), the run
     goes on from what it can use, and its summary and the study's line for the trial say so."""
     import dataclasses
@@ -709,10 +710,10 @@ def test_item15_unusable_checkpoints_are_moved_aside_and_reported(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 8 (the rest)
+# Rankings as written, the cost table's unit, trial ids
 
 
-def test_item8_markdown_tables_show_rankings_as_written(tmp_path):
+def test_markdown_tables_show_rankings_as_written(tmp_path):
     from raystudy.analysis.pipeline import run_analysis
 
     res = run_analysis(_configuration_study(tmp_path / "s", {"MHA", "LN1", "FC1"},
@@ -725,7 +726,7 @@ def test_item8_markdown_tables_show_rankings_as_written(tmp_path):
 
 @pytest.mark.parametrize("model, unit", [(STUDY_MODEL, "images/s"), ("hf:sentence-transformers/all-MiniLM-L6-v2",
                                                                    "sequences/s")])
-def test_item8_the_cost_table_counts_the_models_inputs(tmp_path, model, unit):
+def test_the_cost_table_counts_the_models_inputs(tmp_path, model, unit):
     import numpy as np
     import pandas as pd
     from test_analysis_beyond import _rows
@@ -747,13 +748,13 @@ def test_item8_the_cost_table_counts_the_models_inputs(tmp_path, model, unit):
                                                ("lora:r=22:qkv,fc1", "lora_r=22_fc1,qkv"),
                                                ("FC1+MHA@3,2", "MHA@2-3+FC1"), ("random:0.5%", "random_0.5pct"),
                                                ("auto:2M", "auto_2M"), ("LN1+LN2", "LN1+LN2")])
-def test_item8_trial_ids_spell_configurations_by_one_rule(tmp_path, expression, spelt):
+def test_trial_ids_spell_configurations_by_one_rule(tmp_path, expression, spelt):
     """One rule (docs/studies.md): the canonical spelling with ``:`` and ``%``, the grammar's only characters a
     path or URI cannot carry as they are, written ``_`` and ``pct``; the id is a file name on POSIX and Windows
     and a URI path segment that needs no escaping."""
     import urllib.parse
 
-    from raystudy.study.spec import trial_id
+    from raystudy.study.points import trial_id
 
     tid = trial_id("ds", expression, "sgd", 0.01, 0)
     assert tid == f"ds-{spelt}-sgd-lr0.01-s0"
@@ -801,13 +802,13 @@ def test_status_reads_a_studys_progress_from_its_directory(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Item 4: figures a reader can use
+# Figures a reader can use
 
 
 BEYOND_8 = ("MHA+FC1", "MHA@2-3", "MHA@0", "MHA@3", "FC1@0", "auto:10%", "random:10%", "lora:r=12")
 
 
-def test_item4_every_figure_of_8_configurations_gives_each_its_own_colour_and_marker(tmp_path, monkeypatch):
+def test_every_figure_of_8_configurations_gives_each_its_own_colour_and_marker(tmp_path, monkeypatch):
     import numpy as np
     from matplotlib.colors import to_hex
 
@@ -857,7 +858,7 @@ def test_item4_every_figure_of_8_configurations_gives_each_its_own_colour_and_ma
     assert len(seen) == 8
 
 
-def test_item4_a_title_longer_than_its_figure_is_wrapped_not_clipped():
+def test_a_title_longer_than_its_figure_is_wrapped_not_clipped():
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

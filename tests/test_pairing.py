@@ -18,16 +18,12 @@ from conftest import png_bytes, tiny_vit
 from raystudy.core.bounds import measure_token_stats, upper_bounds
 from raystudy.core.plasticity import pair_rates_tensor, rates_frame
 from raystudy.data.pairing import pair_positions, positions, sequential_positions
+from raystudy.data.rows import resolve_pretrain_split
 from raystudy.data.store import StoreError, read_split, write_store
 from raystudy.data.transforms import transform_batch
-from raystudy.distributed.plasticity import (
-    PlasticityJob,
-    pairs_table,
-    plan_pairs,
-    resolve_pretrain_split,
-    run_plasticity,
-)
-from raystudy.study.spec import SpecError, StudySpec
+from raystudy.distributed.plasticity import PlasticityJob, pairs_table, plan_pairs, run_plasticity
+from raystudy.study.checks import SpecError
+from raystudy.study.spec import StudySpec
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=10)
 TIMM_NAME = "vit_tiny_patch16_224"

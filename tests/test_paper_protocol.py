@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from raystudy.cli import main as cli
-from raystudy.study.spec import SpecError, StudySpec, load_preset
+from raystudy.study.checks import SpecError
+from raystudy.study.spec import StudySpec, load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,7 +105,7 @@ def test_paper_preset_protocol_fields():
     seed the authors' linear_probing.yaml sets, the ImageNet-21k original weights."""
     spec = load_preset("paper")
     assert spec.model == "vit_base_patch16_224.orig_in21k" and spec.img_size == 224
-    assert spec.batch_size == 512 and not spec.amp_bf16 and spec.train_final_norm
+    assert spec.batch_size == 512 and spec.precision == "fp32" and spec.train_final_norm
     assert spec.probe.enabled and spec.probe.augment and spec.probe.seed == 42
     assert spec.configurations == CONFIGURATIONS
     # log periods of the authors' configs (gradient-norm curves): 100, CIFAR-10-C 70, flowers 50, pets 40

@@ -13,9 +13,10 @@ from test_lora import _train  # seeded SGD steps of the trainable parameters on 
 
 from raystudy.core.expressions import ExpressionError, bias_parameters, resolve
 from raystudy.core.finetune import FinetuneConfig, build_finetune_model, train_local
+from raystudy.core.finetune.driver import InjectedFailure
 from raystudy.core.peft_methods import METHODS, adapted_layers, is_adapted, merge
 from raystudy.distributed.inprocess import run_in_process
-from raystudy.distributed.train import InjectedFailure, TrainResources
+from raystudy.distributed.train import TrainResources
 
 # ------------------------------------------------------------------------------------------- vit_base counts
 # vit_base_patch16_224: d = 768, 12 blocks, MLP hidden 3072; qkv 768 -> 2304, proj 768 -> 768, fc2 3072 -> 768.

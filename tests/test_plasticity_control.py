@@ -160,6 +160,26 @@ def test_resume_measures_again_a_dataset_measured_without_the_control(tmp_path):
     assert todo("random_init", both.assign(dataset="a").astype({"init_seed": "Int64"})) == ["b"]
 
 
+def test_a_plasticity_table_of_another_precision_is_measured_again(tmp_path):
+    """The study reuses a dataset's plasticity rows only when they were measured in the precision its
+    plasticity job resolves to (a table without the column: fp32); the job's GPUs decide ``auto``."""
+    from raystudy.study.measure import plasticity_todo
+    from raystudy.study.spec import StudySpec
+
+    rows = _plasticity(list(PAPER_RANKING), "pretrained").drop(columns=["init_seed"])
+    write_result(rows.assign(dataset="a"), tmp_path, "plasticity")  # as measured before the column existed
+
+    def todo(precision: str, gpus: float = 0) -> list[str]:
+        return plasticity_todo(StudySpec.from_dict({
+            "name": "s", "out": str(tmp_path), "model": "vit_tiny_patch16_224", "pretrain_store": "p",
+            "datasets": {"a": "a", "b": "b"}, "configurations": [], "precision": precision,
+            "plasticity": {"enabled": True, "control": "none", "gpus_per_worker": gpus}}))
+
+    assert todo("fp32") == todo("auto") == ["b"] and todo("bf16") == todo("auto", gpus=1) == ["a", "b"]
+    write_result(rows.assign(dataset="a", precision="bf16"), tmp_path, "plasticity")
+    assert todo("bf16") == todo("auto", gpus=1) == ["b"] and todo("fp32") == ["a", "b"]
+
+
 def test_depth_figure_draws_the_control_dashed_in_each_components_colour(tmp_path, monkeypatch):
     from raystudy.analysis import figures as F
 

@@ -90,7 +90,7 @@ def test_dry_run_lists_them_and_exits_1_before_any_launch(files, tmp_path, capsy
 def test_a_launch_refuses_them_before_writing_the_study(files, tmp_path):
     """Without --dry-run the launch's own checks (raystudy.study.tune.prepare_study) raise the same lines
     before spec.yaml is written or any trial starts."""
-    from raystudy.study.spec import SpecError
+    from raystudy.study.checks import SpecError
     from raystudy.study.tune import prepare_study
 
     out = tmp_path / "launch"

@@ -4,6 +4,7 @@ study's entry point (experiments/plasticity_study.py), which runs the plasticity
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -178,6 +179,14 @@ def test_demo_builtin_data_and_pretraining_stage(tmp_path):
     curves = pd.read_parquet(weights.parent / "run" / "curves.parquet").dropna(subset=["train_loss"])
     first, last = curves.train_loss.iloc[0], curves.train_loss.iloc[-1]
     assert math.isfinite(last) and last < first and last < math.log(num_classes)  # below chance level
+
+    # the pretraining runs in the study's precision and records it (auto: fp32 on this CPU; bf16 autocast)
+    written = json.loads((weights.parent / "run" / "summary.json").read_text())
+    assert summary["precision"] == written["precision"] == "fp32"
+    bf16 = spec.with_overrides({"precision": "bf16", "pretrain.steps": 3, "pretrain.warmup_steps": 1})
+    bf16_weights = tmp_path / "study" / "bf16" / "model.safetensors"
+    assert pretrain_weights(bf16, str(bf16_weights), echo=lines.append)["precision"] == "bf16"
+    assert json.loads((bf16_weights.parent / "run" / "summary.json").read_text())["precision"] == "bf16"
 
 
 @pytest.mark.parametrize("preset, counts", [

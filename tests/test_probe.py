@@ -131,7 +131,7 @@ def test_cache_path_equals_decode_path_and_records_its_settings(setup):
     result = run_probe_job(_job(setup, augment=False, local=True, batch_size=None))
     assert result["test_acc"] == _independent_acc(setup)
     assert (result["data_path"], result["precision"], result["batch_size"]) == ("cache", "fp32", CACHE_BATCH)
-    assert result["job"]["data_path"] == "cache" and result["job"]["precision"] is None
+    assert result["job"]["data_path"] == "cache" and result["job"]["precision"] == "auto"
     assert (result["features"]["data_path"], result["features"]["precision"]) == ("cache", "fp32")
     row = probe_row(result, "colours", MODEL, SEED)
     assert (row["data_path"], row["precision"], row["test_acc"]) == ("cache", "fp32", result["test_acc"])

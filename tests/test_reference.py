@@ -14,10 +14,10 @@ import torch
 from families import MODELS, VARIANTS, beit, clip_style, images, randomize_norms
 from torch import nn
 
-from raystudy.core.components import COMPONENTS, TimmBeitAdapter, TimmViTAdapter, get_adapter
+from raystudy.core.components import TimmBeitAdapter, TimmViTAdapter, get_adapter
 from raystudy.core.plasticity import pair_rates
 from raystudy.core.plasticity_reference import pair_rates_reference, reference_blocks, reference_tokens
-from raystudy.vocab import MODES
+from raystudy.vocab import COMPONENTS, MODES
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32 forwards of the same modules in another order
 

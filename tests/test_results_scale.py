@@ -16,8 +16,8 @@ import pyarrow.dataset as ds
 import pytest
 
 from raystudy.io import read_result
+from raystudy.study.points import grid_point
 from raystudy.study.results import TABLE_PERIOD, ResultTables, load_study, part_name, trial_dir, trial_row
-from raystudy.study.spec import grid_point
 
 #: curve rows per trial: the paper's log period on 12,000 steps
 ROWS = 120

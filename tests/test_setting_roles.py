@@ -20,8 +20,10 @@ from raystudy.distributed.probe import ProbeJob
 from raystudy.setting_roles import ROLES, fields_with, legacy_values
 from raystudy.settings import ProtocolSettings, RunSettings, setting
 from raystudy.study import persist
+from raystudy.study.checks import SpecError
+from raystudy.study.points import grid_point
 from raystudy.study.results import trial_row
-from raystudy.study.spec import DatasetProtocol, PretrainSpec, SpecError, StudySpec, flag_fields, grid_point
+from raystudy.study.spec import DatasetProtocol, PretrainSpec, StudySpec, flag_fields
 from raystudy.study.spec_values import DatasetOverrides
 
 

@@ -185,7 +185,7 @@ def test_plasticity_batch_size_and_pairing_are_the_same_from_the_cli_the_spec_an
     from raystudy.study.jobs import plasticity_job
 
     cli = pipeline_job(build_parser().parse_args([
-        "plasticity", "--model", "vit_tiny_patch16_224", "--pretrain", str(tmp_path / "pre"), "--downstream",
+        "plasticity", "--model", "vit_tiny_patch16_224", "--pretrain-store", str(tmp_path / "pre"), "--downstream",
         str(tmp_path / "down"), "--pairing", "sequential", "--out", str(tmp_path / "o")]))
     spec = StudySpec.from_dict({"datasets": {"down": str(tmp_path / "down")}, "pretrain_store": str(tmp_path / "pre"),
                                 "model": "vit_tiny_patch16_224", "plasticity": {"pairing": "sequential"}})
@@ -233,3 +233,31 @@ def test_architecture_doc_paths_of_a_setting_name_functions_that_exist():
             for part in attr.split("."):
                 obj = getattr(obj, part)
             assert callable(obj), name
+
+
+@pytest.mark.parametrize("command", ["finetune", "probe", "plasticity"])
+def test_bf16_means_precision_bf16_in_every_command(command):
+    """``--bf16`` and ``--precision`` set one destination, the ``precision`` setting, in every command that
+    has them; ``--precision`` offers fp32, bf16 and auto, default auto."""
+    flags = {a.option_strings[0]: a for a in _subparser(command)._actions if a.option_strings}
+    assert flags["--bf16"].dest == flags["--precision"].dest == "precision" and flags["--bf16"].const == "bf16"
+    assert list(flags["--precision"].choices) == ["fp32", "bf16", "auto"] and flags["--precision"].default == "auto"
+
+
+def test_one_resolver_and_one_upgrade_of_the_older_spelling():
+    """``resolve_precision``: fp32/bf16 as given on any device, auto (and an older None) bf16 on CUDA only;
+    ``upgrade_settings``: ``amp_bf16: true`` is ``precision: bf16``, ``false`` changes nothing, a
+    contradiction is refused naming both."""
+    from raystudy.precision import resolve_precision, upgrade_settings
+
+    table = {(p, cuda): resolve_precision(p, cuda) for p in ("fp32", "bf16", "auto", None) for cuda in (False, True)}
+    assert table == {("fp32", False): "fp32", ("fp32", True): "fp32", ("bf16", False): "bf16", ("bf16", True): "bf16",
+                     ("auto", False): "fp32", ("auto", True): "bf16", (None, False): "fp32", (None, True): "bf16"}
+    with pytest.raises(ValueError, match="precision 'fp16'"):
+        resolve_precision("fp16", True)
+    assert upgrade_settings({"amp_bf16": True, "steps": 3}) == {"precision": "bf16", "steps": 3}
+    assert upgrade_settings({"amp_bf16": True, "precision": None}) == {"precision": "bf16"}
+    assert upgrade_settings({"amp_bf16": False}) == {}
+    assert upgrade_settings({"precision": None}) == {"precision": "auto"}
+    with pytest.raises(ValueError, match="spec: amp_bf16: True contradicts precision: fp32"):
+        upgrade_settings({"amp_bf16": True, "precision": "fp32"}, "spec: ")

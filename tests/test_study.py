@@ -31,9 +31,11 @@ from conftest import STUDY_MODEL, STUDY_TINY
 
 from raystudy.faults import ENV as FAULTS_ENV
 from raystudy.io import read_result
+from raystudy.study.persist import load_study_spec
+from raystudy.study.points import trial_id
 from raystudy.study.results import part_name, read_trial_summary, trial_dir
-from raystudy.study.spec import StudySpec, trial_id
-from raystudy.study.tune import load_study_spec, restore_tuner, run_study, tune_experiments
+from raystudy.study.spec import StudySpec
+from raystudy.study.tune import restore_tuner, run_study, tune_experiments
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, MODEL = STUDY_TINY, STUDY_MODEL

@@ -181,6 +181,7 @@ def test_the_probe_follows_the_studys_data_path_and_precision_and_an_older_probe
     assert row["test_acc"] == _independent_acc(setup, setup["stores"]["red"])
     path = tmp_path / "study" / "probes" / "red" / "probe.json"
     old = json.loads(path.read_text())
+    assert (old["precision"], old["job"]["precision"]) == ("fp32", "fp32")  # what ran, and what was asked
     for key in ("data_path", "precision", "cache_dir"):
         old["job"].pop(key)
         old.pop(key, None)
@@ -193,6 +194,10 @@ def test_the_probe_follows_the_studys_data_path_and_precision_and_an_older_probe
     run_probes(cache, ResultTables(cache.out), print)
     assert [j.data_path for j in local_probes] == ["cache"]  # another feature pass: run again
     assert _rows(cache.out)["red-LP-s3"]["data_path"] == "cache"
+    bf16 = _spec(setup, tmp_path / "bf16", {"red": setup["stores"]["red"]}, {"precision": "bf16"})
+    run_probes(bf16, ResultTables(bf16.out), print)  # bf16 autocast on the CPU
+    assert json.loads((tmp_path / "bf16" / "probes" / "red" / "probe.json").read_text())["precision"] == "bf16"
+    assert _rows(bf16.out)["red-LP-s3"]["precision"] == "bf16"
 
 
 def test_probe_rows_beside_trials_survive_the_tables_and_reach_the_analysis(setup, tmp_path, local_probes):

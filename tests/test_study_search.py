@@ -7,9 +7,10 @@ import math
 
 import pytest
 
+from raystudy.study.points import trial_id
 from raystudy.study.results import ResultTables, trial_row
 from raystudy.study.search import GroupedOptunaSearch, optuna_plan
-from raystudy.study.spec import StudySpec, trial_id
+from raystudy.study.spec import StudySpec
 
 
 def _spec(tmp_path, **kw):

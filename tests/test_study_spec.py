@@ -11,8 +11,10 @@ import pandas as pd
 import pytest
 
 from raystudy.io import read_result
+from raystudy.study.checks import SpecError
+from raystudy.study.points import trial_id
 from raystudy.study.results import ResultTables, trial_dir, trial_row
-from raystudy.study.spec import SpecError, StudySpec, load_preset, preset_names, trial_id
+from raystudy.study.spec import StudySpec, load_preset, preset_names
 
 PAPER_DATASETS = {
     "cifar10", "cifar100", "cifar10c-contrast", "cifar10c-gaussian_noise", "cifar10c-motion_blur",
@@ -219,7 +221,7 @@ def _summary(status="ok", acc=0.5, **kw):
 
 
 def _failed(**kw):
-    """A failed run's summary: nulls where it has no result (raystudy.distributed.train.failed_summary)."""
+    """A failed run's summary: nulls where it has no result (raystudy.core.finetune.driver.failed_summary)."""
     return _summary(status="failed", acc=math.nan, best_val_step=None, final_val_loss=math.nan, error="boom", **kw)
 
 

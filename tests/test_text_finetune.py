@@ -4,6 +4,7 @@ configuration, learning, exact resume, and the Ray Train path equal to the local
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -105,6 +106,36 @@ def test_texts_are_encoded_with_special_tokens_truncated_and_padded(bert, store)
     assert batch.labels.tolist() == read_split(store, "train", columns=["label"]).column("label").to_pylist()[3::-3]
 
 
+def test_a_text_store_reads_the_same_tokens_on_every_data_path(bert, store, tmp_path, capsys):
+    """The modality seam: a text store's data path is its tokens whatever ``data_path`` asks; it has no
+    image caches to plan or prepare, no images to preview, no image line in ``data info``; an image model on
+    it raises naming the store and the model."""
+    from raystudy.cli import main
+    from raystudy.core.finetune.data import open_split_data, prepare_caches
+    from raystudy.core.finetune.preview import preview_batch
+    from raystudy.data.store import StoreError
+    from raystudy.distributed.cache import plan_caches
+
+    caches = tmp_path / "caches"
+    decoded = open_split_data(text_cfg(bert, store, tmp_path, data_path="decode"), "test")
+    cached_cfg = text_cfg(bert, store, tmp_path, data_path="cache", cache_dir=str(caches))
+    cached = open_split_data(cached_cfg, "test")
+    assert isinstance(decoded, TextSplitData) and isinstance(cached, TextSplitData)
+    assert np.array_equal(decoded.ids, cached.ids) and np.array_equal(decoded.mask, cached.mask)
+    assert np.array_equal(decoded.labels, cached.labels) and len(decoded) == len(read_split(store, "test"))
+    prepare_caches(cached_cfg)
+    assert not caches.exists()
+    assert plan_caches([store], ["train", "test"], ["full", "eval"], 32, root=str(caches)) == []
+    with pytest.raises(StoreError, match="a text store has no images to preview"):
+        preview_batch(store, "train", n=2, seed=0, data_path="cache", size=32)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(store))} is a text store but model vit_tiny_patch16_224 "
+                                         "takes images"):
+        open_text_split(dataclasses.replace(text_cfg(bert, store, tmp_path), model="vit_tiny_patch16_224"), "train")
+    assert main(["data", "info", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert ", text)" in out.splitlines()[0] and "skipped images" not in out
+
+
 # ---- freezing ------------------------------------------------------------------------------------
 
 LAYER = r"bert\.encoder\.layer\.(\d)\."
@@ -134,7 +165,7 @@ def test_freezing_is_exact_per_configuration(bert, store, tmp_path, configuratio
     ft = Finetuner(text_cfg(bert, store, tmp_path, configuration=configuration, steps=2))
     init = {n: p.detach().clone() for n, p in ft.model.named_parameters()}
     want = expected_trainable(list(init), configuration)
-    assert set(ft.selection.names) == want
+    assert set(ft.trained.names) == want
     assert any(n.startswith("bert.pooler.") for n in want) == (configuration == "All")
     ft.run(progress=False)
     for n, p in ft.model.named_parameters():
@@ -143,7 +174,7 @@ def test_freezing_is_exact_per_configuration(bert, store, tmp_path, configuratio
     fc1 = LAYERS * (D * FFN + FFN)
     counts = {"LN1": LAYERS * 2 * D, "MHA": mha, "FC1": fc1, "MHA@1+FC1@0": (mha + fc1) // 2}
     if configuration in counts:
-        assert ft.selection.num_trainable == counts[configuration] + D * C + C
+        assert ft.trained.num_trainable == counts[configuration] + D * C + C
 
 
 def test_gpt2_classifier_trains_its_configuration_and_keeps_the_final_norm_frozen(store, tmp_path):
@@ -151,7 +182,7 @@ def test_gpt2_classifier_trains_its_configuration_and_keeps_the_final_norm_froze
     ft = Finetuner(text_cfg(gpt2, store, tmp_path / "run", configuration="LN1", steps=2))
     init = {n: p.detach().clone() for n, p in ft.model.named_parameters()}
     want = {f"transformer.h.{i}.ln_1.{w}" for i in range(LAYERS) for w in ("weight", "bias")} | {"score.weight"}
-    assert set(ft.selection.names) == want
+    assert set(ft.trained.names) == want
     assert ft.train_data.ids[0, ft.train_data.mask[0].sum():].tolist() == [0] * (ft.train_data.seq_len
                                                                               - ft.train_data.mask[0].sum())
     summary = ft.run(progress=False)
@@ -159,7 +190,7 @@ def test_gpt2_classifier_trains_its_configuration_and_keeps_the_final_norm_froze
     for n, p in ft.model.named_parameters():
         assert torch.equal(p.detach(), init[n]) == (n not in want), n
     with_norm = Finetuner(text_cfg(gpt2, store, tmp_path / "norm", configuration="LN1", train_final_norm=True))
-    assert set(with_norm.selection.names) == want | {"transformer.ln_f.weight", "transformer.ln_f.bias"}
+    assert set(with_norm.trained.names) == want | {"transformer.ln_f.weight", "transformer.ln_f.bias"}
 
 
 # ---- learning, resume ----------------------------------------------------------------------------
@@ -195,13 +226,13 @@ def test_resume_is_exact_on_text_with_dropout(store, tmp_path):
     for a, b in zip(ref_ft.curves, ft.curves):
         assert {k: v for k, v in a.items() if k != "images_per_s"} == {k: v for k, v in b.items()
                                                                          if k != "images_per_s"}
-    for n, p in ref_ft.selection.trainable:
-        assert torch.equal(p, dict(ft.selection.trainable)[n]), n
+    for n, p in ref_ft.trained.trainable:
+        assert torch.equal(p, dict(ft.trained.trainable)[n]), n
     for k in ("best_val_acc", "best_val_step", "test_acc", "final_val_loss", "trainable_params"):
         assert summary[k] == ref[k]
     other = text_cfg(model, store, tmp_path / "run", **{**kw, "seq_len": 8})
     with pytest.raises(ValueError, match="seq_len"):  # another tokenisation is another run
-        Finetuner(other).load(ckdir / "step_00000003")
+        Finetuner(other).load(ckdir / "checkpoint_00000003")
 
 
 # ---- Ray Train ---------------------------------------------------------------------------------

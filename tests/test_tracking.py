@@ -7,8 +7,9 @@ import types
 
 import pytest
 
+from raystudy.study.checks import SpecError
 from raystudy.study.persist import check_tracking
-from raystudy.study.spec import SpecError, StudySpec
+from raystudy.study.spec import StudySpec
 from raystudy.study.tune import run_study
 
 

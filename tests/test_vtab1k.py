@@ -17,7 +17,8 @@ import pytest
 
 from raystudy.data.sources import prepare, prepare_vtab1k
 from raystudy.data.store import StoreError, read_meta, read_split, verify_store
-from raystudy.data.vtab import GROUPS, VTAB_TASKS, read_vtab1k
+from raystudy.data.vtab import read_vtab1k
+from raystudy.vocab import VTAB_GROUPS, VTAB_TASKS
 
 #: Labels per list: 4 classes in train/val, a fifth only in test (C = max(label) + 1 over all lists).
 LABELS = {"train800": [0, 1, 2, 3, 0, 1, 2, 3], "val200": [0, 1, 2, 3], "test": [0, 1, 2, 3, 4, 4]}
@@ -72,8 +73,8 @@ def test_the_19_tasks_and_their_groups():
     structured = ["clevr_count", "clevr_dist", "dmlab", "kitti", "dsprites_loc", "dsprites_ori", "smallnorb_azi",
                   "smallnorb_ele"]
     assert list(VTAB_TASKS) == natural + specialized + structured
-    assert GROUPS == ("Natural", "Specialized", "Structured")
-    assert {g: [t for t, (tg, _) in VTAB_TASKS.items() if tg == g] for g in GROUPS} == {
+    assert VTAB_GROUPS == ("Natural", "Specialized", "Structured")
+    assert {g: [t for t, (tg, _) in VTAB_TASKS.items() if tg == g] for g in VTAB_GROUPS} == {
         "Natural": natural, "Specialized": specialized, "Structured": structured}
 
 

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from raystudy.data.store import read_meta, read_split
-from raystudy.data.vtab import FINAL_TRAIN, GROUPS, LISTS, VTAB_TASKS
+from raystudy.data.vtab import FINAL_TRAIN, LISTS
 from raystudy.data.vtab_demo import DEMO_ROWS, DEMO_TASKS, prepare_demo_tasks, write_task
+from raystudy.study.checks import SpecError
 from raystudy.study.pretrain import prepare_builtin_data
-from raystudy.study.spec import SpecError, StudySpec
+from raystudy.study.spec import StudySpec
+from raystudy.vocab import VTAB_GROUPS, VTAB_TASKS
 
 
 def _digest(folder: Path) -> str:
@@ -24,7 +26,7 @@ def _digest(folder: Path) -> str:
 
 
 def test_one_task_per_group():
-    assert sorted(VTAB_TASKS[t][0] for t in DEMO_TASKS) == sorted(GROUPS)
+    assert sorted(VTAB_TASKS[t][0] for t in DEMO_TASKS) == sorted(VTAB_GROUPS)
 
 
 @pytest.mark.parametrize("task", list(DEMO_TASKS))

@@ -242,8 +242,10 @@ def final_study(ray_session, builtin, tmp_path_factory):
 
 
 def _run_again(tune, out) -> dict:
+    from raystudy.study.persist import load_study_spec
+
     lines: list[str] = []
-    outcome = tune.run_study(tune.load_study_spec(str(out)), echo=lines.append)
+    outcome = tune.run_study(load_study_spec(str(out)), echo=lines.append)
     return {"lines": lines, "outcome": outcome, "trials": read_result(str(out), "trials")}
 
 
@@ -289,7 +291,8 @@ def test_a_resume_after_the_search_runs_only_the_final_trials(final_study):
 def test_the_dry_run_counts_the_final_trials_as_a_dependent_stage(builtin, tmp_path):
     from raystudy.commands.study import dry_run_json
     from raystudy.study import cost
-    from raystudy.study.spec import SpecError, StudySpec
+    from raystudy.study.checks import SpecError
+    from raystudy.study.spec import StudySpec
 
     base = dict(name="ff", out=str(tmp_path / "s"), model="vit_tiny_patch16_224", model_kwargs=TINY, img_size=32,
                 weights=builtin["weights"],

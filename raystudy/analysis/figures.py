@@ -27,14 +27,11 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from raystudy.analysis.style import (  # noqa: F401  (re-exported: the palette's names before style.py)
+from raystudy.analysis.style import (
     CONFIGURATION_COLORS,
-    EXTRA_COLORS,
-    EXTRA_MARKERS,
     FONT,
     MARKERS,
     configuration_styles,
-    dataset_markers,
     styled,
 )
 from raystudy.vocab import RANDOM_INIT, TRIALS_CONFIGURATIONS, pretrained_rows

@@ -18,7 +18,6 @@ import pandas as pd
 
 from raystudy import __version__, storage
 from raystudy.analysis.control import ranking_headlines
-from raystudy.analysis.figures import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
     DEFAULT_FIXED_RUN,
@@ -27,11 +26,12 @@ from raystudy.analysis.options import (
     DEFAULT_ROUND,
     DEFAULT_SEEDS,
 )
-from raystudy.analysis.pipeline import AnalysisResult, run_analysis, selection_rules
-from raystudy.analysis.render import SELECTION_RULES, md_escape, pct
+from raystudy.analysis.pipeline import AnalysisResult, lr_rules, run_analysis
+from raystudy.analysis.render import LR_RULES, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
 from raystudy.analysis.stats import configuration_order
-from raystudy.analysis.vtab import selection_text
+from raystudy.analysis.style import CONFIGURATION_COLORS, configuration_styles
+from raystudy.analysis.vtab import lr_rule_text
 from raystudy.vocab import LINEAR_PROBE
 
 CSS = """
@@ -143,11 +143,11 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
             items.append(("random-init control", f"the same architecture at its library's own init (seed {seeds}) "
                                                  f"on the same pairs: {c['dataset'].nunique()} dataset(s)"))
     o = res.options
-    paper_rule, _ = selection_rules(o.get("select_by"))
+    paper_rule, _ = lr_rules(o.get("select_by"))
     if "best_lr" in res.tables:
-        items.append(("best lr", f"the learning rate with {SELECTION_RULES[paper_rule]}"))
+        items.append(("best lr", f"the learning rate with {LR_RULES[paper_rule]}"))
     if "vtab" in res.tables:
-        items.append(("VTAB-1k table", selection_text(res.tables["vtab"]["selection"].iloc[0])))
+        items.append(("VTAB-1k table", lr_rule_text(res.tables["vtab"]["lr_rule"].iloc[0])))
     if "wilcoxon" in res.tables:
         items.append(("tests", f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, paired by "
                                f"{o['pair_by'].replace('_', ' and ')}"

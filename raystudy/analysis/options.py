@@ -10,16 +10,8 @@ Imports only :mod:`raystudy.vocab`, so the CLI can offer these choices without l
 
 from __future__ import annotations
 
-from raystudy.vocab import check_name
+from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, check_name
 
-#: ``scipy.stats.wilcoxon`` alternatives; ``"greater"``: the reference configuration is better.
-ALTERNATIVES: tuple[str, ...] = ("greater", "two-sided", "less")
-#: What one Wilcoxon pair is: a dataset (best-lr means over seeds) or a (dataset, seed) pair.
-PAIR_BY: tuple[str, ...] = ("dataset", "dataset_seed")
-
-#: How the best learning rate of a sweep is chosen: by its mean test accuracy over seeds (the paper's
-#: Table 8) or by its mean best-validation accuracy (validation only: test never chooses; VTAB-1k's rule).
-SELECT_BY: tuple[str, ...] = ("test", "val")
 #: the paper's tables' rule (and a study spec's default); an analysis given ``select_by=None`` uses it for them
 #: and validation for VTAB-1k's table (:data:`raystudy.analysis.vtab.VTAB_SELECT_BY`, the benchmark's rule)
 DEFAULT_SELECT_BY = "test"
@@ -53,7 +45,7 @@ def check_options(reference: str, alternative: str, pair_by: str, round_to: int 
         raise ValueError(f"round_to: decimals of a percent from 0 to {MAX_ROUND}, or None; got {round_to!r}")
 
 
-def check_selection(seeds, fixed_run) -> None:
+def check_subset(seeds, fixed_run) -> None:
     """Reject a ``seeds`` that is not None or a non-empty list of ints, and a ``fixed_run`` that is not None
     or a mapping of exactly :data:`FIXED_RUN_KEYS` (a dataset name, an int seed, a positive lr)."""
     if seeds is not None and (isinstance(seeds, str | bytes) or not hasattr(seeds, "__iter__") or not list(seeds)

@@ -35,7 +35,7 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
     DEFAULT_SELECT_BY,
     check_options,
-    check_selection,
+    check_subset,
 )
 from raystudy.analysis.stats import (
     canonical_reference,
@@ -167,7 +167,7 @@ def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], se
     return tables
 
 
-def selection_rules(select_by: str | None) -> tuple[str, str]:
+def lr_rules(select_by: str | None) -> tuple[str, str]:
     """``(the paper's tables' rule, VTAB-1k's table's rule)``: ``select_by`` for both, or by default test
     (:data:`~raystudy.analysis.options.DEFAULT_SELECT_BY`) and validation
     (:data:`raystudy.analysis.vtab.VTAB_SELECT_BY`)."""
@@ -194,8 +194,8 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
                    round_to: int | None = DEFAULT_ROUND, notes: list[str] | None = None,
                    select_by: str | None = None) -> dict[str, pd.DataFrame]:
     """Every table computable from ``inputs`` (pure: writes nothing). Omitted ones are explained in ``notes``;
-    ``select_by``: how each sweep's best lr is chosen (:data:`~raystudy.analysis.options.SELECT_BY`; None:
-    test for the paper's tables, validation for VTAB-1k's, :func:`selection_rules`)."""
+    ``select_by``: how each sweep's best lr is chosen (:data:`~raystudy.vocab.SELECT_BY`; None:
+    test for the paper's tables, validation for VTAB-1k's, :func:`lr_rules`)."""
     check_options(reference, alternative, pair_by, round_to, select_by)
     canonical_reference(reference)
     notes = notes if notes is not None else []
@@ -207,7 +207,7 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
         notes.append("No trial has a counted test accuracy: the accuracy tables and figures are omitted.")
         return {**control, "cost": cost_table(inputs.trials, inputs.trials.iloc[0:0], inputs.probes)}
     reference = study_reference(reference, inputs)
-    paper_rule, vtab_rule = selection_rules(select_by)
+    paper_rule, vtab_rule = lr_rules(select_by)
     tables = _accuracy_tables(ok, inputs, notes, paper_rule, reference=reference, alternative=alternative,
                               pair_by=pair_by, round_to=round_to)
     if V.is_vtab(ok):
@@ -230,7 +230,7 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
         elif name == "cost":
             r = R.render_cost(df, inputs.trials)
         elif name == "best_lr":
-            r = R.render_best_lr(df, selection_rules(select_by)[0])
+            r = R.render_best_lr(df, lr_rules(select_by)[0])
         elif name == "optimizers":
             r = R.render_optimizers(df, shared_subset(inputs.counted))
         elif name in CH.TABLES:
@@ -478,12 +478,12 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``). ``seeds``: only these
     seeds' trials enter the tables and figures (the paper's Table 9: ``[0]``); ``fixed_run``: ``{dataset,
     seed, lr}`` whose runs' curves are drawn beside the best runs' (the paper's Fig. 5); ``select_by`` (None:
-    :func:`selection_rules`' defaults): each
+    :func:`lr_rules`' defaults): each
     sweep's best lr by mean ``"test"`` accuracy (the paper's rule) or mean best-``"val"`` accuracy.
     """
     check_options(reference, alternative, pair_by, round_to, select_by)
     canonical_reference(reference)
-    check_selection(seeds, fixed_run)
+    check_subset(seeds, fixed_run)
     options = dict(reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
                    select_by=select_by)
     dirs = study_dirs(study_dir)

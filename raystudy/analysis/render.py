@@ -280,14 +280,14 @@ def _best_lr_cell(r) -> tuple[str, str]:
 
 
 #: how each ``select_by`` chooses the best learning rate, in the best-lr table's caption
-SELECTION_RULES = {"test": "the highest mean test accuracy over seeds (the paper's rule)",
+LR_RULES = {"test": "the highest mean test accuracy over seeds (the paper's rule)",
                    "val": "the highest mean best-validation accuracy over seeds (validation only: test never chooses)"}
 
 
 def render_best_lr(t: pd.DataFrame, select_by: str = "test") -> Rendered:
     blocks = _wide(t, _best_lr_cell, bold=best_component(t))
     return Rendered("best_lr", "Best learning rate per dataset and configuration",
-                    f"Test accuracy (%) at the learning rate with {SELECTION_RULES[select_by]}: mean ± std over "
+                    f"Test accuracy (%) at the learning rate with {LR_RULES[select_by]}: mean ± std over "
                     "seeds, the learning rate in parentheses (the paper's Table 8; LP: the linear probe, fit "
                     "once per dataset).", blocks,
                     _notes(t, _bold_note(t, "for the dataset")))

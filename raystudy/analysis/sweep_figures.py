@@ -30,11 +30,10 @@ from raystudy.analysis.figures import (
     _ordered,
     _require,
     _title,
-    configuration_styles,
     grouped_bars,
     save_figure,
-    styled,
 )
+from raystudy.analysis.style import configuration_styles, styled
 from raystudy.analysis.tables import population_std
 from raystudy.vocab import LINEAR_PROBE
 

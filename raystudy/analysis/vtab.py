@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from raystudy.analysis import beyond as B
-from raystudy.analysis.render import SELECTION_RULES, Block, Rendered, pct
+from raystudy.analysis.render import LR_RULES, Block, Rendered, pct
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.tables import _with_model, best_lr_table, finish, population_std, recorded_counts
 from raystudy.vocab import VTAB_GROUPS, VTAB_TASKS
@@ -34,7 +34,7 @@ from raystudy.vocab import VTAB_GROUPS, VTAB_TASKS
 TABLES = ("vtab", "vtab_frontier", "vtab_matched_budget")
 #: How the lr of a task is chosen from the search trials when the study has no final rows.
 VTAB_SELECT_BY = "val"
-#: Column ``selection`` of the ``vtab`` table when it reads the final rows.
+#: Column ``lr_rule`` of the ``vtab`` table when it reads the final rows.
 FINAL = "final"
 MEAN_TASKS, MEAN_GROUPS = "mean_tasks", "mean_groups"
 KEYS = ["model", "dataset", "optimizer", "configuration"]
@@ -62,8 +62,8 @@ def _final_accuracies(final: pd.DataFrame) -> pd.DataFrame:
 
 def task_accuracies(counted: pd.DataFrame, probes: pd.DataFrame | None, final: pd.DataFrame | None,
                     select_by: str, notes: list[str]) -> tuple[pd.DataFrame, str]:
-    """``(per-task accuracies, selection)``: columns ``model, dataset, optimizer, configuration, mean, std,
-    n_seeds, trainable_params, lr``; ``selection`` is :data:`FINAL` when ``final`` has rows (then only those are
+    """``(per-task accuracies, lr_rule)``: columns ``model, dataset, optimizer, configuration, mean, std,
+    n_seeds, trainable_params, lr``; ``lr_rule`` is :data:`FINAL` when ``final`` has rows (then only those are
     read; the configurations searched but never refit are noted), else ``select_by``."""
     if final is not None and len(final):
         per = _final_accuracies(final)
@@ -93,13 +93,13 @@ def _means(row: pd.Series, tasks: list[str]) -> dict:
     return out
 
 
-def vtab_table(per: pd.DataFrame, selection: str, notes: list[str] | None = None) -> pd.DataFrame:
+def vtab_table(per: pd.DataFrame, lr_rule: str, notes: list[str] | None = None) -> pd.DataFrame:
     """The benchmark's layout of the per-task accuracies ``per`` (:func:`task_accuracies`).
 
     One row per (model,) optimizer and configuration: ``trainable_params`` (median over tasks, head
     included), a column per task present (benchmark order, value ``mean`` over seeds), each group's mean over
     its tasks present, ``mean_tasks = mean_t a_t`` and ``mean_groups = mean_g (mean_{t in g} a_t)``,
-    ``n_tasks``, ``n_seeds`` (the fewest seeds behind a task) and ``selection``.
+    ``n_tasks``, ``n_seeds`` (the fewest seeds behind a task) and ``lr_rule`` (how each task's lr was chosen).
     """
     notes = notes if notes is not None else []
     tasks = task_order(per["dataset"])
@@ -108,13 +108,13 @@ def vtab_table(per: pd.DataFrame, selection: str, notes: list[str] | None = None
     g = per.groupby(["model", "optimizer", "configuration"])
     wide = wide.join(g["trainable_params"].median()).join(g["n_seeds"].min())
     means = pd.DataFrame([_means(r, tasks) for _, r in wide.iterrows()], index=wide.index)
-    out = wide.join(means).reset_index().assign(selection=selection)
+    out = wide.join(means).reset_index().assign(lr_rule=lr_rule)
     short = out[out["n_tasks"] < len(tasks)]
     if len(short):
         notes.append(f"VTAB-1k table: {', '.join(configuration_order(short['configuration']))} ran fewer than the "
                      f"{len(tasks)} tasks; their means cover the tasks they ran (column n_tasks).")
     cols = ["optimizer", "configuration", "trainable_params", *tasks, *VTAB_GROUPS, MEAN_TASKS, MEAN_GROUPS,
-            "n_tasks", "n_seeds", "selection"]
+            "n_tasks", "n_seeds", "lr_rule"]
     return finish(out, cols, int(per["model"].nunique()))
 
 
@@ -135,8 +135,8 @@ def vtab_frontier_table(vtab: pd.DataFrame) -> pd.DataFrame:
 def vtab_tables(counted: pd.DataFrame, probes: pd.DataFrame | None, final: pd.DataFrame | None,
                 select_by: str, notes: list[str]) -> dict[str, pd.DataFrame]:
     """Every table of this module the study allows (``vtab_matched_budget`` when two budget families meet)."""
-    per, selection = task_accuracies(counted, probes, final, select_by, notes)
-    tables = {"vtab": vtab_table(per, selection, notes)}
+    per, lr_rule = task_accuracies(counted, probes, final, select_by, notes)
+    tables = {"vtab": vtab_table(per, lr_rule, notes)}
     tables["vtab_frontier"] = vtab_frontier_table(tables["vtab"])
     matched = B.matched_budget_table(per, notes=[])
     if len(matched):
@@ -149,12 +149,12 @@ def vtab_tables(counted: pd.DataFrame, probes: pd.DataFrame | None, final: pd.Da
 # --------------------------------------------------------------------------------------------------
 
 
-def selection_text(selection: str) -> str:
+def lr_rule_text(lr_rule: str) -> str:
     """The caption's statement of how each task's accuracy was obtained."""
-    if selection == FINAL:
+    if lr_rule == FINAL:
         return ("trained on train800val200 at the lr chosen on val200 (phase final), test accuracy, mean over "
                 "seeds")
-    return (f"search trials (trained on train800), test accuracy at the lr with {SELECTION_RULES[selection]} per "
+    return (f"search trials (trained on train800), test accuracy at the lr with {LR_RULES[lr_rule]} per "
             "task")
 
 
@@ -193,11 +193,11 @@ def render_vtab(t: pd.DataFrame) -> Rendered:
                  *(pct(r[c], 1) for c in tasks + means)] for _, r in g.iterrows()]
         heading = " · ".join(f"{k}: {v}" for k, v in zip(keys, vals))
         blocks.append(Block(heading, columns, rows, _bold_best(rows, g[tasks + means], 2), groups))
-    selection = t["selection"].iloc[0]
+    lr_rule = t["lr_rule"].iloc[0]
     return Rendered("vtab", "VTAB-1k: accuracy per task",
                     f"Top-1 test accuracy (%) per task in the benchmark's order, grouped Natural | Specialized | "
                     f"Structured, each group's mean, the mean over tasks ({mean_label}) and the mean of the three "
-                    f"group means. Selection: {selection_text(selection)}. Params: trainable parameters in "
+                    f"group means. Selection: {lr_rule_text(lr_rule)}. Params: trainable parameters in "
                     "millions (median over tasks, classifier head included).", blocks,
                     ["Bold: the best value of each column."])
 

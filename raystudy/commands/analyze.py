@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from raystudy.analysis.options import (
-    ALTERNATIVES,
     DEFAULT_ALTERNATIVE,
     DEFAULT_FIXED_RUN,
     DEFAULT_PAIR_BY,
@@ -14,18 +13,16 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
     DEFAULT_SELECT_BY,
     FIXED_RUN_KEYS,
-    PAIR_BY,
-    SELECT_BY,
-    check_selection,
+    check_subset,
 )
-from raystudy.vocab import TRIALS_CONFIGURATIONS
+from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, TRIALS_CONFIGURATIONS
 
 
 def _seeds(text: str) -> list[int]:
-    """``--seeds 0,42`` -> ``[0, 42]``."""
+    """``--analysis-seeds 0,42`` -> ``[0, 42]``."""
     try:
         seeds = [int(s) for s in text.split(",")]
-        check_selection(seeds, None)
+        check_subset(seeds, None)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integer seeds ({e})") from None
     return seeds
@@ -38,7 +35,7 @@ def _fixed_run(text: str) -> dict:
         if len(parts) != len(FIXED_RUN_KEYS):
             raise ValueError(f"{len(parts)} value(s)")
         run = dict(zip(FIXED_RUN_KEYS, (parts[0], int(parts[1]), float(parts[2]))))
-        check_selection(None, run)
+        check_subset(None, run)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {','.join(k.upper() for k in FIXED_RUN_KEYS)}, "
                                          f"e.g. sketch,42,0.01 ({e})") from None
@@ -67,8 +64,9 @@ def _options(p: argparse.ArgumentParser) -> None:
                    help="choose each sweep's best lr by its mean test accuracy over seeds (the paper's rule, the "
                         f"default of the paper's tables: {DEFAULT_SELECT_BY}) or by its mean best-validation "
                         "accuracy (val: test never chooses; the default of VTAB-1k's table without final rows)")
-    p.add_argument("--seeds", type=_seeds, default=DEFAULT_SEEDS, metavar="S,S",
-                   help="only these seeds' trials in every table and figure (the paper's Table 9: --seeds 0; "
+    p.add_argument("--analysis-seeds", dest="seeds", type=_seeds, default=DEFAULT_SEEDS, metavar="S,S",
+                   help="only these seeds' trials in every table and figure (the paper's Table 9: "
+                        "--analysis-seeds 0; the spec's analysis_seeds; "
                         "default: every seed)")
     p.add_argument("--fixed-run", type=_fixed_run, default=DEFAULT_FIXED_RUN, metavar="DATASET,SEED,LR",
                    help="also draw the curves of each configuration's run at this dataset, seed and lr (the "

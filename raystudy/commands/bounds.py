@@ -18,7 +18,7 @@ from pathlib import Path
 
 from raystudy.commands.plasticity import add_model_args, build_measured_model, load_images
 from raystudy.data.modality import modality_of_model, resolve_modality
-from raystudy.data.store import Store
+from raystudy.data.store import IMAGE_KIND, TEXT_KIND, Store
 
 
 def register(sub) -> None:
@@ -40,11 +40,13 @@ def token_stats(args, model) -> tuple[float | None, int | None, float | None, fl
     from raystudy.core.bounds import measure_token_stats  # torch (raystudy.core): --help stays light
 
     radius, seq_len, sigma, measured = args.radius, args.seq_len, args.sigma, None
-    text = not modality_of_model(args.model).takes_images
-    if text and seq_len is None:
-        raise ValueError(f"--model {args.model} is a text model: give --seq-len (tokens per window)")
+    modality = modality_of_model(args.model)
+    for holds, message in modality.input_limits(args.model, img_size=modality.input_size(args.img_size),
+                                                seq_len=seq_len):
+        if not holds:
+            raise ValueError(f"--model {args.model}: {message}; give --seq-len")
     if args.images:
-        x, name = store_windows(args, seq_len) if text else load_images(args.images, model.patch_embed.img_size[0])
+        x, name = INPUT_READERS[modality.kind](args, model, seq_len)
         stats = measure_token_stats(model, x)
         print(f"measured on {len(x)} sequences of {name}: r = {stats.radius:.4f} (max {stats.radius_max:.4f}), "
               f"sigma = {stats.sigma:.6f}, n = {stats.seq_len}")
@@ -57,7 +59,13 @@ def token_stats(args, model) -> tuple[float | None, int | None, float | None, fl
     return radius, seq_len, sigma, measured
 
 
-def store_windows(args, seq_len: int):
+def local_images(args, model, seq_len: int | None):
+    """The images ``--images`` (folder, tensor file or store, :func:`~raystudy.commands.plasticity.load_images`)
+    at the model's input size: ``(tensor (m, 3, S, S), dataset name)``."""
+    return load_images(args.images, model.patch_embed.img_size[0])
+
+
+def store_windows(args, model, seq_len: int):
     """The first ``--max-windows`` windows of ``seq_len`` tokens (store order) of the text store ``--images``
     (its test split, else val): ``(LongTensor (m, seq_len), store name)``. An image store raises naming it
     and the model (:func:`~raystudy.data.modality.resolve_modality`)."""
@@ -69,6 +77,10 @@ def store_windows(args, seq_len: int):
     tokenizer = modality.load_tokenizer(args.model, args.tokenizer)
     rows = modality.locate(store, (split,), tokenizer=tokenizer, seq_len=seq_len)
     return torch.from_numpy(rows.ids[:args.max_windows].astype("int64")), rows.name
+
+
+#: modality kind (:attr:`raystudy.data.modality.Modality.kind`) -> how ``--images`` becomes the measured inputs
+INPUT_READERS = {IMAGE_KIND: local_images, TEXT_KIND: store_windows}
 
 
 def run(args) -> int:

@@ -12,12 +12,22 @@ import argparse
 import json
 
 from raystudy.data.modality import modality_of_store
-from raystudy.data.sources import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES, prepare, prepare_vtab1k
-from raystudy.data.splits import SPLIT_RULES
+from raystudy.data.sources import prepare, prepare_vtab1k
 from raystudy.data.store import read_meta, verify_store
-from raystudy.data.synthetic import DEFAULT_NAMES, VARIANTS, prepare_default
-from raystudy.data.text import TEXT_SOURCES, WIKITEXT_UNITS, prepare_text
+from raystudy.data.synthetic import DEFAULT_NAMES, prepare_default
+from raystudy.data.text import prepare_text
 from raystudy.storage import absolute_path
+from raystudy.vocab import (
+    BAD_IMAGE_POLICIES,
+    DATA_PATHS,
+    LOW_DATA,
+    POOLABLE,
+    SOURCES,
+    SPLIT_RULES,
+    TEXT_SOURCES,
+    VARIANTS,
+    WIKITEXT_UNITS,
+)
 
 
 def register(subparsers) -> None:
@@ -45,7 +55,7 @@ def register(subparsers) -> None:
     pp.add_argument("--low-data", choices=LOW_DATA,
                     help="vtab1k: 800 train / 200 val, full test; authors: the paper authors' low-data subset "
                          "(1000 // C images per class of the training pool, np.random.seed(42); 20%% to val)")
-    pp.add_argument("--split", dest="split_rule", choices=SPLIT_RULES, default="hashed",
+    pp.add_argument("--split-rule", dest="split_rule", choices=SPLIT_RULES, default="hashed",
                     help="cifar10c, domainnet: how train/test are drawn: raystudy's hashed stratified 80/20 "
                          "(default) or the authors' deterministic_split (np.random.seed(42) permutation; "
                          "DomainNet then reads the whole domain folder as torchvision's ImageFolder)")
@@ -57,7 +67,7 @@ def register(subparsers) -> None:
     pp.add_argument("--on-bad-image", choices=BAD_IMAGE_POLICIES, default="error",
                     help="unreadable images: stop with an error (default) or skip and record them")
     pp.add_argument("--rows-per-shard", type=int, default=2048, help="rows per Parquet shard (default 2048)")
-    pp.add_argument("--workers", type=int, help="image decoding threads (default: CPU count, at most 8)")
+    pp.add_argument("--threads", type=int, help="image decoding threads (default: CPU count, at most 8)")
     _add_text_and_synthetic_flags(pp)
     pp.set_defaults(func=cmd_prepare)
 
@@ -107,7 +117,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if args.source in TEXT_SOURCES:
         image_only = [flag for flag, given in (("--download", args.download), ("--low-data", args.low_data),
                                                ("--pool", args.pool), ("--domain", args.domain),
-                                               ("--split", args.split_rule != "hashed"),
+                                               ("--split-rule", args.split_rule != "hashed"),
                                                ("--corruption", args.corruption)) if given]
         if image_only:
             raise ValueError(f"{', '.join(image_only)}: image-source option(s), not for the text source "
@@ -122,7 +132,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         args.source, args.root, args.out, name=args.name, corruption=args.corruption, severity=args.severity,
         domain=args.domain, low_data=args.low_data, pool=tuple(args.pool), split_rule=args.split_rule,
         on_bad_image=args.on_bad_image,
-        rows_per_shard=args.rows_per_shard, workers=args.workers, download=args.download, progress=True,
+        rows_per_shard=args.rows_per_shard, workers=args.threads, download=args.download, progress=True,
     )
     _print_summary(args.out, meta)
     return 0
@@ -133,7 +143,7 @@ def _prepare_vtab1k(args: argparse.Namespace) -> int:
     stores = prepare_vtab1k(
         args.root, args.out, task=args.task, name=args.name, low_data=args.low_data, pool=tuple(args.pool),
         split_rule=args.split_rule, on_bad_image=args.on_bad_image, rows_per_shard=args.rows_per_shard,
-        workers=args.workers, download=args.download, progress=True,
+        workers=args.threads, download=args.download, progress=True,
     )
     for path, meta in stores.items():
         _print_summary(path, meta)
@@ -147,9 +157,7 @@ def _prepare_vtab1k(args: argparse.Namespace) -> int:
 def _print_summary(path, meta: dict | None = None) -> None:
     meta = meta or read_meta(path)
     counts = meta["counts"]
-    skipped = meta.get("skipped") or {}
-    modality = modality_of_store(meta)
-    kind = "" if modality.takes_images else f", {modality.kind}"
+    kind, lines = modality_of_store(meta).describe(meta)
     print(f"{meta['name']}  ({meta.get('source', '?')}{kind})  {path}")
     print(f"  classes: {meta['num_classes']}  ({', '.join(meta.get('classes', [])[:5])}"
           f"{', ...' if meta['num_classes'] > 5 else ''})")
@@ -157,9 +165,8 @@ def _print_summary(path, meta: dict | None = None) -> None:
           f"val {counts.get('val', 0)}  test {counts.get('test', 0)}  shards {len(meta.get('shards', []))}")
     if meta.get("low_data"):
         print(f"  low-data: {meta['low_data']['variant']}")
-    if modality.takes_images:
-        print(f"  skipped images: {skipped.get('count', 0)}"
-              + (f"  (indices {[s['index'] for s in skipped.get('items', [])][:10]})" if skipped.get("count") else ""))
+    for line in lines:
+        print(line)
     print(f"  checksum: {meta['checksum']}")
 
 
@@ -188,7 +195,7 @@ def _add_preview(sub) -> None:
     pv.add_argument("--split", default="train", help="split to preview (default train)")
     pv.add_argument("--n", type=int, default=16, help="images, the split's first rows (default 16)")
     pv.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
-    pv.add_argument("--data-path", choices=("cache", "decode"), default="cache",
+    pv.add_argument("--data-path", choices=DATA_PATHS, default="cache",
                     help="whose crops: the uint8 cache's (default) or the decode path's torchvision transform")
     pv.add_argument("--img-size", type=int, default=224, help="model input side (default 224)")
     pv.add_argument("--cache-dir", help="root of the uint8 caches (default STORE/cache)")

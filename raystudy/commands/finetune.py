@@ -14,6 +14,7 @@ from raystudy.settings import (
     ProtocolSettings,
     ResourceSettings,
     RunSettings,
+    add_bf16_flag,
     add_flags,
     from_args,
 )
@@ -42,8 +43,7 @@ def register(subparsers) -> None:
     add_flags(model, HubWeights)
     protocol = p.add_argument_group("protocol")
     add_flags(protocol, ProtocolSettings)
-    protocol.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-                          help="same as --precision bf16")
+    add_bf16_flag(protocol)
     add_flags(p.add_argument_group("Ray Train resources"), ResourceSettings)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -62,7 +62,7 @@ def configuration_arg(text: str) -> str:
 
 def config_from_args(args: argparse.Namespace):
     """The validated ``(FinetuneConfig, TrainResources)`` of the parsed arguments."""
-    from raystudy.core.finetune import FinetuneConfig  # torch (raystudy.core): --help stays light
+    from raystudy.core.finetune.config import FinetuneConfig  # torch (raystudy.core): --help stays light
     from raystudy.distributed.train import TrainResources  # Ray Train: --help stays light
 
     cfg = from_args(FinetuneConfig, args)

@@ -3,7 +3,7 @@
 Local inputs (``--x PATH --y PATH``, no Ray): each PATH is an image folder (searched recursively, files
 in sorted order), a tensor file (``.pt`` / ``.pth`` / ``.npy``, shape ``(N, 3, H, W)``, already
 preprocessed, read without running pickled code, NaN/inf refused), or a prepared store (its ``test``
-split, ``val`` when it has no test images). Stores (``--pretrain STORE --downstream STORE ...``) run the
+split, ``val`` when it has no test images). Stores (``--pretrain-store STORE --downstream STORE ...``) run the
 distributed Ray Data pipeline.
 
 Text: a Hugging Face text model (``--model hf:DIR``, a folder with ``config.json``, weights and
@@ -11,7 +11,7 @@ Text: a Hugging Face text model (``--model hf:DIR``, a folder with ``config.json
 window of ``--seq-len`` tokens cut with the model's tokenizer (``--tokenizer FILE`` to use another
 ``tokenizer.json``), e.g.::
 
-    raystudy plasticity --model hf:path/to/minilm --pretrain data/agnews --downstream data/wikitext103 \
+    raystudy plasticity --model hf:path/to/minilm --pretrain-store data/agnews --downstream data/wikitext103 \
         --seq-len 64 --pairs 1024 --out results/minilm
 """
 
@@ -30,7 +30,16 @@ from raystudy.data.pairing import positions, reuse
 from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.job_inputs import check_inputs, out_problem, plasticity_problems
-from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings, add_flags, from_args
+from raystudy.precision import resolve_precision
+from raystudy.settings import (
+    HubWeights,
+    ModelSettings,
+    PlasticityRun,
+    PlasticitySettings,
+    add_bf16_flag,
+    add_flags,
+    from_args,
+)
 from raystudy.storage import check_path_name
 from raystudy.terminal import progress_bar
 from raystudy.vocab import COMPONENTS, PRETRAINED, RANDOM_INIT, pretrained_rows
@@ -69,7 +78,8 @@ def register(sub) -> None:
     add_flags(p, PlasticitySettings, ["pairs"], unset=True, help={"pairs": PAIRS_HELP})
     add_flags(p, PlasticitySettings, ["pairing", "batch_size", "mode", "mha_input", "gated_fc1", "control",
                                       "control_seed"])
-    add_flags(p, PlasticityRun, ["amp_bf16"])
+    add_flags(p, PlasticityRun, ["precision"])
+    add_bf16_flag(p)
     p.set_defaults(func=run)
 
 
@@ -149,13 +159,14 @@ def run(args) -> int:
     if args.pretrain or args.downstream:
         return run_pipeline(args)
     if not (args.x and args.y):
-        raise ValueError("give --x and --y (local images) or --pretrain and --downstream (stores)")
-    if not modality_of_model(args.model).takes_images:
-        raise ValueError(f"--model {args.model} is a text model: measure it on text stores with --pretrain STORE "
+        raise ValueError("give --x and --y (local images) or --pretrain-store and --downstream (stores)")
+    why = modality_of_model(args.model).files_problem(args.model)
+    if why:
+        raise ValueError(f"--model {args.model}: {why}; measure it on stores with --pretrain-store STORE "
                          "--downstream STORE --seq-len N")
     if args.radius is not None or args.pretrain_split != "test":
-        raise ValueError("--radius and --pretrain-split apply to stores (--pretrain/--downstream); for the bounds "
-                         "of local images use `raystudy bounds --images PATH --radius R`")
+        raise ValueError("--radius and --pretrain-split apply to stores (--pretrain-store/--downstream); for the "
+                         "bounds of local images use `raystudy bounds --images PATH --radius R`")
     return run_local(args)
 
 
@@ -184,13 +195,15 @@ def measured_models(args, control: str | None = None) -> dict:
 def local_rates(models: dict, x, y, args, device, dataset: str):
     """Per-pair rates of every model of ``models`` (``{weights: model}``) on the same pairs ``(x, y)``, batch by
     batch, and their summary: ``(rates, plasticity)`` frames labelled with the model, ``dataset``, mode and
-    ``weights`` (:data:`raystudy.vocab.WEIGHTS`; the control's ``init_seed`` beside it in ``plasticity``)."""
+    ``weights`` (:data:`raystudy.vocab.WEIGHTS`; the control's ``init_seed`` and the ``precision`` the forward
+    passes ran in beside it in ``plasticity``: ``--precision`` resolved on ``device``)."""
     import pandas as pd
     import torch
 
     from raystudy.core.plasticity import pair_rates, summarize  # torch (raystudy.core): --help stays light
 
-    amp = torch.bfloat16 if args.amp_bf16 else None
+    precision = resolve_precision(args.precision, torch.device(device).type == "cuda")
+    amp = torch.bfloat16 if precision == "bf16" else None  # norms stay float32 under it
     frames = []
     with progress_bar(total=len(x), unit="pair", desc=f"plasticity {dataset}") as bar:
         for i in range(0, len(x), args.batch_size):
@@ -206,6 +219,7 @@ def local_rates(models: dict, x, y, args, device, dataset: str):
     rates.insert(0, "model", args.model)
     table = summarize(rates)
     table["init_seed"] = table["weights"].map({RANDOM_INIT: args.control_seed}).astype("Int64")
+    table["precision"] = precision
     return rates, table
 
 
@@ -253,7 +267,7 @@ def pipeline_job(args):
     from raystudy.distributed.plasticity import PlasticityJob  # torch, pandas, matplotlib: --help stays light
 
     if not (args.pretrain and args.downstream):
-        raise ValueError("the Ray pipeline needs both --pretrain STORE and --downstream STORE ...")
+        raise ValueError("the Ray pipeline needs both --pretrain-store STORE and --downstream STORE ...")
     job = from_args(PlasticityJob, args)
     job.validate()  # before Ray starts
     return job

@@ -18,7 +18,15 @@ import json
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.job_inputs import check_inputs, probe_problems
 from raystudy.distributed.probe import ProbeJob, run_probe_job
-from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings, add_flags, from_args
+from raystudy.settings import (
+    DeviceSettings,
+    HubWeights,
+    ModelSettings,
+    ProbeSettings,
+    add_bf16_flag,
+    add_flags,
+    from_args,
+)
 
 
 def register(sub) -> None:
@@ -29,6 +37,7 @@ def register(sub) -> None:
     add_flags(model, ModelSettings)
     add_flags(model, HubWeights)
     add_flags(p, DeviceSettings, ["data_path", "cache_dir", "precision"])
+    add_bf16_flag(p)
     add_flags(p, ProbeJob, ["resize"])
     add_flags(p, ProbeSettings, ["augment", "seed", "batch_size"])
     ray = p.add_argument_group("Ray")

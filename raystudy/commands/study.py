@@ -20,8 +20,9 @@ import sys
 from raystudy.cli import Parser, interrupted, setup_logging
 from raystudy.settings import add_flags
 from raystudy.storage import exists
-from raystudy.study.spec import TRACKERS, StudySpec, flag_fields, load_preset, preset_names
-from raystudy.vocab import CONFIGURATIONS, RANDOM_INIT
+from raystudy.study.persist import load_study_spec
+from raystudy.study.spec import StudySpec, flag_fields, load_preset, preset_names
+from raystudy.vocab import CONFIGURATIONS, RANDOM_INIT, TRACKERS
 
 DESCRIPTION = (
     "Run a study: the grid dataset x configuration x optimizer x lr x seed of finetuning runs on Ray Tune "
@@ -115,8 +116,6 @@ def preset_of(args: argparse.Namespace, prefix: str = "") -> str:
 def spec_from_args(args: argparse.Namespace, *, preset_prefix: str = ""):
     """The study spec: preset (or the stored spec with --resume), then flags, then --set overrides."""
     if args.resume:
-        from raystudy.study.tune import load_study_spec  # torch, pandas, matplotlib (study.tune): --help stays light
-
         if args.preset:
             raise ValueError("--resume DIR continues the stored spec; do not combine it with --preset")
         spec = load_study_spec(args.resume)

@@ -7,22 +7,3 @@ Hugging Face's (:mod:`raystudy.core.hf`, which imports no ``transformers`` until
 """
 
 from raystudy.core import hf as _hf  # noqa: F401  (registers the HF adapters, after timm's: hf imports components)
-from raystudy.core.components import (
-    COMPONENTS,
-    CONFIGURATIONS,
-    UnsupportedModelError,
-    embedding_parameters,
-    get_adapter,
-    head_parameters,
-    trainable_parameters,
-)
-
-__all__ = [
-    "COMPONENTS",
-    "CONFIGURATIONS",
-    "UnsupportedModelError",
-    "embedding_parameters",
-    "get_adapter",
-    "head_parameters",
-    "trainable_parameters",
-]

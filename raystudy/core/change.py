@@ -8,7 +8,7 @@ that component in that block (its module paths of :class:`~raystudy.core.compone
     change(c, l) = ||W_ft - W_0||_F / ||W_0||_F
 
 0 for a component that did not train. For an adapter (LoRA), ``W_ft`` is the merged weight
-(:func:`raystudy.core.lora.merge` before the state is read).
+(:func:`raystudy.core.peft_methods.merge` before the state is read).
 
 **Linear CKA** (Kornblith et al., 2019) of two feature matrices ``X (n, p)`` and ``Y (n, q)`` over the same
 ``n`` samples (:func:`linear_cka`), each centred over the samples:
@@ -37,10 +37,11 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from raystudy.core.components import COMPONENTS, get_adapter
+from raystudy.core.components import get_adapter
 from raystudy.data.pairing import split_names
 from raystudy.data.rows import locate_split, resolve_pretrain_split
 from raystudy.data.transforms import transform_batch
+from raystudy.vocab import COMPONENTS
 
 
 def component_parameters(model: nn.Module) -> dict[tuple[str, int], list[str]]:

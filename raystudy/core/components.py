@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from raystudy.core.input_checks import check_pair_batches
-from raystudy.vocab import COMPONENTS, CONFIGURATIONS  # noqa: F401  (public names, re-exported here)
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS
 
 
 class UnsupportedModelError(TypeError):
@@ -521,9 +521,3 @@ def trainable_parameters(
 
 def count_parameters(params: list[tuple[str, nn.Parameter]]) -> int:
     return sum(p.numel() for _, p in params)
-
-
-def component_modules(model: nn.Module) -> list[BlockComponents]:
-    """Shorthand for ``get_adapter(model).blocks()``."""
-    return get_adapter(model).blocks()
-

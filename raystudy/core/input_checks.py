@@ -3,7 +3,7 @@
 :class:`PlasticityInputError` is the one error of bad plasticity input (shapes, non-finite values,
 identical pairs); :func:`check_pair_batches` is the image check of
 :meth:`raystudy.core.components.Adapter.check_inputs` (text adapters check token ids instead:
-:func:`raystudy.core.hf.check_token_batches`). Both are re-exported by :mod:`raystudy.core.plasticity`.
+:func:`raystudy.core.hf.check_token_batches`).
 """
 
 from __future__ import annotations

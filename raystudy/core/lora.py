@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from raystudy.core.peft_methods import DEFAULT_TARGETS, adapter_parameters, apply_method, merge, target_modules
+from raystudy.core.peft_methods import DEFAULT_TARGETS, adapter_parameters, apply_method
 
-__all__ = ["DEFAULT_LORA_TARGETS", "apply_lora", "is_lora", "lora_parameters", "merge", "target_modules"]
+__all__ = ["DEFAULT_LORA_TARGETS", "apply_lora", "is_lora", "lora_parameters"]
 
 #: The layers of a block ``lora:r=<rank>`` adapts when it names none.
 DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULT_TARGETS

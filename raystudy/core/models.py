@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from raystudy.core.components import get_adapter
 from raystudy.core.hf import build_hf_model
 from raystudy.core.tensors import torch_load_reason
 from raystudy.data.modality import modality_of_model
+from raystudy.data.store import IMAGE_KIND, TEXT_KIND
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +236,12 @@ def build_model(
     """
     if weights is not None and pretrained:
         raise ValueError("pass either pretrained=True (hub) or weights=FILE (local), not both")
-    if not modality_of_model(name).takes_images:  # a Hugging Face text model (module docstring of core.hf)
-        return _build_hf(name, num_classes=num_classes, weights=weights, img_size=img_size, strict=strict, **kwargs)
+    return _library(name).build(name, num_classes=num_classes, pretrained=pretrained, weights=weights,
+                                img_size=img_size, strict=strict, **kwargs)
+
+
+def _build_timm(name: str, *, num_classes, pretrained: bool, weights, img_size, strict: bool, **kwargs) -> nn.Module:
+    """The timm side of :func:`build_model`: ``timm.create_model``, then the weights file."""
     import timm
 
     if not timm.is_model(name):
@@ -251,16 +258,18 @@ def build_model(
 
 def resolve_img_size(model: str, model_kwargs: dict | None = None, img_size: int | None = None) -> int | None:
     """The input resolution a job uses: ``img_size``, else ``model_kwargs["img_size"]``, else the timm model's
-    own (224 if it names none); ``None`` for a Hugging Face text model (its inputs are token windows)."""
-    if not modality_of_model(model).takes_images:
-        return None
-    if img_size:
-        return int(img_size)
+    own (224 if it names none); ``None`` for a Hugging Face text model (its inputs are token windows,
+    :meth:`~raystudy.data.modality.Modality.input_size`)."""
     kwargs = dict(model_kwargs or {})
-    if kwargs.get("img_size"):
-        size = kwargs["img_size"]
-        return int(size if isinstance(size, int) else size[-1])
-    return _timm_img_size(model, json.dumps(kwargs, sort_keys=True))
+
+    def configured() -> int:
+        size = kwargs.get("img_size")
+        if size:
+            return size if isinstance(size, int) else size[-1]
+        return _timm_img_size(model, json.dumps(kwargs, sort_keys=True))
+
+    size = modality_of_model(model).input_size(img_size, configured)
+    return None if size is None else int(size)
 
 
 @functools.lru_cache(maxsize=64)
@@ -278,8 +287,9 @@ def _timm_img_size(model: str, kwargs_json: str) -> int:
     return int(size[-1] if isinstance(size, tuple | list) else size)
 
 
-def _build_hf(name: str, *, num_classes, weights, img_size, strict: bool, **kwargs) -> nn.Module:
-    """The ``hf:`` branch of :func:`build_model` (text models take no ``img_size``)."""
+def _build_hf(name: str, *, num_classes, pretrained: bool, weights, img_size, strict: bool, **kwargs) -> nn.Module:
+    """The ``hf:`` side of :func:`build_model` (module docstring of :mod:`raystudy.core.hf`): the folder's own
+    weights unless ``weights`` is given (``pretrained`` does not apply); text models take no ``img_size``."""
     if img_size is not None:
         raise ValueError("img_size does not apply to a Hugging Face text model")
     model = build_hf_model(name, num_classes=num_classes, pretrained=weights is None, **kwargs)
@@ -315,9 +325,36 @@ def build_control_model(model: str, *, seed: int, model_kwargs: dict | None = No
     name = modality_of_model(model).build_name(model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if not modality_of_model(name).takes_images:
-            return build_hf_model(name, pretrained=False, **kwargs)
-        return build_model(name, img_size=img_size, **kwargs)
+        return _library(name).control(name, img_size=img_size, **kwargs)
+
+
+def _control_timm(name: str, *, img_size, **kwargs) -> nn.Module:
+    """timm's own initialisation of ``name`` (:func:`build_model` without weights)."""
+    return build_model(name, img_size=img_size, **kwargs)
+
+
+def _control_hf(name: str, *, img_size, **kwargs) -> nn.Module:
+    """Hugging Face's ``from_config`` initialisation of the ``hf:`` model ``name`` (no ``img_size``)."""
+    return build_hf_model(name, pretrained=False, **kwargs)
+
+
+class ModelLibrary(NamedTuple):
+    """How the models of one modality are built: :func:`build_model`'s work, and the random-init control of
+    :func:`build_control_model`."""
+
+    build: Callable[..., nn.Module]
+    control: Callable[..., nn.Module]
+
+
+#: modality kind (:attr:`raystudy.data.modality.Modality.kind`) -> the library that builds its models:
+#: timm for images, Hugging Face ``transformers`` for ``hf:`` text models
+LIBRARIES = {IMAGE_KIND: ModelLibrary(_build_timm, _control_timm), TEXT_KIND: ModelLibrary(_build_hf, _control_hf)}
+
+
+def _library(name: str) -> ModelLibrary:
+    """The library that builds the model ``name``, by its modality
+    (:func:`~raystudy.data.modality.modality_of_model`)."""
+    return LIBRARIES[modality_of_model(name).kind]
 
 
 def weights_load_error(model: str, weights: str | Path, *, num_classes: int | None = None,

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raystudy.core.components import StackedLinear, get_adapter
-from raystudy.core.input_checks import PlasticityInputError, check_pair_batches  # noqa: F401  (public here)
+from raystudy.core.input_checks import PlasticityInputError
 from raystudy.vocab import COMPONENTS, GATED_FC1, MHA_INPUTS, MODES, columns
 
 #: Columns that label a whole run of rates (added by the callers); :func:`summarize` groups by them too.

@@ -29,6 +29,8 @@ Slow by design; used by the tests and by ``benchmarks/plasticity_bench.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pandas as pd
 import torch
@@ -39,8 +41,10 @@ from raystudy.vocab import COMPONENTS, MODES, check_name
 Record = dict[str, tuple[np.ndarray, np.ndarray]]  # component -> (input, output) on the host, float64
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
+def host(t: torch.Tensor) -> np.ndarray:
+    """``t`` copied to the host as float64 (where the references compute their norms)."""
     return t.detach().to("cpu", torch.float64).numpy()
+
 
 
 def _family(model: nn.Module) -> str:
@@ -176,13 +180,13 @@ def _embedding_records(model: nn.Module, z: torch.Tensor, kw: dict) -> list[Reco
     for blk in model.blocks:
         h = blk.mlp.fc2.in_features
         lifted = torch.cat([z, z.new_zeros(*z.shape[:-1], h - z.shape[-1])], dim=-1)  # [z_i, 0, ..., 0]
-        zh = _host(z)
+        zh = host(z)
         records.append({
-            "LN1": (zh, _host(blk.norm1(z))),
-            "MHA": (zh, _host(blk.attn(z, **kw))),
-            "LN2": (zh, _host(blk.norm2(z))),
-            "FC1": (zh, _host(_fc1(blk.mlp, z))),
-            "FC2": (zh, _host(blk.mlp.fc2(lifted))),
+            "LN1": (zh, host(blk.norm1(z))),
+            "MHA": (zh, host(blk.attn(z, **kw))),
+            "LN2": (zh, host(blk.norm2(z))),
+            "FC1": (zh, host(_fc1(blk.mlp, z))),
+            "FC2": (zh, host(blk.mlp.fc2(lifted))),
         })
     return records
 
@@ -202,14 +206,14 @@ def _block_step(blk: nn.Module, x: torch.Tensor, kw: dict) -> tuple[torch.Tensor
     """One pre-norm block, submodule by submodule: ``(N, n, d) -> (N, n, d)`` and each component's I/O."""
     a = blk.norm1(x)
     m = blk.attn(a, **kw)
-    rec = {"LN1": (_host(x), _host(a)), "MHA": (_host(a), _host(m))}
+    rec = {"LN1": (host(x), host(a)), "MHA": (host(a), host(m))}
     x = x + blk.drop_path1(_scaled(blk, m, 1))
     b = blk.norm2(x)
     mlp = blk.mlp
     h = _fc1(mlp, b)
     g = mlp.norm(mlp.drop1(_gated(mlp, h)))
     o = mlp.fc2(g)
-    rec.update(LN2=(_host(x), _host(b)), FC1=(_host(b), _host(h)), FC2=(_host(g), _host(o)))
+    rec.update(LN2=(host(x), host(b)), FC1=(host(b), host(h)), FC2=(host(g), host(o)))
     x = x + blk.drop_path2(_scaled(blk, mlp.drop2(o), 2))
     return x, rec
 
@@ -239,17 +243,26 @@ def _rate(fx: tuple[np.ndarray, np.ndarray], fy: tuple[np.ndarray, np.ndarray], 
     return float(np.sqrt(np.sum((out_x[i] - out_y[i]) ** 2)) / np.sqrt(np.sum((in_x[i] - in_y[i]) ** 2)))
 
 
+def reference_rates(records: Callable[[nn.Module, torch.Tensor, str], list[Record]], model: nn.Module,
+                    x: torch.Tensor, y: torch.Tensor, mode: str) -> pd.DataFrame:
+    """The rates of pairs ``(x_i, y_i)`` from a reference's ``records(model, batch, mode)`` (per layer, each
+    component's input and output on the host, float64): ``x``'s pass, then ``y``'s, and per pair, layer and
+    component ``||f(x_i) - f(y_i)||_F / ||x_i - y_i||_F``. Columns ``pair, layer, component, rate``; the model
+    is left in eval mode."""
+    check_name(mode, MODES, "mode")
+    model.eval()
+    fx, fy = records(model, x, mode), records(model, y, mode)
+    rows = [(i, layer, name, _rate(fx[layer][name], fy[layer][name], i))
+            for i in range(x.shape[0]) for layer in range(len(fx)) for name in COMPONENTS]
+    return pd.DataFrame(rows, columns=["pair", "layer", "component", "rate"])
+
+
 def pair_rates_reference(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, mode: str = "embedding"
 ) -> pd.DataFrame:
     """Same contract as :func:`raystudy.core.plasticity.pair_rates`, computed literally.
 
-    ``x, y``: image batches ``(N, 3, H, W)``; returns columns ``pair, layer, component, rate``. The model is
-    left in eval mode.
+    ``x, y``: image batches ``(N, 3, H, W)``; returns columns ``pair, layer, component, rate``
+    (:func:`reference_rates`). The model is left in eval mode.
     """
-    check_name(mode, MODES, "mode")
-    model.eval()
-    fx, fy = _records(model, x, mode), _records(model, y, mode)
-    rows = [(i, layer, name, _rate(fx[layer][name], fy[layer][name], i))
-            for i in range(x.shape[0]) for layer in range(len(fx)) for name in COMPONENTS]
-    return pd.DataFrame(rows, columns=["pair", "layer", "component", "rate"])
+    return reference_rates(_records, model, x, y, mode)

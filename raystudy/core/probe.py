@@ -20,7 +20,8 @@ the fit), while every training row is used here; and their ``seed`` is the confi
 seed. Their train split is the 80% part of a seeded 80/20 train/val split: a store's ``train`` split.
 
 Features are returned in float32; the model runs in float32 (``precision="fp32"``, the default on a CPU)
-or under bf16 autocast (``"bf16"``, the default on CUDA, as finetuning: :func:`resolve_precision`). Rows are
+or under bf16 autocast (``"bf16"``, the default on CUDA, as finetuning:
+:func:`raystudy.precision.resolve_precision`). Rows are
 ordered by the store's stable ``index`` before the fit, so the fit does not depend on the order in which
 workers return batches.
 
@@ -46,18 +47,10 @@ from torch import nn
 
 from raystudy.core.components import get_adapter
 from raystudy.core.finetune.data import to_device
-from raystudy.vocab import LINEAR_PROBE, PRECISIONS, columns
+from raystudy.vocab import LINEAR_PROBE, columns
 
 #: ``LogisticRegression(max_iter=...)`` of the authors.
 MAX_ITER = 5000
-
-
-def resolve_precision(precision: str | None, cuda: bool) -> str:
-    """``precision`` (one of :data:`raystudy.vocab.PRECISIONS`), or ``bf16`` on CUDA and ``fp32`` elsewhere
-    (as :meth:`raystudy.core.finetune.FinetuneConfig.resolved_precision`)."""
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: expected one of {list(PRECISIONS)} (or None)")
-    return precision or ("bf16" if cuda else "fp32")
 
 
 def probe_features(model: nn.Module, images: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
@@ -150,7 +143,7 @@ def fit_probe(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.n
             "n_iter": n_iter, "converged": n_iter < MAX_ITER, "fit_seconds": time.perf_counter() - t0}
 
 
-#: the eval transform of each ``resize`` (:data:`raystudy.settings.RESIZES`,
+#: the eval transform of each ``resize`` (:data:`raystudy.vocab.RESIZES`,
 #: :func:`raystudy.data.transforms.eval_geometry`): the test split's, and the train split's without augment
 EVAL_TRANSFORMS = {
     "crop": "eval (resize the shorter side + center crop)",

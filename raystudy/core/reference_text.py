@@ -1,7 +1,9 @@
 """A deliberately literal plasticity reference for the Hugging Face text families (GPT-2, BERT, Llama).
 
 The yardstick for :mod:`raystudy.core.hf` + :mod:`raystudy.core.plasticity`: it shares no code with
-either. Every input is built here from the model's own modules, written out as the model's forward does it:
+either; its last step, the rates from the recorded inputs and outputs, is the image reference's
+(:func:`raystudy.core.plasticity_reference.reference_rates`). Every input is built here from the model's
+own modules, written out as the model's forward does it:
 
 * Embedding stage. GPT-2: ``drop(wte(ids) + wpe(arange(n)))``. BERT: ``dropout(LayerNorm(word(ids) +
   token_type(0) + position(p)))`` with ``p = arange(n)`` (RoBERTa: ``padding_idx + 1 + arange(n)``; the
@@ -23,18 +25,11 @@ Slow by design; used by the tests.
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 
-from raystudy.vocab import COMPONENTS, MODES, check_name
-
-Record = dict[str, tuple[np.ndarray, np.ndarray]]  # component -> (input, output) on the host, float64
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu", torch.float64).numpy()
+from raystudy.core.plasticity_reference import Record, host, reference_rates
 
 
 def text_family(model: nn.Module) -> str:
@@ -121,13 +116,13 @@ def _fc2_width(model: nn.Module, layer: nn.Module) -> int:
 def _embedding_records(model: nn.Module, z: torch.Tensor) -> list[Record]:
     """Every component of every layer applied to the embeddings ``z`` ``(N, n, d)``."""
     records = []
-    zh = _host(z)
+    zh = host(z)
     for layer in _layers(model):
         ln1, ln2, fc2, _ = _mlp_parts(model, layer)
         lifted = torch.cat([z, z.new_zeros(*z.shape[:-1], _fc2_width(model, layer) - z.shape[-1])], dim=-1)
-        records.append({"LN1": (zh, _host(ln1(z))), "MHA": (zh, _host(_mha(model, layer, z))),
-                        "LN2": (zh, _host(ln2(z))), "FC1": (zh, _host(_fc1(model, layer, z))),
-                        "FC2": (zh, _host(fc2(lifted)))})
+        records.append({"LN1": (zh, host(ln1(z))), "MHA": (zh, host(_mha(model, layer, z))),
+                        "LN2": (zh, host(ln2(z))), "FC1": (zh, host(_fc1(model, layer, z))),
+                        "FC2": (zh, host(fc2(lifted)))})
     return records
 
 
@@ -137,7 +132,7 @@ def _pre_ln_step(model: nn.Module, layer: nn.Module, x: torch.Tensor) -> tuple[t
     ln1, ln2, fc2, act = _mlp_parts(model, layer)
     a = ln1(x)
     m = _mha(model, layer, a)
-    rec = {"LN1": (_host(x), _host(a)), "MHA": (_host(a), _host(m))}
+    rec = {"LN1": (host(x), host(a)), "MHA": (host(a), host(m))}
     x = x + m
     b = ln2(x)
     f = _fc1(model, layer, b)
@@ -147,7 +142,7 @@ def _pre_ln_step(model: nn.Module, layer: nn.Module, x: torch.Tensor) -> tuple[t
     else:
         g = act(f)
     o = fc2(g)
-    rec.update(LN2=(_host(x), _host(b)), FC1=(_host(b), _host(f)), FC2=(_host(g), _host(o)))
+    rec.update(LN2=(host(x), host(b)), FC1=(host(b), host(f)), FC2=(host(g), host(o)))
     if text_family(model) == "gpt2":
         o = layer.mlp.dropout(o)
     return x + o, rec
@@ -165,8 +160,8 @@ def _post_ln_step(model: nn.Module, layer: nn.Module, x: torch.Tensor) -> tuple[
     o = fc2(g)
     t = layer.output.dropout(o) + h1
     out = ln2(t)
-    rec = {"MHA": (_host(x), _host(m)), "LN1": (_host(s), _host(h1)), "FC1": (_host(h1), _host(f)),
-           "FC2": (_host(g), _host(o)), "LN2": (_host(t), _host(out))}
+    rec = {"MHA": (host(x), host(m)), "LN1": (host(s), host(h1)), "FC1": (host(h1), host(f)),
+           "FC2": (host(g), host(o)), "LN2": (host(t), host(out))}
     return out, rec
 
 
@@ -190,22 +185,12 @@ def _records(model: nn.Module, ids: torch.Tensor, mode: str) -> list[Record]:
     return _embedding_records(model, z) if mode == "embedding" else reference_text_blocks(model, z)[1]
 
 
-def _rate(fx: tuple[np.ndarray, np.ndarray], fy: tuple[np.ndarray, np.ndarray], i: int) -> float:
-    (in_x, out_x), (in_y, out_y) = fx, fy
-    return float(np.sqrt(np.sum((out_x[i] - out_y[i]) ** 2)) / np.sqrt(np.sum((in_x[i] - in_y[i]) ** 2)))
-
-
 def pair_rates_text_reference(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, mode: str = "embedding"
 ) -> pd.DataFrame:
     """Same contract as :func:`raystudy.core.plasticity.pair_rates` for token ids, computed literally.
 
-    ``x, y``: token-id batches ``(N, n)``; returns columns ``pair, layer, component, rate``. The model is
-    left in eval mode.
+    ``x, y``: token-id batches ``(N, n)``; returns columns ``pair, layer, component, rate``
+    (:func:`raystudy.core.plasticity_reference.reference_rates`). The model is left in eval mode.
     """
-    check_name(mode, MODES, "mode")
-    model.eval()
-    fx, fy = _records(model, x, mode), _records(model, y, mode)
-    rows = [(i, layer, name, _rate(fx[layer][name], fy[layer][name], i))
-            for i in range(x.shape[0]) for layer in range(len(fx)) for name in COMPONENTS]
-    return pd.DataFrame(rows, columns=["pair", "layer", "component", "rate"])
+    return reference_rates(_records, model, x, y, mode)

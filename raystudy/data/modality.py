@@ -12,8 +12,16 @@ rows       the images of the splits              their windows of ``seq_len`` to
            (:class:`~raystudy.data.rows.SplitRows`) (:class:`~raystudy.data.text_rows.TextRows`)
 staging    gather tasks, one per source shard    the driver writes the chosen windows
 batch      eval transform ``(n, 3, S, S)`` f32   token ids ``(n, seq_len)`` int64
-caches     uint8 image caches apply              none (a text batch is the same on every path)
+data path  ``cache`` or ``decode``, as asked     ``tokens`` (a text batch is the same on every path)
+caches     uint8 image caches apply              none
+input size ``img_size``                          none (``seq_len`` tokens instead)
+weights    a local weights file                  the model folder's own (or a weights file)
 =========  ====================================  ================================================
+
+Every caller asks its modality object (:meth:`Modality.data_path`, :meth:`~Modality.image_caches`,
+:meth:`~Modality.input_size`, :meth:`~Modality.flops_input`, ...) instead of testing which one it is; a layer
+above ``data`` that holds its own code per modality (the model libraries of :mod:`raystudy.core.models`,
+an input reader of a command) keys it by :attr:`Modality.kind` in one table.
 
 :func:`modality_of_model` and :func:`modality_of_store` give one side's view; :func:`resolve_modality`
 checks that the two agree (a text store with an image model, or the reverse, raises naming the store and
@@ -33,6 +41,7 @@ import importlib.util
 import json
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +65,9 @@ from raystudy.vocab import SCHEMAS
 
 #: The prefix of a Hugging Face text model's name (``hf:<dir>``).
 TEXT_MODEL_PREFIX = "hf:"
+#: The data path of a text store: its texts tokenised once (:mod:`raystudy.core.finetune.text`), the same
+#: batch whatever ``data_path`` asks
+TOKENS_PATH = "tokens"
 #: ``pairs.parquet``: the required columns, plus the recipe that paired them
 PAIRS_SCHEMA = SCHEMAS["pairs"].append(pa.field("pairing", pa.string()))
 #: ``pairs.parquet`` of text stores: also the first token of each side's window
@@ -96,15 +108,11 @@ class Modality(ABC):
 
     Attributes:
         kind: the store kind whose rows it reads (``dataset.json``'s ``kind``); also its registry key.
-        takes_images: whether the model takes pixels (and so has an input size ``img_size``).
-        caches_images: whether the uint8 image caches (:mod:`raystudy.data.cache`) apply to its stores.
         pairs_schema: the schema of ``pairs.parquet`` for its pairs.
         inputs: what one input is, in throughputs (a run's ``images_per_s`` counts these per second).
     """
 
     kind: str
-    takes_images: bool
-    caches_images: bool
     pairs_schema: pa.Schema
     inputs: str
 
@@ -155,19 +163,84 @@ class Modality(ABC):
         """The columns of ``pairs.parquet`` beyond :data:`PAIRS_SCHEMA` for pairs ``(pre[pre_pos], rows[pos])``."""
         return {}
 
+    @abstractmethod
+    def data_path(self, asked: str) -> str:
+        """The data path a finetuning run on a store of this modality reads when ``data_path: asked``
+        (``cache`` / ``decode``; :data:`TOKENS_PATH` for text)."""
+
+    @abstractmethod
+    def image_caches(self, splits: Sequence[str], kinds: Sequence[str]) -> list[tuple[str, str]]:
+        """The ``(split, cache kind)`` pairs (of ``splits[i]`` at ``kinds[i]``) whose uint8 image caches
+        (:mod:`raystudy.data.cache`) a store of this modality has."""
+
+    @abstractmethod
+    def change_images(self, n: int) -> int:
+        """How many of the ``n`` asked inputs a run's CKA to its start (:mod:`raystudy.core.change`) reads."""
+
+    @abstractmethod
+    def input_size(self, img_size: int | None, default: Callable[[], int] | None = None) -> int | None:
+        """The image side a model of this modality takes: ``img_size``, else ``default()`` (when given);
+        ``None`` when its inputs are no images."""
+
+    @abstractmethod
+    def flops_input(self, img_size: int | None, channels: int) -> tuple[int, ...] | None:
+        """The shape of the one input whose FLOPs the cost model (:mod:`raystudy.study.cost`) counts;
+        ``None``: not counted for this modality."""
+
+    @abstractmethod
+    def weights_source(self, model: str, weights: str | None) -> str | None:
+        """Where ``model``'s pretrained weights come from: ``weights``, else what the model name holds
+        (``None``: nothing, a random init)."""
+
+    @abstractmethod
+    def files_problem(self, model: str) -> str | None:
+        """Why local files (an image folder, a tensor file) cannot be ``model``'s inputs; ``None``: they can."""
+
+    @abstractmethod
+    def describe(self, meta: dict) -> tuple[str, list[str]]:
+        """``(kind note, lines)`` of ``raystudy data info``'s summary of a store with ``dataset.json``
+        ``meta``: what its header adds after the source, and its rows' lines of this modality."""
+
 
 class ImageModality(Modality):
     """A timm model on image stores (module docstring)."""
 
-    kind, takes_images, caches_images, pairs_schema = IMAGE_KIND, True, True, PAIRS_SCHEMA
+    kind, pairs_schema = IMAGE_KIND, PAIRS_SCHEMA
     inputs = "images"
 
     def input_limits(self, model, *, img_size, seq_len):
         return []
 
     def wrong_store(self, model, store, kind):
-        return (f"{store} is a {kind} store but model {model} takes images; measure text with an "
-                f"{TEXT_MODEL_PREFIX}<dir> text model and seq_len")
+        return (f"{store} is a {kind} store but model {model} takes images; a {kind} store needs an "
+                f"{TEXT_MODEL_PREFIX}<dir> text model (and seq_len to measure plasticity)")
+
+    def data_path(self, asked):
+        return asked
+
+    def image_caches(self, splits, kinds):
+        return list(zip(splits, kinds))
+
+    def change_images(self, n):
+        return n
+
+    def input_size(self, img_size, default=None):
+        return img_size if img_size or default is None else default()
+
+    def flops_input(self, img_size, channels):
+        return (1, channels, img_size, img_size)
+
+    def weights_source(self, model, weights):
+        return None if weights is None else str(weights)
+
+    def files_problem(self, model):
+        return None
+
+    def describe(self, meta):
+        skipped = meta.get("skipped") or {}
+        indices = [s["index"] for s in skipped.get("items", [])][:10]
+        return "", [f"  skipped images: {skipped.get('count', 0)}"
+                    + (f"  (indices {indices})" if skipped.get("count") else "")]
 
     def build_kwargs(self, *, pretrained, img_size):
         return {"pretrained": pretrained, "img_size": img_size}
@@ -194,7 +267,7 @@ class ImageModality(Modality):
 class TextModality(Modality):
     """A Hugging Face text model (``hf:...``) on text stores: token windows (:mod:`raystudy.data.text_rows`)."""
 
-    kind, takes_images, caches_images, pairs_schema = TEXT_KIND, False, False, TEXT_PAIRS_SCHEMA
+    kind, pairs_schema = TEXT_KIND, TEXT_PAIRS_SCHEMA
     inputs = "sequences"
 
     def build_name(self, model):
@@ -248,6 +321,30 @@ class TextModality(Modality):
         return {"pretrain_start": pa.array(pre.start[pre_pos], pa.int64()),
                 "downstream_start": pa.array(rows.start[pos], pa.int64())}
 
+    def data_path(self, asked):
+        return TOKENS_PATH
+
+    def image_caches(self, splits, kinds):
+        return []
+
+    def change_images(self, n):
+        return 0  # the CKA to the start is measured on images
+
+    def input_size(self, img_size, default=None):
+        return None
+
+    def flops_input(self, img_size, channels):
+        return None  # the cost model counts image inputs only
+
+    def weights_source(self, model, weights):
+        return hf_source(model) if weights is None else str(weights)
+
+    def files_problem(self, model):
+        return f"the text model {model} reads token windows of text stores, not local image files"
+
+    def describe(self, meta):
+        return f", {self.kind}", []
+
 
 #: store kind -> its modality (the registry; :func:`register_modality` adds one)
 MODALITIES: dict[str, Modality] = {}
@@ -272,11 +369,6 @@ def modality_of_model(model: str) -> Modality:
     return next((m for p, m in _BY_PREFIX.items() if str(model).startswith(p)), IMAGE)
 
 
-def is_text_model(model: str) -> bool:
-    """Whether ``model`` names a Hugging Face text model (``hf:...``), which takes token ids."""
-    return modality_of_model(model) is TEXT
-
-
 def modality_of_store(meta: dict) -> Modality:
     """The modality of a store's rows, from its ``dataset.json`` (``kind``; none: images)."""
     return MODALITIES[store_kind(meta)]
@@ -293,13 +385,14 @@ def resolve_modality(model: str, meta: dict, store: str | os.PathLike = "the sto
 
 
 def tokenizer_path(model: str, tokenizer: str | None) -> str:
-    """``tokenizer`` when given, else ``<model folder>/tokenizer.json``; a hub model needs ``tokenizer``."""
+    """``tokenizer`` when given, else ``tokenizer.json`` in the folder of ``model`` (``hf:<dir>`` or an
+    installed model package, :func:`hf_source`); a hub model needs ``tokenizer``."""
     if tokenizer:
         return str(tokenizer)
     folder = Path(hf_source(model))
     if not folder.is_dir():
         raise ValueError(f"model {model}: no local folder to take tokenizer.json from; pass the tokenizer "
-                         "(--tokenizer FILE, plasticity.tokenizer)")
+                         "file (--tokenizer FILE, the tokenizer setting)")
     return str(folder / "tokenizer.json")
 
 

@@ -272,7 +272,7 @@ def read_domainnet(root, *, domain: str | None) -> Listing:
 def read_domainnet_folder(root, *, domain: str | None) -> Listing:
     """A DomainNet domain as the paper's authors read it: torchvision ``ImageFolder`` over the whole domain
     folder (classes = sorted sub-folders, files in its walk order), no list file; ``index`` = the position
-    in that order and every row without an official split (``--split authors`` draws train and test)."""
+    in that order and every row without an official split (``--split-rule authors`` draws train and test)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
     if not domain:

@@ -29,7 +29,7 @@ Images are stored as the source's own bytes when they are RGB or greyscale JPEG/
 other formats or modes are encoded losslessly as PNG (the original pixels, no resizing).
 
 The readers themselves (one per benchmark, and :class:`Candidate` / :class:`Listing`) are in
-:mod:`raystudy.data.readers`; their names are importable from here too.
+:mod:`raystudy.data.readers`.
 """
 
 
@@ -42,12 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
+from raystudy.vocab import BAD_IMAGE_POLICIES, LOW_DATA, POOLABLE, SOURCES, SPLIT_RULES
+
 from ..terminal import progress_bar
 from .images import ImageError, open_image
-from .readers import (  # noqa: F401  (the readers' public names, importable here as before the split)
-    CIFAR10_CLASSES,
-    CIFAR10C_CORRUPTIONS,
-    PAPER_CORRUPTIONS,
+from .readers import (
     Candidate,
     Listing,
     read_cifar10,
@@ -62,7 +61,6 @@ from .readers import (  # noqa: F401  (the readers' public names, importable her
 from .splits import (
     AUTHORS_RULE,
     RULE,
-    SPLIT_RULES,
     VTAB_TRAIN,
     VTAB_VAL,
     assign_splits,
@@ -74,10 +72,6 @@ from .splits import (
 from .store import StoreError, write_store
 from .vtab import read_vtab1k, resolve_tasks
 
-SOURCES = ("cifar10", "cifar100", "cifar10c", "domainnet", "flowers102", "pets", "imagenet", "imagefolder",
-           "vtab1k", "synthetic")
-BAD_IMAGE_POLICIES = ("error", "skip")
-LOW_DATA = ("vtab1k", "authors")
 #: The store name's suffix of each low-data variant (``cifar100-ld``: the authors' ``cifar100ld``).
 LOW_DATA_SUFFIX = {"vtab1k": "-vtab1k", "authors": "-ld"}
 #: Sources the authors split with ``deterministic_split``, and whether their training pool is then sorted
@@ -85,7 +79,6 @@ LOW_DATA_SUFFIX = {"vtab1k": "-vtab1k", "authors": "-ld"}
 AUTHORS_SPLIT = {"cifar10c": True, "domainnet": False}
 #: Sources of the authors' low-data runs (``*ld.py``); the others have official train/test splits.
 AUTHORS_LOW_DATA_SOURCES = ("cifar100", "cifar10c", "domainnet", "pets")
-POOLABLE = ("val", "test")
 #: Sources torchvision can download into the layout the readers expect (``--download``).
 TORCHVISION = {"cifar10": "CIFAR10", "cifar100": "CIFAR100", "flowers102": "Flowers102", "pets": "OxfordIIITPet"}
 # ----------------------------------------------------------------------------- images
@@ -189,10 +182,10 @@ def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...
     if split_rule not in SPLIT_RULES:
         raise ValueError(f"split rule must be one of {SPLIT_RULES}, got {split_rule!r}")
     if split_rule == "authors" and source not in AUTHORS_SPLIT:
-        raise ValueError(f"--split authors: the authors split only {sorted(AUTHORS_SPLIT)} this way; "
+        raise ValueError(f"--split-rule authors: the authors split only {sorted(AUTHORS_SPLIT)} this way; "
                          f"{source} keeps its official splits")
     if split_rule == "authors" and pool:
-        raise ValueError("--split authors draws its own train/test split; drop --pool")
+        raise ValueError("--split-rule authors draws its own train/test split; drop --pool")
     if source == "vtab1k" and (low_data or pool):
         raise ValueError("vtab1k: the task folder's train800/val200/test lists are the splits; drop --low-data "
                          "and --pool")
@@ -202,7 +195,7 @@ def _check_options(on_bad_image: str, low_data: str | None, pool: tuple[str, ...
                              f"not {source}")
         if source in AUTHORS_SPLIT and split_rule != "authors":
             raise ValueError(f"--low-data authors for {source} draws from the authors' training pool: "
-                             "add --split authors")
+                             "add --split-rule authors")
 
 
 def _low_data_info(low_data: str | None, n_classes: int, source: str) -> dict | None:

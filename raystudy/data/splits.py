@@ -19,7 +19,7 @@ from the training pool (``train`` and ``val`` above), class-balanced where possi
 ``(rank within class, key)`` -- round-robin over classes -- and the first 1,000 are kept; of those,
 200 are taken for ``val`` by :func:`stratified_take`. The test split is unchanged.
 
-The paper authors' rules (``--split authors``, ``--low-data authors``; their ``src/vitef/utils.py`` and
+The paper authors' rules (``--split-rule authors``, ``--low-data authors``; their ``src/vitef/utils.py`` and
 ``src/vitef/data/images/*ld.py``, branch ``dev``), reproduced image for image:
 
 * :func:`deterministic_split` ``(n)``: ``np.random.seed(42)``, a permutation of ``range(n)``; its first
@@ -46,8 +46,6 @@ SPLITS: tuple[str, ...] = ("train", "val", "test")
 TEST_FRACTION = 0.2
 VAL_FRACTION = 0.2
 VTAB_TRAIN, VTAB_VAL = 800, 200
-#: How a store's test split is drawn where the source has none: raystudy's hashed rule, or the authors'.
-SPLIT_RULES: tuple[str, ...] = ("hashed", "authors")
 AUTHORS_SEED = 42
 AUTHORS_TRAIN_SIZE = 0.8
 AUTHORS_LOW_DATA = 1000

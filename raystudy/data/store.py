@@ -67,11 +67,6 @@ def store_kind(meta: dict) -> str:
     return kind
 
 
-def schema_of(store: str | os.PathLike) -> pa.Schema:
-    """The row schema of a prepared store (:data:`SCHEMA` or :data:`TEXT_SCHEMA`)."""
-    return SCHEMAS[store_kind(read_meta(store))]
-
-
 def shard_paths(store: str | os.PathLike) -> list[Path]:
     """The store's Parquet shards in order (``part-00000.parquet``, ...)."""
     return sorted(Path(store).glob("part-*.parquet"))

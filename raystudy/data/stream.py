@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .store import SPLITS, StoreError, iter_split, read_meta, read_split, shard_paths, verify_store
+from raystudy.data.splits import SPLITS
+from raystudy.data.store import StoreError, iter_split, read_meta, read_split, shard_paths, verify_store
+
 from .transforms import sample_seed, transform_batch
 
 COLUMNS = ["image", "label", "index"]

@@ -35,12 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from raystudy.data.sources import Candidate, prepare_candidates
+from raystudy.data.readers import Candidate
+from raystudy.data.sources import prepare_candidates
 from raystudy.data.store import StoreError, read_meta, verify_store
+from raystudy.vocab import VARIANTS
 
 NUM_CLASSES = 10
 CLASSES = [f"{kind}-{angle}deg" for kind in ("lines", "dashes") for angle in ("0", "22", "45", "67", "90")]
-VARIANTS = ("pretrain", "shift-color", "shift-noise", "shift-texture")
 DEFAULT_NAMES = ("pretrain", "shift-color", "shift-noise")
 
 

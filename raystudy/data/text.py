@@ -40,11 +40,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raystudy.vocab import TEXT_SOURCES, WIKITEXT_UNITS
+
 from .splits import RULE, assign_splits
 from .store import StoreError, write_store
 
-TEXT_SOURCES = ("agnews", "wikitext103", "textfolder")
-WIKITEXT_UNITS = ("document", "paragraph", "line")
 TEXT_EXTENSIONS = (".txt", ".jsonl", ".csv")
 AGNEWS_CLASSES = ["World", "Sports", "Business", "Sci/Tech"]
 WIKITEXT_FILES = {"train": "wiki.train.raw", "val": "wiki.valid.raw", "test": "wiki.test.raw"}

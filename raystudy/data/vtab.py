@@ -32,8 +32,7 @@ import re
 from collections import Counter
 from pathlib import Path, PurePosixPath
 
-from raystudy.vocab import VTAB_GROUPS as GROUPS
-from raystudy.vocab import VTAB_TASKS
+from raystudy.vocab import VTAB_GROUPS, VTAB_TASKS
 
 from .images import read_image_file
 from .readers import Candidate, Listing
@@ -47,7 +46,7 @@ TOP_FOLDERS = ("vtab-1k", "vtab1k", "VTAB-1k")
 
 
 def _task_list() -> str:
-    return "; ".join(f"{g}: {', '.join(t for t, (tg, _) in VTAB_TASKS.items() if tg == g)}" for g in GROUPS)
+    return "; ".join(f"{g}: {', '.join(t for t, (tg, _) in VTAB_TASKS.items() if tg == g)}" for g in VTAB_GROUPS)
 
 
 def check_task(task: str | None) -> str:

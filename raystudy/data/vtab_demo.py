@@ -31,7 +31,8 @@ import numpy as np
 from raystudy.data.sources import prepare_vtab1k
 from raystudy.data.store import StoreError, verify_store
 from raystudy.data.synthetic import NUM_CLASSES, png, render
-from raystudy.data.vtab import FINAL_TRAIN, LISTS, VTAB_TASKS
+from raystudy.data.vtab import FINAL_TRAIN, LISTS
+from raystudy.vocab import VTAB_TASKS
 
 #: demo task -> (look: a synthetic variant, number of classes, label -> class of :func:`render`).
 DEMO_TASKS: dict[str, tuple[str, int]] = {

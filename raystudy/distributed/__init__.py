@@ -4,7 +4,7 @@
   command starts or connects Ray (quiet unless verbose);
 * :mod:`raystudy.distributed.train`: a finetuning run on Ray Train (``run_finetune``, ``TrainResources``);
 * :mod:`raystudy.distributed.plasticity`: the plasticity pipeline on Ray Data
-  (``PlasticityJob``, ``run_plasticity``, ``combine_runs``).
+  (``PlasticityJob``, ``run_plasticity``; :mod:`raystudy.distributed.plasticity_output`: ``combine_runs``).
 
 Nothing is imported here, so ``import raystudy.distributed`` does not load Ray.
 """

@@ -53,9 +53,7 @@ def plan_caches(stores: Sequence[str | os.PathLike], splits: Sequence[str], kind
         raise ValueError(f"splits {list(splits)} and kinds {list(kinds)}: expected one kind per split")
     plans: dict[str, CachePlan] = {}
     for store in stores:
-        if not modality_of_store(read_meta(store)).caches_images:
-            continue
-        for split, kind in zip(splits, kinds):
+        for split, kind in modality_of_store(read_meta(store)).image_caches(splits, kinds):
             plan = plan_cache(store, split, kind=kind, size=size, root=root, rows_per_shard=rows_per_shard)
             plans.setdefault(plan.folder, plan)  # two datasets on one store share its caches
     return list(plans.values())

@@ -13,7 +13,8 @@ layout of :mod:`raystudy.core.finetune.checkpoint`::
 
 Only folders with ``.complete`` are resumed from; the ``keep`` newest are kept. The run itself is
 :func:`raystudy.core.finetune.run` with a :class:`~raystudy.core.finetune.DirectoryCheckpointer` and its
-reports forwarded to ``on_report``. A trial that fails (its
+reports forwarded to ``on_report``, its outputs written by :func:`~raystudy.core.finetune.driver.finish_run`.
+A trial that fails (its
 actor or node lost, an error) is re-run by Tune (``FailureConfig(max_failures=trial_retries)``) and resumes
 from the newest checkpoint, as a re-run of the study after a killed driver does; results are exactly those
 of an uninterrupted run (``tests/test_inprocess.py``). The run's outputs are those of
@@ -29,31 +30,18 @@ from collections.abc import Callable
 
 import torch
 
-from raystudy.core.finetune import (
-    CHECKPOINT_PREFIX,
-    COMPLETE_MARKER,
+from raystudy.core.finetune.checkpoint import (
     DirectoryCheckpointer,
-    FinetuneConfig,
-    ForwardReports,
-    checkpoint_steps,
-    finished_summary,
-    prepare_caches,
-    resume_latest,
-    run,
-    save_checkpoint,
-    write_outputs,
 )
-from raystudy.core.finetune.checkpoint import checkpoint_path
-from raystudy.core.finetune.data import epoch_permutation
+from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.finetune.data import epoch_permutation, prepare_caches
+from raystudy.core.finetune.driver import ForwardReports, finish_run, finished_summary, run, run_record
 from raystudy.data.cache import release_reads
 from raystudy.distributed.train import TrainResources, run_config_dict
-from raystudy.storage import delete_dir
 
 log = logging.getLogger(__name__)
 
-#: the checkpoint layout's names are re-exported: the layout was first this module's
-__all__ = ["CHECKPOINT_PREFIX", "COMPLETE_MARKER", "checkpoint_path", "checkpoint_steps", "resume_latest",
-           "run_in_process", "save_checkpoint"]
+__all__ = ["release_trial_memory", "run_in_process"]
 
 
 def _device(resources: TrainResources) -> torch.device:
@@ -81,10 +69,8 @@ def run_in_process(cfg: FinetuneConfig, resources: TrainResources, *, storage: s
     summary, ft = run(cfg, checkpointer=DirectoryCheckpointer(storage, keep=resources.keep_checkpoints),
                       reporter=ForwardReports(on_report), progress=False, device=_device(resources))
     summary = finished_summary(summary, wall_seconds=time.perf_counter() - t0, workers=1, execution="actor")
-    write_outputs(cfg.out_dir, summary, ft.curves, config=run_config_dict(cfg, resources), restores=ft.restores,
-                  changes=ft.changes)
-    if resources.cleanup_checkpoints:
-        delete_dir(storage)
+    finish_run(cfg, summary, run_record(summary, ft), config=run_config_dict(cfg, resources), storage=storage,
+               cleanup=resources.cleanup_checkpoints)
     del ft
     release_trial_memory()
     return summary

@@ -82,7 +82,7 @@ def probe_problems(job) -> Iterator[str | None]:
 def plasticity_problems(job) -> Iterator[str | None]:
     """A :class:`~raystudy.distributed.plasticity.PlasticityJob`'s output folder, stores and weights."""
     yield out_problem(job.out_dir)
-    yield store_problem(job.pretrain, "--pretrain")
+    yield store_problem(job.pretrain, "--pretrain-store")
     for store in job.downstream:
         yield store_problem(store, "--downstream")
     yield weights_problem(job)

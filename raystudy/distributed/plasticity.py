@@ -98,40 +98,28 @@ from raystudy.core.models import load_state_dict_file
 from raystudy.core.models import resolve_img_size as resolve_model_img_size
 from raystudy.core.plasticity import check_rate_options
 from raystudy.core.plasticity_stats import StreamingMoments, batch_token_stats
-from raystudy.data.modality import (  # noqa: F401  (the pairs.parquet schemas: importable here as before)
-    PAIRS_SCHEMA,
-    TEXT_PAIRS_SCHEMA,
+from raystudy.data.modality import (
     PairPlan,
     absolute_model,
     modality_of_model,
     resolve_modality,
 )
-from raystudy.data.pairing import (  # noqa: F401  (pair_positions: the random recipe, importable here)
-    PAIRINGS,
-    check_pretrain_split,
-    pair_positions,
-    positions,
-    reuse,
-)
-from raystudy.data.rows import (  # noqa: F401  (SplitRows, GATHER_CPUS: importable here as before)
-    GATHER_CPUS,
+from raystudy.data.pairing import check_pretrain_split, positions, reuse
+from raystudy.data.rows import (
     Layout,
     SplitRows,
-    locate_split,
     resolve_pretrain_split,
-    store_name,
 )
 from raystudy.data.store import Store
 from raystudy.data.text_rows import TextRows
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.plasticity_actors import BoundsThread, RateActor, load_buckets
-from raystudy.distributed.plasticity_output import (  # noqa: F401  (write_figures, combine_runs: importable here)
-    RATES_SCHEMA,
+from raystudy.distributed.plasticity_output import (
     RatesWriter,
-    combine_runs,
     write_figures,
 )
 from raystudy.io import write_result
+from raystudy.precision import resolve_precision
 from raystudy.setting_roles import absolute_paths
 from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings, problems
 from raystudy.storage import absolute_path
@@ -160,12 +148,12 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
     :class:`~raystudy.settings.PlasticitySettings` (each default and help text defined there once, shared
     with the study spec's ``plasticity:`` section and ``raystudy plasticity``), plus the job's own stores,
     output directory and pipeline knobs (:class:`~raystudy.settings.PlasticityRun`). Field names are the
-    ``raystudy plasticity`` flags' (``--out`` is ``out_dir``, ``--bf16`` ``amp_bf16``).
+    ``raystudy plasticity`` flags' (``--out`` is ``out_dir``; ``--bf16`` is ``--precision bf16``).
 
     Attributes:
         model: timm model name (e.g. ``vit_base_patch16_224.augreg_in21k``), or ``hf:<dir>`` for a Hugging
             Face text model measured on text stores (``hf:<package>``: see
-            :mod:`raystudy.distributed.text_pairs`).
+            :mod:`raystudy.data.text_rows`).
         weights: local weights file (``.safetensors`` or PyTorch state dict); ``None`` keeps the random
             init, seeded from ``seed`` so that every worker holds the same model.
         model_kwargs: extra ``timm.create_model`` arguments (e.g. a tiny ViT's sizes).
@@ -188,7 +176,8 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         radius: a fixed token radius ``r`` for the bounds (the paper's 19.4); ``None``: the radius measured
             on the pretraining images. ``bounds.parquet`` holds both (``radius``, ``radius_measured``).
         img_size: evaluation transform size; ``None`` takes the model's input size.
-        amp_bf16: run the forward passes under bfloat16 autocast (norms stay float32).
+        precision: the forward passes' precision: ``fp32``, ``bf16`` (autocast; norms stay float32) or
+            ``auto`` (bf16 when the actors have GPUs); :meth:`resolved_precision`.
         out_dir: where the tables, figures and (temporarily) the staging files go.
         figures: write the per-dataset figures.
         loaders: load tasks (read + decode + transform) running at once; ``None``: one per CPU left beside
@@ -220,11 +209,17 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
             raise ValueError(f"plasticity job: {name}: {getattr(self, name)!r} {why}")
         check_rate_options(self.mode, self.mha_input, self.gated_fc1)  # the rate definition's own check
         check_pretrain_split(self.pretrain_split, "plasticity job: pretrain_split")
+        self.resolved_precision()  # raises ValueError for an unknown precision
         for ok, msg in self._limits():
             if not ok:
                 raise ValueError(f"plasticity job: {msg}")
         if self.weights is not None:
             load_state_dict_file(self.weights)  # missing, unreadable or NaN/inf: refused before Ray starts
+
+    def resolved_precision(self) -> str:
+        """The precision the actors run in (:func:`~raystudy.precision.resolve_precision`), on CUDA when they
+        have GPUs (``gpus_per_worker > 0``)."""
+        return resolve_precision(self.precision, self.gpus_per_worker > 0)
 
     def _limits(self) -> list[tuple[bool, str]]:
         """``(holds, message)`` for what the settings' definitions do not say: a model and a downstream store
@@ -312,11 +307,13 @@ def actor_spec(job: PlasticityJob) -> dict:
     """What an actor (and the bounds thread) needs to build the model and compute, as a plain dict."""
     modality = modality_of_model(job.model)
     model_kwargs = dict(job.model_kwargs)
-    if job.img_size and "img_size" not in model_kwargs and modality.takes_images:
-        model_kwargs["img_size"] = job.img_size  # the model must accept the transformed images
+    size = modality.input_size(job.img_size)
+    if size and "img_size" not in model_kwargs:
+        model_kwargs["img_size"] = size  # the model must accept the transformed images
     return {"model": modality.build_name(job.model), "weights": job.weights, "model_kwargs": model_kwargs,
             "seed": job.seed, "control": job.control, "control_seed": job.control_seed,
-            "mode": job.mode, "mha_input": job.mha_input, "gated_fc1": job.gated_fc1, "amp_bf16": job.amp_bf16,
+            "mode": job.mode, "mha_input": job.mha_input, "gated_fc1": job.gated_fc1,
+            "precision": job.resolved_precision(),
             "gpus": job.gpus_per_worker, "cpus": job.cpus_per_worker,
             "threads": job.torch_threads, "crash_marker": str(Path(job.out_dir) / _CRASH_MARKER),
             "stats_dataset": STATS_DATASET}
@@ -465,7 +462,8 @@ def measure_rates(ray, job: PlasticityJob, plan: PairPlan, *, img_size: int | No
 
 
 def plasticity_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -> pd.DataFrame:
-    """``plasticity.parquet``: every dataset's moments as :func:`raystudy.core.plasticity.summarize` rows."""
+    """``plasticity.parquet``: every dataset's moments as :func:`raystudy.core.plasticity.summarize` rows, with
+    the ``precision`` the rates were measured in (:meth:`PlasticityJob.resolved_precision`)."""
     tables = []
     controls = reducer.control or [None] * len(reducer.moments)
     for name, m, c in zip(plan.names, reducer.moments, controls):
@@ -478,6 +476,7 @@ def plasticity_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -
             table.insert(0, "model", job.model)
             table["weights"] = weights
             table["init_seed"] = pd.array([seed] * len(table), dtype="Int64")  # the control's torch seed
+            table["precision"] = job.resolved_precision()
             tables.append(table)
     return pd.concat(tables, ignore_index=True)
 
@@ -527,7 +526,7 @@ def _summary(job: PlasticityJob, plan: PairPlan, reducer: RateReducer, *, wall: 
     return {
         "out_dir": str(Path(job.out_dir)), "wall_s": wall, "timing": reducer.timing,
         "pairs_per_s": done / wall if wall > 0 else math.nan, "n_pairs": done,
-        "pairing": job.pairing,
+        "pairing": job.pairing, "precision": job.resolved_precision(),
         "pretrain": {"store": pre.store, "name": pre.name, "split": pre.split, "rows": len(pre),
                      "reuse": reuse(plan.pre_pos)},
         "datasets": {rows.name: {"store": rows.store, "n_pairs": m.n, "downstream_rows": len(rows),

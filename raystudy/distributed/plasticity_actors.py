@@ -95,7 +95,7 @@ class RateActor:
         self.model = build_model_of(spec).to(self.device).eval()
         control = build_control_of(spec)
         self.control = None if control is None else control.to(self.device).eval()
-        self.amp = torch.bfloat16 if spec["amp_bf16"] else None
+        self.amp = torch.bfloat16 if spec["precision"] == "bf16" else None  # norms stay float32 under it
         self.calls = 0
 
     def _maybe_crash(self) -> None:

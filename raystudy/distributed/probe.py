@@ -22,8 +22,8 @@ Two data paths (``ProbeJob.data_path``, as finetuning's)::
 
 ``local=True`` computes the same features in this process (the cache read in batches on this process's
 device, or raystudy.data.stream.iter_batches_local decoding; no Ray): the images are the same tensors
-(per-image seeding), so both give the same ``test_acc``. ``precision`` None runs bf16 autocast on CUDA
-and float32 on a CPU (:func:`raystudy.core.probe.resolve_precision`); the feature batch defaults to
+(per-image seeding), so both give the same ``test_acc``. ``precision`` ``auto`` runs bf16 autocast on CUDA
+and float32 on a CPU (:func:`raystudy.precision.resolve_precision`); the feature batch defaults to
 :data:`CACHE_BATCH` images on the cache path (the model's forward is the whole cost) and
 :data:`DECODE_BATCH` decoding.
 
@@ -42,6 +42,7 @@ from raystudy import storage
 from raystudy.data.modality import absolute_model
 from raystudy.data.store import read_meta
 from raystudy.distributed.cluster import init_ray
+from raystudy.precision import resolve_precision
 from raystudy.setting_roles import absolute_paths
 from raystudy.settings import (
     DeviceSettings,
@@ -78,7 +79,7 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
     (:class:`~raystudy.settings.ProtocolSettings`), a study's own ``resize``. ``local``: extract in this
     process, without Ray. ``out_dir``: where ``probe.json`` goes (``None``: not written). ``data_path``:
     ``cache`` (uint8 rows of a cache under ``cache_dir``, None: ``STORE/cache``) or ``decode``;
-    ``precision`` (None: bf16 on CUDA, fp32 on CPUs); ``batch_size`` None: :data:`CACHE_BATCH` on the cache
+    ``precision`` (``auto``: bf16 on CUDA, fp32 on CPUs); ``batch_size`` None: :data:`CACHE_BATCH` on the cache
     path, :data:`DECODE_BATCH` decoding.
     """
 
@@ -90,8 +91,6 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
 
     def __post_init__(self) -> None:
         self.model_kwargs = dict(self.model_kwargs or {})
-        if self.amp_bf16 and self.precision is None:
-            self.precision = "bf16"  # the older spelling
         absolute_paths(self, absolute_path)  # store, out_dir, weights, cache_dir
         self.model = absolute_model(self.model)
 
@@ -116,10 +115,8 @@ class ProbeJob(ModelSettings, HubWeights, DeviceSettings, ProbeSettings):
         return self.batch_size or (CACHE_BATCH if self.data_path == "cache" else DECODE_BATCH)
 
     def resolved_precision(self) -> str:
-        """``precision``, else bf16 where the features run on CUDA (locally: when this process sees a GPU;
-        through Ray: ``gpus_per_worker > 0``) and fp32 elsewhere."""
-        from raystudy.core.probe import resolve_precision  # torch (raystudy.core): ProbeJob stays light
-
+        """The feature pass's precision (:func:`~raystudy.precision.resolve_precision`), on CUDA where the
+        features run there (locally: when this process sees a GPU; through Ray: ``gpus_per_worker > 0``)."""
         if self.local:
             import torch
 
@@ -339,8 +336,3 @@ def run_probe_job(job: ProbeJob, *, address: str | None = None) -> dict:
     if job.out_dir is not None:
         result["path"] = storage.write_json_atomic(storage.join(job.out_dir, "probe.json"), result)
     return result
-
-
-def run_probe(store: str, model: str, *, seed: int = 0, address: str | None = None, **fields) -> dict:
-    """:func:`run_probe_job` of ``ProbeJob(store=store, model=model, seed=seed, **fields)``."""
-    return run_probe_job(ProbeJob(store=store, model=model, seed=seed, **fields), address=address)

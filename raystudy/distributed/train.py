@@ -1,5 +1,5 @@
-"""Finetuning on Ray Train (V2): a thin adapter of :func:`raystudy.core.finetune.run` (the run driver), with
-Ray Train's checkpointer and reporter.
+"""Finetuning on Ray Train (V2): a thin adapter of the run driver (:mod:`raystudy.core.finetune.driver`): a
+worker function with Ray Train's reporter and collective, and the driver process's fit and outputs.
 
 ``run_finetune(cfg, resources)`` builds a ``TorchTrainer`` (:func:`make_trainer`) with
 ``resources.workers`` workers, fits it and writes the run's outputs into ``cfg.out_dir``:
@@ -10,19 +10,23 @@ Ray Train's checkpointer and reporter.
 * ``tb/``: TensorBoard events and the run's HParams record (written by worker 0);
   ``best_trainable.safetensors``: the trainable parameters and head of the best-validation step;
   ``config.json`` (the protocol, with the resources under ``"resources"``), ``restores.json``;
-* ``ray/train/``: Ray Train's run directory with the checkpoints (unless a ``run_config`` says otherwise),
-  deleted when the run ends ``ok`` or ``diverged`` (``cleanup_checkpoints``), kept when it ``failed``.
+* ``ray/train/``: the Ray Train run's folder (unless a ``run_config`` says otherwise, :func:`run_storage`)
+  with the run's checkpoints, deleted when the run ends ``ok`` or ``diverged`` (``cleanup_checkpoints``),
+  kept when it ``failed``.
 
 Each worker builds the same model (seeded), freezes it by configuration, wraps it in DDP through
 ``ray.train.torch.prepare_model`` (gloo on CPU, NCCL on GPU) and reads its own contiguous slice of every
 global batch from the prepared store (see :mod:`raystudy.core.finetune.data` for why this order is exact).
 Metrics are reported with ``ray.train.report`` at every log step and evaluation; every
-``checkpoint_period`` steps the workers report a checkpoint in the layout of
-:mod:`raystudy.core.finetune.checkpoint` (worker 0: trainable parameters, optimizer, schedule, step, data
-position, best-validation state, curves; every worker: its RNG states; the ``.complete`` marker), from which
-``FailureConfig(max_failures)`` restarts resume exactly. Re-running a run that failed (or whose driver
-died) with the same ``out_dir`` (or the same ``RunConfig`` name and storage) resumes from the latest
-checkpoint of the previous attempt.
+``checkpoint_period`` steps the workers write a checkpoint in the one layout of
+:mod:`raystudy.core.finetune.checkpoint` into the run's folder (worker 0: trainable parameters, optimizer,
+schedule, step, data position, best-validation state, curves; every worker: its RNG states; then the
+``.complete`` marker), never reported to Ray, so Ray keeps no copies of its own. A restart of the worker
+group (``FailureConfig(max_failures)``: Ray Train restarts the workers whether or not a checkpoint was
+reported) resumes from that folder exactly, as does a re-run of a run that failed (or whose driver died)
+with the same ``out_dir`` (or the same ``RunConfig`` name and storage). Checkpoints of older versions there
+(Ray's ``checkpoint_<date>/`` folders) are upgraded into the layout first
+(:func:`~raystudy.core.finetune.checkpoint.upgrade_layout`).
 
 A non-finite loss ends the run with status ``diverged`` (recorded, not raised); a run whose workers fail
 more often than ``max_failures`` is recorded with status ``failed`` and the error message.
@@ -34,7 +38,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,25 +46,17 @@ from pathlib import Path
 
 from ray.train import UserCallback
 
-from raystudy.core.finetune import (
-    Event,
-    FinetuneConfig,
-    Finetuner,
+from raystudy.core.finetune.checkpoint import Collective, DirectoryCheckpointer, upgrade_layout
+from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.finetune.data import prepare_caches
+from raystudy.core.finetune.driver import (
     Reporter,
+    failed_summary,
+    finish_run,
     finished_summary,
-    prepare_caches,
     run,
-    write_outputs,
+    run_record,
 )
-from raystudy.core.finetune.checkpoint import mark_complete
-
-# the run's summary, reports and test fault were defined here before the run driver: still importable here
-from raystudy.core.finetune.driver import INJECTED_MARKER as INJECTED_MARKER
-from raystudy.core.finetune.driver import InjectedFailure as InjectedFailure
-from raystudy.core.finetune.driver import event_metrics as event_metrics
-from raystudy.core.finetune.driver import failed_summary as failed_summary
-from raystudy.core.finetune.driver import failure_due as failure_due
-from raystudy.core.finetune.driver import inject_failure as inject_failure
 from raystudy.distributed.cluster import init_ray
 from raystudy.settings import ResourceSettings, problems
 from raystudy.storage import filesystem, join, read_text, write_json_atomic
@@ -143,55 +138,30 @@ def _all_reduce_sum(t):
     return t
 
 
-class RayTrainCheckpointer:
-    """Ray Train's checkpoints (a checkpointer of :func:`raystudy.core.finetune.run`).
+class RayCollective(Collective):
+    """The workers of one Ray Train run (:class:`~raystudy.core.finetune.checkpoint.Collective`): Ray Train's
+    own barrier and broadcast from worker 0 (``ray.train.collective``), through its controller."""
 
-    Resumes from ``ray.train.get_checkpoint()``. Writes each checkpoint into a temporary folder in the layout
-    of :mod:`raystudy.core.finetune.checkpoint` (this worker's files of :meth:`Finetuner.save`, then the
-    ``.complete`` marker) that :class:`RayTrainReporter` hands to ``ray.train.report``; Ray copies every
-    worker's folder into one checkpoint of its storage and registers it once all have arrived. The final
-    event is checkpointed too, with the run's outputs (worker 0; ``config`` is its ``config.json``).
-    """
+    def barrier(self) -> None:
+        import ray.train.collective
 
-    final = True
+        ray.train.collective.barrier()
 
-    def __init__(self, config: dict):
-        self.config = config
+    def broadcast(self, value):
+        import ray.train.collective
 
-    def restore(self, ft: Finetuner) -> dict | None:
-        import ray.train
-
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as d:
-            info = ft.load(d)
-        log.info("rank %d resumed at step %d from %s", ft.rank, info["step"], checkpoint.path)
-        return info
-
-    @contextlib.contextmanager
-    def saved(self, ft: Finetuner, ev: Event) -> Iterator[str]:
-        with tempfile.TemporaryDirectory(prefix="raystudy-ckpt-") as d:
-            ft.save(d)
-            if ev.final and ft.rank == 0:
-                write_outputs(d, ev.metrics, ft.curves, config=self.config, restores=ft.restores, changes=ft.changes)
-            mark_complete(d, ev.step)
-            yield d
+        return ray.train.collective.broadcast_from_rank_zero(value)
 
 
 class RayTrainReporter(Reporter):
-    """``ray.train.report`` of every event, with the checkpoint written at it; before an injected failure
-    a barrier, so that every worker's report (and checkpoint) is queued before anyone dies and the
-    controller registers that checkpoint before it sees the failure."""
+    """``ray.train.report`` of every event's metrics, never with a checkpoint (the run's checkpoints are its
+    own, :mod:`raystudy.core.finetune.checkpoint`, complete on every worker before the report); before an
+    injected failure a barrier, so that every worker decides to fail before worker 0 marks the failure."""
 
     def report(self, metrics: dict, checkpoint: str | None) -> None:
         import ray.train
-        from ray.train import Checkpoint
 
-        if checkpoint is None:
-            ray.train.report(metrics)
-        else:
-            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint))
+        ray.train.report(metrics)
 
     def before_failure(self) -> None:
         import ray.train.collective
@@ -218,16 +188,21 @@ def _worker_placement(resources: TrainResources) -> dict:
 
 
 def train_loop_per_worker(config: dict) -> dict | None:
-    """The Ray Train worker function: ``config`` is a run's :func:`run_config_dict`.
+    """The Ray Train worker function: ``config["run"]`` is a run's :func:`run_config_dict`, ``config["storage"]``
+    its checkpoint folder (the Ray Train run's own folder, :func:`run_storage`).
 
-    Returns the run payload (summary, curves, restores, changes) on worker 0, ``None`` on the others.
+    Every worker runs :func:`raystudy.core.finetune.driver.run` with one
+    :class:`~raystudy.core.finetune.checkpoint.DirectoryCheckpointer` over that folder (the workers joined by
+    :class:`RayCollective`): a restart after a worker failure (``FailureConfig(max_failures)``) or a re-run
+    resumes from its newest complete checkpoint. Returns the run's
+    :func:`~raystudy.core.finetune.driver.run_record` on worker 0, ``None`` on the others.
     """
-    cfg, resources = split_legacy(config)
-    summary, ft = run(cfg, checkpointer=RayTrainCheckpointer(config), reporter=RayTrainReporter(),
-                      progress=False, **_worker_placement(resources))
-    if ft.rank != 0:
-        return None
-    return {"summary": summary, "curves": ft.curves, "restores": ft.restores, "changes": ft.changes}
+    cfg, resources = split_legacy(config["run"])
+    placement = _worker_placement(resources)
+    collective = RayCollective() if placement["world_size"] > 1 else None
+    checkpointer = DirectoryCheckpointer(config["storage"], keep=resources.keep_checkpoints, collective=collective)
+    summary, ft = run(cfg, checkpointer=checkpointer, reporter=RayTrainReporter(), progress=False, **placement)
+    return run_record(summary, ft) if ft.rank == 0 else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,23 +211,30 @@ def train_loop_per_worker(config: dict) -> dict | None:
 
 
 def _run_config(cfg: FinetuneConfig, resources: TrainResources, run_config, callbacks: list):
-    """``run_config``, or the default one of :func:`make_trainer`, with the resources' failure and
-    checkpoint settings where it leaves Ray's defaults and ``callbacks`` appended."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    """``run_config``, or the default one of :func:`make_trainer`, with the resources' failure setting where it
+    leaves Ray's default, the default storage folder and name where it has none, and ``callbacks`` appended."""
+    from ray.train import FailureConfig, RunConfig
 
     failure = FailureConfig(max_failures=resources.max_failures)
-    keep = CheckpointConfig(num_to_keep=resources.keep_checkpoints)
+    storage_path, name = str(Path(cfg.out_dir).absolute() / "ray"), "train"
     if run_config is None:
-        return RunConfig(name="train", storage_path=str(Path(cfg.out_dir).absolute() / "ray"),
-                         failure_config=failure, checkpoint_config=keep, callbacks=list(callbacks))
+        return RunConfig(name=name, storage_path=storage_path, failure_config=failure, callbacks=list(callbacks))
     changes = {}
     if run_config.failure_config == FailureConfig():
         changes["failure_config"] = failure
-    if run_config.checkpoint_config == CheckpointConfig():
-        changes["checkpoint_config"] = keep
+    if not run_config.storage_path:
+        changes["storage_path"] = storage_path
+    if not run_config.name:
+        changes["name"] = name
     if callbacks:
         changes["callbacks"] = list(run_config.callbacks or []) + list(callbacks)
     return dataclasses.replace(run_config, **changes) if changes else run_config
+
+
+def run_storage(run_config) -> str:
+    """The folder of a Ray Train run, ``<storage_path>/<name>``: its checkpoints
+    (:mod:`raystudy.core.finetune.checkpoint`) and its failure records (:class:`RecordFailures`)."""
+    return join(str(run_config.storage_path), run_config.name)
 
 
 def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *, run_config=None,
@@ -260,11 +242,12 @@ def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     """The ``TorchTrainer`` of one run.
 
     Without ``run_config``: ``RunConfig(name="train", storage_path=<out_dir>/ray,
-    failure_config=FailureConfig(max_failures=resources.max_failures),
-    checkpoint_config=CheckpointConfig(num_to_keep=resources.keep_checkpoints), callbacks=callbacks)``. A given
+    failure_config=FailureConfig(max_failures=resources.max_failures), callbacks=callbacks)``. A given
     ``run_config`` (e.g. ``RunConfig(callbacks=[TuneReportCallback()], storage_path=..., name=...)`` inside a
-    Tune trial) is used as is, except that a failure or checkpoint config left at Ray's default takes the
-    values above and ``callbacks`` are appended to its own.
+    Tune trial) is used as is, except that a failure config left at Ray's default, a missing storage path or
+    name take the values above and ``callbacks`` are appended to its own. The run's checkpoints are the
+    project's, ``resources.keep_checkpoints`` newest kept in :func:`run_storage` (Ray's ``CheckpointConfig``
+    is not used: no checkpoint is reported to Ray).
     """
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -273,12 +256,13 @@ def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     per_worker = {"CPU": resources.cpus_per_worker}
     if resources.use_gpu:
         per_worker["GPU"] = resources.gpus_per_worker
+    run_config = _run_config(cfg, resources, run_config, list(callbacks or []))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=run_config_dict(cfg, resources),
+        train_loop_config={"run": run_config_dict(cfg, resources), "storage": run_storage(run_config)},
         scaling_config=ScalingConfig(num_workers=resources.workers, use_gpu=resources.use_gpu,
                                      resources_per_worker=per_worker),
-        run_config=_run_config(cfg, resources, run_config, list(callbacks or [])),
+        run_config=run_config,
         torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
     )
 
@@ -389,53 +373,38 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     resources = (resources or TrainResources()).validate(cfg.validate())
     init_ray()  # from Python: a quiet local Ray of its own (Ray Train's own ray.init logs, and joins any instance)
     t0 = time.perf_counter()
-    payload, error, result = None, None, None
+    record, error = None, None
     try:
         prepare_caches(cfg)  # verifies (or builds, outside a study) the uint8 caches; a study builds them first
     except Exception as e:  # a missing or unreadable store: recorded as the run's failure, as a worker's is
         error = e
         log.error("finetune run %s failed preparing its data: %s", cfg.out_dir, e)
+    resolved = _run_config(cfg, resources, run_config, [])
     if error is None:
-        payload, error, result = _fit(cfg, resources, run_config, [*(callbacks or []), RecordFailures()],
-                                      on_report)
-    if payload is not None:
-        summary, curves, restores = dict(payload["summary"]), payload["curves"], payload["restores"]
-        changes = payload.get("changes")
-    else:
-        summary, curves, restores, changes = failed_summary(cfg, error), [], [], None
+        upgrade_layout(run_storage(resolved))  # before Ray reads its snapshot of an older version's checkpoints
+        record, error = _fit(cfg, resources, run_config, [*(callbacks or []), RecordFailures()], on_report)
+    summary = dict(record["summary"]) if record is not None else failed_summary(cfg, error)
     summary = finished_summary(summary, wall_seconds=time.perf_counter() - t0, workers=resources.workers,
-                               execution="train", failures=worker_failures(_run_config(cfg, resources, run_config, [])))
-    write_outputs(cfg.out_dir, summary, curves, config=run_config_dict(cfg, resources), restores=restores,
-                  changes=changes)
-    if resources.cleanup_checkpoints and result is not None and summary["status"] in ("ok", "diverged"):
-        _delete_run_dir(result)
-    return summary
+                               execution="train", failures=worker_failures(resolved))
+    return finish_run(cfg, summary, record, config=run_config_dict(cfg, resources), storage=run_storage(resolved),
+                      cleanup=resources.cleanup_checkpoints)
 
 
 def _fit(cfg: FinetuneConfig, resources: TrainResources, run_config, callbacks, on_report):
-    """Fit the run's trainer: ``(worker 0's payload or None, error or None, Ray's result or None)``."""
+    """Fit the run's trainer: ``(worker 0's run record or None, error or None)``."""
     from ray.train import TrainingFailedError
 
-    payload, error, result = None, None, None
+    record, error = None, None
     try:
         with forwarded_reports(on_report) as forward:
             trainer = make_trainer(cfg, resources, run_config=run_config, callbacks=[*(callbacks or []), *forward])
-            result = trainer.fit()
-        payload = result.return_value
-        if payload is None:
+            record = trainer.fit().return_value
+        if record is None:
             error = RuntimeError("Ray Train returned no result from worker 0")
     except TrainingFailedError as e:
         error = e
         log.error("finetune run %s failed: %s", cfg.out_dir, e)
-    return payload, error, result
-
-
-def _delete_run_dir(result) -> None:
-    """Remove the finished run's Ray Train directory (its checkpoints) from local or remote storage."""
-    try:
-        result.filesystem.delete_dir(result.path)
-    except (FileNotFoundError, OSError) as e:
-        log.warning("could not delete the checkpoints of %s: %s", result.path, e)
+    return record, error
 
 
 # --------------------------------------------------------------------------------------------------

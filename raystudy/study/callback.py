@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray import tune
 
-from raystudy.distributed.train import failed_summary
+from raystudy.core.finetune.driver import failed_summary
 from raystudy.study.health import disk_full
 from raystudy.study.jobs import finetune_job
 from raystudy.study.progress import Progress
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def failed_trial_row(spec: StudySpec, point: dict[str, Any], error: BaseException | str) -> dict[str, Any]:
     """The ``trials.parquet`` row of a trial that ended without a result of its own:
-    :func:`raystudy.distributed.train.failed_summary` of its run config, as a :func:`trial_row`."""
+    :func:`raystudy.core.finetune.driver.failed_summary` of its run config, as a :func:`trial_row`."""
     cfg, _ = finetune_job(spec, point, trial_dir(spec.out, point["trial_id"]))
     return trial_row(point, spec.model, failed_summary(cfg, error), spec.model_kwargs)
 

@@ -12,25 +12,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pyarrow.fs as pafs
 
 from raystudy import storage
-from raystudy.analysis.options import check_selection
+from raystudy.analysis.options import check_subset
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import check_pretrain_split
 from raystudy.data.splits import SPLITS
 from raystudy.data.store import StoreError, check_store, required_splits_problem
 from raystudy.settings import ModelSettings, PlasticitySettings, ProbeSettings, ProtocolSettings, problems
-from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, check_name
+from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, TRACKERS, check_name
 
-if TYPE_CHECKING:
-    from raystudy.study.spec import StudySpec
-
-#: experiment trackers a study can log to through Ray Tune's own integrations (``tracking: [wandb]``)
-TRACKERS: tuple[str, ...] = ("wandb", "mlflow")
-
+#: A :class:`raystudy.study.spec.StudySpec`, read by its fields only: ``spec.py`` imports this module (its
+#: ``validate`` calls :func:`validate`), so this one imports neither it nor :mod:`raystudy.study.spec_values`.
+StudySpec = Any
 
 #: names go into trial ids and directory names
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -131,14 +128,12 @@ def _check_datasets(spec: StudySpec) -> None:
 
 def _check_protocol(spec: StudySpec) -> None:
     """The model's and the protocol's settings against their definitions (:mod:`raystudy.settings`),
-    then what relates them: the warmup ends before the run, ``amp_bf16`` agrees with ``precision``."""
+    then what relates them: the warmup ends before the run."""
     for group in (ModelSettings, ProtocolSettings):
         for name, why in problems(spec, group):
             raise SpecError(f"{name}: {getattr(spec, name)!r} {why}")
     if spec.warmup_steps is not None and not 0 <= spec.warmup_steps < spec.steps:
         raise SpecError(f"warmup_steps: {spec.warmup_steps} must lie in [0, steps={spec.steps})")
-    if spec.amp_bf16 and spec.precision not in (None, "bf16"):
-        raise SpecError(f"amp_bf16: true contradicts precision: {spec.precision}")
 
 def _check_dataset_overrides(spec: StudySpec) -> None:
     """Each dataset's overrides, named ``datasets.<name>.<field>``; the resolved warmup lies before the
@@ -196,8 +191,12 @@ def _check_plasticity(spec: StudySpec) -> None:
         check_pretrain_split(p.pretrain_split, "plasticity.pretrain_split")
     except ValueError as e:
         raise SpecError(str(e)) from None
-    if not modality_of_model(spec.model).takes_images and p.seq_len is None:
-        raise SpecError(f"plasticity.seq_len: the text model {spec.model} needs tokens per window")
+    modality = modality_of_model(spec.model)
+    # the inputs its plasticity job gets (study.jobs.plasticity_job: img_size as the modality takes it)
+    for holds, message in modality.input_limits(spec.model, img_size=modality.input_size(spec.img_size),
+                                                seq_len=p.seq_len):
+        if not holds:
+            raise SpecError(f"plasticity: {message}")
     if spec.pretrain_store is None and not spec.builtin_data:
         raise SpecError("pretrain_store: the plasticity measurement needs a pretraining store")
 
@@ -205,7 +204,7 @@ def _check_pretrain(spec: StudySpec) -> None:
     """Pretraining settings, or (without pretraining) the weights file every job starts from."""
     t = spec.pretrain
     if not t.enabled:
-        if spec.weights is None and modality_of_model(spec.model).takes_images:  # an hf: folder holds its weights
+        if modality_of_model(spec.model).weights_source(spec.model, spec.weights) is None:  # hf: its folder's
             raise SpecError(
                 "weights: a local weights file is required (or enable pretrain to train one); "
                 "a random-init model is not a pretrained model"
@@ -227,7 +226,7 @@ def _check_probe(spec: StudySpec) -> None:
 def _check_analysis(spec: StudySpec) -> None:
     """``analysis_seeds`` and ``fixed_run`` as the analysis takes them (``seeds``, ``fixed_run``)."""
     try:
-        check_selection(spec.analysis_seeds, spec.fixed_run)
+        check_subset(spec.analysis_seeds, spec.fixed_run)
     except ValueError as e:
         why = str(e)
         raise SpecError("analysis_" + why if why.startswith("seeds:") else why) from None

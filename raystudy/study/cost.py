@@ -59,6 +59,7 @@ from raystudy.core.models import build_model, resolve_img_size
 from raystudy.data.modality import modality_of_model
 from raystudy.data.splits import val_origin
 from raystudy.io import read_result
+from raystudy.precision import resolve_precision
 from raystudy.study.final import final_cells
 
 #: the MFU assumed when no GPU benchmark result is given (stated in the output)
@@ -147,9 +148,11 @@ def _counted(model: str, kwargs_json: str, img_size: int | None, num_classes: in
              train_final_norm: bool, include_layerscale: bool) -> ImageFlops:
     """:func:`image_flops` on the meta device, else (an op the meta device cannot run) on the CPU at batch
     1 for a model of at most :data:`CPU_FALLBACK_MAX_PARAMS` parameters; ``device="none"`` when neither."""
-    if not modality_of_model(model).takes_images:
+    kwargs = json.loads(kwargs_json)
+    shape = modality_of_model(model).flops_input(img_size, int(kwargs.get("in_chans", 3)))
+    if shape is None:
         return ImageFlops(0, 0, "none", f"{model}: FLOPs are counted for image models only")
-    args = (model, json.loads(kwargs_json), img_size, num_classes, selection, train_final_norm, include_layerscale)
+    args = (model, kwargs, img_size, shape, num_classes, selection, train_final_norm, include_layerscale)
     try:
         return ImageFlops(*_count_on("meta", *args), device="meta")
     except _COUNT_ERRORS as e:
@@ -165,10 +168,11 @@ def _counted(model: str, kwargs_json: str, img_size: int | None, num_classes: in
                                                 f"device failed: {meta_error})")
 
 
-def _count_on(device: str, model: str, kwargs: dict, img_size: int, num_classes: int, selection: str,
-              train_final_norm: bool, include_layerscale: bool) -> tuple[int, int]:
-    """``(forward, backward)`` FLOPs of one image: the model built on ``device`` (no weights), the
-    configuration's ``requires_grad`` set, one forward and the cross-entropy's backward counted."""
+def _count_on(device: str, model: str, kwargs: dict, img_size: int, shape: tuple[int, ...], num_classes: int,
+              selection: str, train_final_norm: bool, include_layerscale: bool) -> tuple[int, int]:
+    """``(forward, backward)`` FLOPs of one input of ``shape`` (:meth:`~raystudy.data.modality.Modality.
+    flops_input`): the model built on ``device`` (no weights), the configuration's ``requires_grad`` set,
+    one forward and the cross-entropy's backward counted."""
     with torch.device(device):
         net = build_model(model, num_classes=num_classes, img_size=img_size, **kwargs)
     for m in net.modules():  # attention as explicit products (counted on any device; the same FLOPs as SDPA)
@@ -176,7 +180,7 @@ def _count_on(device: str, model: str, kwargs: dict, img_size: int, num_classes:
             m.fused_attn = False
     select_and_freeze(net, selection, train_final_norm=train_final_norm, include_layerscale=include_layerscale)
     net.train()
-    x = torch.zeros(1, int(kwargs.get("in_chans", 3)), img_size, img_size, device=device)
+    x = torch.zeros(*shape, device=device)
     y = torch.zeros(1, dtype=torch.long, device=device)
     with FlopCounterMode(display=False) as forward:
         loss = F.cross_entropy(net(x), y)
@@ -235,9 +239,9 @@ def counted_selection(spec, dataset: str, configuration: str, seed: int, plastic
 
 
 def run_precision(spec) -> str:
-    """The precision the study's GPU runs use: ``precision``, ``bf16`` with ``amp_bf16``, else the GPU
-    default ``bf16``."""
-    return spec.precision or "bf16"
+    """The precision the study's GPU runs use: :func:`~raystudy.precision.resolve_precision` of its
+    ``precision`` on a CUDA device (``auto``: ``bf16``)."""
+    return resolve_precision(spec.precision, cuda=True)
 
 
 def device_peaks(device: str | None) -> tuple[str, dict[str, float]]:

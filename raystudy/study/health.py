@@ -14,15 +14,13 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from raystudy.core.finetune.checkpoint import RAY_SNAPSHOT
 from raystudy.core.finetune.state import checkpoint_problem
 from raystudy.storage import exists, is_uri, join, read_text, subdirs
 from raystudy.study.progress import Echo
 from raystudy.study.progress import echo as _echo
 from raystudy.study.results import quarantine
 from raystudy.study.spec import StudySpec
-
-#: Ray Train's record of a run's checkpoints, in ``<out>/train/<trial_id>/`` (Ray writes it in place)
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 
 class StudyStorageError(ValueError):
@@ -59,7 +57,8 @@ def storage_errors(study_dir: str) -> Iterator[None]:
 
 
 def run_dir_problem(run_dir: str) -> str | None:
-    """Why Ray Train could not resume from ``run_dir`` (``<out>/train/<trial_id>``), or ``None``.
+    """Why Ray Train could not resume from ``run_dir`` (``<out>/train/<trial_id>``), or ``None``: a snapshot
+    of an older version, which reported its checkpoints to Ray (today's runs report none, so Ray writes none).
 
     Checks Ray's checkpoint snapshot (readable JSON listing checkpoint folders; a full disk leaves it
     empty, and Ray then fails every attempt with ``CheckpointManagerInitializationError``) and, on local

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from raystudy.core.finetune import HPARAM_METRICS
+from raystudy.core.finetune.outputs import HPARAM_METRICS
 from raystudy.storage import is_uri
 from raystudy.study.spec import StudySpec
 from raystudy.vocab import PHASES

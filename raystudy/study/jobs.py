@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from raystudy.core.expressions import Budgeted, normalise, resolve
-from raystudy.core.finetune import FinetuneConfig
+from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
 from raystudy.distributed.probe import ProbeJob
@@ -54,7 +54,7 @@ def train_resources(spec: StudySpec):
 
 def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, plasticity=None):
     """The finetuning run of one grid point (``dataset``, ``configuration``, ``optimizer``, ``lr``,
-    ``seed``; see :func:`raystudy.study.spec.grid_point`): ``(FinetuneConfig, TrainResources)``.
+    ``seed``; see :func:`raystudy.study.points.grid_point`): ``(FinetuneConfig, TrainResources)``.
 
     The spec's protocol fields (batch_size, augment, ...), then the dataset's resolved protocol (steps,
     eval_period, warmup_steps, log_period: its overrides, else the study's; see
@@ -126,14 +126,14 @@ def _meta_model(cfg):
 def pretrain_job(spec: StudySpec, out_dir: str):
     """The demo's pretraining run: configuration ``All`` of the spec's model from a random init on the
     pretraining store, per ``spec.pretrain`` (steps, batch_size, lr, optimizer, warmup_steps, seed,
-    augment), the spec's model (its weights aside) and ``amp_bf16``; one evaluation at the end, no periodic
+    augment), the spec's model (its weights aside) and ``precision``; one evaluation at the end, no periodic
     checkpoint, the final full model saved (``final_model.safetensors`` in ``out_dir``).
     ``(FinetuneConfig, TrainResources)``.
     """
     t = spec.pretrain
     run = dict(steps=t.steps, batch_size=t.batch_size, lr=t.lr, optimizer=t.optimizer, warmup_steps=t.warmup_steps,
                seed=t.seed, augment=t.augment)
-    model = {**values(ModelSettings, spec), "weights": None, "amp_bf16": spec.amp_bf16}
+    model = {**values(ModelSettings, spec), "weights": None, "precision": spec.precision}
     cfg = FinetuneConfig(
         **model, **run, store=spec.pretrain_store_path(), configuration="All", eval_period=t.steps, shuffle=True,
         checkpoint_period=0, save_final=True, out_dir=str(out_dir),
@@ -145,15 +145,15 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
     """The plasticity measurement of ``datasets`` (names among ``spec.datasets``) against the pretraining
     ``store`` (``None``: the spec's ``pretrain_store``): a
     :class:`~raystudy.distributed.plasticity.PlasticityJob` of the spec's :class:`ModelSettings` (and
-    ``amp_bf16``) and the ``plasticity`` section's :class:`PlasticitySettings`; a text model (``hf:...``)
+    ``precision``) and the ``plasticity`` section's :class:`PlasticitySettings`; a text model (``hf:...``)
     gets no ``img_size``.
     """
     from raystudy.distributed.plasticity import PlasticityJob  # matplotlib (its figures): trials stay without it
 
     names = [datasets] if isinstance(datasets, str) else list(datasets)
-    model = {**values(ModelSettings, spec), "amp_bf16": spec.amp_bf16}
-    if not modality_of_model(spec.model).takes_images:
-        model["img_size"] = None  # a text model's pairs are token windows (plasticity.seq_len)
+    model = {**values(ModelSettings, spec), "precision": spec.precision}
+    # a text model takes no img_size: its pairs are token windows (plasticity.seq_len)
+    model["img_size"] = modality_of_model(spec.model).input_size(model["img_size"])
     return PlasticityJob(
         **model, **values(PlasticitySettings, spec.plasticity),
         pretrain=store if store is not None else spec.pretrain_store_path(),
@@ -164,7 +164,7 @@ def plasticity_job(spec: StudySpec, datasets: str | Sequence[str], store: str | 
 def probe_job(spec: StudySpec, dataset: str, out_dir: str):
     """The linear probe of ``dataset`` (a name among ``spec.datasets``): a
     :class:`~raystudy.distributed.probe.ProbeJob` of the spec's :class:`ModelSettings`, its feature pass's
-    :class:`DeviceSettings` (the study's ``data_path``, ``precision`` (``amp_bf16``: bf16), ``cache_dir``),
+    :class:`DeviceSettings` (the study's ``data_path``, ``precision``, ``cache_dir``),
     the study's ``resize`` (its eval transform) and the ``probe`` section's :class:`ProbeSettings`, written
     to ``out_dir/probe.json``.
     """

@@ -22,10 +22,14 @@ from raystudy.vocab import RANDOM_INIT
 def plasticity_todo(spec: StudySpec) -> list[str]:
     """The spec's datasets without rows in ``plasticity.parquet`` (all of them when plasticity is off: []);
     with the control on (``plasticity.control``), also those measured without it (no ``random_init`` rows):
-    the model and its control are measured on the same pairs, in one job."""
+    the model and its control are measured on the same pairs, in one job. Rows measured in another
+    precision than the study's plasticity job resolves to (a table without the column: fp32) do not count."""
     if not spec.plasticity.enabled:
         return []
     have = read_result(spec.out, "plasticity", required=False)
+    if have is not None:
+        precision = plasticity_job(spec, list(spec.datasets), None, spec.out).resolved_precision()
+        have = have[have["precision"] == precision]
     if have is not None and spec.plasticity.control == RANDOM_INIT:
         have = have[have["weights"] == RANDOM_INIT]
     measured = set() if have is None else set(have["dataset"])

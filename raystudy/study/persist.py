@@ -13,8 +13,8 @@ import sys
 
 from raystudy.data.modality import absolute_model
 from raystudy.storage import exists, is_uri, join, read_text, write_text_atomic
-from raystudy.study.checks import pretrained_weights_path
-from raystudy.study.spec import SpecError, StudySpec, load_spec_file
+from raystudy.study.checks import SpecError, pretrained_weights_path
+from raystudy.study.spec import StudySpec, load_spec_file
 from raystudy.study.spec_values import load_yaml
 
 SPEC_FILE = "spec.yaml"

@@ -19,11 +19,11 @@ from raystudy.data.modality import modality_of_model, resolve_modality
 from raystudy.data.store import StoreError, check_store
 from raystudy.distributed.job_inputs import weights_problem
 from raystudy.storage import exists, folder_problem, is_uri, join
-from raystudy.study.checks import dataset_store_problem, pretraining_writes_weights, weights_not_found
+from raystudy.study.checks import SpecError, dataset_store_problem, pretraining_writes_weights, weights_not_found
 from raystudy.study.cost import spec_meta_model
 from raystudy.study.persist import check_stored, resolve_paths, row_conflicts_message
 from raystudy.study.results import ResultTables
-from raystudy.study.spec import SpecError, StudySpec
+from raystudy.study.spec import StudySpec
 
 
 def preflight(spec: StudySpec) -> tuple[StudySpec, list[str]]:

@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 
 from raystudy import storage
-from raystudy.core.finetune import train_local
+from raystudy.core.finetune.driver import train_local
 from raystudy.data.synthetic import prepare_default
 from raystudy.data.vtab_demo import DEMO_TASKS, prepare_demo_tasks
+from raystudy.study.checks import SpecError
 from raystudy.study.jobs import pretrain_job
 from raystudy.study.progress import echo as _echo
-from raystudy.study.spec import SpecError, StudySpec
+from raystudy.study.spec import StudySpec
 
 
 def prepare_builtin_data(spec: StudySpec, echo=_echo, **sizes) -> dict[str, str]:

@@ -28,7 +28,7 @@ temporary name and renamed, so a crash never leaves a torn table. Studies writte
 ``curves.parquet`` file: it is read as it is, and split into the dataset at the first write.
 
 A ``trials.parquet`` row is :func:`trial_row` of a run summary, also for a trial that failed after all its
-retries (its summary is :func:`raystudy.distributed.train.failed_summary`: NaN / null results, never a
+retries (its summary is :func:`raystudy.core.finetune.driver.failed_summary`: NaN / null results, never a
 ``-1`` sentinel). Every row carries the model's constructor arguments as a JSON string (``model_kwargs``).
 Studies written before the vocabulary was unified call the ``configuration`` column ``component``:
 :func:`raystudy.io.read_result` renames it on read, so they load and resume.
@@ -56,8 +56,7 @@ import pyarrow.parquet as pq
 
 from raystudy.io import TableError, read_result, write_result
 from raystudy.storage import delete_dir, exists, filesystem, join, move_aside, read_text, write_parquet_atomic
-from raystudy.study.points import phase_of
-from raystudy.study.spec import grid_point
+from raystudy.study.points import grid_point, phase_of
 from raystudy.vocab import (
     FINAL_STATUSES,
     LINEAR_PROBE,

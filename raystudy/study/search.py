@@ -11,9 +11,9 @@ from optuna.distributions import FloatDistribution
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
-from raystudy.study.points import tune_config
+from raystudy.study.points import grid_point, tune_config
 from raystudy.study.results import ResultTables
-from raystudy.study.spec import StudySpec, grid_point
+from raystudy.study.spec import StudySpec
 from raystudy.vocab import FINAL_STATUSES
 
 Cell = tuple  # (dataset, configuration, optimizer, seed)

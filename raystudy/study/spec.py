@@ -56,7 +56,8 @@ from typing import Any, ClassVar
 import yaml
 
 from raystudy import storage
-from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY, SELECT_BY
+from raystudy.analysis.options import DEFAULT_FIXED_RUN, DEFAULT_ROUND, DEFAULT_SEEDS, DEFAULT_SELECT_BY
+from raystudy.precision import upgrade_settings
 from raystudy.setting_roles import fields_with
 from raystudy.settings import (
     DeviceSettings,
@@ -73,9 +74,9 @@ from raystudy.settings import (
     warmup_of,
 )
 from raystudy.study import checks
-from raystudy.study.checks import TRACKERS, SpecError  # noqa: F401  (SpecError, TRACKERS: importable here)
-from raystudy.study.points import format_lr, grid_point, trial_id  # noqa: F401  (their home before points.py)
-from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides: importable here)
+from raystudy.study.checks import SpecError
+from raystudy.study.points import grid_point
+from raystudy.study.spec_values import (
     DatasetOverrides,
     _dataset_entry,
     _optimizers,
@@ -93,7 +94,7 @@ from raystudy.study.spec_values import (  # noqa: F401  (DatasetOverrides: impor
     per_dataset_fields,
     unknown_field,
 )
-from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, did_you_mean
+from raystudy.vocab import BASELINES, COMPONENTS, EXECUTIONS, LINEAR_PROBE, SEARCHES, SELECT_BY, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class PlasticitySpec(PlasticitySettings):
     refused on resume.
     ``seq_len`` and ``tokenizer``: a text model (``model: hf:...``) on text stores, whose pairs are windows of
     ``seq_len`` tokens cut with ``tokenizer`` (default: the model folder's ``tokenizer.json``); see
-    :mod:`raystudy.distributed.text_pairs`.
+    :mod:`raystudy.data.text_rows`.
     """
 
     enabled: bool = setting(True, help="measure the plasticity of every dataset")
@@ -268,7 +269,10 @@ class StudySpec(ModelSettings, ProtocolSettings):
         """
         if not isinstance(data, dict):
             raise SpecError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
-        data = copy.deepcopy(data)
+        try:  # older settings read as today's (raystudy.precision.upgrade_settings)
+            data = upgrade_settings(copy.deepcopy(data), f"{where}: ")
+        except ValueError as e:
+            raise SpecError(str(e)) from None
         kwargs: dict[str, Any] = {}
         known = {f.name for f in dataclasses.fields(cls)} - {"dataset_overrides"}
         for key, value in data.items():
@@ -483,6 +487,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
             return f"per_batch of {test}" + (f" (val {val})" if val != test else "")
         value = getattr(self, name)
         return tuple(value) if name == "betas" else value
+
     def conflicts(self, stored: StudySpec) -> list[str]:
         """Fields in which this spec disagrees with the one a study directory was created with: the settings
         declared with the role ``trial`` (:data:`raystudy.setting_roles.ROLES`; compared as resolved:
@@ -522,6 +527,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
                 continue
             for name in fields_with(self, "row"):
                 want = self.row_value(name, row["dataset"])
+                want = None if want == "auto" else want  # precision auto: what the trial's device resolved it to
                 have = row.get(name)
                 if name not in out and want is not None and not is_missing(have) and have != want:
                     out[name] = f"{name}: trials/{tid} ran with {have!r}, the spec says {want!r}"

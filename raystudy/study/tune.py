@@ -33,8 +33,8 @@ through :func:`raystudy.distributed.cluster.init_ray` (quiet unless ``verbose``)
 
 The pieces it drives live beside it: the stored spec (:mod:`raystudy.study.persist`), one trial
 (:mod:`raystudy.study.trial`), the plasticity stage (:mod:`raystudy.study.measure`), full disks and
-unresumable run folders (:mod:`raystudy.study.health`), SIGTERM (:mod:`raystudy.study.signals`). Their
-public names stay importable from here. Ray itself is imported inside the functions that start it, so
+unresumable run folders (:mod:`raystudy.study.health`), SIGTERM (:mod:`raystudy.study.signals`); import
+their names from there. Ray itself is imported inside the functions that start it, so
 that the commands can check a spec with this module without starting Ray.
 """
 
@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 
 from raystudy.core.models import WeightsError, check_weights_format
 from raystudy.data.cache import kinds_read
-from raystudy.data.store import SPLITS, read_meta
+from raystudy.data.splits import SPLITS
+from raystudy.data.store import read_meta
 from raystudy.distributed.cache import build_caches
 from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
 from raystudy.distributed.job_inputs import weights_problem
@@ -55,28 +56,22 @@ from raystudy.distributed.reaper import start_reaper
 from raystudy.io import table_path
 from raystudy.storage import exists, folder_problem, is_uri, join, subdirs
 from raystudy.study import final
-from raystudy.study.checks import pretraining_writes_weights, weights_not_found
-from raystudy.study.health import (  # noqa: F401  (re-exported: their home before the split)
-    RAY_SNAPSHOT,
+from raystudy.study.checks import SpecError, pretraining_writes_weights, weights_not_found
+from raystudy.study.health import (
     StudyStorageError,
     check_run_dirs,
-    disk_full,
     disk_full_message,
-    run_dir_problem,
     storage_errors,
 )
 from raystudy.study.hparams import write_study_hparams
 from raystudy.study.lock import StudyLock
 from raystudy.study.measure import measure_plasticity, plasticity_todo
-from raystudy.study.persist import (  # noqa: F401  (re-exported: their home before the split)
-    SPEC_FILE,
-    TRACKING_PACKAGES,
+from raystudy.study.persist import (
     check_stored,
     check_tracking,
     load_study_spec,
     resolve_paths,
     row_conflicts_message,
-    stored_spec,
     write_spec,
 )
 from raystudy.study.points import STUDY_TRIAL_ID, point_study_trial_id
@@ -86,18 +81,17 @@ from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
 from raystudy.study.progress import echo as _echo
 from raystudy.study.results import TABLE_PERIOD, ResultTables
-from raystudy.study.signals import (  # noqa: F401  (Terminated: re-exported)
+from raystudy.study.signals import (
     Interrupted,
-    Terminated,
     sigint_noticed,
     sigterm_exits,
 )
-from raystudy.study.spec import SpecError, StudySpec
-from raystudy.study.trial import TrialFailed, final_report, local_dir_for, run_trial, trainable  # noqa: F401
+from raystudy.study.spec import StudySpec
+from raystudy.study.trial import trainable
 from raystudy.vocab import FINAL_STATUSES, SCHEMAS
 
-__all__ = ["Progress", "StudyOutcome", "StudyStorageError", "load_study_spec", "restore_command", "restore_tuner",
-           "resume_command", "run_study", "tables_written", "tune_experiments"]
+__all__ = ["StudyOutcome", "restore_command", "restore_tuner", "resume_command", "run_study", "tables_written",
+           "tune_experiments"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -409,7 +403,7 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
         outcome = StudyOutcome(study_dir=spec.out, total=plan.total, launched=plan.to_launch,
                                counts=tables.counts(), probes=tables.counts(probes=True))
         if spec.analysis:
-            from raystudy.analysis import report  # pandas, scipy, matplotlib: only for a spec that asks
+            from raystudy.analysis.html_report import report  # scipy: only for a spec that asks
 
             t0 = time.monotonic()
             outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,

@@ -46,12 +46,8 @@ from raystudy.core.finetune.checkpoint import (
     save_checkpoint,
 )
 from raystudy.core.finetune.config import (
-    DATA_PATHS,
-    HEAD_INITS,
     MOVED_KEYS,
-    PRECISIONS,
     RENAMED_KEYS,
-    WARMUP_FRACTION,
     FinetuneConfig,
     make_optimizer,
     make_scheduler,
@@ -101,7 +97,7 @@ from raystudy.core.finetune.outputs import (
     write_outputs,
 )
 from raystudy.core.finetune.selection import (
-    Selection,
+    TrainedParameters,
     build_finetune_model,
     enable_fused_attention,
     final_norm_parameters,
@@ -129,14 +125,13 @@ from raystudy.core.finetune.step import (
     set_matmul_precision,
     train_step,
 )
-from raystudy.vocab import OPTIMIZERS, STATUSES
 
 __all__ = [
-    "DATA_PATHS", "PRECISIONS", "CacheBatch", "CachedSplitData", "enable_fused_attention",
+    "CacheBatch", "CachedSplitData", "enable_fused_attention",
     "open_split_data", "prepare_caches", "set_matmul_precision", "to_device",
-    "CURVE_COLUMNS", "HEAD_INITS", "HPARAM_KEYS", "HPARAM_METRICS", "MEMORY_KEYS", "MOVED_KEYS", "OPTIMIZERS",
-    "RENAMED_KEYS", "RESULT_DEFAULTS", "RNG_FILE", "STATE_FILE", "STATUSES", "WARMUP_FRACTION",
-    "Event", "FinetuneConfig", "Finetuner", "MicroBatches", "Selection", "SplitData", "StepResult",
+    "CURVE_COLUMNS", "HPARAM_KEYS", "HPARAM_METRICS", "MEMORY_KEYS", "MOVED_KEYS",
+    "RENAMED_KEYS", "RESULT_DEFAULTS", "RNG_FILE", "STATE_FILE",
+    "Event", "FinetuneConfig", "Finetuner", "MicroBatches", "TrainedParameters", "SplitData", "StepResult",
     "TensorBoardLogger", "ThroughputMeter", "analytic_memory", "autocast", "build_finetune_model", "curve_row",
     "curves_frame", "epoch_permutation", "evaluate", "final_norm_parameters", "fingerprint", "global_batch",
     "make_optimizer", "make_scheduler", "measured_memory", "read_state", "reset_head", "restore_rng",

@@ -17,10 +17,9 @@ import torch
 from raystudy.core.expressions import Budgeted, Combination, ExpressionError, parse
 from raystudy.core.models import resolve_img_size
 from raystudy.data.modality import absolute_model
+from raystudy.precision import resolve_precision, upgrade_settings
 from raystudy.setting_roles import absolute_paths, legacy_values
-from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-exported by raystudy.core.finetune
-    HEAD_INITS,  # noqa: F401
-    WARMUP_FRACTION,  # noqa: F401  (re-exported by raystudy.core.finetune)
+from raystudy.settings import (
     HubWeights,
     ModelSettings,
     ProtocolSettings,
@@ -29,7 +28,7 @@ from raystudy.settings import (  # HEAD_INITS, DATA_PATHS, PRECISIONS: re-export
     warmup_of,
 )
 from raystudy.storage import absolute_path
-from raystudy.vocab import DATA_PATHS, OPTIMIZERS, PRECISIONS  # noqa: F401
+from raystudy.vocab import OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +64,8 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     disables periodic checkpoints. Paths (``store``, ``out_dir``, ``weights``, ``cache_dir``,
     ``tokenizer``) are made absolute on construction: Ray workers run in another directory.
 
-    Speed settings: ``precision`` None picks bf16 on CUDA and fp32 elsewhere (``amp_bf16=True``, the older
-    spelling, means ``precision="bf16"``); ``compile`` wraps the training forward/backward in
+    Speed settings: ``precision`` ``auto`` picks bf16 on CUDA and fp32 elsewhere
+    (:func:`~raystudy.precision.resolve_precision`); ``compile`` wraps the training forward/backward in
     ``torch.compile``; ``data_path`` ``cache`` (default) reads uint8 rows of a per-store cache under
     ``cache_dir`` (None: ``STORE/cache``) and augments on the training device, ``decode`` decodes every
     image at every step (the data path before the cache; older ``config.json`` files load with it).
@@ -91,8 +90,6 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         if isinstance(self.betas, list):
             self.betas = tuple(self.betas)
         self.model_kwargs = dict(self.model_kwargs or {})
-        if self.amp_bf16 and self.precision is None:
-            self.precision = "bf16"
         absolute_paths(self, absolute_path)
         self.model = absolute_model(self.model)
         if self.img_size is None:
@@ -143,8 +140,6 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
             yield "img_size", f"differs from model_kwargs['img_size']={self.model_kwargs['img_size']}; set both alike"
         if "num_classes" in self.model_kwargs:
             yield "model_kwargs", "num_classes belongs in FinetuneConfig.num_classes (None: from the store)"
-        if self.amp_bf16 and self.precision != "bf16":
-            yield "amp_bf16", f"contradicts precision={self.precision!r}"
         if not self.store:
             yield "store", "a prepared store directory is required"
 
@@ -154,8 +149,8 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         return warmup_of(self.steps, self.warmup_steps)
 
     def resolved_precision(self, device: torch.device | str) -> str:
-        """``precision``, or bf16 on a CUDA ``device`` and fp32 elsewhere."""
-        return self.precision or ("bf16" if torch.device(device).type == "cuda" else "fp32")
+        """The precision the run runs in on ``device``: :func:`~raystudy.precision.resolve_precision`."""
+        return resolve_precision(self.precision, torch.device(device).type == "cuda")
 
     @property
     def ckpt_period(self) -> int:
@@ -169,11 +164,12 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     @classmethod
     def from_dict(cls, d: dict) -> FinetuneConfig:
         """The config of ``d`` (e.g. a run's ``config.json``); the keys of older files are accepted:
-        :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored, missing fields declared with a
-        ``legacy`` value (:func:`~raystudy.setting_roles.legacy_values`) and ``precision`` (``amp_bf16``'s value)
-        filled in with what such a file's run did."""
-        d = {**legacy_values(cls), **d}
-        d.setdefault("precision", "bf16" if d.get("amp_bf16") else "fp32")
+        :data:`RENAMED_KEYS` are renamed, :data:`MOVED_KEYS` ignored, older settings upgraded
+        (:func:`~raystudy.precision.upgrade_settings`), missing fields declared with a ``legacy`` value
+        (:func:`~raystudy.setting_roles.legacy_values`) and ``precision`` filled in with what such a file's run
+        did (fp32 before the setting existed)."""
+        d = upgrade_settings({**legacy_values(cls), **d}, "FinetuneConfig.")
+        d.setdefault("precision", "fp32")
         for old, new in RENAMED_KEYS.items():
             if old in d:
                 d.setdefault(new, d.pop(old))

@@ -47,8 +47,9 @@ import torch
 
 from raystudy.core.finetune.augment import augment, sample_crops, to_float, to_stored
 from raystudy.core.finetune.config import FinetuneConfig
-from raystudy.core.finetune.text import TextBatch, TextSplitData, is_text_store, open_text_split
+from raystudy.core.finetune.text import TextBatch, TextSplitData, open_text_split
 from raystudy.data.cache import ImageCache, kind_for, kind_of
+from raystudy.data.modality import TOKENS_PATH, modality_of_store
 from raystudy.data.splits import val_origin
 from raystudy.data.store import Store, read_split
 from raystudy.data.transforms import sample_seed, transform_batch
@@ -230,11 +231,19 @@ def pools_val(cfg: FinetuneConfig, store: Store) -> bool:
     return cfg.val_split == "per_seed" and val_origin(store.meta) == "drawn"
 
 
+def data_path_of(cfg: FinetuneConfig, store: Store) -> str:
+    """The data path a run of ``cfg`` reads ``store`` on: ``cfg.data_path`` for images, ``tokens`` for a
+    text store (:meth:`raystudy.data.modality.Modality.data_path`)."""
+    return modality_of_store(store.meta).data_path(cfg.data_path)
+
+
 def _open_one(cfg: FinetuneConfig, split: str, store: Store, crop: bool):
-    """The data of the store's own ``split``, cropped (``full`` cache kind) when ``crop``."""
-    if is_text_store(store):
+    """The data of the store's own ``split`` on its data path (:func:`data_path_of`), cropped (``full``
+    cache kind) when ``crop``."""
+    path = data_path_of(cfg, store)
+    if path == TOKENS_PATH:
         return open_text_split(cfg, split, store)
-    if cfg.data_path == "decode":
+    if path == "decode":
         return SplitData(store, split, resize=cfg.resize)
     return CachedSplitData(store, split, size=cfg.img_size, crop=crop, root=cfg.cache_dir, resize=cfg.resize)
 
@@ -371,7 +380,7 @@ def prepare_caches(cfg: FinetuneConfig) -> None:
     """Build (or verify and repair) the caches a run on the cache path reads, before its workers start
     (a text store has none)."""
     store = Store.open(cfg.store)
-    if cfg.data_path == "cache" and not is_text_store(store):
+    if data_path_of(cfg, store) == "cache":
         for split in ("train", "test") if trains_on_val(cfg) else ("train", "val", "test"):
             open_split_data(cfg, split, store)
 

@@ -1,15 +1,18 @@
-"""The run driver: one finetuning run around :class:`~raystudy.core.finetune.Finetuner`, whatever executes it.
+"""The run driver: one finetuning run, from its start or resume to its outputs, whatever executes it.
 
-:func:`run` builds the run's :class:`Finetuner`, resumes it from its checkpointer (:mod:`.checkpoint`), and
-handles every event of the loop in one place: TensorBoard (worker 0), a checkpoint at checkpoint steps,
-the event's report, and the test fault ``fail_after_step`` (:mod:`raystudy.faults`). Its executions are
-thin adapters that choose a checkpointer and a reporter:
+A run reads top to bottom in :func:`run`: build the :class:`Finetuner`, resume it from its checkpointer
+(:mod:`.checkpoint`, the one layout), train while handling every event of the loop in one place (TensorBoard on
+worker 0, a checkpoint at checkpoint steps, the event's report, the test faults of :mod:`raystudy.faults`),
+then write the weights (worker 0). :func:`finish_run` writes the run's tables (the one place that does:
+summary, curves, changes, config, restores) and deletes its checkpoints when asked. Each execution is a thin
+adapter that picks a checkpointer, a reporter and what the summary says about the execution:
 
 * :func:`train_local`: the plain single-process run, checkpoints in a folder of their own;
-* the Ray Train worker (:func:`raystudy.distributed.train.train_loop_per_worker`): Ray Train's checkpoints,
-  ``ray.train.report`` for every event;
 * a study trial's own actor (:func:`raystudy.distributed.inprocess.run_in_process`): checkpoints in the
-  trial's storage folder, reports forwarded to Tune.
+  trial's storage folder, reports forwarded to Tune;
+* Ray Train (:func:`raystudy.distributed.train.run_finetune`): every worker runs :func:`run` with the same
+  checkpointer over the run's storage folder (its workers joined by a collective), reports go to
+  ``ray.train.report``; the driver process calls :func:`finish_run` with worker 0's :func:`run_record`.
 
 A run's summary is the loop's (:meth:`Finetuner.summary`) with :func:`finished_summary`'s execution
 figures, or :func:`failed_summary` when the run produced none.
@@ -17,7 +20,7 @@ figures, or :func:`failed_summary` when the run produced none.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import math
 import os
 import time
@@ -37,7 +40,9 @@ from raystudy.core.finetune.outputs import (
 from raystudy.core.finetune.selection import build_finetune_model, select_for
 from raystudy.data.store import read_meta
 from raystudy.faults import injected
-from raystudy.storage import join
+from raystudy.storage import delete_dir, join
+
+log = logging.getLogger(__name__)
 
 # ---- reports -----------------------------------------------------------------------------------------
 
@@ -54,7 +59,7 @@ class Reporter:
     """What a run does with each event besides TensorBoard: this base does nothing.
 
     :meth:`report` gets the event's :func:`event_metrics` and the folder of the checkpoint written at that
-    event (None at other events); :meth:`before_failure` runs on every worker right before an injected
+    event, complete (None at other events); :meth:`before_failure` runs on every worker right before an injected
     failure is raised."""
 
     def report(self, metrics: dict, checkpoint: str | None) -> None:
@@ -175,12 +180,12 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
 
     ``placement`` goes to :class:`Finetuner` (a worker's ``rank``, ``world_size``, ``device``, ``wrap``,
     ``all_reduce``). With ``resume``, the run continues from ``checkpointer.restore``. At each event of the
-    loop: TensorBoard on worker 0 (with ``tensorboard``), ``checkpointer.saved`` at checkpoint steps (and at
-    the end when ``checkpointer.final``), ``reporter.report``, then the test fault ``fail_after_step`` of the
-    run's folder name (after that step's checkpoint and report) and the test fault ``hold_after_checkpoint``
-    (the first attempt waits after its first checkpoint, see :func:`hold_run`). The summary's
-    ``wall_seconds`` is the wall time of the loop; worker 0 writes the run's weights (:func:`save_weights`)
-    with ``write_weights``.
+    loop: TensorBoard on worker 0 (with ``tensorboard``), ``checkpointer.save`` at checkpoint steps (never at
+    the end: the run's outputs are its own files), ``reporter.report``, then the test fault
+    ``fail_after_step`` of the run's folder name (after that step's checkpoint and report) and the test fault
+    ``hold_after_checkpoint`` (the first attempt waits after its first checkpoint, see :func:`hold_run`).
+    The summary's ``wall_seconds`` is the wall time of the loop; worker 0 writes the run's weights
+    (:func:`save_weights`) with ``write_weights``.
     """
     ft = Finetuner(cfg, **placement)
     checkpointer = checkpointer if checkpointer is not None else NoCheckpoints()
@@ -195,9 +200,8 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
     def on_event(ev: Event) -> None:
         if tb is not None:
             tb(ev)
-        save = ev.checkpoint and (checkpointer.final or not ev.final)
-        with checkpointer.saved(ft, ev) if save else contextlib.nullcontext() as folder:
-            reporter.report(event_metrics(ev), folder)
+        folder = checkpointer.save(ft) if ev.checkpoint and not ev.final else None
+        reporter.report(event_metrics(ev), folder)
         if hold_due(ft, ev, hold):
             hold_run(ft, hold)
         if failure_due(ft, ev, fail_after):
@@ -254,21 +258,50 @@ def failed_summary(cfg: FinetuneConfig, error: BaseException | str | None) -> di
                        error=message[:2000])
 
 
+# ---- the outputs ---------------------------------------------------------------------------------------
+
+
+def run_record(summary: dict, ft: Finetuner) -> dict:
+    """What :func:`finish_run` writes of a run besides its config: its summary, curves, restores and changes
+    (plain values: Ray Train hands worker 0's to the driver process)."""
+    return {"summary": summary, "curves": ft.curves, "restores": ft.restores, "changes": ft.changes}
+
+
+def finish_run(cfg: FinetuneConfig, summary: dict, record: dict | None, *, config: dict,
+               storage: str | None = None, cleanup: bool = False) -> dict:
+    """Write the run's outputs into ``cfg.out_dir`` and return ``summary``: the one writer of a run's tables
+    (:func:`~raystudy.core.finetune.outputs.write_outputs`: ``summary.json``, ``curves.parquet``,
+    ``changes.parquet``, ``config.json`` = ``config``, ``restores.json``), for every execution.
+
+    ``record`` is :func:`run_record`'s (None for a run that produced none: no curves, no restores). With
+    ``cleanup``, the run's checkpoint folder ``storage`` is deleted once the run ended ``ok`` or ``diverged``
+    (a ``failed`` run keeps its checkpoints, so that a re-run resumes)."""
+    record = record or {"curves": [], "restores": []}
+    write_outputs(cfg.out_dir, summary, record["curves"], config=config, restores=record["restores"],
+                  changes=record.get("changes"))
+    if cleanup and storage is not None and summary["status"] in ("ok", "diverged"):
+        try:
+            delete_dir(storage)
+        except OSError as e:
+            log.warning("could not delete the checkpoints of %s: %s", storage, e)
+    return summary
+
+
 # ---- the local execution -----------------------------------------------------------------------------
 
 
 def train_local(cfg: FinetuneConfig, *, checkpoint_dir: str | os.PathLike | None = None,
                 resume: bool = False, tensorboard: bool = True, write: bool = True) -> tuple[dict, Finetuner]:
-    """The plain single-process run (no Ray, world size 1): run ``cfg`` and write its outputs into
-    ``cfg.out_dir``.
+    """The plain single-process run (no Ray, world size 1): run ``cfg`` and, with ``write``, write its outputs
+    into ``cfg.out_dir``.
 
     With ``checkpoint_dir``, checkpoints are written to ``checkpoint_dir/checkpoint_XXXXXXXX``
     (:class:`~raystudy.core.finetune.checkpoint.DirectoryCheckpointer`, all kept) and ``resume=True``
-    continues from the newest complete one (also of the earlier ``step_XXXXXXXX`` layout). Returns
+    continues from the newest complete one (older layouts there upgraded first). Returns
     ``(summary, finetuner)``.
     """
     checkpointer = DirectoryCheckpointer(checkpoint_dir) if checkpoint_dir else NoCheckpoints()
     summary, ft = run(cfg, checkpointer=checkpointer, resume=resume, tensorboard=tensorboard, write_weights=write)
     if write:
-        write_outputs(cfg.out_dir, summary, ft.curves, config=cfg.to_dict(), restores=ft.restores, changes=ft.changes)
+        finish_run(cfg, summary, run_record(summary, ft), config=cfg.to_dict())
     return summary, ft

@@ -196,15 +196,15 @@ class Finetuner:
         self.model = build_finetune_model(self.cfg, self.num_classes)
         get_adapter(self.model)  # fails early, listing the supported families
         enable_fused_attention(self.model)
-        self.selection = select_for(self.model, self.cfg)
+        self.trained = select_for(self.model, self.cfg)
         self.model.to(self.device)
         if self.channels_last:
             self.model.to(memory_format=torch.channels_last)  # only 4-d weights change: the patch embedding
         self.net = wrap(self.model) if wrap is not None else self.model  # forward/backward go through this
         if self.cfg.compile:
             self.net = torch.compile(self.net)
-        self.trainable = [p for _, p in self.selection.trainable]
-        self.group = [p for _, p in self.selection.group]
+        self.trainable = [p for _, p in self.trained.trainable]
+        self.group = [p for _, p in self.trained.group]
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -279,7 +279,7 @@ class Finetuner:
 
     def _measure_memory(self) -> None:
         measured = measured_memory(self.trainable, self.optimizer)
-        analytic = analytic_memory(self.selection.num_trainable, self.cfg.optimizer,
+        analytic = analytic_memory(self.trained.num_trainable, self.cfg.optimizer,
                                    self.trainable[0].element_size())
         self.memory = {"grad_memory_bytes": measured["grad_bytes"],
                        "optimizer_memory_bytes": measured["optimizer_bytes"],
@@ -318,11 +318,12 @@ class Finetuner:
     def change_images(self) -> torch.Tensor | None:
         """The CKA's images (:func:`raystudy.core.change.first_images`): the first ``cfg.change_images`` rows
         of ``cfg.change_split`` of ``cfg.change_store``, eval transform; None without a store, with 0 images or
-        for a text model."""
+        for a text model (:meth:`~raystudy.data.modality.Modality.change_images`)."""
         cfg = self.cfg
-        if not cfg.change_store or cfg.change_images == 0 or not modality_of_model(cfg.model).takes_images:
+        n = modality_of_model(cfg.model).change_images(cfg.change_images)
+        if not cfg.change_store or n == 0:
             return None
-        return first_images(cfg.change_store, cfg.change_split, cfg.change_images, cfg.img_size)
+        return first_images(cfg.change_store, cfg.change_split, n, cfg.img_size)
 
     @property
     def adapted(self) -> bool:
@@ -356,7 +357,7 @@ class Finetuner:
         nan = float("nan")
         evaluated = self.best_val_step is not None
         return run_summary(
-            self.cfg, trainable_params=self.selection.num_trainable, status=self.status,
+            self.cfg, trainable_params=self.trained.num_trainable, status=self.status,
             best_val_acc=self.best_val_acc if evaluated else nan, best_val_step=self.best_val_step,
             test_acc=self.test_acc, final_val_loss=self.last_val[0] if self.last_val else nan,
             final_val_acc=self.last_val[1] if self.last_val else nan, wall_seconds=self.train_seconds,
@@ -365,7 +366,7 @@ class Finetuner:
             images_per_s=self.images_per_s, cpu_ms_per_image=self.cpu_ms_per_image, workers=self.world_size,
             num_classes=self.num_classes, num_restores=len(self.restores),
             restored_from_step=self.restores[-1]["step"] if self.restores else None, precision=self.precision,
-            compile=self.cfg.compile, units=self.selection.chosen, checkpoints_skipped=len(self.skipped_checkpoints),
+            compile=self.cfg.compile, units=self.trained.chosen, checkpoints_skipped=len(self.skipped_checkpoints),
             checkpoint_warnings=list(self.skipped_checkpoints), **self.memory,
         )
 
@@ -438,7 +439,7 @@ class Finetuner:
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Trainable parameters (selection + head [+ final norm]) by name, detached CPU copies."""
-        return {n: p.detach().cpu().clone() for n, p in self.selection.trainable}
+        return {n: p.detach().cpu().clone() for n, p in self.trained.trainable}
 
     @contextlib.contextmanager
     def trainable_set_to(self, state: dict[str, torch.Tensor]) -> Iterator[None]:
@@ -451,7 +452,7 @@ class Finetuner:
             self._set_trainable(current)
 
     def _set_trainable(self, state: dict[str, torch.Tensor]) -> None:
-        params = dict(self.selection.trainable)
+        params = dict(self.trained.trainable)
         with torch.no_grad():
             for n, t in state.items():
                 params[n].copy_(t)
@@ -484,7 +485,7 @@ class Finetuner:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state["trainable"]) != set(self.selection.names):
+        if set(state["trainable"]) != set(self.trained.names):
             raise ValueError("checkpoint: trainable parameters differ from the configuration's")
         self._set_trainable(state["trainable"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -49,7 +49,7 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     every setting of role ``row`` (:data:`raystudy.setting_roles.ROLES`: the data path, ...), what its throughput
     counts (``inputs``: images, sequences), the precision the run used (``fp32`` | ``bf16``) and whether it was
     compiled.
-    ``units`` is the canonical expression of what the run trained (:attr:`Selection.chosen`: a budget's
+    ``units`` is the canonical expression of what the run trained (:attr:`TrainedParameters.chosen`: a budget's
     units, the configuration otherwise); without a result it is known from ``cfg`` except for a
     ``random:B`` resolved by the run itself (then None).
     """

@@ -32,7 +32,7 @@ def _check(store: Store, split: str, n: int, data_path: str) -> None:
     """Raise a :class:`ValueError` naming the store and split for what cannot be previewed."""
     if data_path not in PREVIEW_PATHS:
         raise ValueError(f"data path {data_path!r}: expected one of {list(PREVIEW_PATHS)}")
-    if not modality_of_store(store.meta).takes_images:
+    if modality_of_store(store.meta).data_path(data_path) not in PREVIEW_PATHS:
         raise StoreError(f"{store.path}: a {store.kind} store has no images to preview")
     rows = int(store.counts.get(split, 0))
     if rows == 0:

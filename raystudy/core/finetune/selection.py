@@ -78,7 +78,7 @@ def final_norm_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 @dataclass
-class Selection:
+class TrainedParameters:
     """Which parameters a configuration trains, by role.
 
     ``component``: the configuration's selection (:func:`raystudy.core.expressions.resolve`: a union of
@@ -110,9 +110,9 @@ class Selection:
 
 
 def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm: bool = False,
-                      include_layerscale: bool = False, plasticity=None, seed: int = 0) -> Selection:
+                      include_layerscale: bool = False, plasticity=None, seed: int = 0) -> TrainedParameters:
     """Set ``requires_grad`` so that exactly the configuration's selection, the head (and the final norm
-    if asked) are trainable; return the :class:`Selection`.
+    if asked) are trainable; return the :class:`TrainedParameters`.
 
     ``configuration``: a configuration expression; ``plasticity`` (the dataset's table, for ``auto:B``) and
     ``seed`` (``random:B``'s order, an adapter's initialisation) go to :func:`~raystudy.core.expressions.resolve`.
@@ -132,10 +132,10 @@ def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm:
         p.requires_grad_(n in chosen)
         if n in chosen:
             trainable.append((n, p))
-    return Selection(component=component, head=head, extra=extra, trainable=trainable, chosen=resolved.chosen)
+    return TrainedParameters(component=component, head=head, extra=extra, trainable=trainable, chosen=resolved.chosen)
 
 
-def select_for(model: nn.Module, cfg: FinetuneConfig, *, plasticity=None) -> Selection:
+def select_for(model: nn.Module, cfg: FinetuneConfig, *, plasticity=None) -> TrainedParameters:
     """:func:`select_and_freeze` with the options of ``cfg``: its ``selection`` (the units a budget was
     resolved to, see :class:`FinetuneConfig`) when set, else its ``configuration`` seeded by ``cfg.seed``."""
     return select_and_freeze(model, cfg.selection or cfg.configuration, train_final_norm=cfg.train_final_norm,

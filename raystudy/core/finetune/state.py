@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from raystudy.core.finetune.config import RENAMED_KEYS, FinetuneConfig
+from raystudy.precision import upgrade_settings
 from raystudy.setting_roles import fields_with, legacy_values
 from raystudy.settings import accuracy_batches
 
@@ -148,7 +149,7 @@ def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError) as e:
         raise ValueError(f"checkpoint file {path} is unreadable (truncated or corrupt): {e}") from e
-    saved = dict(state["config"])
+    saved = upgrade_settings(state["config"])  # older settings in today's spelling
     for old, new in RENAMED_KEYS.items():
         if old in saved:
             saved.setdefault(new, saved.pop(old))

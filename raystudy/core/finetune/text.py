@@ -28,7 +28,7 @@ import torch
 
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.hf import classifier_pad_id
-from raystudy.data.modality import hf_source, modality_of_model, modality_of_store
+from raystudy.data.modality import hf_source, resolve_modality, tokenizer_path
 from raystudy.data.splits import SPLITS  # every split's texts set the default seq_len (the longest text)
 from raystudy.data.store import Store, StoreError, read_meta, read_split
 from raystudy.data.text_stream import load_tokenizer
@@ -45,23 +45,6 @@ class TextBatch(NamedTuple):
         """The model's keyword inputs on ``device``: ``model(**batch.inputs(device))``."""
         return {"input_ids": self.input_ids.to(device, non_blocking=True),
                 "attention_mask": self.attention_mask.to(device, non_blocking=True)}
-
-
-def is_text_store(store: str | os.PathLike) -> bool:
-    """Whether ``store``'s ``dataset.json`` says ``kind: text`` (:func:`raystudy.data.modality.modality_of_store`)."""
-    return not modality_of_store(read_meta(store)).takes_images
-
-
-def tokenizer_file(cfg: FinetuneConfig) -> str:
-    """``cfg.tokenizer``, else ``tokenizer.json`` in the folder of ``cfg.model`` (``hf:<dir>`` or an
-    installed model package, :func:`raystudy.data.modality.hf_source`)."""
-    if cfg.tokenizer:
-        return str(cfg.tokenizer)
-    folder = Path(hf_source(cfg.model))
-    if not folder.is_dir():
-        raise ValueError(f"FinetuneConfig.tokenizer: model {cfg.model} has no local folder to take "
-                         "tokenizer.json from; set the tokenizer file")
-    return str(folder / "tokenizer.json")
 
 
 @lru_cache(maxsize=4)
@@ -94,7 +77,8 @@ def resolved_seq_len(cfg: FinetuneConfig, store: Store | None = None) -> int:
     ``cfg.store`` already opened)."""
     if cfg.seq_len is not None:
         return cfg.seq_len
-    longest = _longest(str(cfg.store), tokenizer_file(cfg), read_meta(store or cfg.store).get("checksum"))
+    longest = _longest(str(cfg.store), tokenizer_path(cfg.model, cfg.tokenizer),
+                       read_meta(store or cfg.store).get("checksum"))
     cap = max_positions(_model_config(cfg.model))
     return min(longest, cap) if cap else longest
 
@@ -143,11 +127,10 @@ class TextSplitData:
 
 def open_text_split(cfg: FinetuneConfig, split: str, store: Store | None = None) -> TextSplitData:
     """``split`` of the text store ``cfg.store`` (or its opened ``store``) tokenised for ``cfg.model``
-    (module docstring)."""
-    if modality_of_model(cfg.model).takes_images:
-        raise ValueError(f"FinetuneConfig.model={cfg.model!r}: a text store ({cfg.store}) needs a text model "
-                         "(hf:<dir>)")
-    pad = classifier_pad_id(_model_config(cfg.model))
+    (module docstring); an image model raises naming the store and the model
+    (:func:`~raystudy.data.modality.resolve_modality`)."""
     store = Store.open(cfg.store if store is None else store)
-    return TextSplitData(store, split, tokenizer=tokenizer_file(cfg), seq_len=resolved_seq_len(cfg, store),
-                         pad_id=0 if pad is None else pad)
+    resolve_modality(cfg.model, store.meta, store.path)
+    pad = classifier_pad_id(_model_config(cfg.model))
+    return TextSplitData(store, split, tokenizer=tokenizer_path(cfg.model, cfg.tokenizer),
+                         seq_len=resolved_seq_len(cfg, store), pad_id=0 if pad is None else pad)
