@@ -399,7 +399,6 @@ class StudySpec(ModelSettings, ProtocolSettings):
         return None if self.pretrain_store is None else self.store_path(self.pretrain_store)
 
     # ------------------------------------------------------------------------------------------------
-    # ------------------------------------------------------------------------------------------------
     # validation (raystudy.study.checks)
     # ------------------------------------------------------------------------------------------------
 
@@ -514,12 +513,9 @@ class StudySpec(ModelSettings, ProtocolSettings):
         return out + self._plasticity_conflicts(stored)
 
     def row_conflicts(self, rows: dict[str, dict]) -> list[str]:
-        """Settings of role ``row`` (:data:`raystudy.setting_roles.ROLES`) in which finished trials' rows
-        (``{trial id: row}``) disagree with this spec (``trials/<id>: steps ran 6, the spec says 9``), one per
-        field, the first trial named: what each finished trial's row records of how it ran, checked at every
-        launch (a hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean). The value
-        wanted is the dataset's resolved protocol for a per-dataset setting (``steps``), the study's for the
-        others (``precision`` when the spec fixes it)."""
+        """Settings of role ``row`` in which finished trials' rows (``{trial id: row}``) disagree with this spec
+        (``trials/<id>: steps ran 6, the spec says 9``; :meth:`row_value`), one per field, the first trial named:
+        a hand-edited or copied ``spec.yaml`` cannot change what the existing trials mean."""
         out: dict[str, str] = {}
         for tid, row in sorted(rows.items()):
             if (row.get("status") not in ("ok", "diverged") or row.get("dataset") not in self.datasets
