@@ -191,6 +191,54 @@ def test_every_name_is_imported_from_its_home():
     assert not stale, f"THROUGH_ALLOWED entries no longer imported through (remove them): {stale}"
 
 
+def missing_module_attributes(names: Names, files: list[Path]) -> list[str]:
+    """``"file:line: alias.name (module has no name)"`` for every ``alias.name`` where ``alias`` is a package
+    module (``from raystudy.analysis import figures as F``) that binds no ``name``: an attribute an import of
+    the name would have caught, left behind when the name moved home."""
+    out = []
+    for path in files:
+        inside = path.is_relative_to(names.root / "raystudy")
+        package = names.package_of(_module_name(path, names.root), path) if inside else ""
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(node.module, node.level, package)
+                modules |= {a.asname or a.name: f"{base}.{a.name}" for a in node.names
+                            if f"{base}.{a.name}" in names.paths}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname: a.name for a in node.names if a.asname and a.name in names.paths}
+        rebound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        rebound |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in n.args + n.kwonlyargs}
+        modules = {k: v for k, v in modules.items() if k not in rebound}  # a local of the same name elsewhere
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and not node.attr.startswith("__") and names.home(modules[node.value.id], node.attr) is None):
+                out.append(f"{path.relative_to(names.root).as_posix()}:{node.lineno}: {node.value.id}.{node.attr} "
+                           f"({modules[node.value.id]} has no {node.attr})")
+    return out
+
+
+def test_module_attributes_that_do_not_exist_are_found(tmp_path):
+    _write(tmp_path, {
+        "raystudy/__init__.py": "",
+        "raystudy/style.py": "def markers():\n    pass\n",
+        "raystudy/figures.py": "from raystudy.style import markers\ndef draw():\n    pass\n",
+        "raystudy/user.py": ("from raystudy import figures as F\nimport raystudy.style as S\n"
+                             "F.draw(); F.markers(); S.markers(); F.gone(); S.draw()\n"),
+    })
+    assert missing_module_attributes(Names(tmp_path), _files(tmp_path)) == [
+        "raystudy/user.py:3: F.gone (raystudy.figures has no gone)",
+        "raystudy/user.py:3: S.draw (raystudy.style has no draw)",
+    ]
+
+
+def test_every_module_attribute_exists():
+    bad = missing_module_attributes(Names(ROOT), _files(ROOT))
+    assert not bad, "attributes of package modules that the module does not bind (import from the home):\n" + \
+        "\n".join(bad)
+
+
 def test_every___all___lists_the_module_s_own_names():
     names = Names(ROOT)
     public = public_packages(names, API_DOC.read_text(encoding="utf-8"))

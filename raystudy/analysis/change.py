@@ -26,6 +26,7 @@ from matplotlib.patches import Patch
 from raystudy.analysis import figures as F
 from raystudy.analysis.render import Block, Rendered, fmt_lr, fmt_num, pct
 from raystudy.analysis.stats import _match_models
+from raystudy.analysis.style import dataset_markers
 from raystudy.analysis.tables import SWEEP, _with_model, finish, gain_reference, n_models
 from raystudy.io import TableError, read_result, table_path
 from raystudy.vocab import CHANGE_MEASURES, COMPONENTS, LINEAR_PROBE, check_name
@@ -194,7 +195,7 @@ def plot_change_plasticity(t: pd.DataFrame, path_stem: str | Path) -> list[Path]
     # the single-component configurations side by side: does the more plastic component move further?
     t = t.assign(trained=t["configuration"].where(~t["configuration"].isin(COMPONENTS), "one component each"))
     panels, constant = F._facets(t, ("model", "trained", "mode"))
-    markers = F.dataset_markers(t["dataset"])
+    markers = dataset_markers(t["dataset"])
     fig, axes = F._grid(len(panels), width=4.6, height=3.6)
     for ax, (name, g) in zip(axes, panels):
         for (comp, ds), rows in g.groupby(["component", "dataset"], sort=False):
@@ -218,7 +219,7 @@ def plot_cka_gain(t: pd.DataFrame, path_stem: str | Path) -> list[Path]:
     groups, constant = F._facets(t, ("model", "optimizer"))
     configs = F._ordered(t["configuration"].unique())
     styles = F.configuration_styles(configs)
-    markers = F.dataset_markers(t["dataset"])
+    markers = dataset_markers(t["dataset"])
     fig, axes = F._grid(2 * len(groups), width=4.6, height=3.6, max_cols=2)
     for i, (name, g) in enumerate(groups):
         for ax, col, what in ((axes[2 * i], "mean_cka", "mean CKA over blocks"),
