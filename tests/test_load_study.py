@@ -78,7 +78,7 @@ def test_load_study_reads_an_old_directory(tmp_path):
     # the old file's scheduled lr (its column `lr`) is read as lr_now, beside the trial's base rate lr
     assert c.groupby("trial_id").lr_now.apply(list).to_dict() == {IDS[0]: [0.002, 0.006, 0.01], IDS[1]: [0.05, 0.1]}
     old = pd.read_parquet(tmp_path / "old" / "plasticity.parquet")  # before the control: read as pretrained
-    pd.testing.assert_frame_equal(study.plasticity, old.assign(weights="pretrained"))
+    pd.testing.assert_frame_equal(study.plasticity, old.assign(weights="pretrained", precision="fp32"))
     assert study.control is None
     assert study.bounds.bound.tolist() == [9.0] and study.rates is None
     assert study.spec["name"] == "old" and "trials: 3 rows" in repr(study)
