@@ -61,7 +61,8 @@ def check_against_reference(out, model, x, y, *, mode, dataset):
     rates, table = pd.read_parquet(out / "rates.parquet"), pd.read_parquet(out / "plasticity.parquet")
     assert set(rates["weights"]) == set(table["weights"]) == {"pretrained", "random_init"}  # the control beside
     rates = rates[rates["weights"] == "pretrained"].drop(columns="weights")
-    table = table[table["weights"] == "pretrained"].drop(columns=["weights", "init_seed"])
+    assert set(table["precision"]) == {"fp32"}  # a CPU run's auto
+    table = table[table["weights"] == "pretrained"].drop(columns=["weights", "init_seed", "precision"])
     ref = pair_rates_reference(model, x, y, mode=mode)
     assert (rates["model"] == NAME).all() and (rates["dataset"] == dataset).all() and (rates["mode"] == mode).all()
     merged = rates.merge(ref, on=["pair", "layer", "component"], suffixes=("", "_ref"), validate="one_to_one")
