@@ -6,12 +6,15 @@ synthetic trials table of tests/test_analysis.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 from test_analysis import make_study
 
 from raystudy.analysis import figures as F
+from raystudy.analysis import sweep_figures as SF
 from raystudy.analysis.html_report import write_report
 from raystudy.analysis.options import check_subset
 from raystudy.analysis.pipeline import run_analysis
@@ -19,6 +22,31 @@ from raystudy.study.checks import SpecError
 from raystudy.study.spec import load_preset
 
 FIXED = {"dataset": "sketch", "seed": 42, "lr": 0.01}
+
+
+#: the figures the fixed-run tests below do not look at (drawn and checked in tests/test_analysis.py,
+#: tests/test_analysis_paper.py and tests/test_figures_trust.py): the sweep of every run, the accuracy views,
+#: the relative gain
+UNCHECKED_FIGURES = ((SF, "plot_sweep_curves"), (SF, "plot_accuracy_fixed_lr"), (SF, "plot_accuracy_vs_lr"),
+                     (SF, "plot_best_accuracy"), (SF, "plot_accuracy_vs_params"),
+                     (F, "plot_accuracy_distribution"), (F, "plot_relative_gain"))
+
+
+@pytest.fixture
+def curve_figures_only(monkeypatch):
+    """Every figure of :data:`UNCHECKED_FIGURES` drawn as one empty panel (still a PNG and an SVG, so the
+    report embeds it): the curve figures, every figure's name and order, the notes and the report stay the
+    analysis's own. The 14 figures of :func:`_study` took ~60 s per analysis on the busy 2-core machine,
+    ~45 s of it these."""
+    from matplotlib.figure import Figure
+
+    def empty_panel(*args, **_):
+        fig = Figure(figsize=(1, 1))
+        fig.add_subplot()
+        return F.save_figure(fig, next(a for a in args if isinstance(a, Path)))
+
+    for module, name in UNCHECKED_FIGURES:
+        monkeypatch.setattr(module, name, empty_panel)
 
 
 def _study(tmp_path):
@@ -41,7 +69,7 @@ def test_seeds_keep_only_those_seeds_trials_in_the_tables(tmp_path):
     assert any("Seeds 0 only" in n and f"{2 * len(trials) // 3} trial(s)" in n for n in res.notes)
 
 
-def test_fixed_run_figure_draws_exactly_those_runs(tmp_path, monkeypatch):
+def test_fixed_run_figure_draws_exactly_those_runs(tmp_path, monkeypatch, curve_figures_only):
     drawn, real = [], F.plot_curves
 
     def recording(curves, runs, path_stem, **kw):
@@ -63,7 +91,7 @@ def test_fixed_run_figure_draws_exactly_those_runs(tmp_path, monkeypatch):
     assert not any(n.startswith("fixed_run") for n in res.notes)
 
 
-def test_a_missing_fixed_run_is_a_note_in_the_report(tmp_path):
+def test_a_missing_fixed_run_is_a_note_in_the_report(tmp_path, curve_figures_only):
     path = _study(tmp_path)
     res = run_analysis(path, fixed_run={**FIXED, "seed": 7})
     assert "curves_fixed_sketch_sgd" not in [f.name for f in res.figures]
@@ -89,7 +117,7 @@ def test_option_checks_and_the_presets():
     assert load_preset("paper-model-size").analysis_seeds == [0]
 
 
-def test_the_cli_reaches_both_options(tmp_path, capsys):
+def test_the_cli_reaches_both_options(tmp_path, capsys, curve_figures_only):
     from raystudy.cli import main
 
     path = _study(tmp_path)
