@@ -50,7 +50,7 @@ LISTING = "text"
 
 FENCE = re.compile(r"^```(\S*)\s*$")
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(\S.*?)\s*-->\s*$")
-#: ``<!-- within 50%: why -->`` above a block: its ``~NUMBER`` wildcards admit that fraction instead of :data:`TOLERANCE`
+#: ``<!-- within 50%: why -->`` above a block: its ``~NUMBER`` wildcards admit that fraction, not :data:`TOLERANCE`
 WITHIN = re.compile(r"^<!--\s*within\s+(\d+)%:\s*(\S.*?)\s*-->\s*$")
 OUTPUT_HEADER = "Output"
 #: what a wildcard may not stand for
