@@ -297,24 +297,35 @@ def _heavy_at_import(root: Path) -> dict[str, set[str]]:
     return {m: close(m, frozenset()) for m in paths}
 
 
-def _imports_deferring_nothing(root: Path) -> list[str]:
-    """In-function imports of the package's own modules that defer no heavy library, as ``"module:line"``: the
-    comment on their lines names none of :data:`HEAVY` that the imported module loads and the importing
-    module does not (``# torch (raystudy.core): --help stays light`` in a light module is the reason)."""
+def _in_function_imports(root: Path):
+    """``(module, imported module, line, comment)`` for every in-function import of the package's own modules
+    under ``root``; ``comment``: the text of the comments on the import's lines ("" for none)."""
     paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
-    heavy = _heavy_at_import(root)
-    out = []
     for module, path in paths.items():
         source = path.read_text(encoding="utf-8")
         comments = _comments(source)
         ends = {n.lineno: n.end_lineno for n in ast.walk(ast.parse(source))
                 if isinstance(n, (ast.Import, ast.ImportFrom))}
         for target, line, inside in _own_imports(path, root, set(paths)):
-            text = " ".join(comments.get(n, "") for n in range(line, ends[line] + 1)).casefold()
-            named = {lib for lib, words in HEAVY.items() if any(re.search(rf"\b{w}\b", text) for w in words)}
-            if inside and not named & (heavy[target] - heavy[module]):
-                out.append(f"{module}:{line}")
-    return sorted(set(out), key=lambda s: (s.rpartition(":")[0], int(s.rpartition(":")[2])))
+            if inside:
+                yield module, target, line, " ".join(comments.get(n, "") for n in range(line, ends[line] + 1)).strip()
+
+
+def _by_place(places: list[str]) -> list[str]:
+    return sorted(set(places), key=lambda s: (s.rpartition(":")[0], int(s.rpartition(":")[2])))
+
+
+def _imports_deferring_nothing(root: Path) -> list[str]:
+    """In-function imports of the package's own modules that defer no heavy library, as ``"module:line"``: the
+    comment on their lines names none of :data:`HEAVY` that the imported module loads and the importing
+    module does not (``# torch (raystudy.core): --help stays light`` in a light module is the reason)."""
+    heavy = _heavy_at_import(root)
+    out = []
+    for module, target, line, comment in _in_function_imports(root):
+        named = {lib for lib, words in HEAVY.items() if any(re.search(rf"\b{w}\b", comment.casefold()) for w in words)}
+        if not named & (heavy[target] - heavy[module]):
+            out.append(f"{module}:{line}")
+    return _by_place(out)
 
 
 def test_imports_deferring_nothing_are_found(tmp_path):
@@ -359,16 +370,7 @@ def _comments(source: str) -> dict[int, str]:
 def _unexplained_imports(root: Path) -> list[str]:
     """The in-function imports of the package's own modules with no comment on their lines saying why they
     wait (``# torch (raystudy.core): --help stays light``, ``# optional: peft``), as ``"module:line"``."""
-    paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
-    out = []
-    for module, path in paths.items():
-        source = path.read_text(encoding="utf-8")
-        comments = _comments(source)
-        ends = {n.lineno: n.end_lineno for n in ast.walk(ast.parse(source))
-                if isinstance(n, (ast.Import, ast.ImportFrom))}
-        out += [f"{module}:{line}" for _, line, inside in _own_imports(path, root, set(paths))
-                if inside and not any(comments.get(n) for n in range(line, ends[line] + 1))]
-    return sorted(set(out), key=lambda s: (s.rpartition(":")[0], int(s.rpartition(":")[2])))
+    return _by_place([f"{module}:{line}" for module, _, line, comment in _in_function_imports(root) if not comment])
 
 
 def test_unexplained_imports_are_found(tmp_path):
