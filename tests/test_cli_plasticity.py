@@ -161,13 +161,20 @@ def test_plasticity_cli_with_stores_refuses_incomplete_flags(tmp_path, capsys):
     assert (job.pairs, job.batch_size) == (PlasticitySettings().pairs, PlasticitySettings().batch_size)
 
 
+def _saved_images(tmp_path, seed: int, n_x: int, n_y: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random images ``x`` (``n_x``) and ``y`` (``n_y``), ``(N, 3, 32, 32)``, saved as ``tmp_path/x.npy``
+    and ``tmp_path/y.npy`` for ``raystudy plasticity --x --y``."""
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n_x, 3, 32, 32, generator=gen), torch.randn(n_y, 3, 32, 32, generator=gen)
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "y.npy", y.numpy())
+    return x, y
+
+
 def test_plasticity_cli_local_sequential_pairs_in_order(tmp_path, weights):
     """``--pairing sequential`` on local tensors: pair i is (x[i], y[i]); random pairing draws other pairs."""
     model, path = weights
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(6, 3, 32, 32, generator=gen), torch.randn(5, 3, 32, 32, generator=gen)
-    np.save(tmp_path / "x.npy", x.numpy())
-    np.save(tmp_path / "y.npy", y.numpy())
+    x, y = _saved_images(tmp_path, seed=0, n_x=6, n_y=5)
     runs = {}
     for pairing in ("sequential", "random"):
         out = tmp_path / pairing
@@ -227,10 +234,7 @@ def test_plasticity_cli_bf16_is_precision_bf16_and_the_table_says_so(tmp_path, w
     from raystudy.commands.plasticity import pipeline_job
 
     model, path = weights
-    gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randn(4, 3, 32, 32, generator=gen)
-    np.save(tmp_path / "x.npy", x.numpy())
-    np.save(tmp_path / "y.npy", y.numpy())
+    x, y = _saved_images(tmp_path, seed=1, n_x=4, n_y=4)
     tables = {}
     for name, flags in (("auto", []), ("bf16", ["--bf16"]), ("precision", ["--precision", "bf16"])):
         out = tmp_path / name
