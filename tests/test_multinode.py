@@ -193,7 +193,12 @@ def uninterrupted(study_dir: Path, tid: str, out: Path) -> tuple[dict, pd.DataFr
     return summary, pd.read_parquet(out / tid / "curves.parquet")
 
 
-@pytest.mark.parametrize("execution", ["actor", "train"])
+#: ``execution: train`` only: it loses a Ray Train controller with the node (what once hung a study), and the
+#: trial's actor with it as ``execution: actor`` would. A lost actor of a reused-actor trial ends that trial as
+#: any failure does, and Tune's retry of it from its checkpoint is tested in tests/test_study.py (the grid
+#: study's retried trial). TRAINERS and LOST keep the actor execution's entries: add "actor" below to run it too
+#: (86 s of a `make test` run's two processes on two cores; the train scenario 63 s alone, 250 s in that run).
+@pytest.mark.parametrize("execution", ["train"])
 def test_lost_worker_node_study_ends_with_the_grid(builtin, tmp_path, execution):
     t0 = time.monotonic()
     out = tmp_path / "study"

@@ -10,7 +10,7 @@ import pytest
 from raystudy.io import read_result
 from raystudy.vocab import VTAB_TASKS
 
-CONFIGURATIONS = ["Head", "All", "auto:1%", "random:1%", "ia3", "bias"]  # All + Head: the budget caps
+CONFIGURATIONS = ["Head", "All", "auto:1%", "random:1%", "bias"]  # All + Head: the budget caps; bias: a PEFT method
 TASKS = ["cifar", "patch_camelyon", "dsprites_ori"]
 
 
@@ -36,7 +36,7 @@ def test_vtab1k_demo_writes_the_benchmark_tables_and_figures(study):
     trials = read_result(str(out), "trials")
     assert set(trials["status"]) == {"ok"}
     search, final = trials[trials["phase"] == "search"], trials[trials["phase"] == "final"]
-    assert len(search) == 3 * 6 * 2 and len(final) == 3 * 6
+    assert len(search) == 3 * 5 * 2 and len(final) == 3 * 5
     # the final lr is the one with the best validation accuracy (mean over seeds; the smaller lr on a tie)
     val = search.groupby(["dataset", "configuration", "lr"])["best_val_acc"].mean().reset_index()
     chosen = val.sort_values(["best_val_acc", "lr"], ascending=[False, True]).groupby(
@@ -56,7 +56,7 @@ def test_vtab1k_demo_writes_the_benchmark_tables_and_figures(study):
         for t in TASKS:
             assert row[t] == pytest.approx(acc.loc[c, t], abs=1e-9)
     matched = pd.read_csv(analysis / "vtab_matched_budget.csv")
-    assert {("auto:1%", "random:1%"), ("auto:1%", "ia3"), ("auto:1%", "bias")} <= set(
+    assert {("auto:1%", "random:1%"), ("auto:1%", "bias")} <= set(
         zip(matched["first"], matched["second"]))
     assert set(matched["n_pairs"]) == {3}
     frontier = pd.read_csv(analysis / "vtab_frontier.csv")
