@@ -24,6 +24,8 @@ import torch
 from conftest import tiny_vit
 from torch import nn
 
+from raystudy.analysis.inputs import StudyInputs
+from raystudy.analysis.pipeline import _plasticity_figures
 from raystudy.cli import main
 from raystudy.distributed.plasticity import PlasticityJob, actor_spec
 from raystudy.distributed.plasticity_actors import BoundsThread
@@ -260,6 +262,16 @@ def test_a_bounds_table_without_the_column_reads_as_the_paper_s(tmp_path, weight
     table = _bounds(tmp_path, "old", "--weights", path, "--radius", "2")
     table.drop(columns=["bounds"]).to_parquet(tmp_path / "bounds.parquet")
     assert (read_result(tmp_path, "bounds")["bounds"] == "paper").all()
+
+
+def test_the_report_says_when_its_bounds_are_the_authors(tmp_path, weights):
+    _, path = weights
+    captions = {}
+    for formulas in BOUNDS_FORMULAS:
+        _bounds(tmp_path, formulas, "--weights", path, "--radius", "2", "--bounds", formulas)
+        inputs = StudyInputs(study_dir=str(tmp_path / formulas), bounds=read_result(tmp_path / formulas, "bounds"))
+        captions[formulas] = {name: caption for name, _, caption, _ in _plasticity_figures(inputs)}["bounds"]
+    assert "authors' formulas" in captions["authors"] and "authors" not in captions["paper"]
 
 
 def test_unknown_formulas_are_refused(tmp_path, capsys):
