@@ -40,6 +40,7 @@ from typing import Any
 from raystudy.setting_roles import roles_metadata
 from raystudy.vocab import (
     ACCURACIES,
+    BOUNDS_FORMULAS,
     CONTROLS,
     DATA_PATHS,
     GATED_FC1,
@@ -473,6 +474,10 @@ class PlasticitySettings:
     radius: float | None = setting(None, check="optional_positive",
                                    help="fixed token radius r of the bounds (the paper's 19.4); None: measured",
                                    roles={"plasticity"})
+    bounds: str = setting("paper", choices=BOUNDS_FORMULAS,
+                          help="the bounds' formulas: the paper's (Section 4) or those of the authors' Fig. 7 "
+                               "(apps/plots/theory.py: max(gamma), per-head column slices, the whole W2)",
+                          roles={"plasticity"})
     seed: int = setting(0, check="non_negative_int",
                         help="seed of the random pairing (and of the random init without weights)",
                         roles={"plasticity"})

@@ -125,6 +125,10 @@ TEXT_ROWS: tuple[str, ...] = ("windows", "padded")
 #: FC1 of a gated MLP (SwiGLU): the stacked input projections [W_g; W_x] or the value projection W_x alone
 #: (timm's ``fc1_x``, the ``up_proj`` the authors' DINOv3 script measures)
 GATED_FC1: tuple[str, ...] = ("stacked", "up")
+#: the formulas of the plasticity upper bounds (:mod:`raystudy.core.bounds`): the paper's (Section 4: rows of
+#: W_Q/W_K/W_V per head, max|gamma|/sigma, FC2 on the lifted tokens W_2[:, :d]) or those the authors' Fig. 7
+#: computes (``apps/plots/theory.py``: columns per head, max(gamma), the whole W_2); the first is the default
+BOUNDS_FORMULAS: tuple[str, ...] = ("paper", "authors")
 
 _str, _int, _float = pa.string(), pa.int64(), pa.float64()
 
@@ -201,9 +205,11 @@ CONTROLS: tuple[str, ...] = (RANDOM_INIT, "none")
 PAPER_RANKING: tuple[str, ...] = ("MHA", "FC1", "FC2", "LN2", "LN1")
 
 #: Columns a table holds beside its schema, with the value older tables (without them) read as.
-#: (a plasticity table without ``precision`` was measured in fp32, the only precision before it).
+#: (a plasticity table without ``precision`` was measured in fp32, the only precision before it; a bounds table
+#: without ``bounds`` holds the paper's formulas, the only ones before the authors' were offered).
 DEFAULTED_COLUMNS: dict[str, dict[str, str]] = {"plasticity": {"weights": PRETRAINED, "precision": PRECISIONS[0]},
-                                                "rates": {"weights": PRETRAINED}}
+                                                "rates": {"weights": PRETRAINED},
+                                                "bounds": {"bounds": BOUNDS_FORMULAS[0]}}
 
 
 def columns(table: str) -> list[str]:

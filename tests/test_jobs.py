@@ -72,7 +72,7 @@ SPEC = dict(
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
                     cpus_per_worker=1.5, torch_threads=3, pairing="sequential", pretrain_split=["val", "test"],
                     radius=2.5, seq_len=12, tokenizer="/t/tok.json", text_rows="padded", mha_input="normed",
-                    gated_fc1="up", control="none", control_seed=7),
+                    gated_fc1="up", control="none", control_seed=7, bounds="authors"),
     pretrain=dict(enabled=True, steps=77, batch_size=16, lr=5e-4, optimizer="adamw", warmup_steps=7, seed=5,
                   augment=False),
     probe=dict(enabled=True, augment=False, seed=13, batch_size=20, workers=6, gpus_per_worker=0.5,

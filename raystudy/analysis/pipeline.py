@@ -55,7 +55,7 @@ from raystudy.analysis.tables import (
     stability_table,
 )
 from raystudy.terminal import progress_bar
-from raystudy.vocab import LINEAR_PROBE
+from raystudy.vocab import BOUNDS_FORMULAS, LINEAR_PROBE
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +272,10 @@ def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
                          "kept).", lambda s: F.plot_plasticity_layers(p, s)))
     if inputs.bounds is not None:
         b = inputs.bounds
+        authors = " The authors' formulas (their Fig. 7's theory.py), not the paper's." \
+            if "bounds" in b.columns and (b["bounds"] == BOUNDS_FORMULAS[1]).any() else ""
         jobs.append(("bounds", "Upper bounds and measured plasticity",
-                     "Theoretical upper bounds (dashed) next to the measured plasticity (solid), log scale.",
+                     "Theoretical upper bounds (dashed) next to the measured plasticity (solid), log scale." + authors,
                      lambda s: F.plot_bounds(b, p, s)))
     return jobs
 

@@ -8,7 +8,9 @@ the windows of ``--seq-len`` tokens of a text store (``--images STORE``: its tes
 
 The paper fixes ``r = 19.4`` (measured by the authors on CIFAR-10): ``--radius 19.4 --images STORE``
 computes the bounds at 19.4 and keeps the radius measured on STORE in the column ``radius_measured``
-beside ``radius``. Formulas and assumptions: :mod:`raystudy.core.bounds`.
+beside ``radius``. ``--bounds authors`` computes the formulas of the authors' Fig. 7 (their
+``apps/plots/theory.py``) instead of the paper's; the column ``bounds`` records which. Formulas and
+assumptions: :mod:`raystudy.core.bounds`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from raystudy.commands.plasticity import add_model_args, build_measured_model, load_images
 from raystudy.data.modality import modality_of_model, resolve_modality
 from raystudy.data.store import IMAGE_KIND, TEXT_KIND, Store
+from raystudy.settings import PlasticitySettings, add_flags
 
 
 def register(sub) -> None:
@@ -31,6 +34,7 @@ def register(sub) -> None:
     p.add_argument("--sigma", type=float, help="LayerNorm per-token std lower bound (instead of measuring it)")
     p.add_argument("--max-windows", type=int, default=1024, metavar="N",
                    help="text models: token windows of --images to measure on (default: %(default)s)")
+    add_flags(p, PlasticitySettings, ["bounds"])
     p.set_defaults(func=run)
 
 
@@ -91,7 +95,7 @@ def run(args) -> int:
     radius, seq_len, sigma, measured = token_stats(args, model)
     if radius is None:
         raise ValueError("give --images to measure the token radius, or --radius")
-    table = upper_bounds(model, radius=radius, seq_len=seq_len, sigma=sigma)
+    table = upper_bounds(model, radius=radius, seq_len=seq_len, sigma=sigma, bounds=args.bounds)
     table.insert(0, "model", args.model)
     if measured is not None:
         table["radius_measured"] = measured

@@ -71,7 +71,7 @@ def register(sub) -> None:
     local.add_argument("--dataset", default=None, help="dataset name for the tables (default: y's name)")
     ray = p.add_argument_group("prepared stores (Ray pipeline)")
     add_flags(ray, PlasticityRun, ["pretrain", "downstream"])
-    add_flags(ray, PlasticitySettings, ["pretrain_split", "seq_len", "text_rows", "radius", "workers",
+    add_flags(ray, PlasticitySettings, ["pretrain_split", "seq_len", "text_rows", "radius", "bounds", "workers",
                                         "cpus_per_worker", "gpus_per_worker", "torch_threads"])
     ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     ray.add_argument("--json", action="store_true", help="print the run's summary as JSON")

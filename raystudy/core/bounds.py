@@ -27,8 +27,19 @@ Multi-head self-attention (MHA, Castin et al. 2024)
     DINOv3, which rotates queries and keys by a position-dependent angle so that ``A^h`` differs for every
     pair of positions and prefix tokens are left unrotated; see ``Adapter.unbounded_components``).
 
-The bounds table has columns ``layer, component, bound`` plus ``bound_hidden``, ``radius``, ``seq_len``
-and ``sigma`` (the values they were computed with).
+The authors' formulas (``bounds="authors"``)
+    What the authors' Fig. 7 computes (``apps/plots/theory.py``, ``norm_ub`` / ``linear_ub`` /
+    ``attention_ub``), on the same weights: LayerNorm ``max_j gamma_j`` (no absolute value, no ``1/sigma``);
+    FC1 ``||W_1||_2``; FC2 ``||W_2||_2`` (the whole matrix, in ``bound`` and ``bound_hidden``); MHA the
+    formula above with each head's ``Q^h, K^h, V^h`` the *transposed column* slices
+    ``W[:, h k:(h+1) k]^T`` of the ``(H k, d)`` weights (an input slice, where the paper's head map is the
+    row slice ``W[h k:(h+1) k]``, the head's outputs), so ``A^h = W_Q[:, s] W_K[:, s]^T / sqrt(k)``; ``O^h``
+    is the column slice in both. ``max_j gamma_j`` bounds no LayerNorm's rate in general (a negative scale's
+    size and the ``1/sigma`` are missing): these values reproduce the authors' figure. ``sigma`` is recorded
+    but unused.
+
+The bounds table has columns ``layer, component, bound`` plus ``bound_hidden``, ``radius``, ``seq_len``,
+``sigma`` (the values they were computed with) and ``bounds`` (which formulas: ``BOUNDS_FORMULAS``).
 """
 
 from __future__ import annotations
@@ -42,7 +53,9 @@ import torch
 from torch import nn
 
 from raystudy.core.components import get_adapter
-from raystudy.vocab import COMPONENTS
+from raystudy.vocab import BOUNDS_FORMULAS, COMPONENTS
+
+PAPER, AUTHORS = BOUNDS_FORMULAS
 
 
 def spectral_norm(w: torch.Tensor) -> float:
@@ -50,9 +63,14 @@ def spectral_norm(w: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(w.detach().to("cpu", torch.float64), ord=2))
 
 
-def layernorm_bound(ln: nn.Module, sigma: float) -> float:
-    """``||gamma||_inf / sigma`` for a LayerNorm with weight ``gamma in R^d`` (1 if it has no weight)."""
+def layernorm_bound(ln: nn.Module, sigma: float | None, bounds: str = PAPER) -> float:
+    """``paper``: ``||gamma||_inf / sigma`` for a LayerNorm with weight ``gamma in R^d`` (1 if it has no
+    weight), NaN without ``sigma``; ``authors``: ``max_j gamma_j`` (theory.py's ``torch.max(weight)``)."""
     gamma = getattr(ln, "weight", None)
+    if bounds == AUTHORS:
+        return 1.0 if gamma is None else float(gamma.detach().max())
+    if sigma is None:
+        return math.nan
     g = 1.0 if gamma is None else float(gamma.detach().abs().max())
     return g / sigma
 
@@ -65,15 +83,23 @@ def _qkv_weights(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return tuple(getattr(attn, f"{a}_proj").weight.detach() for a in "qkv")
 
 
-def attention_heads(attn: nn.Module) -> list[dict[str, torch.Tensor]]:
-    """Per-head matrices ``Q, K, V`` (``(k, d)`` each) and ``O`` (``(d, k)``) of a timm ``Attention``
-    (fused ``qkv``) or ``EvaAttention`` (fused, or separate ``q_proj`` / ``k_proj`` / ``v_proj``)."""
-    q, kk, v = _qkv_weights(attn)  # head h at rows h*k:(h+1)*k of each
+def _head_slice(w: torch.Tensor, h: int, k: int, bounds: str = PAPER) -> torch.Tensor:
+    """Head ``h``'s ``(k, d)`` map out of a ``(H k, d)`` query, key or value weight: ``paper``: the rows
+    ``h k:(h+1) k`` (the head's outputs); ``authors``: the columns ``h k:(h+1) k`` transposed, ``(k, H k)``
+    (theory.py's ``q[:, i * k:(i + 1) * k]``, a slice of the inputs)."""
+    return w[:, h * k:(h + 1) * k].T if bounds == AUTHORS else w[h * k:(h + 1) * k]
+
+
+def attention_heads(attn: nn.Module, bounds: str = PAPER) -> list[dict[str, torch.Tensor]]:
+    """Per-head matrices ``Q, K, V`` (``(k, d)`` each, sliced by :func:`_head_slice`) and ``O`` (``(d, k)``,
+    the columns ``h k:(h+1) k`` of the output projection) of a timm ``Attention`` (fused ``qkv``) or
+    ``EvaAttention`` (fused, or separate ``q_proj`` / ``k_proj`` / ``v_proj``)."""
+    q, kk, v = _qkv_weights(attn)  # (H k, d) each
     heads = attn.num_heads
     k = q.shape[0] // heads
     o = attn.proj.weight.detach()  # (d, H k)
     return [
-        {"Q": q[h * k:(h + 1) * k], "K": kk[h * k:(h + 1) * k], "V": v[h * k:(h + 1) * k],
+        {"Q": _head_slice(q, h, k, bounds), "K": _head_slice(kk, h, k, bounds), "V": _head_slice(v, h, k, bounds),
          "O": o[:, h * k:(h + 1) * k]}
         for h in range(heads)
     ]
@@ -91,8 +117,9 @@ def _attention_extras(attn: nn.Module) -> list[str]:
     return extras
 
 
-def attention_bound(attn: nn.Module, *, radius: float, seq_len: int) -> float:
-    """``sum_h ||O^h||_2 ||V^h||_2 sqrt(3n + (12n + 3) r^4 ||A^h||_2^2)``, ``A^h = Q^hT K^h / sqrt(k)``."""
+def attention_bound(attn: nn.Module, *, radius: float, seq_len: int, bounds: str = PAPER) -> float:
+    """``sum_h ||O^h||_2 ||V^h||_2 sqrt(3n + (12n + 3) r^4 ||A^h||_2^2)``, ``A^h = Q^hT K^h / sqrt(k)``, the
+    heads sliced as ``bounds`` says (:func:`attention_heads`)."""
     extras = _attention_extras(attn)
     if extras:
         warnings.warn(f"attention bound assumes plain multi-head attention (found {extras}); "
@@ -100,7 +127,7 @@ def attention_bound(attn: nn.Module, *, radius: float, seq_len: int) -> float:
         return math.nan
     total = 0.0
     n, r = float(seq_len), float(radius)
-    for h in attention_heads(attn):
+    for h in attention_heads(attn, bounds):
         k = h["Q"].shape[0]
         a = h["Q"].to(torch.float64).T @ h["K"].to(torch.float64) / math.sqrt(k)  # (d, d)
         a2 = spectral_norm(a)
@@ -108,19 +135,21 @@ def attention_bound(attn: nn.Module, *, radius: float, seq_len: int) -> float:
     return total
 
 
-def _block_bounds(b, *, radius: float, seq_len: int, sigma: float | None, skip) -> list[tuple[float, float]]:
+def _block_bounds(b, *, radius: float, seq_len: int, sigma: float | None, skip,
+                  bounds: str) -> list[tuple[float, float]]:
     """``(bound, bound_hidden)`` of one block's five components (``COMPONENTS`` order); NaN for ``skip``."""
     d = b.FC1.in_features
-    ln1 = math.nan if sigma is None else layernorm_bound(b.LN1, sigma)
-    ln2 = math.nan if sigma is None else layernorm_bound(b.LN2, sigma)
-    mha = math.nan if "MHA" in skip else attention_bound(b.MHA, radius=radius, seq_len=seq_len)
+    ln1, ln2 = (layernorm_bound(ln, sigma, bounds) for ln in (b.LN1, b.LN2))
+    mha = math.nan if "MHA" in skip else attention_bound(b.MHA, radius=radius, seq_len=seq_len, bounds=bounds)
     fc1 = spectral_norm(b.FC1.weight)  # (h, d); a gated MLP's stacked [W_g; W_x]
-    fc2_lift, fc2 = spectral_norm(b.FC2.weight[:, :d]), spectral_norm(b.FC2.weight)
+    fc2 = spectral_norm(b.FC2.weight)
+    fc2_lift = fc2 if bounds == AUTHORS else spectral_norm(b.FC2.weight[:, :d])  # theory.py: the whole W_2
     pairs = [(ln1, ln1), (mha, mha), (ln2, ln2), (fc1, fc1), (fc2_lift, fc2)]
     return [(math.nan, math.nan) if c in skip else v for c, v in zip(COMPONENTS, pairs)]
 
 
-def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float | None = None) -> pd.DataFrame:
+def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float | None = None,
+                 bounds: str = PAPER) -> pd.DataFrame:
     """Upper bounds for every block and component (see the module docstring for the formulas).
 
     Args:
@@ -128,11 +157,15 @@ def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float 
         radius: token radius ``r`` (measure it with :func:`measure_radius`).
         seq_len: sequence length ``n`` (e.g. 197 for ViT-B/16 at 224 px).
         sigma: per-token standard-deviation lower bound for the LayerNorm bounds (measure it with
-            :func:`measure_sigma`); ``None`` reports the LayerNorm bounds as NaN.
+            :func:`measure_sigma`); ``None`` reports the paper's LayerNorm bounds as NaN.
+        bounds: which formulas (``BOUNDS_FORMULAS``): ``paper`` (Section 4) or ``authors`` (their Fig. 7's
+            ``apps/plots/theory.py``); see the module docstring.
 
     Returns:
-        DataFrame ``layer, component, bound, bound_hidden, radius, seq_len, sigma``.
+        DataFrame ``layer, component, bound, bound_hidden, radius, seq_len, sigma, bounds``.
     """
+    if bounds not in BOUNDS_FORMULAS:
+        raise ValueError(f"unknown bounds formulas {bounds!r}; choose one of {list(BOUNDS_FORMULAS)}")
     if radius <= 0 or seq_len <= 0:
         raise ValueError(f"radius and seq_len must be positive, got radius={radius}, seq_len={seq_len}")
     if sigma is not None and sigma <= 0:
@@ -144,12 +177,13 @@ def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float 
                       stacklevel=2)
     rows = []
     for layer, b in enumerate(adapter.blocks()):
-        bounds = _block_bounds(b, radius=radius, seq_len=seq_len, sigma=sigma, skip=skip)
-        rows += [(layer, comp, bound, hidden) for comp, (bound, hidden) in zip(COMPONENTS, bounds)]
+        values = _block_bounds(b, radius=radius, seq_len=seq_len, sigma=sigma, skip=skip, bounds=bounds)
+        rows += [(layer, comp, bound, hidden) for comp, (bound, hidden) in zip(COMPONENTS, values)]
     df = pd.DataFrame(rows, columns=["layer", "component", "bound", "bound_hidden"])
     df["radius"] = float(radius)
     df["seq_len"] = int(seq_len)
     df["sigma"] = np.nan if sigma is None else float(sigma)
+    df["bounds"] = bounds
     return df
 
 

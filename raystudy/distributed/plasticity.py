@@ -65,6 +65,7 @@ folds them into a :class:`raystudy.core.bounds.TokenStats`, and a :class:`Bounds
 with them while the other datasets stream (``bounds.parquet``). A fixed ``radius`` (the paper's
 ``r = 19.4``, measured by the authors on CIFAR-10) replaces the measured one in the bounds; the table
 keeps both: ``radius`` (the one the bounds used) and ``radius_measured`` (on the pretraining images).
+``bounds`` picks the formulas (the paper's, or the authors' Fig. 7's) and is recorded in the column ``bounds``.
 
 Failures
 --------
@@ -175,6 +176,8 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         seed: seed of the ``random`` pairing (and of the random init when ``weights`` is ``None``).
         radius: a fixed token radius ``r`` for the bounds (the paper's 19.4); ``None``: the radius measured
             on the pretraining images. ``bounds.parquet`` holds both (``radius``, ``radius_measured``).
+        bounds: the bounds' formulas, ``paper`` (Section 4) or ``authors`` (their Fig. 7's ``theory.py``;
+            :mod:`raystudy.core.bounds`), recorded in ``bounds.parquet``'s column ``bounds``.
         img_size: evaluation transform size; ``None`` takes the model's input size.
         precision: the forward passes' precision: ``fp32``, ``bf16`` (autocast; norms stay float32) or
             ``auto`` (bf16 when the actors have GPUs); :meth:`resolved_precision`.
@@ -312,7 +315,7 @@ def actor_spec(job: PlasticityJob) -> dict:
         model_kwargs["img_size"] = size  # the model must accept the transformed images
     return {"model": modality.build_name(job.model), "weights": job.weights, "model_kwargs": model_kwargs,
             "seed": job.seed, "control": job.control, "control_seed": job.control_seed,
-            "mode": job.mode, "mha_input": job.mha_input, "gated_fc1": job.gated_fc1,
+            "mode": job.mode, "mha_input": job.mha_input, "gated_fc1": job.gated_fc1, "bounds": job.bounds,
             "precision": job.resolved_precision(),
             "gpus": job.gpus_per_worker, "cpus": job.cpus_per_worker,
             "threads": job.torch_threads, "crash_marker": str(Path(job.out_dir) / _CRASH_MARKER),

@@ -178,7 +178,7 @@ class BoundsThread(threading.Thread):
             model = build_model_of(self.spec)
             stats = self._stats.get()
             if stats is not None:
-                self._result = upper_bounds(model, **stats)
+                self._result = upper_bounds(model, bounds=self.spec["bounds"], **stats)
         except BaseException as e:  # re-raised on the driver's main thread by result()
             self._error = e
 
