@@ -60,9 +60,11 @@ from raystudy.study.tune import run_study
 spec = StudySpec.from_dict(json.loads(sys.argv[1]))
 trainers, lost_classes = json.loads(sys.argv[2]), set(json.loads(sys.argv[3]))
 out, grid = Path(spec.out), {p["trial_id"] for p in spec.grid()}
-# health checks every 0.5 s: the GCS declares a removed node dead within ~2 s
+# health checks every 0.5 s: the GCS declares a removed node dead within ~2 s (its raylet is gone: each check
+# fails at once). A live raylet has 5 s to answer: on two CPUs shared with another test process and its Ray, a
+# 1 s deadline declared live nodes dead too, and the study ran its retries for them.
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": {
-    "health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 1000}})
+    "health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 5000}})
 nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
 cluster.wait_for_nodes()
 report = {"frozen": {}}
