@@ -142,7 +142,21 @@ def one_param_optimizer(cfg):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def check_dataset_names():
+    """The datasets the per-dataset checks pair: ``paper``'s CIFAR-10-C entries are ``finetuning.sh``'s
+    corruptions at its severity, its DomainNet entries its domains."""
+    for dataset, store in load_preset("paper").datasets.items():
+        if dataset.startswith("cifar10c-"):
+            corruption = authors(f"finetuning_sh.{dataset}.corruption")
+            assert (dataset, store) == (f"cifar10c-{corruption}",
+                                        f"cifar10c-{corruption}-{authors(f'finetuning_sh.{dataset}.severity')}")
+        elif dataset in ("clipart", "sketch"):
+            assert authors(f"finetuning_sh.{dataset}.domain") == dataset and store == f"domainnet-{dataset}"
+    assert list(load_preset("paper-model-size").datasets) == [authors("model_size_sh.domain")] == ["clipart"]
+
+
 def check_periods():
+    check_dataset_names()
     for preset in FINETUNING:
         for dataset, p in load_preset(preset).protocols().items():
             theirs = tuple(config_value(preset, dataset, k) for k in ("n_steps", "eval_period", "logging_period"))
@@ -615,10 +629,11 @@ def test_every_option_that_closes_a_difference_exists():
     flags = command_flags(build_parser())
     problems = []
     for heading, _, rows in difference_tables():
-        presets = section_presets(heading)
         for row in rows:
-            closed = row[-1].startswith("closed")
-            for token in re.findall(r"`([^`]+)`", row[-1]):
+            tokens = re.findall(r"`([^`]+)`", row[-1])
+            named = [t for t in tokens if t in preset_names()]  # a cell may name the presets it is about
+            presets, closed = named or section_presets(heading), row[-1].startswith("closed")
+            for token in (t for t in tokens if t not in named):
                 if problem := check_option(token, presets, closed, flags):
                     problems.append(f"{heading} / {row[0]}: {problem}")
     assert not problems, "\n".join(problems)
