@@ -286,18 +286,75 @@ def check_precision():
         assert load_preset(preset).precision == authors("paper.precision").lower(), preset
 
 
+#: timm ViT parameter names -> the authors' component names (``freeze_model``'s ``map_weight``)
+TIMM_COMPONENTS = {"norm1.": "attn_norm", "attn.": "mha", "norm2.": "ffn_norm", "mlp.fc1.": "ffn_fc1",
+                   "mlp.fc2.": "ffn_fc2"}
+EMBEDDING = ("cls_token", "pos_embed", "patch_embed.")
+
+
+def tiny_vit():
+    from raystudy.core.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("vit_tiny_patch16_224", num_classes=10, img_size=32, patch_size=8, embed_dim=32, depth=2,
+                       num_heads=2)
+
+
+def authors_trainable(names: list[str], frozen: list[str]) -> set[str]:
+    """The parameters ``freeze_model(model, frozen)`` of the authors' ``apps/vit/utils.py`` leaves trainable,
+    spelled with timm's names: the embedding if ``emb`` is not frozen, each block parameter whose component
+    is not frozen, and everything else (the final norm, the head)."""
+    def component(name: str) -> str | None:
+        if name.startswith(EMBEDDING):
+            return "emb"
+        if name.startswith("blocks."):
+            rest = name.split(".", 2)[2]
+            return next(c for prefix, c in TIMM_COMPONENTS.items() if rest.startswith(prefix))
+        return None
+
+    return {n for n in names if component(n) not in frozen}
+
+
+@functools.cache
+def trained_names(configuration: str, train_final_norm: bool) -> tuple[list[str], list[str]]:
+    """``(every parameter, the trained ones)`` of a tiny ViT under a configuration (raystudy's selection)."""
+    from raystudy.core.finetune.selection import select_and_freeze
+
+    model = tiny_vit()
+    trained = select_and_freeze(model, configuration, train_final_norm=train_final_norm).names
+    return [n for n, _ in model.named_parameters()], trained
+
+
 def check_final_norm():
     """``freeze_model`` freezes the embedding and block parameters only (its quoted lines never name the
-    model's ``output``): the final norm trains in every configuration."""
+    model's ``output``): on a tiny ViT, each configuration of the presets trains exactly what the authors'
+    freezing leaves trainable, the final norm and the head included."""
     assert read_value(DATA["values"]["freeze.blocks"]) == "model.model.embedding.parameters()"  # absent: output
+    frozen = {_trained(authors(f"finetuning_sh.comp_{i}_frozen")): authors(f"finetuning_sh.comp_{i}_frozen")
+              for i in range(7)}
     for preset in FINETUNING:
-        assert load_preset(preset).train_final_norm is True, preset
+        spec = load_preset(preset)
+        assert spec.train_final_norm is True, preset
+        for configuration in spec.configurations:
+            names, trained = trained_names(configuration, spec.train_final_norm)
+            assert set(trained) == authors_trainable(names, frozen[configuration]), (preset, configuration)
+            assert {"norm.weight", "head.weight"} <= set(trained)
 
 
 def check_head_init():
+    """``head_init: torch_default`` draws the head as a new ``nn.Linear`` does: weight and bias in
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (std bound / sqrt(3), far from the trunc-normal's 0.02)."""
+    from raystudy.core.finetune.selection import reset_head
+
     assert authors("vit.head").startswith("nn.Linear(")
     for preset in FINETUNING:
         assert load_preset(preset).head_init == "torch_default", preset
+    model = tiny_vit()
+    reset_head(model, seed=0, mode="torch_default")
+    bound = 1 / math.sqrt(model.head.in_features)
+    for p in (model.head.weight, model.head.bias):
+        assert p.abs().max() <= bound
+    assert float(model.head.weight.detach().std()) == pytest.approx(bound / math.sqrt(3), rel=0.15)
 
 
 def authors_accuracy(hits: np.ndarray, batch_size: int) -> float:
@@ -376,7 +433,6 @@ def _last_block_tokens(model, x) -> torch.Tensor:
 def check_probe():
     """The classifier and the features: the mean over all tokens of the last block's output, L2-normalised
     (``cls_pooling: False``), on a tiny ViT."""
-    from raystudy.core.models import build_model
     from raystudy.core.probe import MAX_ITER, make_classifier, probe_features
 
     assert MAX_ITER == authors("probe.max_iter") and authors("probe_yaml.cls_pooling") is False
@@ -386,8 +442,7 @@ def check_probe():
     probe = load_preset("paper").probe
     assert probe.seed == authors("probe_yaml.seed") and probe.batch_size == authors("probe_yaml.batch_size")
     assert probe.augment is (authors("data.train_transform") == "train")  # their train split, train transforms
-    torch.manual_seed(0)
-    model = build_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
+    model = tiny_vit()
     x = torch.randn(3, 3, 32, 32)
     z = _last_block_tokens(model, x).mean(dim=1)
     torch.testing.assert_close(probe_features(model, x), z / z.norm(dim=-1, keepdim=True))
