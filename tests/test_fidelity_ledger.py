@@ -718,3 +718,23 @@ def test_low_data_evaluation_paragraph_says_why_it_is_not_compared():
     tested = {d: authors(f"eval_ld_sh.{d}.dataset") for d in trained}
     assert [d for d in trained if trained[d] == tested[d]] == ["cifar100"]
     assert authors("finetuning_ld_sh.cifar100.lrs") == [0.01] and authors("finetuning_ld_sh.cifar100.seeds") == [0]
+
+
+def test_the_differences_are_what_the_authors_files_say():
+    """The facts of the difference tables that the recorded files show: each difference is there."""
+    paper = load_preset("paper")
+    adamw = {d: p.seeds["adamw"] for d, p in paper.protocols().items() if "adamw" in p.optimizers}
+    assert all(authors(f"adam_sh.{d}.seeds") == [0, 42, 3407] and s == [0] for d, s in adamw.items())  # AdamW
+    assert authors("finetuning_sh.every_comp") == "${!comps[@]}" and "Emb" not in paper.configurations  # Emb runs
+    ld_name = (f"{authors('finetuning_ld_sh.cifar10c-motion_blur.dataset')}-corruption-"  # CIFAR-10-C's pool
+               f"{authors('finetuning_ld_sh.cifar10c-motion_blur.corruption')}-severity-5")
+    assert authors("data.cifar10_c_branch") not in ld_name and authors("data.cifar10ld_c_branch") in ld_name
+    assert authors("data.cifar10ld_c_import") == "vitef.data.images.cifar10_c"
+    size = load_preset("paper-model-size")  # where ViT-L's epoch ends, its logged loss
+    assert (authors("model_size_sh.batch_size"), authors("model_size_sh.grad_acc_steps")) == (128, 4)
+    assert size.drop_last and size.micro_batch_size * 4 == size.batch_size
+    assert authors("model_size_sh.huge.model_name") == "huge" and "huge" not in size.model  # ViT-H/14
+    gpt2 = load_preset("plasticity-gpt2")  # GPT-2's sides
+    assert authors("gpt2.pretrain_side") == "wikitext" and gpt2.pretrain_store == "agnews"
+    dinov3 = load_preset("plasticity-dinov3")  # DINOv3's model
+    assert authors("dinov3_sh.7b.model_size") == "vit7b16" and dinov3.model == "vit_small_patch16_dinov3"
