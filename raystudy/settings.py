@@ -56,7 +56,9 @@ from raystudy.vocab import (
     VAL_SPLITS,
 )
 
-#: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
+#: The default model: timm's ViT-B/16 pretrained on ImageNet-21k with AugReg. Not the paper's weights: the
+#: authors load Google's original ImageNet-21k checkpoint (timm's ``vit_base_patch16_224.orig_in21k``),
+#: which the paper presets set.
 DEFAULT_MODEL = "vit_base_patch16_224.augreg_in21k"
 #: Fraction of a run spent in linear warmup when ``warmup_steps`` is None (paper: 2000 of 10,000 steps).
 WARMUP_FRACTION = 0.2

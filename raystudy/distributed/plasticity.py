@@ -152,7 +152,7 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
     ``raystudy plasticity`` flags' (``--out`` is ``out_dir``; ``--bf16`` is ``--precision bf16``).
 
     Attributes:
-        model: timm model name (e.g. ``vit_base_patch16_224.augreg_in21k``), or ``hf:<dir>`` for a Hugging
+        model: timm model name (e.g. ``vit_base_patch16_224.orig_in21k``), or ``hf:<dir>`` for a Hugging
             Face text model measured on text stores (``hf:<package>``: see
             :mod:`raystudy.data.text_rows`).
         weights: local weights file (``.safetensors`` or PyTorch state dict); ``None`` keeps the random
