@@ -431,7 +431,8 @@ class ProtocolSettings(DeviceSettings):
                                               "eval_batch_size; the authors' ViT-L runs: 128)")
     val_split: str = setting("fixed", choices=VAL_SPLITS,
                              help="fixed: the store's train/val split for every seed; per_seed: train and val "
-                                  "pooled and split anew by each run's seed, sizes kept (the authors')",
+                                  "pooled and split anew by each run's seed, sizes kept; authors: the same, "
+                                  "the authors' very rows (torch's random_split after manual_seed(seed))",
                                   roles={"trial", "resume"}, legacy="fixed")
     eval_cache_mb: int = setting(512, check="non_negative_int",
                                  help="val/test data kept resident per worker up to this size")

@@ -99,8 +99,9 @@ HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
 ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
 #: Which rows a run trains on and validates on: the store's own train/val split, or the store's train and
 #: val rows pooled and split anew by the run's seed in the same sizes (the paper authors' random_split per
-#: run, :func:`raystudy.core.finetune.data.per_seed_rows`).
-VAL_SPLITS: tuple[str, ...] = ("fixed", "per_seed")
+#: run): ``per_seed`` by raystudy's own permutation (:func:`raystudy.core.finetune.data.per_seed_rows`),
+#: ``authors`` by theirs, row for row (torch's, :func:`raystudy.core.finetune.data.authors_rows`).
+VAL_SPLITS: tuple[str, ...] = ("fixed", "per_seed", "authors")
 #: How an image becomes ``size x size`` without augmentation (evaluation; training with ``augment`` off):
 #: ``crop`` the shorter side resized to ``size`` then the centre square (the paper's); ``stretch`` the whole
 #: image resized to ``size x size``, bicubic, aspect ratio not kept (VTAB-1k's benchmark: VPT, NOAH's

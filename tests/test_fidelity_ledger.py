@@ -384,17 +384,18 @@ def check_accuracy():
 
 
 def check_val_split():
-    from raystudy.core.finetune.data import per_seed_rows
+    from raystudy.core.finetune.data import authors_rows
     from raystudy.data.splits import OFFICIAL_VAL_SOURCES
 
     for preset in FINETUNING:
         spec = load_preset(preset)
-        assert spec.val_split == "per_seed", preset
+        assert spec.val_split == "authors", preset
         assert {config_value(preset, d, "train_size") for d in spec.datasets} == {0.8}, preset
-    for n in (37, 1000, 8000, 50000):
-        train, val = per_seed_rows(n, seed=3407)
-        assert (len(train), len(val)) == (int(0.8 * n), n - int(0.8 * n))
-        assert sorted(np.concatenate([train, val]).tolist()) == list(range(n))
+    for n, seed in ((37, 0), (1000, 42), (8000, 3407)):  # their loader's draw, transcribed
+        torch.manual_seed(seed)
+        theirs = torch.utils.data.random_split(range(n), [int(0.8 * n), n - int(0.8 * n)])
+        train, val = authors_rows(n, seed=seed)
+        assert (train.tolist(), val.tolist()) == (list(theirs[0].indices), list(theirs[1].indices))
     assert list(OFFICIAL_VAL_SOURCES) == authors("data.predefined_val")
 
 

@@ -142,8 +142,9 @@ def test_cache_kinds_presets_and_the_spec():
     assert kinds_read("train", True, "per_seed") == ("full", "eval") == kinds_read("val", True, "per_seed")
     assert kinds_read("train", False, "per_seed") == ("eval",) and kinds_read("test", True, "per_seed") == ("eval",)
     assert "val_split" in fields_with(StudySpec, "trial") and StudySpec().val_split == "fixed"
+    assert kinds_read("train", True, "authors") == ("full", "eval") == kinds_read("val", True, "authors")
     for name in ("paper", "paper-model-size", "paper-low-data"):
-        assert load_preset(name).val_split == "per_seed" and load_preset(name).drop_last, name
+        assert load_preset(name).val_split == "authors" and load_preset(name).drop_last, name
     vtab = load_preset("paper-vtab1k")
     assert (vtab.val_split, vtab.drop_last) == ("fixed", False)  # VTAB-1k's own train800 / val200
 

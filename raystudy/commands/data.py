@@ -1,5 +1,5 @@
-"""``raystudy data prepare SOURCE --root DIR --out DIR``, ``raystudy data info STORE`` and ``raystudy data
-preview STORE --out DIR``.
+"""``raystudy data prepare SOURCE --root DIR --out DIR``, ``raystudy data info STORE``, ``raystudy data
+preview STORE --out DIR`` and ``raystudy data rows STORE --out rows.csv``.
 
 Choices come from the data layer itself (:mod:`raystudy.data.sources`, :mod:`raystudy.data.synthetic`,
 :mod:`raystudy.data.text`: numpy and pyarrow only, no torch or Ray). Flags follow the CLI convention
@@ -13,10 +13,10 @@ import json
 
 from raystudy.data.modality import modality_of_store
 from raystudy.data.sources import prepare, prepare_vtab1k
-from raystudy.data.store import read_meta, verify_store
+from raystudy.data.store import Store, read_meta, verify_store
 from raystudy.data.synthetic import DEFAULT_NAMES, prepare_default
 from raystudy.data.text import prepare_text
-from raystudy.storage import absolute_path
+from raystudy.storage import absolute_path, write_text_atomic
 from raystudy.vocab import (
     BAD_IMAGE_POLICIES,
     DATA_PATHS,
@@ -25,6 +25,7 @@ from raystudy.vocab import (
     SOURCES,
     SPLIT_RULES,
     TEXT_SOURCES,
+    VAL_SPLITS,
     VARIANTS,
     WIKITEXT_UNITS,
 )
@@ -80,6 +81,7 @@ def register(subparsers) -> None:
     pi.add_argument("--json", action="store_true", help="print dataset.json as JSON")
     pi.set_defaults(func=cmd_info)
     _add_preview(sub)
+    _add_rows(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
@@ -211,4 +213,32 @@ def cmd_preview(args: argparse.Namespace) -> int:
                              size=args.img_size, root=absolute_path(args.cache_dir))
     png, boxes = write_preview(x, table, out)
     print(f"{len(table)} {args.split} image(s) of {store} ({args.data_path} path, seed {args.seed}): {png}, {boxes}")
+    return 0
+
+
+def _add_rows(sub) -> None:
+    pr = sub.add_parser(
+        "rows", help="list the rows a finetuning run of --seed trains, validates and tests on",
+        description="Write --out as CSV: a header line 'split,index', then one line per row a run with "
+                    "--val-split and --seed reads, its split (train, val, test) and the row's stable index, "
+                    "in the order of the run's splits; exactly the rows the finetuning loop selects.")
+    pr.add_argument("store", help="store folder")
+    pr.add_argument("--val-split", choices=VAL_SPLITS, default="fixed",
+                    help="the run's val_split (default fixed: the store's own train/val split)")
+    pr.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
+    pr.add_argument("--out", required=True, help="the CSV file to write")
+    pr.set_defaults(func=cmd_rows)
+
+
+def cmd_rows(args: argparse.Namespace) -> int:
+    from raystudy.core.finetune.data import applied_val_split, run_indices  # torch: --help stays light
+
+    store, out = Store.open(absolute_path(args.store)), absolute_path(args.out)
+    rows = run_indices(store, args.val_split, args.seed)
+    lines = ["split,index"] + [f"{split},{int(i)}" for split, indices in rows.items() for i in indices]
+    write_text_atomic(out, "\n".join(lines) + "\n")
+    applied = applied_val_split(args.val_split, store)
+    kept = "" if applied == args.val_split else " (its val split is the source's own: kept, fixed)"
+    counts = ", ".join(f"{split} {len(indices)}" for split, indices in rows.items())
+    print(f"{store.path} (val_split {args.val_split}{kept}, seed {args.seed}): {counts} rows -> {out}")
     return 0

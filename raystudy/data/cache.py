@@ -161,12 +161,12 @@ def kind_of(split: str, augment: bool, resize: str = "crop") -> str:
 
 def kinds_read(split: str, augment: bool, val_split: str = "fixed", resize: str = "crop",
                train_on_val: bool = False) -> tuple[str, ...]:
-    """Every kind a finetuning run reads of ``split``: :func:`kind_of`'s; under ``val_split: per_seed`` the
-    train and val rows are pooled (:func:`raystudy.core.finetune.data.per_seed_rows`), so that each of the
-    two splits is read both as the run's train split (``full`` when it augments) and as its val (the eval
-    kind of ``resize``); ``train_on_val`` (a study's final fit, ``train_splits: train+val``) reads val as
+    """Every kind a finetuning run reads of ``split``: :func:`kind_of`'s; under ``val_split`` ``per_seed`` or
+    ``authors`` the train and val rows are pooled (:func:`raystudy.core.finetune.data.pooled_rows`), so that
+    each of the two splits is read both as the run's train split (``full`` when it augments) and as its val
+    (the eval kind of ``resize``); ``train_on_val`` (a study's final fit, ``train_splits: train+val``) reads val as
     training rows too."""
-    if val_split == "per_seed" and split in ("train", "val"):
+    if val_split != "fixed" and split in ("train", "val"):
         return tuple(dict.fromkeys((kind_for(augment), kind_for(False, resize))))
     if train_on_val and split == "val":
         return tuple(dict.fromkeys((kind_of(split, augment, resize), kind_of("train", augment, resize))))

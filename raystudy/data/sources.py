@@ -59,6 +59,7 @@ from .readers import (
     read_pets,
 )
 from .splits import (
+    AUTHORS_LOW_DATA_SORTED,
     AUTHORS_RULE,
     RULE,
     VTAB_TRAIN,
@@ -139,20 +140,23 @@ def prepare_candidates(
     (class-balanced) and the whole test split. ``split_rule="authors"`` draws the test split of a source
     without one (CIFAR-10-C, DomainNet) by the authors' ``deterministic_split`` over the candidates in
     order; ``low_data="authors"`` keeps the authors' ``1000 // C`` images per class of the training pool
-    (:mod:`raystudy.data.splits`), of which 20% go to val as usual. Unreadable
+    (:mod:`raystudy.data.splits`), of which 20% go to val as usual; where the authors keep that subset in
+    draw order (CIFAR-100, CIFAR-10-C), ``dataset.json``'s ``splits.authors_order`` lists its stable
+    indices in that order (``val_split: authors`` splits it as they do). Unreadable
     images raise :class:`StoreError` naming the file, or with ``on_bad_image="skip"`` are left out and
     listed under ``skipped`` in ``dataset.json``.
     """
     _check_options(on_bad_image, low_data, pool, split_rule, source)
     _check_candidates(candidates, name, len(classes))
     split_name = split_name or name
-    chosen = _choose_splits(candidates, split_name, pool, low_data, split_rule=split_rule, source=source,
-                            n_classes=len(classes))
+    chosen, authors_order = _choose_splits(candidates, split_name, pool, low_data, split_rule=split_rule,
+                                           source=source, n_classes=len(classes))
     # Filled in while the rows stream; write_store builds dataset.json after the last row, so the final
     # counts land in it (and nothing is dropped silently).
     info = {
         "splits": {"rule": AUTHORS_RULE if split_rule == "authors" else RULE, "split_rule": split_rule,
-                   "key_name": split_name, "pooled": sorted(pool), "val": _val_origin(chosen, low_data, pool)},
+                   "key_name": split_name, "pooled": sorted(pool), "val": _val_origin(chosen, low_data, pool),
+                   **({} if authors_order is None else {"authors_order": authors_order})},
         "low_data": _low_data_info(low_data, len(classes), source),
         "skipped": {"count": 0, "items": []},
         "reencoded": 0,
@@ -225,8 +229,10 @@ def _check_candidates(candidates: list[Candidate], name: str, k: int) -> None:
 
 
 def _authors_official(candidates: list[Candidate], source: str, low_data: str | None,
-                      n_classes: int) -> list[str | None]:
-    """The official split of each candidate under the authors' rules (``None``: left out of the store).
+                      n_classes: int) -> tuple[list[str | None], list[int] | None]:
+    """The official split of each candidate under the authors' rules (``None``: left out of the store), and
+    the stable indices of their low-data subset in their order where they keep it in draw order (not
+    :data:`~raystudy.data.splits.AUTHORS_LOW_DATA_SORTED`; else ``None``: their order is the candidates').
 
     Their training pool, in their order: the deterministic split's (sorted or not, :data:`AUTHORS_SPLIT`)
     or the official train split; the low-data variant keeps :func:`authors_low_data` of it.
@@ -240,19 +246,23 @@ def _authors_official(candidates: list[Candidate], source: str, low_data: str | 
     else:
         official = [c.split for c in candidates]
         train_pool = [p for p, c in enumerate(candidates) if c.split == "train"]
-    if low_data == "authors":
-        labels = [candidates[p].label for p in train_pool]
-        keep = {train_pool[i] for i in authors_low_data(labels, n_classes, authors_per_class(n_classes, source))}
-        official = [None if o == "train" and p not in keep else o for p, o in enumerate(official)]
-    return official
+    if low_data != "authors":
+        return official, None
+    labels = [candidates[p].label for p in train_pool]
+    drawn = [train_pool[i] for i in authors_low_data(labels, n_classes, authors_per_class(n_classes, source))]
+    keep = set(drawn)
+    official = [None if o == "train" and p not in keep else o for p, o in enumerate(official)]
+    return official, None if source in AUTHORS_LOW_DATA_SORTED else [candidates[p].index for p in drawn]
 
 
 def _choose_splits(candidates: list[Candidate], split_name: str, pool: tuple[str, ...],
                    low_data: str | None, *, split_rule: str = "hashed", source: str = "",
-                   n_classes: int = 0) -> list[tuple[Candidate, str]]:
-    """``(candidate, split)`` of every row the store keeps, in candidate order (:mod:`.splits`' rules)."""
+                   n_classes: int = 0) -> tuple[list[tuple[Candidate, str]], list[int] | None]:
+    """``(candidate, split)`` of every row the store keeps, in candidate order (:mod:`.splits`' rules), and
+    the authors' order of its training rows where it is not the candidates' (:func:`_authors_official`)."""
+    authors_order = None
     if split_rule == "authors" or low_data == "authors":
-        official = _authors_official(candidates, source, low_data, n_classes)
+        official, authors_order = _authors_official(candidates, source, low_data, n_classes)
         candidates = [c for c, o in zip(candidates, official) if o is not None]
         official = [o for o in official if o is not None]
     else:
@@ -268,7 +278,7 @@ def _choose_splits(candidates: list[Candidate], split_name: str, pool: tuple[str
             by_key = low_data_split(by_key, dict(zip(key_of, (c.label for c in candidates))), name=split_name)
         except ValueError as e:
             raise StoreError(str(e)) from e
-    return [(c, by_key[key]) for c, key in zip(candidates, key_of) if key in by_key]
+    return [(c, by_key[key]) for c, key in zip(candidates, key_of) if key in by_key], authors_order
 
 
 def _load_image(c: Candidate):

@@ -31,6 +31,11 @@ The paper authors' rules (``--split-rule authors``, ``--low-data authors``; thei
   order), of which the first ``per_class`` are kept (:func:`authors_per_class`: ``1000 // C``, DomainNet
   10). The pool is the official training split (CIFAR-100; Pets' trainval), the sorted deterministic
   training pool (CIFAR-10-C), or the unsorted one (DomainNet: 10 per class, 3,450).
+
+Their runs then split their training set into train and val by torch's ``random_split`` over it in its own
+order; :func:`authors_order` gives that order for a store's train and val rows pooled (the stable index, or
+the draw order of a low-data subset they do not sort, recorded at prepare time as ``splits.authors_order``),
+:func:`authors_order_problem` why a store cannot give it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ AUTHORS_PER_CLASS = {"domainnet": 10}
 VAL_ORIGINS: tuple[str, ...] = ("official", "drawn")
 #: Sources whose stores keep the source's own val split (for stores written before ``splits.val``).
 OFFICIAL_VAL_SOURCES: tuple[str, ...] = ("flowers102",)
+#: Sources whose low-data subset the authors sort back into the source's order (``np.sort`` in
+#: ``domainnetld.py``, ``petld.py``); ``cifar100ld.py`` and ``cifar10ld_c.py`` keep it in draw order (class by
+#: class), which a store records as ``splits.authors_order``.
+AUTHORS_LOW_DATA_SORTED: tuple[str, ...] = ("domainnet", "pets")
 
 RULE = (
     "official splits kept; no official test: round(0.2 n) to test by stratified_take(name, 'test'); "
@@ -199,3 +208,46 @@ def val_origin(meta: dict) -> str:
     if origin in VAL_ORIGINS:
         return origin
     return "official" if meta.get("source") in OFFICIAL_VAL_SOURCES else "drawn"
+
+
+def authors_order_problem(meta: dict) -> str | None:
+    """Why the train and val rows of the store of ``dataset.json`` ``meta``, pooled, are not the authors'
+    training set position for position (``None``: they are, in :func:`authors_order`): images left out at
+    prepare time (``--on-bad-image skip``); Flowers102's official val folded into train (the authors keep
+    it); an authors' low-data subset kept in draw order without its recorded order (a store prepared before
+    ``splits.authors_order``)."""
+    skipped = int((meta.get("skipped") or {}).get("count", 0))
+    if skipped:
+        return (f"{skipped} source image(s) were left out when it was prepared (--on-bad-image skip), so its "
+                "rows are not the source's, position for position")
+    if meta.get("source") in OFFICIAL_VAL_SOURCES and val_origin(meta) == "drawn":
+        return (f"the authors validate {meta['source']} on its official val split, which this store does not "
+                "keep (prepared with --pool val or a low-data variant)")
+    low = meta.get("low_data") or {}
+    if (low.get("variant") == "authors" and meta.get("source") not in AUTHORS_LOW_DATA_SORTED
+            and "authors_order" not in (meta.get("splits") or {})):
+        return ("its low-data subset is in the authors' draw order (class by class), which this store, prepared "
+                "before raystudy recorded it (dataset.json splits.authors_order), lacks: prepare it again")
+    return None
+
+
+def authors_order(meta: dict, indices: np.ndarray) -> np.ndarray:
+    """Positions into ``indices`` (the stable indices of a store's train and val rows, pooled) that put them in
+    the order of the authors' training set: ``dataset.json``'s ``splits.authors_order`` where recorded (an
+    authors' low-data subset kept in draw order), else ascending stable index (the source's own order:
+    torchvision's CIFAR and Pets order, the row of CIFAR-10-C's ``.npy``, the ``ImageFolder`` position of a
+    DomainNet domain). ``ValueError`` with :func:`authors_order_problem`'s reason, or when the recorded
+    order is not these indices."""
+    indices = np.asarray(indices, dtype=np.int64)
+    problem = authors_order_problem(meta)
+    if problem:
+        raise ValueError(problem)
+    recorded = (meta.get("splits") or {}).get("authors_order")
+    if recorded is None:
+        return np.argsort(indices, kind="stable")
+    recorded = np.asarray(recorded, dtype=np.int64)
+    if len(recorded) != len(indices) or not np.array_equal(np.sort(recorded), np.sort(indices)):
+        raise ValueError(f"dataset.json splits.authors_order lists {len(recorded)} indices, not the store's "
+                         f"{len(indices)} train and val rows")
+    position = {int(i): k for k, i in enumerate(indices)}
+    return np.array([position[int(i)] for i in recorded], dtype=np.int64)

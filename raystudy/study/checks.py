@@ -20,7 +20,7 @@ from raystudy import storage
 from raystudy.analysis.options import check_subset
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import check_pretrain_split
-from raystudy.data.splits import SPLITS
+from raystudy.data.splits import SPLITS, authors_order_problem, val_origin
 from raystudy.data.store import StoreError, check_store, required_splits_problem
 from raystudy.settings import ModelSettings, PlasticitySettings, ProbeSettings, ProtocolSettings, problems
 from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, TRACKERS, check_name
@@ -235,13 +235,20 @@ def _check_analysis(spec: StudySpec) -> None:
 def dataset_store_problem(spec: StudySpec, path: str) -> tuple[dict | None, str | None]:
     """``(metadata, problem)`` of the store of one of ``spec``'s datasets: its shards against its
     ``dataset.json`` (a truncated shard, a label outside the classes) and, when the grid finetunes, rows in
-    every split a run reads; the metadata is None when the store cannot be read, the problem None when it
-    can serve the trials."""
+    every split a run reads, and under ``val_split: authors`` the authors' order of its train and val rows
+    (:func:`~raystudy.data.splits.authors_order_problem`); the metadata is None when the store cannot be
+    read, the problem None when it can serve the trials."""
     try:
         meta = check_store(path)  # footers and row counts against dataset.json: a truncated shard stops here
     except StoreError as e:
         return None, str(e)
-    return meta, required_splits_problem(path, meta, SPLITS) if spec.configurations else None
+    if not spec.configurations:
+        return meta, None
+    problem = required_splits_problem(path, meta, SPLITS)
+    if problem is None and spec.val_split == "authors" and val_origin(meta) == "drawn":
+        why = authors_order_problem(meta)
+        problem = why and f"{path}: val_split authors: {why}; use val_split per_seed or fixed"
+    return meta, problem
 
 
 def check_files(spec: StudySpec, *, weights: bool | None = None) -> None:

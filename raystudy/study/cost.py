@@ -28,8 +28,8 @@ rows once. With ``final_fit``, a dependent stage: one more trial per (dataset, c
 seed) (:func:`raystudy.study.final.final_cells`; its lr is chosen once the search has ended, the cost does
 not depend on it), the same training images and the test rows, no validation. **Per dataset** also the
 linear probe, when enabled: one forward over the train and test rows.
-Row counts come from each store's ``dataset.json`` (``counts``; under ``val_split: per_seed`` the val rows
-of the pooled train + val split, as a trial draws them); a dataset whose store is not found has its eval
+Row counts come from each store's ``dataset.json`` (``counts``; under ``val_split`` ``per_seed`` or ``authors``
+the val rows of the pooled train + val split, as a trial draws them); a dataset whose store is not found has its eval
 and probe FLOPs left out, with a note. ``auto:B`` is resolved with the study's plasticity table when it has
 one, else estimated as ``random:B`` at the trial's seed (same budget, another order), with a note.
 
@@ -336,10 +336,11 @@ def store_meta(path: str) -> dict | None:
 
 
 def eval_rows(spec, meta: dict) -> tuple[int, int]:
-    """``(val rows, test rows)`` a trial evaluates on a store of ``dataset.json`` ``meta``: under ``val_split:
-    per_seed`` with a drawn val split, the val part of the pooled train + val rows (``n - int(0.8 n)``)."""
+    """``(val rows, test rows)`` a trial evaluates on a store of ``dataset.json`` ``meta``: under ``val_split``
+    ``per_seed`` or ``authors`` with a drawn val split, the val part of the pooled train + val rows
+    (``n - int(0.8 n)``)."""
     counts = meta["counts"]
-    if spec.val_split == "per_seed" and val_origin(meta) == "drawn":
+    if spec.val_split != "fixed" and val_origin(meta) == "drawn":
         n = int(counts.get("train", 0)) + int(counts.get("val", 0))
         return n - int(PER_SEED_TRAIN * n), int(counts.get("test", 0))
     return int(counts.get("val", 0)), int(counts.get("test", 0))

@@ -19,10 +19,14 @@ Two data paths (``FinetuneConfig.data_path``) read the same rows in the same ord
   normalises the batch on the training device. Without augmentation, and for evaluation, both paths give
   the same tensors (the cache holds the eval transform's own uint8 pixels).
 
-Under ``val_split: per_seed`` (:func:`per_seed_rows`) a run's train and val splits are drawn anew from the
-store's train and val rows pooled, by the run's seed (the paper authors' ``random_split`` per run): both are
-:class:`PooledSplitData` views of the two splits' data, and each image keeps its augmentation seed (its
-stable index). A store whose val split is the source's own (Flowers102) keeps it, as the authors do.
+Under ``val_split: per_seed`` (:func:`per_seed_rows`) or ``authors`` (:func:`authors_rows`) a run's train and
+val splits are drawn anew from the store's train and val rows pooled, by the run's seed (the paper
+authors' ``random_split`` per run; under ``authors`` their very rows: torch's permutation over the pool in
+the authors' order, :func:`raystudy.data.splits.authors_order`): both are :class:`PooledSplitData` views of
+the two splits' data (:func:`pooled_rows`), and each image keeps its augmentation seed (its stable index).
+A store whose val split is the source's own (Flowers102) keeps it, as the authors do
+(:func:`applied_val_split`). :func:`run_indices` lists the stable indices of every split a run reads
+(``raystudy data rows``).
 
 Under ``train_splits: train+val`` (:func:`train_val_data`, VTAB-1k's final fit on train800val200) the run's
 train split is the union of the store's train and val rows, train's first, as one
@@ -50,7 +54,7 @@ from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.finetune.text import TextBatch, TextSplitData, open_text_split
 from raystudy.data.cache import ImageCache, kind_for, kind_of
 from raystudy.data.modality import TOKENS_PATH, modality_of_store
-from raystudy.data.splits import val_origin
+from raystudy.data.splits import SPLITS, authors_order, val_origin
 from raystudy.data.store import Store, read_split
 from raystudy.data.transforms import sample_seed, transform_batch
 
@@ -224,11 +228,68 @@ def per_seed_rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return perm[:k], perm[k:]
 
 
+def authors_rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in a pool of ``n`` rows (in the authors' order) of the train and val splits of a run with seed
+    ``seed`` under ``val_split: authors``: ``perm = torch.randperm(n)`` from a generator seeded with ``seed``,
+    ``perm[:int(0.8 n)]`` train and ``perm[int(0.8 n):]`` val, which is ``random_split(range(n), [int(0.8 n),
+    n - int(0.8 n)])`` after ``torch.manual_seed(seed)``: the authors' ``build_train_val_loader`` right after
+    their ``set_seed(seed)``, nothing drawing from torch's generator in between. A generator of its own, so
+    torch's global one is left as it was."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed))).numpy().astype(np.int64)
+    k = int(PER_SEED_TRAIN * n)
+    return perm[:k], perm[k:]
+
+
+def applied_val_split(val_split: str, store: Store) -> str:
+    """The ``val_split`` a run asking for ``val_split`` applies on ``store``: ``fixed`` where its val rows are
+    the source's own (:func:`~raystudy.data.splits.val_origin` official: kept, as the authors keep
+    Flowers102's), else ``val_split``."""
+    return "fixed" if val_origin(store.meta) == "official" else val_split
+
+
 def pools_val(cfg: FinetuneConfig, store: Store) -> bool:
-    """Whether a run of ``cfg`` on ``store`` draws its train and val splits per seed: ``val_split:
-    per_seed`` and a store whose val rows were drawn from its training rows (:func:`~raystudy.data.splits.
-    val_origin`; a source's own val split is kept, as the authors keep Flowers102's)."""
-    return cfg.val_split == "per_seed" and val_origin(store.meta) == "drawn"
+    """Whether a run of ``cfg`` on ``store`` draws its train and val splits per seed (``per_seed`` or
+    ``authors`` applied, :func:`applied_val_split`)."""
+    return applied_val_split(cfg.val_split, store) != "fixed"
+
+
+def pooled_rows(val_split: str, seed: int, store: Store, train_indices: np.ndarray,
+                val_indices: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{"train": (part, local), "val": (part, local)}``: row ``k`` of the run's split is row ``local[k]`` of
+    the store's train split (``part[k] = 0``) or val split (``1``), whose stable indices are given.
+
+    ``per_seed``: the pool in store order (train's rows, then val's) split by :func:`per_seed_rows`;
+    ``authors``: the pool in the authors' order (:func:`~raystudy.data.splits.authors_order`, ``ValueError``
+    naming the store where it cannot be had) split by :func:`authors_rows`."""
+    sizes = [len(train_indices), len(val_indices)]
+    part = np.repeat(np.arange(2), sizes)
+    local = np.concatenate([np.arange(k, dtype=np.int64) for k in sizes])
+    if val_split == "authors":
+        try:
+            order = authors_order(store.meta, np.concatenate([train_indices, val_indices]))
+        except ValueError as e:
+            raise ValueError(f"{store.path}: val_split authors: {e}; use val_split per_seed or fixed") from None
+        part, local = part[order], local[order]
+        train, val = authors_rows(len(part), seed)
+    else:
+        train, val = per_seed_rows(len(part), seed)
+    return {"train": (part[train], local[train]), "val": (part[val], local[val])}
+
+
+def run_indices(store: str | os.PathLike | Store, val_split: str, seed: int) -> dict[str, np.ndarray]:
+    """``{split: stable indices}`` of the rows a run with ``val_split`` and ``seed`` trains, validates and
+    tests on, in its splits' order (row ``k`` of the run's split); read from the ``index`` column alone, by
+    the row choice :func:`open_split_data` makes (:func:`pooled_rows`)."""
+    store = Store.open(store)
+    indices = {s: np.asarray(read_split(store, s, columns=["index"]).column("index").to_numpy(), dtype=np.int64)
+               if store.counts.get(s, 0) else np.empty(0, np.int64) for s in SPLITS}
+    applied = applied_val_split(val_split, store)
+    if applied == "fixed":
+        return indices
+    pool, offset = np.concatenate([indices["train"], indices["val"]]), np.array([0, len(indices["train"])])
+    for split, (part, local) in pooled_rows(applied, seed, store, indices["train"], indices["val"]).items():
+        indices[split] = pool[offset[part] + local]
+    return indices
 
 
 def data_path_of(cfg: FinetuneConfig, store: Store) -> str:
@@ -257,10 +318,11 @@ def train_val_data(cfg: FinetuneConfig, store: Store) -> PooledSplitData:
     """The train split of ``train_splits: train+val``: every train row, then every val row (``n_train +
     n_val`` rows; row ``k < n_train`` is train row ``k``, row ``n_train + j`` is val row ``j``), each read as
     a training image (cropped when ``cfg.augment``). ``ValueError`` naming the store when its val split is
-    not distinct: no rows, rows sharing a stable index with train, or ``val_split: per_seed`` asked too."""
-    if cfg.val_split == "per_seed":
+    not distinct: no rows, rows sharing a stable index with train, or ``val_split`` ``per_seed`` or
+    ``authors`` asked too."""
+    if cfg.val_split != "fixed":
         raise ValueError(f"{store.path}: train_splits train+val trains on the store's own train and val rows; "
-                         "val_split per_seed (which redraws them) does not apply")
+                         f"val_split {cfg.val_split} (which redraws them) does not apply")
     if not int(store.meta.get("counts", {}).get("val", 0)):
         raise ValueError(f"{store.path}/dataset.json: train_splits train+val needs a val split; this store has "
                          "no val rows")
@@ -279,8 +341,8 @@ def open_split_data(cfg: FinetuneConfig, split: str,
                     store: Store | None = None) -> SplitData | CachedSplitData | TextSplitData | PooledSplitData:
     """The data of ``split``: a text store's tokenised texts (:func:`~.text.open_text_split`), else the
     images on ``cfg.data_path``, the train split cropped when ``cfg.augment``; the run's per-seed train or
-    val split (:class:`PooledSplitData`) when :func:`pools_val`. ``store``: ``cfg.store`` already opened
-    (its ``dataset.json`` is then not read again)."""
+    val split (:class:`PooledSplitData`, rows by :func:`pooled_rows`) when :func:`pools_val`. ``store``:
+    ``cfg.store`` already opened (its ``dataset.json`` is then not read again)."""
     store = Store.open(cfg.store if store is None else store)
     crop = kind_of(split, cfg.augment) == kind_for(True)
     if trains_on_val(cfg) and split in ("train", "val"):
@@ -291,12 +353,8 @@ def open_split_data(cfg: FinetuneConfig, split: str,
     if split not in ("train", "val") or not pools_val(cfg, store):
         return _open_one(cfg, split, store, crop)
     parts = [_open_one(cfg, s, store, crop) for s in ("train", "val")]
-    sizes = [len(d) for d in parts]
-    part = np.repeat(np.arange(2), sizes)
-    local = np.concatenate([np.arange(k, dtype=np.int64) for k in sizes])
-    train, val = per_seed_rows(sum(sizes), cfg.seed)
-    chosen = train if split == "train" else val
-    return PooledSplitData(parts, part[chosen], local[chosen], split)
+    part, local = pooled_rows(cfg.val_split, cfg.seed, store, parts[0].indices, parts[1].indices)[split]
+    return PooledSplitData(parts, part, local, split)
 
 
 class PooledSplitData:

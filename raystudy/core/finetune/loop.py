@@ -22,8 +22,8 @@ from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_s
 from raystudy.core.finetune.data import (
     CacheBatch,
     MicroBatches,
+    applied_val_split,
     open_split_data,
-    pools_val,
     resident_bytes_per_image,
     to_device,
     trains_on_val,
@@ -467,7 +467,7 @@ class Finetuner:
                 "train_rows": n, "seed": self.cfg.seed, "batch_size": self.cfg.batch_size,
                 "shuffle": self.cfg.shuffle, "drop_last": self.cfg.drop_last, "augment": self.cfg.augment,
                 "data_path": self.cfg.data_path,
-                "val_split": "per_seed" if pools_val(self.cfg, self.store) else "fixed",
+                "val_split": applied_val_split(self.cfg.val_split, self.store),
                 "checksum": self.meta.get("checksum")}
 
     def state_dict(self) -> dict:
