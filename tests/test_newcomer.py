@@ -827,7 +827,7 @@ def test_every_figure_of_8_configurations_gives_each_its_own_colour_and_marker(t
     monkeypatch.setattr(SF, "save_figure", keep)
     res = run_analysis(_configuration_study(tmp_path / "s", set(BEYOND_8)))
     assert {f.name for f in res.figures} == set(drawn)
-    assert {"accuracy_vs_params", "accuracy_vs_lr", "best_accuracy", "frontier_overall"} <= set(drawn)
+    assert {"accuracy_vs_params", "accuracy_vs_lr", "best_accuracy_per_dataset", "frontier_overall"} <= set(drawn)
     seen = {}  # configuration -> (colour, marker) across every figure
     for name, fig in drawn.items():
         renderer = fig.canvas.get_renderer()
