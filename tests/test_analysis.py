@@ -580,7 +580,7 @@ def test_without_plasticity_parts_are_omitted_with_a_note(tmp_path):
     assert "grad_memory_bytes" not in tables["cost"].columns and "images_per_s" not in tables["cost"].columns
     figs = sorted(p.name for p in (d / "analysis" / "figures").iterdir())
     names = ("accuracy_distribution", "accuracy_fixed_lr_adamw", "accuracy_fixed_lr_sgd", "accuracy_vs_lr",
-             "best_accuracy", "accuracy_vs_params")
+             "best_accuracy", "best_accuracy_per_dataset", "accuracy_vs_params")
     assert figs == sorted(f"{f}.{e}" for f in names for e in ("png", "svg"))
 
 
@@ -592,7 +592,7 @@ def test_plasticity_only_study(tmp_path):
     (d / "curves.parquet").unlink()
     assert analyze(d) == {}
     figs = {p.stem for p in (d / "analysis" / "figures").iterdir()}
-    assert figs == {"plasticity_depth", "plasticity_distribution", "bounds"}
+    assert figs == {"plasticity_depth", "plasticity_distribution", "plasticity_rate_violins", "bounds"}
     assert "No trials.parquet" in (d / "analysis" / "notes.md").read_text()
 
 
@@ -774,8 +774,9 @@ def test_cli_analyze_and_report_write_every_figure(tmp_path, capsys):
     assert main(["report", str(d)]) == 0
     path = Path(capsys.readouterr().out.strip().splitlines()[-1])
     assert path == d / "analysis" / "report.html" and path.stat().st_size > 50_000
-    figs = ["plasticity_depth", "plasticity_distribution", "bounds", "accuracy_distribution", "relative_gain",
-            "accuracy_fixed_lr_adamw", "accuracy_fixed_lr_sgd", "accuracy_vs_lr", "best_accuracy", "accuracy_vs_params"]
+    figs = ["plasticity_depth", "plasticity_distribution", "plasticity_rate_violins", "bounds",
+            "accuracy_distribution", "relative_gain", "accuracy_fixed_lr_adamw", "accuracy_fixed_lr_sgd",
+            "accuracy_vs_lr", "best_accuracy", "best_accuracy_per_dataset", "accuracy_vs_params"]
     figs += [f"curves_{ds}_{opt}" for ds in DATASETS[:2] for opt in ("adamw", "sgd")]
     figs += [f"curves_all_{ds}_{opt}" for ds in DATASETS[:2] for opt in ("adamw", "sgd")]
     assert sorted(p.name for p in (d / "analysis" / "figures").iterdir()) == sorted(

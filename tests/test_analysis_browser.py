@@ -185,9 +185,10 @@ def test_report_renders_in_headless_chromium(tmp_path, browser):
     assert browser.problems() == []
     assert state["imagesOk"] == "true"
     figures = sorted(p.stem for p in (d / "analysis" / "figures").glob("*.png"))
-    # plasticity (3), accuracy (distribution, fixed lr x 2 optimizers, vs lr, best, vs params), relative gain,
-    # and per dataset and optimizer the best-run and every-run curves (2 x 2 x 2)
-    assert sorted(name for name, _, _ in state["images"]) == figures and len(figures) == 3 + 6 + 1 + 8
+    # plasticity (depth, boxes, rate violins, bounds), accuracy (distribution, fixed lr x 2 optimizers, vs lr,
+    # best: mean over datasets and per dataset, vs params), relative gain, and per dataset and optimizer the
+    # best-run and every-run curves (2 x 2 x 2)
+    assert sorted(name for name, _, _ in state["images"]) == figures and len(figures) == 4 + 7 + 1 + 8
     assert all(w > 600 and h > 300 for _, w, h in state["images"])
     names = [name for name, _, _ in state["tables"]]
     for t in ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking",

@@ -208,6 +208,7 @@ def test_one_optimizer_has_no_optimizer_table(tmp_path):
 # ---------------------------------------------------------------- figures: written and in the report
 
 NEW_FIGURES = ["accuracy_fixed_lr_sgd", "accuracy_fixed_lr_adamw", "accuracy_vs_lr", "best_accuracy",
+               "best_accuracy_per_dataset",
                "accuracy_vs_params"] + [f"curves_all_{ds}_sgd" for ds in DATASETS] + [
     f"curves_all_{ds}_adamw" for ds in ADAMW_DATASETS]
 

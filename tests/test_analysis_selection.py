@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from test_analysis import make_study
 
+from raystudy.analysis import authors_figures as AF
 from raystudy.analysis import figures as F
 from raystudy.analysis import sweep_figures as SF
 from raystudy.analysis.html_report import write_report
@@ -22,13 +23,15 @@ from raystudy.study.checks import SpecError
 from raystudy.study.spec import load_preset
 
 FIXED = {"dataset": "sketch", "seed": 42, "lr": 0.01}
+#: the paper's Fig. 54 (apps/plots/ablation_adam.py): Sketch's AdamW run at seed 0, lr 1e-2 / 100
+FIG_54 = {"dataset": "sketch", "seed": 0, "lr": 1e-4, "optimizer": "adamw"}
 
 
 #: the figures the fixed-run tests below do not look at (drawn and checked in tests/test_analysis.py,
 #: tests/test_analysis_paper.py and tests/test_figures_trust.py): the sweep of every run, the accuracy views,
 #: the relative gain
 UNCHECKED_FIGURES = ((SF, "plot_sweep_curves"), (SF, "plot_accuracy_fixed_lr"), (SF, "plot_accuracy_vs_lr"),
-                     (SF, "plot_best_accuracy"), (SF, "plot_accuracy_vs_params"),
+                     (SF, "plot_best_accuracy"), (SF, "plot_accuracy_vs_params"), (AF, "plot_overall_accuracy"),
                      (F, "plot_accuracy_distribution"), (F, "plot_relative_gain"))
 
 
@@ -102,10 +105,42 @@ def test_a_missing_fixed_run_is_a_note_in_the_report(tmp_path, curve_figures_onl
     assert "no run with curves on sketch at seed 7" in html
 
 
+def test_fixed_runs_of_one_optimizer_each_give_fig_5_and_fig_54(tmp_path, monkeypatch, curve_figures_only):
+    drawn, real = {}, F.plot_curves
+
+    def recording(curves, runs, path_stem, **kw):
+        drawn[Path(path_stem).name] = sorted(runs["trial_id"])
+        return real(curves, runs, path_stem, **kw)
+
+    monkeypatch.setattr(F, "plot_curves", recording)
+    path = _study(tmp_path)
+    res = run_analysis(path, fixed_run=[{**FIXED, "optimizer": "sgd"}, FIG_54])
+    trials = pd.read_parquet(path / "trials.parquet")
+    sketch = trials[trials["dataset"] == "sketch"]
+    for name, (seed, lr, opt) in (("curves_fixed_sketch_sgd", (42, 0.01, "sgd")),
+                                  ("curves_fixed_sketch_adamw", (0, 1e-4, "adamw"))):
+        want = sketch[(sketch["seed"] == seed) & np.isclose(sketch["lr"], lr) & (sketch["optimizer"] == opt)]
+        assert len(want) == 6 and drawn[name] == sorted(want["trial_id"])  # LN1 ... FC2 and All
+    names = [f.name for f in res.figures]
+    assert names.index("curves_fixed_sketch_adamw") == names.index("curves_sketch_adamw") + 1
+    assert not any(n.startswith("fixed_run") for n in res.notes)
+
+    drawn.clear()  # two fixed runs of one dataset and optimizer: each its own figure, named by seed and lr
+    res = run_analysis(path, out_dir=tmp_path / "two", fixed_run=[FIXED, {**FIXED, "seed": 0}, {**FIG_54, "lr": 1.0}])
+    assert {"curves_fixed_sketch_sgd_seed42_lr0.01", "curves_fixed_sketch_sgd_seed0_lr0.01"} <= set(drawn)
+    assert not [n for n in drawn if n.startswith("curves_fixed_sketch_adamw")]
+    assert ("fixed_run: no run with curves on sketch / adamw at seed 0, lr 1: the fixed-run figure (the paper's "
+            "Fig. 5, middle and right) is omitted.") in res.notes
+
+
 def test_option_checks_and_the_presets():
     check_subset([0], FIXED)
+    check_subset(None, [FIXED, FIG_54])
     for seeds, fixed, match in (([], None, "seeds"), (["0"], None, "seeds"), (None, {"dataset": "sketch"}, "fixed_run"),
-                                (None, {**FIXED, "lr": -1}, "fixed_run")):
+                                (None, {**FIXED, "lr": -1}, "fixed_run"), (None, [], "fixed_run"),
+                                (None, [FIXED, {**FIXED, "seed": "0"}], "fixed_run: dataset a name"),
+                                (None, {**FIXED, "optimizer": "adam"}, "fixed_run: optimizer: unknown value 'adam'"),
+                                (None, {**FIXED, "epoch": 3}, "fixed_run: a mapping of"), (None, 3, "fixed_run")):
         with pytest.raises(ValueError, match=match):
             check_subset(seeds, fixed)
     spec = load_preset("paper").with_overrides({"fixed_run": {"dataset": "sketch", "seed": 42}})
@@ -113,7 +148,8 @@ def test_option_checks_and_the_presets():
         spec.validate(check_files=False)
     with pytest.raises(SpecError, match="^analysis_seeds: a non-empty list"):
         load_preset("paper").with_overrides({"analysis_seeds": []}).validate(check_files=False)
-    assert load_preset("paper").fixed_run == FIXED and load_preset("paper").analysis_seeds is None
+    assert load_preset("paper").fixed_run == [{**FIXED, "optimizer": "sgd"}, FIG_54]
+    assert load_preset("paper").analysis_seeds is None
     assert load_preset("paper-model-size").analysis_seeds == [0]
 
 
@@ -122,14 +158,17 @@ def test_the_cli_reaches_both_options(tmp_path, capsys, curve_figures_only):
 
     path = _study(tmp_path)
     out = tmp_path / "cli"
-    assert main(["analyze", str(path), "--out", str(out), "--analysis-seeds", "0", "--fixed-run", "sketch,0,0.01"]) == 0
+    assert main(["analyze", str(path), "--out", str(out), "--analysis-seeds", "0", "--fixed-run", "sketch,0,0.01",
+                 "--fixed-run", "sketch,0,1e-4,adamw"]) == 0
     want = run_analysis(path, seeds=[0], figures=False, out_dir=tmp_path / "api").tables["lr_grid"]
     got = pd.read_csv(out / "lr_grid.csv")
     assert got["n_trials"].tolist() == want["n_trials"].tolist()
     assert got["mean"].to_numpy() == pytest.approx(want["mean"].to_numpy())
     assert (out / "figures" / "curves_fixed_sketch_sgd.png").exists()  # a seed --analysis-seeds keeps
+    assert (out / "figures" / "curves_fixed_sketch_adamw.png").exists()  # the second fixed run, AdamW's alone
     for flag, value, match in (("--analysis-seeds", "0,x", "'0,x': a comma-separated list of integer seeds"),
-                               ("--fixed-run", "sketch,42", "'sketch,42': expected DATASET,SEED,LR")):
+                               ("--fixed-run", "sketch,42", "'sketch,42': expected DATASET,SEED,LR"),
+                               ("--fixed-run", "sketch,0,1e-4,adam", "unknown value 'adam'")):
         with pytest.raises(SystemExit):
             main(["analyze", str(path), flag, value])
         assert match in capsys.readouterr().err

@@ -469,9 +469,11 @@ def check_table_seeds():
 
 
 def check_fixed_run():
-    run = {"dataset": authors("plots.fixed_run.dataset").removeprefix("domainnet_"),
-           "seed": authors("plots.fixed_run.seed"), "lr": authors("plots.fixed_run.lr")}
-    assert load_preset("paper").fixed_run == run
+    fig5 = {"dataset": authors("plots.fixed_run.dataset").removeprefix("domainnet_"),
+            "seed": authors("plots.fixed_run.seed"), "lr": authors("plots.fixed_run.lr"), "optimizer": "sgd"}
+    # Fig. 54 (ablation_adam.py, dev, L524-525): `seed = 0`, `lr = f"{float('1e-2') / 100:.2e}"`, AdamW runs
+    fig54 = {"dataset": "sketch", "seed": 0, "lr": float(f"{float('1e-2') / 100:.2e}"), "optimizer": "adamw"}
+    assert load_preset("paper").fixed_run == [fig5, fig54]
 
 
 def timm_name(hf_name: str) -> str:

@@ -193,13 +193,13 @@ def test_bars_start_at_zero(drawn):
     _, _, figures = drawn
     with_bars = [n for n, f in figures.items() if any(isinstance(c, BarContainer) for ax in f.axes
                                                       for c in ax.containers)]
-    assert {"best_accuracy", "relative_gain"} <= set(with_bars)
+    assert {"best_accuracy", "best_accuracy_per_dataset", "relative_gain"} <= set(with_bars)
     for name in with_bars:
         for ax in figures[name].axes:
             bars = [p for c in ax.containers if isinstance(c, BarContainer) for p in c.patches]
             assert all(p.get_y() == 0 for p in bars), name
             assert not bars or ax.get_ylim()[0] <= 0, (name, ax.get_ylim())
-    assert all(ax.get_ylim()[0] == 0 for ax in figures["best_accuracy"].axes)
+    assert all(ax.get_ylim()[0] == 0 for n in ("best_accuracy", "best_accuracy_per_dataset") for ax in figures[n].axes)
 
 
 def test_lr_axes_are_ticked_at_the_grid(drawn):
@@ -225,13 +225,16 @@ def test_no_violin_of_fewer_than_five_values(drawn):
     dots = sum(len(c.get_offsets()) for ax in dist.axes for c in ax.collections
                if isinstance(c, PathCollection) and _scatter_marker(c) not in (None, "x") and len(c.get_offsets()) > 1)
     assert dots >= len(res.inputs.counted) - 1  # every trial drawn (a single-point group is counted out above)
-    per_layer = figures["plasticity_distribution"]
-    polys = [c for ax in per_layer.axes for c in ax.collections if isinstance(c, PolyCollection)]
-    # demo: 4 layer values per component (points); eight: 24 rates per component and dataset (violins)
-    assert len(polys) == (0 if spec is DEMO else len(COMPONENTS) * len(spec["datasets"]))
-    if spec is DEMO:
-        points = [c for ax in per_layer.axes for c in ax.collections if isinstance(c, PathCollection)]
-        assert sum(len(c.get_offsets()) for c in points) == 4 * len(COMPONENTS) * len(spec["datasets"])
+    # the paper's boxes of per-layer plasticity (datasets pooled: one box per component); raystudy's violins of
+    # the per-pair rates only with rates.parquet (eight: 24 rates per component and dataset)
+    boxes = figures["plasticity_distribution"]
+    assert [len(ax.patches) for ax in boxes.axes] == [len(COMPONENTS)]
+    assert not [c for ax in boxes.axes for c in ax.collections if isinstance(c, PolyCollection)]
+    assert ("plasticity_rate_violins" in figures) == spec["rates"]
+    if spec["rates"]:
+        violins = figures["plasticity_rate_violins"]
+        polys = [c for ax in violins.axes for c in ax.collections if isinstance(c, PolyCollection)]
+        assert len(polys) == len(COMPONENTS) * len(spec["datasets"])
 
 
 def test_every_configuration_has_its_own_colour_and_marker(drawn):

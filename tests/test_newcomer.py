@@ -812,6 +812,7 @@ def test_every_figure_of_8_configurations_gives_each_its_own_colour_and_marker(t
     import numpy as np
     from matplotlib.colors import to_hex
 
+    from raystudy.analysis import authors_figures as AF
     from raystudy.analysis import figures as F
     from raystudy.analysis import sweep_figures as SF
     from raystudy.analysis.pipeline import run_analysis
@@ -825,9 +826,10 @@ def test_every_figure_of_8_configurations_gives_each_its_own_colour_and_marker(t
 
     monkeypatch.setattr(F, "save_figure", keep)
     monkeypatch.setattr(SF, "save_figure", keep)
+    monkeypatch.setattr(AF, "save_figure", keep)
     res = run_analysis(_configuration_study(tmp_path / "s", set(BEYOND_8)))
     assert {f.name for f in res.figures} == set(drawn)
-    assert {"accuracy_vs_params", "accuracy_vs_lr", "best_accuracy", "frontier_overall"} <= set(drawn)
+    assert {"accuracy_vs_params", "accuracy_vs_lr", "best_accuracy_per_dataset", "frontier_overall"} <= set(drawn)
     seen = {}  # configuration -> (colour, marker) across every figure
     for name, fig in drawn.items():
         renderer = fig.canvas.get_renderer()

@@ -304,29 +304,6 @@ def plot_rate_distribution(rates: pd.DataFrame, path_stem: str | Path, *, title:
 
 
 @styled
-def plot_plasticity_layers(plasticity: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
-    """Distribution over layers of each component's plasticity (used when ``rates.parquet`` is absent).
-
-    One violin per component of the per-layer plasticity values of ``plasticity.parquet``; log10 axis
-    when they span more than :data:`LOG_RATIO`.
-    """
-    _require(plasticity, ["component", "plasticity"], "plasticity")
-    panels, constant = _facets(plasticity)
-    fig, axes = _grid(len(panels), width=5.6)
-    log = _needs_log(plasticity["plasticity"].to_numpy())
-    for ax, (name, rows) in zip(axes, panels):
-        comps = _ordered(rows["component"].unique())
-        groups = [(c, rows.loc[rows["component"] == c, "plasticity"].to_numpy()) for c in comps]
-        _violins(ax, groups, log=log, ylabel="plasticity per layer")
-        ax.axhline(0.0 if log else 1.0, color="black", lw=0.8, ls=":", zorder=0)
-        ax.set_xlabel("component")
-        if name:
-            ax.set_title(name)
-    _title(fig, title or "Plasticity distribution over layers", constant)
-    return save_figure(fig, path_stem)
-
-
-@styled
 def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem: str | Path, *,
                 title: str = "") -> list[Path]:
     """Theoretical upper bounds (dashed) next to the measured plasticity (solid) across depth, log scale.

@@ -295,7 +295,7 @@ def write_report(res: AnalysisResult, path: str | os.PathLike | None = None) -> 
 def report(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
            alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
            round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
-           seeds: list[int] | None = DEFAULT_SEEDS, fixed_run: dict | None = DEFAULT_FIXED_RUN,
+           seeds: list[int] | None = DEFAULT_SEEDS, fixed_run: dict | list | None = DEFAULT_FIXED_RUN,
            select_by: str | None = None) -> Path:
     """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
     redundant) and write the self-contained ``<out_dir>/report.html`` (default

@@ -10,7 +10,7 @@ Imports only :mod:`raystudy.vocab`, so the CLI can offer these choices without l
 
 from __future__ import annotations
 
-from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, check_name
+from raystudy.vocab import ALTERNATIVES, OPTIMIZERS, PAIR_BY, SELECT_BY, check_name
 
 #: the paper's tables' rule (and a study spec's default); an analysis given ``select_by=None`` uses it for them
 #: and validation for VTAB-1k's table (:data:`raystudy.analysis.vtab.VTAB_SELECT_BY`, the benchmark's rule)
@@ -28,6 +28,9 @@ DEFAULT_SEEDS: tuple[int, ...] | None = None
 #: the keys of a fixed run: Fig. 5 (middle and right) drawn from one dataset's runs at one seed and one lr
 #: (the paper's: Sketch, seed 42, lr 1e-2, apps/plots/finetuning.py); None: only the best-run figures
 FIXED_RUN_KEYS: tuple[str, ...] = ("dataset", "seed", "lr")
+#: a fixed run's optional key: that optimizer's runs alone (Fig. 54: Sketch's AdamW run at seed 0, lr 1e-4,
+#: apps/plots/ablation_adam.py); without it, the runs of every optimizer at that seed and lr
+FIXED_RUN_OPTIONAL: tuple[str, ...] = ("optimizer",)
 DEFAULT_FIXED_RUN: dict | None = None
 
 
@@ -45,17 +48,39 @@ def check_options(reference: str, alternative: str, pair_by: str, round_to: int 
         raise ValueError(f"round_to: decimals of a percent from 0 to {MAX_ROUND}, or None; got {round_to!r}")
 
 
-def check_subset(seeds, fixed_run) -> None:
-    """Reject a ``seeds`` that is not None or a non-empty list of ints, and a ``fixed_run`` that is not None
-    or a mapping of exactly :data:`FIXED_RUN_KEYS` (a dataset name, an int seed, a positive lr)."""
-    if seeds is not None and (isinstance(seeds, str | bytes) or not hasattr(seeds, "__iter__") or not list(seeds)
-                              or any(type(s) is not int for s in seeds)):
-        raise ValueError(f"seeds: a non-empty list of integer seeds, or None; got {seeds!r}")
+def fixed_run_list(fixed_run) -> list[dict]:
+    """``fixed_run`` as a list of fixed runs: None -> ``[]``, one mapping -> ``[it]``, a list as it is."""
     if fixed_run is None:
-        return
-    if not isinstance(fixed_run, dict) or set(fixed_run) != set(FIXED_RUN_KEYS):
-        raise ValueError(f"fixed_run: a mapping of {', '.join(FIXED_RUN_KEYS)}, or None; got {fixed_run!r}")
-    d, seed, lr = (fixed_run[k] for k in FIXED_RUN_KEYS)
+        return []
+    return [fixed_run] if isinstance(fixed_run, dict) else list(fixed_run)
+
+
+def _check_fixed_run(run, fixed_run) -> None:
+    """One fixed run: :data:`FIXED_RUN_KEYS` (a dataset name, an int seed, a positive lr) and perhaps an
+    optimizer of the vocabulary."""
+    if not isinstance(run, dict) or not set(FIXED_RUN_KEYS) <= set(run) <= {*FIXED_RUN_KEYS, *FIXED_RUN_OPTIONAL}:
+        raise ValueError(f"fixed_run: a mapping of {', '.join(FIXED_RUN_KEYS)} (and optionally "
+                         f"{', '.join(FIXED_RUN_OPTIONAL)}), a list of them, or None; got {fixed_run!r}")
+    d, seed, lr = (run[k] for k in FIXED_RUN_KEYS)
     if not isinstance(d, str) or type(seed) is not int or isinstance(lr, bool) or not isinstance(lr, int | float) \
             or not lr > 0:
         raise ValueError(f"fixed_run: dataset a name, seed an int, lr a positive number; got {fixed_run!r}")
+    if "optimizer" in run:
+        check_name(run["optimizer"], OPTIMIZERS, "fixed_run: optimizer")
+
+
+def check_subset(seeds, fixed_run) -> None:
+    """Reject a ``seeds`` that is not None or a non-empty list of ints, and a ``fixed_run`` that is not None,
+    a mapping of :data:`FIXED_RUN_KEYS` (plus perhaps :data:`FIXED_RUN_OPTIONAL`) or a non-empty list of such
+    mappings (:func:`fixed_run_list`)."""
+    if seeds is not None and (isinstance(seeds, str | bytes) or not hasattr(seeds, "__iter__") or not list(seeds)
+                              or any(type(s) is not int for s in seeds)):
+        raise ValueError(f"seeds: a non-empty list of integer seeds, or None; got {seeds!r}")
+    if fixed_run is not None and not isinstance(fixed_run, dict | list | tuple):
+        _check_fixed_run(fixed_run, fixed_run)  # the message names what a fixed run is
+    runs = fixed_run_list(fixed_run)
+    if fixed_run is not None and not runs:
+        raise ValueError(f"fixed_run: a mapping of {', '.join(FIXED_RUN_KEYS)}, a non-empty list of them, or None; "
+                         f"got {fixed_run!r}")
+    for run in runs:
+        _check_fixed_run(run, fixed_run)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from raystudy import storage
+from raystudy.analysis import authors_figures as AF
 from raystudy.analysis import beyond as B
 from raystudy.analysis import change as CH
 from raystudy.analysis import control as C
@@ -36,6 +37,7 @@ from raystudy.analysis.options import (
     DEFAULT_SELECT_BY,
     check_options,
     check_subset,
+    fixed_run_list,
 )
 from raystudy.analysis.stats import (
     canonical_reference,
@@ -55,7 +57,7 @@ from raystudy.analysis.tables import (
     stability_table,
 )
 from raystudy.terminal import progress_bar
-from raystudy.vocab import BOUNDS_FORMULAS, LINEAR_PROBE
+from raystudy.vocab import BOUNDS_FORMULAS, LINEAR_PROBE, PAPER_RANKING
 
 log = logging.getLogger(__name__)
 
@@ -261,15 +263,18 @@ def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
                      "Mean rate ||f(x) − f(y)||_F / ||x − y||_F per layer and component with its 95% interval; "
                      "dashed: the random-init control on the same pairs; the dotted line marks plasticity 1.",
                      lambda s: F.plot_plasticity_depth(depth, s)))
+        jobs.append(("plasticity_distribution", "Plasticity per layer, box over layers and datasets (the paper's "
+                     "Fig. 2, left, and Fig. 4)",
+                     "The authors' statistic (apps/plots/finetuning.py, ablation_analysis.py): per component, a box "
+                     "of its per-layer plasticity (each layer's mean rate over pairs), every dataset's layers "
+                     "pooled; components in the paper's plasticity order; whiskers to the furthest value within "
+                     "1.5 IQR, values beyond not drawn.", lambda s: AF.plot_plasticity_boxes(p, s)))
         if inputs.rates is not None:
             rates = inputs.rates
-            jobs.append(("plasticity_distribution", "Distribution of per-pair rates",
-                         "Per-pair rates of each component, pooled over layers (violin, quartiles, median).",
-                         lambda s: F.plot_rate_distribution(rates, s)))
-        else:
-            jobs.append(("plasticity_distribution", "Distribution of plasticity over layers",
-                         "Per-layer plasticity of each component (no rates.parquet: the per-pair rates were not "
-                         "kept).", lambda s: F.plot_plasticity_layers(p, s)))
+            jobs.append(("plasticity_rate_violins", "Distribution of per-pair rates",
+                         "raystudy's statistic: every pair's rate of each component, pooled over layers, a panel "
+                         "per dataset (violin, quartiles, median); the paper's boxes of per-layer means are the "
+                         "figure above.", lambda s: F.plot_rate_distribution(rates, s)))
     if inputs.bounds is not None:
         b = inputs.bounds
         authors = " The authors' formulas (their Fig. 7's theory.py), not the paper's." \
@@ -302,18 +307,36 @@ def _fixed_run_job(curves: pd.DataFrame, rr: pd.DataFrame, fixed_run: dict, labe
     title = f"Gradient norm and validation loss at seed {seed}, lr {lr:g} — {label}"
     return [(_slug("curves", "fixed", *parts), title,
              f"The run at seed {seed} and lr {lr:g} of each configuration on {label} (the paper's Fig. 5, middle "
-             "and right, fixes Sketch, seed 42, lr 1e-2), beside the best runs.",
+             "and right, fixes Sketch, SGD, seed 42, lr 1e-2; its Fig. 54, Sketch, AdamW, seed 0, lr 1e-4), beside "
+             "the best runs.",
              lambda s: F.plot_curves(curves, chosen, s, title=f"{label} · seed {seed} · lr {lr:g}",
                                      legend="fixed run"))]
 
 
+def _fixed_jobs(curves: pd.DataFrame, rr: pd.DataFrame, fixed: list[dict], key: tuple, label: str, parts: tuple,
+                notes: list[str]) -> tuple[list[FigureJob], set[int]]:
+    """The fixed-run figures of one ``key = (model, dataset, optimizer)``: one per fixed run of ``fixed`` on
+    that dataset (and optimizer, when the fixed run names one) with runs at its seed and lr, named
+    ``curves_fixed_<parts>``, with ``_seed<S>_lr<L>`` added when several share ``key``; and the indices of the
+    fixed runs drawn."""
+    _, ds, opt = key
+    found = [(i, r) for i, r in enumerate(fixed) if r["dataset"] == ds and r.get("optimizer", opt) == opt
+             and len(F.fixed_runs(rr, r["seed"], r["lr"]))]
+    jobs = []
+    for _, r in found:
+        named = parts if len(found) == 1 else (*parts, f"seed{r['seed']}", f"lr{r['lr']:g}")
+        jobs += _fixed_run_job(curves, rr, r, label, named, notes)
+    return jobs, {i for i, _ in found}
+
+
 def _curve_figures(inputs: StudyInputs, curves: pd.DataFrame, notes: list[str],
-                   fixed_run: dict | None = DEFAULT_FIXED_RUN) -> list[FigureJob]:
+                   fixed_run: dict | list | None = DEFAULT_FIXED_RUN) -> list[FigureJob]:
     """Per (model,) dataset and optimizer: the best run of each configuration (Fig. 5, middle and right),
-    the ``fixed_run``'s on its dataset, and every run of the sweep (Figs. 21-58)."""
-    best, runs = F.best_runs(inputs.counted), _swept_runs(inputs)
+    the runs of each ``fixed_run`` on its dataset (:func:`~raystudy.analysis.options.fixed_run_list`), and
+    every run of the sweep (Figs. 21-58)."""
+    best, runs, fixed = F.best_runs(inputs.counted), _swept_runs(inputs), fixed_run_list(fixed_run)
     many_models = runs["model"].nunique() > 1
-    jobs, fixed = [], []
+    jobs, drawn = [], set()
     for (model, ds, opt), rr in runs.groupby(["model", "dataset", "optimizer"], sort=True):
         if not set(rr["trial_id"]) & set(curves["trial_id"]):
             notes.append(f"curves.parquet has no rows for the runs on {ds} / {opt}.")
@@ -325,16 +348,16 @@ def _curve_figures(inputs: StudyInputs, curves: pd.DataFrame, notes: list[str],
             jobs.append((_slug("curves", *parts), f"Gradient norm and validation loss — {label}",
                          f"Best run (highest test accuracy) of each configuration on {label}.",
                          lambda s, bb=bb, label=label: F.plot_curves(curves, bb, s, title=label)))
-        if fixed_run is not None and ds == fixed_run["dataset"]:
-            fixed = _fixed_run_job(curves, rr, fixed_run, label, parts, notes)
-            jobs += fixed
+        more, done = _fixed_jobs(curves, rr, fixed, (model, ds, opt), label, parts, notes)
+        jobs, drawn = jobs + more, drawn | done
         jobs.append((_slug("curves", "all", *parts), f"Every run: gradient norm and validation loss — {label}",
                      f"Every learning rate and seed on {label} (the paper's Figs. 21-58): a panel per "
                      "configuration, colour = learning rate, line style = seed, x = diverged run.",
                      lambda s, rr=rr, label=label: SF.plot_sweep_curves(curves, rr, s, title=label)))
-    if fixed_run is not None and not fixed:
-        notes.append(f"fixed_run: no run with curves on {fixed_run['dataset']} at seed {fixed_run['seed']}, lr "
-                     f"{fixed_run['lr']:g}: the fixed-run figure (the paper's Fig. 5, middle and right) is omitted.")
+    for r in (r for i, r in enumerate(fixed) if i not in drawn):
+        where = f"{r['dataset']} / {r['optimizer']}" if "optimizer" in r else r["dataset"]
+        notes.append(f"fixed_run: no run with curves on {where} at seed {r['seed']}, lr {r['lr']:g}: the fixed-run "
+                     "figure (the paper's Fig. 5, middle and right) is omitted.")
     return jobs
 
 
@@ -353,7 +376,7 @@ def _fixed_lr_figures(ok: pd.DataFrame) -> list[FigureJob]:
     return jobs
 
 
-def _accuracy_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame]) -> list[FigureJob]:
+def _accuracy_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: list[str]) -> list[FigureJob]:
     ok, probes = inputs.counted, inputs.probes
     jobs = [("accuracy_distribution", "Test accuracy over learning rates × seeds",
              "Every counted trial of each configuration (dots) with its distribution (Fig. 5, left).",
@@ -363,9 +386,19 @@ def _accuracy_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame]) -> l
                  "Mean over seeds per configuration and learning rate, ± std over seeds (ddof 0, band); x: an lr "
                  "with a diverged run; dashed: the linear probe.", lambda s: SF.plot_accuracy_vs_lr(ok, s, probes)))
     best = tables["best_lr"]
-    jobs.append(("best_accuracy", "Best accuracy per dataset",
-                 "Best-lr test accuracy per dataset and configuration, ± std over seeds (ddof 0) (the paper's "
-                 "Fig. 19).", lambda s: SF.plot_best_accuracy(best, s)))
+    if best["configuration"].isin(PAPER_RANKING).any():
+        jobs.append(("best_accuracy", "Best accuracy, mean over datasets (the paper's Fig. 19)",
+                     "The authors' statistic (apps/plots/finetuning.py, get_best_performance): per component, "
+                     "the best-lr test accuracy averaged over datasets; error bar: the pooled standard error "
+                     "sqrt(mean over datasets of std²) / sqrt(seeds), std over seeds at the best lr (ddof 0).",
+                     lambda s: AF.plot_overall_accuracy(best, s)))
+    else:
+        notes.append(f"No component ({', '.join(PAPER_RANKING)}) among the configurations: the paper's Fig. 19 "
+                     "(the components' best accuracy, mean over datasets) is omitted.")
+    jobs.append(("best_accuracy_per_dataset", "Best accuracy per dataset",
+                 "raystudy's statistic: best-lr test accuracy per dataset and configuration, ± std over seeds "
+                 "(ddof 0); the paper's Fig. 19 averages the components' bars over datasets (the figure above).",
+                 lambda s: SF.plot_best_accuracy(best, s)))
     overall, cost = tables["overall"], tables["cost"]
     if cost["trainable_params"].notna().any():
         jobs.append(("accuracy_vs_params", "Accuracy against trainable parameters",
@@ -376,11 +409,11 @@ def _accuracy_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame]) -> l
 
 
 def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: list[str],
-                   fixed_run: dict | None = DEFAULT_FIXED_RUN) -> list[FigureJob]:
+                   fixed_run: dict | list | None = DEFAULT_FIXED_RUN) -> list[FigureJob]:
     ok = inputs.counted
     if ok is None or not len(ok):
         return []
-    jobs = _accuracy_figures(inputs, tables)
+    jobs = _accuracy_figures(inputs, tables, notes)
     if "relative_gain" in tables:
         g = tables["relative_gain"]
         ref = g["reference"].iloc[0]
@@ -400,9 +433,10 @@ def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: 
 
 
 def draw_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], fig_dir: Path,
-                 notes: list[str], fixed_run: dict | None = DEFAULT_FIXED_RUN) -> list[FigureInfo]:
+                 notes: list[str], fixed_run: dict | list | None = DEFAULT_FIXED_RUN) -> list[FigureInfo]:
     """Draw every figure the inputs allow into ``fig_dir`` (PNG + SVG each); ``fixed_run`` adds the curves
-    of one dataset's runs at one seed and lr (:data:`raystudy.analysis.options.FIXED_RUN_KEYS`)."""
+    of one dataset's runs at one seed and lr (:data:`raystudy.analysis.options.FIXED_RUN_KEYS`, perhaps of one
+    optimizer), or of each of a list of such runs."""
     jobs = _plasticity_figures(inputs) + _trial_figures(inputs, tables, notes, fixed_run)
     return [FigureInfo(name, title, caption, draw(fig_dir / name))
             for name, title, caption, draw in progress_bar(jobs, desc="figures", unit="fig", leave=False)]
@@ -471,7 +505,7 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
                  alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                  round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
                  figures: bool = True, seeds: list[int] | None = DEFAULT_SEEDS,
-                 fixed_run: dict | None = DEFAULT_FIXED_RUN, select_by: str | None = None) -> AnalysisResult:
+                 fixed_run: dict | list | None = DEFAULT_FIXED_RUN, select_by: str | None = None) -> AnalysisResult:
     """Read ``study_dir``, write every table and figure to ``out_dir``; returns all of it.
 
     ``study_dir``: one study directory, or a list of several analysed together (their tables concatenated,
@@ -479,7 +513,8 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     ``<study_dir>/analysis``; a URI there (or a URI study directory) is written
     through a local staging folder (``res.out_dir``) and uploaded (``res.upload_to``). ``seeds``: only these
     seeds' trials enter the tables and figures (the paper's Table 9: ``[0]``); ``fixed_run``: ``{dataset,
-    seed, lr}`` whose runs' curves are drawn beside the best runs' (the paper's Fig. 5); ``select_by`` (None:
+    seed, lr}`` (and perhaps ``optimizer``), or a list of them, whose runs' curves are drawn beside the best
+    runs' (the paper's Figs. 5 and 54); ``select_by`` (None:
     :func:`lr_rules`' defaults): each
     sweep's best lr by mean ``"test"`` accuracy (the paper's rule) or mean best-``"val"`` accuracy.
     """
@@ -519,7 +554,7 @@ def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
             alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
             round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
             figures: bool = True, seeds: list[int] | None = DEFAULT_SEEDS,
-            fixed_run: dict | None = DEFAULT_FIXED_RUN, select_by: str | None = None) -> dict[str, pd.DataFrame]:
+            fixed_run: dict | list | None = DEFAULT_FIXED_RUN, select_by: str | None = None) -> dict[str, pd.DataFrame]:
     """Analyse a study directory; write tables (CSV + Markdown) and figures under ``<study_dir>/analysis``.
 
     Returns the tables by name (``best_lr, lr_grid, overall, relative_gain, optimizers, wilcoxon, stability,

@@ -1,5 +1,5 @@
 """Figures of the finetuning sweeps: every run's curves, accuracy at each fixed lr, against lr, per dataset
-and against the number of trainable parameters (the paper's Figs. 5, 19 and 21-58).
+and against the number of trainable parameters (the paper's Figs. 5 and 21-58; Fig. 19 per dataset).
 
 Same conventions as :mod:`raystudy.analysis.figures` (Agg canvas, PNG + SVG, one colour per configuration).
 Accuracies come in as fractions and are drawn in percent; every spread is the population standard
@@ -257,7 +257,8 @@ def plot_accuracy_vs_lr(counted: pd.DataFrame, path_stem: str | Path, probes: pd
 
 @styled
 def plot_best_accuracy(best_lr: pd.DataFrame, path_stem: str | Path, *, title: str = "") -> list[Path]:
-    """Best-lr accuracy per dataset and configuration as grouped bars (the paper's Fig. 19).
+    """Best-lr accuracy per dataset and configuration as grouped bars (raystudy's view of the paper's Fig. 19,
+    which averages the components' bars over datasets: :func:`raystudy.analysis.authors_figures.plot_overall_accuracy`).
 
     ``best_lr`` as written by the analysis (``dataset, configuration, mean, std``; ``LP`` rows included):
     bar = mean over seeds at the best lr, error bar = std over seeds (ddof 0); one panel per optimizer.

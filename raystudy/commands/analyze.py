@@ -13,6 +13,7 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
     DEFAULT_SELECT_BY,
     FIXED_RUN_KEYS,
+    FIXED_RUN_OPTIONAL,
     check_subset,
 )
 from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, TRIALS_CONFIGURATIONS
@@ -29,16 +30,19 @@ def _seeds(text: str) -> list[int]:
 
 
 def _fixed_run(text: str) -> dict:
-    """``--fixed-run sketch,42,0.01`` -> ``{"dataset": "sketch", "seed": 42, "lr": 0.01}``."""
+    """``--fixed-run sketch,42,0.01`` -> ``{"dataset": "sketch", "seed": 42, "lr": 0.01}``; a fourth value
+    names the optimizer: ``sketch,0,1e-4,adamw`` -> ``{..., "optimizer": "adamw"}``."""
     parts = text.split(",")
+    keys = FIXED_RUN_KEYS + FIXED_RUN_OPTIONAL
     try:
-        if len(parts) != len(FIXED_RUN_KEYS):
+        if not len(FIXED_RUN_KEYS) <= len(parts) <= len(keys):
             raise ValueError(f"{len(parts)} value(s)")
-        run = dict(zip(FIXED_RUN_KEYS, (parts[0], int(parts[1]), float(parts[2]))))
+        run = dict(zip(keys, (parts[0], int(parts[1]), float(parts[2]), *parts[3:])))
         check_subset(None, run)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected {','.join(k.upper() for k in FIXED_RUN_KEYS)}, "
-                                         f"e.g. sketch,42,0.01 ({e})") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {','.join(k.upper() for k in FIXED_RUN_KEYS)}"
+                                         f"[,{','.join(k.upper() for k in FIXED_RUN_OPTIONAL)}], e.g. "
+                                         f"sketch,42,0.01 or sketch,0,1e-4,adamw ({e})") from None
     return run
 
 
@@ -68,9 +72,12 @@ def _options(p: argparse.ArgumentParser) -> None:
                    help="only these seeds' trials in every table and figure (the paper's Table 9: "
                         "--analysis-seeds 0; the spec's analysis_seeds; "
                         "default: every seed)")
-    p.add_argument("--fixed-run", type=_fixed_run, default=DEFAULT_FIXED_RUN, metavar="DATASET,SEED,LR",
-                   help="also draw the curves of each configuration's run at this dataset, seed and lr (the "
-                        "paper's Fig. 5: sketch,42,0.01; default: the best runs only)")
+    p.add_argument("--fixed-run", type=_fixed_run, action="append", default=DEFAULT_FIXED_RUN,
+                   metavar="DATASET,SEED,LR",
+                   help="also draw the curves of each configuration's run at this dataset, seed and lr; a fourth "
+                        "value, an optimizer, keeps that optimizer's runs alone (the paper's Fig. 5: "
+                        "sketch,42,0.01,sgd; its Fig. 54: sketch,0,1e-4,adamw); repeat for several; default: the "
+                        "best runs only")
 
 
 def register(subparsers) -> None:

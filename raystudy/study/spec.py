@@ -243,8 +243,9 @@ class StudySpec(ModelSettings, ProtocolSettings):
     probe: ProbeSpec = setting(factory=ProbeSpec, cli=False, help="the linear probe")
     analysis: bool = setting(True, help="write the analysis (tables, figures, report.html) at the end")
     analysis_seeds: list[int] | None = setting(DEFAULT_SEEDS, cli=False, help="the analysis counts these seeds only")
-    fixed_run: dict | None = setting(DEFAULT_FIXED_RUN, cli=False,
-                                     help="the report also draws the runs at this {dataset, seed, lr}")
+    fixed_run: dict | list[dict] | None = setting(DEFAULT_FIXED_RUN, cli=False,
+                                                  help="the report also draws the runs at this {dataset, seed, lr"
+                                                       "[, optimizer]} (or at each of a list of them)")
     analysis_round: int | None = setting(DEFAULT_ROUND, cli=False, check="optional_non_negative_int",
                                          help="the Wilcoxon tests take the accuracies rounded to N decimals")
     analysis_select_by: str = setting(DEFAULT_SELECT_BY, cli=False, choices=SELECT_BY,
