@@ -42,6 +42,7 @@ from raystudy.vocab import (
     ACCURACIES,
     CONTROLS,
     DATA_PATHS,
+    EVAL_STEPS,
     GATED_FC1,
     HEAD_INITS,
     MHA_INPUTS,
@@ -64,6 +65,18 @@ WARMUP_FRACTION = 0.2
 def warmup_of(steps: int, warmup_steps: int | None) -> int:
     """Warmup steps a run uses: ``warmup_steps``, or ``round(WARMUP_FRACTION * steps)`` when it is None."""
     return warmup_steps if warmup_steps is not None else int(round(WARMUP_FRACTION * steps))
+
+
+def evaluates_at(step: int, steps: int, eval_period: int, rule: str) -> bool:
+    """Whether update ``step`` (1-based, of ``steps``) evaluates val under ``rule`` (:data:`EVAL_STEPS`):
+    ``every_and_last``: ``step % eval_period == 0 or step == steps``; ``authors``: ``step % p == 0`` with
+    ``p = min(eval_period, steps)`` (their ``TrainingConfig.__post_init__`` sets ``eval_period = n_steps``
+    when it exceeds ``n_steps``; no evaluation at step 0 nor at a last step that is no multiple of ``p``)."""
+    if rule == "authors":
+        return step % min(eval_period, steps) == 0
+    if rule == "every_and_last":
+        return step % eval_period == 0 or step == steps
+    raise ValueError(f"eval_steps={rule!r}: expected one of {list(EVAL_STEPS)}")
 
 
 def accuracy_batch(protocol: Any, split: str) -> int:
@@ -386,6 +399,11 @@ class ProtocolSettings(DeviceSettings):
                               roles={"trial", "resume", "row"})
     eval_period: int = setting(500, check="positive_int", help="evaluate on val every this many steps",
                                roles={"trial"}, per_dataset=True)
+    eval_steps: str = setting("every_and_last", choices=EVAL_STEPS,
+                              help="every_and_last: evaluate every eval_period steps and at the last step; "
+                                   "authors: every min(eval_period, steps) steps only, as the authors' train.py "
+                                   "(10,000 steps every 350: 28 evaluations, the last at 9,800)",
+                              roles={"trial"})
     warmup_steps: int | None = setting(None, check="optional_non_negative_int",
                                        help="linear warmup steps; None: 20% of steps (the paper's 2000/10000)",
                                        roles={"trial", "resume"}, per_dataset=True)

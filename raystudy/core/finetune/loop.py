@@ -51,7 +51,7 @@ from raystudy.core.finetune.step import (
 from raystudy.core.peft_methods import adapted_layers, merge
 from raystudy.data.modality import modality_of_model
 from raystudy.data.store import Store
-from raystudy.settings import accuracy_batch
+from raystudy.settings import accuracy_batch, evaluates_at
 from raystudy.terminal import progress_bar
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,8 @@ class Finetuner:
                 self._mark_diverged()
             s = self.step
             log_step = s % cfg.log_period == 0 or s == cfg.steps or not res.finite
-            eval_step = res.finite and (s % cfg.eval_period == 0 or s == cfg.steps)
+            eval_step = res.finite and (evaluates_at(s, cfg.steps, cfg.eval_period, cfg.eval_steps)
+                                        or (s == cfg.steps and trains_on_val(cfg)))  # its tested step
             ckpt_step = res.finite and cfg.ckpt_period > 0 and s % cfg.ckpt_period == 0 and s < cfg.steps
             if not (log_step or eval_step or ckpt_step):
                 continue
