@@ -529,6 +529,12 @@ class ProbeSettings:
                         roles={"probe"})
     batch_size: int | None = setting(None, check="optional_positive_int",
                                      help="images per forward pass; None: 512 on the cache path, 64 decoding")
+    drop_last_batch: int | None = setting(None, check="optional_positive_int",
+                                          help="None: fit on every train row; N: on the rows one shuffled pass "
+                                               "in batches of N keeps, its last partial batch dropped (the first "
+                                               "floor(n / N) N rows of a permutation seeded by seed: the authors' "
+                                               "DataLoader(batch_size=512, shuffle=True, drop_last=True))",
+                                          roles={"probe"}, legacy=None)
     workers: int = setting(1, check="positive_int", help="actors of the feature pass")
     gpus_per_worker: float = setting(0.0, check="non_negative", help="GPUs per actor (0: CPU)")
     cpus_per_worker: float = setting(0.5, check="positive", help="logical CPUs per actor")

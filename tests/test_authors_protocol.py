@@ -84,3 +84,68 @@ def test_the_final_fit_still_tests_its_last_step(tmp_path):
     ft = _finetuner(store, tmp_path / "run", steps=5, eval_period=3, eval_steps="authors", train_splits="train+val")
     summary = ft.run(progress=False)
     assert ft.best_val_step == 5 and summary["test_acc"] == summary["test_acc"]  # tested, not NaN
+
+
+# ---- 3. the rows the linear probe fits on --------------------------------------------------------------
+
+
+def authors_loader_rows(order: list[int], batch_size: int) -> list[int]:
+    """The rows one pass of the authors' train loader yields, in order: ``DataLoader(train_set,
+    batch_size=512, shuffle=True, drop_last=True)`` (``utils.py``'s ``build_train_val_loader``, iterated
+    once by ``linear_probing.py``'s ``get_embeddings``), its shuffle's order given as ``order``."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(list(range(len(order))), batch_size=batch_size, sampler=order,
+                                         drop_last=True)
+    return [int(r) for batch in loader for r in batch]
+
+
+@pytest.mark.parametrize("n,kept", [(1_020, 512), (2_944, 2_560), (6_400, 6_144), (512, 512), (1_023, 512)])
+def test_probe_rows_are_the_authors_loaders(n, kept):
+    import numpy as np
+    import torch
+
+    from raystudy.core.probe import FIT_ROWS_TAG, fit_rows
+
+    rows = fit_rows(n, 42, 512)
+    assert len(rows) == kept == len(authors_loader_rows(list(range(n)), 512))
+    assert len(set(rows.tolist())) == kept and rows.min() >= 0 and rows.max() < n
+    order = np.random.default_rng([42, FIT_ROWS_TAG]).permutation(n).tolist()
+    assert rows.tolist() == authors_loader_rows(order, 512)  # the first whole batches of the seeded order
+    shuffled = torch.utils.data.DataLoader(list(range(n)), batch_size=512, shuffle=True, drop_last=True)
+    assert sum(len(b) for b in shuffled) == kept  # the authors' own loader keeps as many
+    assert fit_rows(n, 42, None).tolist() == list(range(n))  # the default: every row, unchanged
+    with pytest.raises(ValueError, match="no whole batch"):
+        fit_rows(100, 42, 512)
+
+
+def test_paper_probe_follows_the_authors_row_rule():
+    assert load_preset("paper").probe.drop_last_batch == 512
+    assert load_preset("demo").probe.drop_last_batch is None
+
+
+def test_the_probe_fits_on_those_rows_exactly(tmp_path):
+    import numpy as np
+    import torch
+    from conftest import tiny_vit
+
+    from raystudy.core.probe import FIT_ROWS_TAG, make_classifier
+    from raystudy.distributed.probe import ProbeJob, build_probe_model, features_local, model_spec, run_probe_job
+
+    store = make_store(tmp_path / "store", n_per_split=(40, 4, 12), num_classes=3)
+    torch.manual_seed(0)
+    torch.save(tiny_vit(num_classes=3).state_dict(), tmp_path / "tiny.pt")
+    job = ProbeJob(store=store, model="vit_tiny_patch16_224", model_kwargs={**TINY, "img_size": 32},
+                   weights=str(tmp_path / "tiny.pt"), seed=7, augment=False, local=True, data_path="decode",
+                   precision="fp32", batch_size=16, drop_last_batch=16)
+    result = run_probe_job(job)
+    model = build_probe_model(model_spec(job))
+    x, y, _ = features_local(job, model, "train", train=False, img_size=32)
+    xt, yt, _ = features_local(job, model, "test", train=False, img_size=32)
+    order = np.random.default_rng([7, FIT_ROWS_TAG]).permutation(len(y)).tolist()
+    kept = authors_loader_rows(order, 16)  # 32 of the 40 rows, in the loader's order
+    clf = make_classifier(7).fit(x[kept], y[kept])
+    assert result["n_train"] == len(kept) == 32
+    assert result["test_acc"] == float(clf.score(xt, yt)) and result["train_acc"] == float(clf.score(x[kept], y[kept]))
+    every = make_classifier(7).fit(x, y)
+    assert not np.array_equal(every[-1].coef_, clf[-1].coef_)  # the rule changed the fit
