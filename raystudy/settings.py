@@ -411,7 +411,14 @@ class ProtocolSettings(DeviceSettings):
                               roles={"trial"}, per_dataset=True)
     micro_batch_size: int | None = setting(None, check="optional_positive_int",
                                            help="per-worker micro-batch (gradient accumulation); None: the "
-                                                "whole share at once")
+                                                "whole share at once", per_dataset=True)
+    loader_batch_size: int | None = setting(None, check="optional_positive_int",
+                                            help="with drop_last: the batch each epoch is cut into, a divisor of "
+                                                 "batch_size; a step takes batch_size / loader_batch_size "
+                                                 "consecutive ones, an epoch ends after its last whole one (the "
+                                                 "authors' DataLoader batch_size x grad_acc_steps, e.g. 128 x 4); "
+                                                 "None: batch_size", roles={"trial", "resume"}, per_dataset=True,
+                                            legacy=None)
     augment: bool = setting(True, help="random-resized crop and flip on the train split", roles={"trial", "resume"})
     resize: str = setting("crop", choices=RESIZES,
                           help="without augmentation (val, test; train with augment off): crop: shorter side "
@@ -443,7 +450,8 @@ class ProtocolSettings(DeviceSettings):
                                  roles={"trial", "resume"}, legacy="per_sample")
     val_batch_size: int | None = setting(None, check="optional_positive_int",
                                          help="per_batch accuracy on val: the batches it averages over (None: "
-                                              "eval_batch_size; the authors' ViT-L runs: 128)")
+                                              "eval_batch_size; the authors' ViT-L and speckle-noise runs: 128)",
+                                         per_dataset=True)
     val_split: str = setting("fixed", choices=VAL_SPLITS,
                              help="fixed: the store's train/val split for every seed; per_seed: train and val "
                                   "pooled and split anew by each run's seed, sizes kept (the authors')",

@@ -134,8 +134,8 @@ def test_the_probe_fits_on_those_rows_exactly(tmp_path):
 
     store = make_store(tmp_path / "store", n_per_split=(40, 4, 12), num_classes=3)
     torch.manual_seed(0)
-    torch.save(tiny_vit(num_classes=3).state_dict(), tmp_path / "tiny.pt")
-    job = ProbeJob(store=store, model="vit_tiny_patch16_224", model_kwargs={**TINY, "img_size": 32},
+    torch.save(tiny_vit().state_dict(), tmp_path / "tiny.pt")  # 32 px, 10 outputs (the probe uses no head)
+    job = ProbeJob(store=store, model="vit_tiny_patch16_224", model_kwargs={**TINY, "img_size": 32, "num_classes": 10},
                    weights=str(tmp_path / "tiny.pt"), seed=7, augment=False, local=True, data_path="decode",
                    precision="fp32", batch_size=16, drop_last_batch=16)
     result = run_probe_job(job)
@@ -149,3 +149,78 @@ def test_the_probe_fits_on_those_rows_exactly(tmp_path):
     assert result["test_acc"] == float(clf.score(xt, yt)) and result["train_acc"] == float(clf.score(x[kept], y[kept]))
     every = make_classifier(7).fit(x, y)
     assert not np.array_equal(every[-1].coef_, clf[-1].coef_)  # the rule changed the fit
+
+
+# ---- 2. speckle noise: loader batches of 128 x 4, val batches of 128 ------------------------------------
+
+
+def authors_updates(n: int, order_of_epoch, batch_size: int, grad_acc_steps: int, updates: int) -> list[list[int]]:
+    """The rows of each optimizer update in the authors' ``train.py``: ``make_iterable(DataLoader(train_set,
+    batch_size, shuffle=True, drop_last=True))`` (``for loader in repeat(dataloader): yield from loader``, a new
+    shuffle per pass, here ``order_of_epoch(e)``), ``next(iterator)`` once per micro-step and an optimizer step
+    when ``acc_step`` wraps to 0 (every ``grad_acc_steps`` loader batches)."""
+    import torch
+
+    def make_iterable():
+        epoch = 0
+        while True:
+            yield from torch.utils.data.DataLoader(list(range(n)), batch_size=batch_size,
+                                                   sampler=order_of_epoch(epoch), drop_last=True)
+            epoch += 1
+
+    iterator, acc_step, out, current = make_iterable(), 0, [], []
+    while len(out) < updates:
+        acc_step = (acc_step + 1) % grad_acc_steps
+        current += [int(r) for r in next(iterator)]
+        if acc_step != 0:
+            continue
+        out.append(current)
+        current = []
+    return out
+
+
+def test_loader_batches_of_128_are_the_authors_data_order():
+    from raystudy.core.finetune.data import epoch_permutation, global_batch
+
+    n, seed = 6_400, 3
+    want = authors_updates(n, lambda e: epoch_permutation(n, seed, e, True).tolist(), 128, 4, 27)
+    got = [global_batch(s, n=n, batch_size=512, seed=seed, shuffle=True, drop_last=True, loader_batch=128)
+           for s in range(27)]
+    assert [rows.tolist() for rows, _ in got] == want
+    first_epoch = [r for update in want for r in update][:n]  # 50 loader batches of 128: every row once
+    assert sorted(first_epoch) == list(range(n))
+    assert got[12][1].tolist() == [0] * 256 + [1] * 256  # update 13 spans the end of the first epoch
+    # the default (loader batch = the global batch) drops 256 rows of every epoch and never spans two
+    old = authors_updates(n, lambda e: epoch_permutation(n, seed, e, True).tolist(), 512, 1, 13)
+    assert [global_batch(s, n=n, batch_size=512, seed=seed, shuffle=True, drop_last=True)[0].tolist()
+            for s in range(13)] == old
+
+
+def test_speckle_noise_resolves_to_the_authors_batches(tmp_path):
+    from raystudy.core.finetune.data import MicroBatches, epoch_permutation
+    from raystudy.settings import accuracy_batch
+    from raystudy.study.jobs import finetune_job
+
+    spec = load_preset("paper")
+    p = spec.protocol("cifar10c-speckle_noise")
+    assert (p.micro_batch_size, p.loader_batch_size, p.val_batch_size, spec.batch_size) == (128, 128, 128, 512)
+    for other in ("cifar10c-snow", "cifar10", "pets"):
+        q = spec.protocol(other)
+        assert (q.micro_batch_size, q.loader_batch_size, q.val_batch_size) == (None, None, None)
+    point = dict(dataset="cifar10c-speckle_noise", configuration="MHA", optimizer="sgd", lr=0.01, seed=0)
+    cfg, _ = finetune_job(spec, point, str(tmp_path))
+    assert (cfg.micro_batch_size, cfg.loader_batch_size, cfg.batch_size) == (128, 128, 512)
+    assert accuracy_batch(cfg, "val") == 128 and -(-1_600 // accuracy_batch(cfg, "val")) == 13  # 13 val batches
+
+    class Rows:  # a train split of 6,400 rows whose batches are their rows
+        def __len__(self):
+            return 6_400
+
+        def batch(self, rows, **_):
+            return rows.tolist()
+
+    ds = MicroBatches(Rows(), cfg, rank=0, start_step=12)
+    assert len(ds.bounds) == 4  # 128 x 4
+    want = authors_updates(6_400, lambda e: epoch_permutation(6_400, 0, e, True).tolist(), 128, 4, 13)[12]
+    assert [r for k in range(4) for r in ds[k]] == want
+

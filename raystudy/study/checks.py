@@ -140,9 +140,11 @@ def _check_dataset_overrides(spec: StudySpec) -> None:
     resolved end of training."""
     for name, o in spec.dataset_overrides.items():
         where, p = f"datasets.{name}", spec.protocol(name)
-        for f in ("steps", "eval_period", "log_period"):
+        for f in ("steps", "eval_period", "log_period", "micro_batch_size", "loader_batch_size", "val_batch_size"):
             if getattr(o, f) is not None:
                 _positive(getattr(o, f), f"{where}.{f}")
+        if p.loader_batch_size is not None and spec.batch_size % p.loader_batch_size:
+            raise SpecError(f"{where}.loader_batch_size: {p.loader_batch_size} must divide batch_size={spec.batch_size}")
         if (o.steps is not None or o.warmup_steps is not None) and not 0 <= p.warmup_steps < p.steps:
             raise SpecError(f"{where}.warmup_steps: {p.warmup_steps} must lie in [0, steps={p.steps})"
                             + ("" if o.warmup_steps is not None else " (the study's warmup_steps)"))

@@ -171,6 +171,9 @@ class DatasetProtocol:
     eval_period: int
     warmup_steps: int
     log_period: int
+    micro_batch_size: int | None
+    loader_batch_size: int | None
+    val_batch_size: int | None
     optimizers: dict[str, list[float]]
     seeds: dict[str, list[int]]
 

@@ -36,6 +36,9 @@ class DatasetOverrides:
     eval_period: int | None = None
     warmup_steps: int | None = None
     log_period: int | None = None
+    micro_batch_size: int | None = None
+    loader_batch_size: int | None = None
+    val_batch_size: int | None = None
     optimizers: dict[str, list[float]] | None = None
     seeds: list[int] | dict[str, list[int]] | None = None
 

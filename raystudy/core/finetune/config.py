@@ -132,6 +132,8 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         yield from problems(self)
         if self.seq_len is not None and not (isinstance(self.seq_len, int) and self.seq_len >= 2):
             yield "seq_len", "must be None or an integer >= 2"
+        if self.loader_batch_size is not None and self.batch_size % self.loader_batch_size:
+            yield "loader_batch_size", f"must divide batch_size={self.batch_size}"
         if self.warmup_steps is not None and not (0 <= self.warmup_steps <= self.steps):
             yield "warmup_steps", f"must be None or in [0, steps={self.steps}]"
         if self.weights is not None and self.pretrained:
@@ -151,6 +153,12 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     def resolved_precision(self, device: torch.device | str) -> str:
         """The precision the run runs in on ``device``: :func:`~raystudy.precision.resolve_precision`."""
         return resolve_precision(self.precision, torch.device(device).type == "cuda")
+
+    @property
+    def loader_batch(self) -> int:
+        """Rows of one loader batch, the unit ``drop_last`` cuts epochs into: ``loader_batch_size`` or
+        ``batch_size``."""
+        return self.loader_batch_size or self.batch_size
 
     @property
     def ckpt_period(self) -> int:

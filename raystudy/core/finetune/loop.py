@@ -169,9 +169,9 @@ class Finetuner:
         self.optimizer = make_optimizer(self.trainable, cfg)  # fused kernels on CUDA
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.train_data = open_split_data(cfg, "train", self.store)
-        if cfg.drop_last and len(self.train_data) < cfg.batch_size:
+        if cfg.drop_last and len(self.train_data) < cfg.loader_batch:
             raise ValueError(f"{cfg.store}: drop_last: its {len(self.train_data)} train rows hold no whole batch of "
-                             f"batch_size={cfg.batch_size}")
+                             f"{cfg.loader_batch} (loader_batch_size, else batch_size)")
         self._eval_data: dict[str, object] = {}  # split -> its data (open_split_data)
         self._eval_cache: dict[str, list] = {}
         # the run's progress and results (all of it is checkpointed, see state_dict)
@@ -459,11 +459,11 @@ class Finetuner:
                 params[n].copy_(t)
 
     def _data_position(self) -> dict:
-        n, b = len(self.train_data), self.cfg.batch_size
+        n, b, size = len(self.train_data), self.cfg.batch_size, self.cfg.loader_batch
         seen = self.step * b
-        epoch, position = divmod(self.step, n // b) if self.cfg.drop_last else divmod(seen, n)
+        epoch, position = divmod(self.step * (b // size), n // size) if self.cfg.drop_last else divmod(seen, n)
         if self.cfg.drop_last:
-            position *= b
+            position *= size
         return {"step": self.step, "samples_seen": seen, "epoch": epoch, "position_in_epoch": position,
                 "train_rows": n, "seed": self.cfg.seed, "batch_size": self.cfg.batch_size,
                 "shuffle": self.cfg.shuffle, "drop_last": self.cfg.drop_last, "augment": self.cfg.augment,
