@@ -40,8 +40,10 @@ from typing import Any
 from raystudy.setting_roles import roles_metadata
 from raystudy.vocab import (
     ACCURACIES,
+    ATTENTIONS,
     CONTROLS,
     DATA_PATHS,
+    DIVERGED_TESTS,
     EVAL_STEPS,
     GATED_FC1,
     HEAD_INITS,
@@ -54,6 +56,7 @@ from raystudy.vocab import (
     TEXT_ROWS,
     TRAIN_SPLITS,
     VAL_SPLITS,
+    WARMUP_FACTORS,
 )
 
 #: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
@@ -407,6 +410,10 @@ class ProtocolSettings(DeviceSettings):
     warmup_steps: int | None = setting(None, check="optional_non_negative_int",
                                        help="linear warmup steps; None: 20% of steps (the paper's 2000/10000)",
                                        roles={"trial", "resume"}, per_dataset=True)
+    warmup_factor: str = setting("k_plus_1", choices=WARMUP_FACTORS,
+                                 help="the warmup's lr factor at update k (0-based): k_plus_1: (k + 1) / "
+                                      "warmup_steps; k: k / warmup_steps, the authors' lr_cosine (first update "
+                                      "at lr 0)", roles={"trial", "resume"}, legacy="k_plus_1")
     log_period: int = setting(10, check="positive_int", help="training curve (loss, grad norm, lr) every N steps",
                               roles={"trial"}, per_dataset=True)
     micro_batch_size: int | None = setting(None, check="optional_positive_int",
@@ -443,10 +450,24 @@ class ProtocolSettings(DeviceSettings):
     head_init: str = setting("trunc_normal", choices=HEAD_INITS, help="initialisation of the new head",
                              roles={"trial", "resume"})
     include_layerscale: bool = setting(False, help="train a component's LayerScale with it", roles={"trial", "resume"})
+    norm_eps: float | None = setting(None, check="optional_positive",
+                                     help="the eps of every LayerNorm of the finetuned model; None: the model's own "
+                                          "(timm's ViT: 1e-6; the authors' ViT: 1e-12)",
+                                     roles={"trial", "resume"}, legacy=None)
+    attention: str = setting("fused", choices=ATTENTIONS,
+                             help="fused: timm attention through scaled_dot_product_attention; explicit: "
+                                  "softmax(q k^T / sqrt(d)) v by matmuls, as the authors' ViT (flash=False; "
+                                  "more memory)", roles={"trial", "resume"}, legacy="fused")
+    diverged_test: str = setting("excluded", choices=DIVERGED_TESTS,
+                                 help="a run that diverged before its first evaluation: no test accuracy "
+                                      "(excluded), or that of predicting class 0 for every test image (class_0: "
+                                      "what the authors' run reports, its NaN logits' argmax being 0)",
+                                 roles={"trial", "resume"}, legacy="excluded")
     eval_batch_size: int = setting(256, check="positive_int", help="images per evaluation forward pass")
     accuracy: str = setting("per_sample", choices=ACCURACIES,
-                            help="val/test accuracy: over images (per_sample) or the mean of the accuracies of "
-                                 "the split's consecutive eval_batch_size batches (per_batch: the authors')",
+                            help="val/test accuracy and loss: over images (per_sample) or the mean of the "
+                                 "accuracies and of the mean losses of the split's consecutive eval_batch_size "
+                                 "batches (per_batch: the authors' eval.py)",
                                  roles={"trial", "resume"}, legacy="per_sample")
     val_batch_size: int | None = setting(None, check="optional_positive_int",
                                          help="per_batch accuracy on val: the batches it averages over (None: "

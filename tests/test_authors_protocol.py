@@ -224,3 +224,155 @@ def test_speckle_noise_resolves_to_the_authors_batches(tmp_path):
     want = authors_updates(6_400, lambda e: epoch_permutation(6_400, 0, e, True).tolist(), 128, 4, 13)[12]
     assert [r for k in range(4) for r in ds[k]] == want
 
+
+
+# ---- 4. the warmup factor, LayerNorm eps, attention and TF32 ---------------------------------------------
+
+
+def authors_lr_cosine(step: int, warmup: int, min_factor: float, n_steps: int) -> float:
+    """src/vitef/optim.py ``lr_cosine``, literally."""
+    import math
+
+    assert warmup != n_steps, "Warmup and steps should not be equal"
+    if step < warmup:
+        lr = float(step) / warmup
+    elif step <= n_steps:
+        s = float(step - warmup) / (n_steps - warmup)
+        lr = min_factor + 0.5 * (1 - min_factor) * (math.cos(math.pi * s) + 1)
+    else:
+        lr = min_factor
+    return lr
+
+
+@pytest.mark.parametrize("steps", [10_000, 4_000])
+def test_warmup_factor_k_is_the_authors_scheduler(steps):
+    import torch
+
+    from raystudy.core.finetune.config import make_scheduler
+
+    lr = 0.03
+    cfgs = {f: FinetuneConfig(store="x", lr=lr, steps=steps, warmup_steps=2_000, warmup_factor=f)
+            for f in ("k", "k_plus_1")}
+    lrs = {}
+    for f, cfg in cfgs.items():
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+        sched, lrs[f] = make_scheduler(opt, cfg), {}
+        for k in range(2_001):  # the lr of update k (0-based) is the one set after k scheduler steps
+            lrs[f][k] = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+    for k in (0, 1, 1_999, 2_000):
+        assert lrs["k"][k] == pytest.approx(lr * authors_lr_cosine(k, 2_000, 0, steps), rel=1e-12, abs=1e-15)
+        assert lrs["k_plus_1"][k] == pytest.approx(lr * min(1.0, (k + 1) / 2_000) if k < 2_000 else lr, rel=1e-12)
+    assert lrs["k"][0] == 0.0 and lrs["k"][2_000] == pytest.approx(lr)
+    assert all(load_preset(name).warmup_factor == "k" for name in PAPER_PRESETS)
+    assert load_preset("demo").warmup_factor == "k_plus_1"
+
+
+def test_norm_eps_sets_every_layernorm_of_the_model(store, tmp_path):
+    from torch import nn
+
+    def eps_of(ft):
+        return [m.eps for m in ft.model.modules() if isinstance(m, nn.LayerNorm)]
+
+    assert eps_of(_finetuner(store, tmp_path / "a")) == [1e-6] * 7  # timm's: 2 per block x 3 + the final norm
+    assert eps_of(_finetuner(store, tmp_path / "b", norm_eps=1e-12)) == [1e-12] * 7
+    assert all(load_preset(name).norm_eps == 1e-12 for name in PAPER_PRESETS)
+    assert load_preset("demo").norm_eps is None
+
+
+def test_explicit_attention_is_the_authors_vanilla_attention(store, tmp_path):
+    import math
+
+    import torch
+
+    fused, explicit = _finetuner(store, tmp_path / "f"), _finetuner(store, tmp_path / "e", attention="explicit")
+    assert {m.fused_attn for m in explicit.model.modules() if hasattr(m, "fused_attn")} == {False}
+    assert {m.fused_attn for m in fused.model.modules() if hasattr(m, "fused_attn")} == {True}
+    attn = explicit.model.blocks[0].attn
+    x = torch.randn(2, 17, 48)
+    with torch.no_grad():  # architecture.py's non-flash branch, literally, on timm's qkv and proj weights
+        q, k, v = attn.qkv(x).chunk(3, dim=-1)
+        n, length, e = q.size()
+        h, dim = attn.num_heads, e // attn.num_heads
+        q, k, v = (t.view(n, -1, h, dim).transpose(1, 2) for t in (q, k, v))
+        z = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(dim), dim=-1) @ v
+        want = attn.proj(z.transpose(1, 2).reshape(n, length, e))
+        torch.testing.assert_close(attn(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_fp32_sets_pytorchs_default_tf32_flags_as_the_authors():
+    """The authors' code sets no TF32 flag, so their runs have PyTorch's defaults: read in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    from raystudy.core.finetune.step import tf32_flags
+
+    code = ("import json, torch; print(json.dumps({'matmul': torch.backends.cuda.matmul.allow_tf32, "
+            "'cudnn': torch.backends.cudnn.allow_tf32, 'precision': torch.get_float32_matmul_precision()}))")
+    defaults = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                         check=True).stdout)
+    assert defaults["precision"] == "highest"
+    assert tf32_flags("fp32") == {"matmul": defaults["matmul"], "cudnn": defaults["cudnn"]} == {"matmul": False,
+                                                                                                 "cudnn": True}
+    assert tf32_flags("bf16") == {"matmul": True, "cudnn": True}
+
+
+def test_a_run_diverged_before_its_first_evaluation_reports_the_authors_class_0_accuracy(store, tmp_path):
+    import numpy as np
+
+    from raystudy.core.finetune import SplitData
+
+    labels = SplitData(store, "test").labels  # 10 rows of classes 0, 1, 2, ...: batches of 4, 4, 2
+    by_hand = {"per_sample": float(np.mean(labels == 0)),
+               "per_batch": float(np.mean([np.mean(labels[i:i + 4] == 0) for i in range(0, len(labels), 4)]))}
+    for accuracy, want in by_hand.items():
+        for rule in ("class_0", "excluded"):
+            ft = _finetuner(store, tmp_path / f"{accuracy}-{rule}", steps=6, eval_period=5, lr=1e30, clip_norm=None,
+                            eval_batch_size=4, accuracy=accuracy, diverged_test=rule)
+            summary = ft.run(progress=False)
+            assert summary["status"] == "diverged" and ft.best_state is None
+            if rule == "excluded":
+                assert summary["test_acc"] != summary["test_acc"]  # NaN: no test accuracy, excluded
+            else:
+                assert summary["test_acc"] == pytest.approx(want)
+    assert by_hand["per_sample"] != by_hand["per_batch"]
+    assert all(load_preset(name).diverged_test == "class_0" for name in PAPER_PRESETS)
+
+
+# ---- 5. the val loss: a mean of per-batch means --------------------------------------------------------
+
+
+def authors_eval_loss(logits, y, batch_size: int) -> float:
+    """apps/vit/eval.py ``run_evaluation``, literally: ``loss = F.cross_entropy(preds, y_batch)`` per batch of
+    an in-order loader (``drop_last=False``), ``state.loss += loss.item()``, then ``state.loss / state.step``."""
+    import torch.nn.functional as F
+
+    loss, step = 0.0, 0
+    for i in range(0, len(y), batch_size):
+        loss += F.cross_entropy(logits[i:i + batch_size], y[i:i + batch_size]).item()
+        step += 1
+    return loss / step
+
+
+def test_per_batch_val_loss_is_the_authors_mean_of_batch_means(store, tmp_path):
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from raystudy.core.finetune import SplitData
+
+    data = SplitData(store, "val")  # 10 rows: batches of 4, 4, 2 (uneven)
+    x, y = data.load(np.arange(len(data)), size=32, train=False)
+    got = {}
+    for accuracy in ("per_batch", "per_sample"):
+        ft = _finetuner(store, tmp_path / accuracy, eval_batch_size=4, accuracy=accuracy)
+        with torch.no_grad():
+            logits = ft.model.eval()(x)
+        got[accuracy] = (ft.evaluate("val")[0], logits)
+    loss, logits = got["per_batch"]
+    assert loss == pytest.approx(authors_eval_loss(logits, y, 4), rel=1e-6)
+    loss, logits = got["per_sample"]
+    assert loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-6)  # the default: per image
+    assert authors_eval_loss(logits, y, 4) != pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-6)

@@ -35,8 +35,8 @@ and probe FLOPs left out, with a note. ``auto:B`` is resolved with the study's p
 one, else estimated as ``random:B`` at the trial's seed (same budget, another order), with a note.
 
 **Time**: ``gpu_hours = FLOPs / (peak x MFU) / 3600`` with the peak of the run's precision (:data:`PEAK_TFLOPS`;
-``fp32`` runs with TF32 off, as :func:`~raystudy.core.finetune.step.set_matmul_precision` sets them) and an MFU
-assumed (:data:`DEFAULT_MFU`) or measured by the GPU benchmark (:func:`read_gpu_result`);
+``fp32`` runs with TF32 off for its matmuls, as :func:`~raystudy.core.finetune.step.set_matmul_precision` sets
+them) and an MFU assumed (:data:`DEFAULT_MFU`) or measured by the GPU benchmark (:func:`read_gpu_result`);
 ``wall_hours = gpu_hours / K``, which ignores scheduling gaps, start-up and the last trials' tail.
 """
 
@@ -66,7 +66,7 @@ from raystudy.study.final import final_cells
 #: the MFU assumed when no GPU benchmark result is given (stated in the output)
 DEFAULT_MFU = 0.35
 #: peak dense TFLOP/s per GPU by run precision: bf16 tensor cores; fp32 without TF32 (raystudy's fp32 runs
-#: turn TF32 off); ``tf32`` for reference (a bf16 run's float32 matmuls, outside autocast, use it)
+#: turn TF32 off for their matmuls); ``tf32`` for reference (a bf16 run's float32 matmuls, outside autocast, use it)
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.0, "tf32": 494.7, "fp32": 67.0},
     "H200": {"bf16": 989.0, "tf32": 494.7, "fp32": 67.0},

@@ -190,15 +190,17 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         return cls(**d)
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, factor: str = "k_plus_1") -> float:
     """Learning-rate factor of update ``step`` (0-based): linear warmup then cosine decay.
 
     ``(step + 1) / w`` for ``step < w``, then ``0.5 (1 + cos(pi (step - w) / (T - w)))``: the factor
     reaches 1 at the last warmup step and decays towards 0 at ``T`` (the same curve as ``transformers``'
     ``get_cosine_schedule_with_warmup``, shifted by one step so the first update is not wasted).
+    ``factor="k"`` (:data:`raystudy.vocab.WARMUP_FACTORS`): ``step / w`` during warmup, the paper authors'
+    ``lr_cosine`` with ``min_factor=0`` (their first update at lr 0, the factor 1 first at ``step = w``).
     """
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return (step + (factor == "k_plus_1")) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
@@ -222,6 +224,7 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: FinetuneConfig, *,
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """:func:`warmup_cosine` over ``cfg.steps`` updates with ``cfg.warmup`` warmup steps, times ``cfg.lr``."""
-    warmup, total = cfg.warmup, cfg.steps
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total))
+    """:func:`warmup_cosine` over ``cfg.steps`` updates with ``cfg.warmup`` warmup steps and
+    ``cfg.warmup_factor``, times ``cfg.lr``."""
+    warmup, total, factor = cfg.warmup, cfg.steps, cfg.warmup_factor
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total, factor))
