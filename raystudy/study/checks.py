@@ -47,8 +47,8 @@ def validate(spec: StudySpec, *, files: bool = True) -> None:
     pretraining create them).
     """
     for check in (_check_names, _check_grid, _check_datasets, _check_protocol, _check_dataset_overrides,
-                  _check_loader_batches, _check_grid_size, _check_resources, _check_tracking, _check_plasticity, _check_pretrain,
-                  _check_probe, _check_analysis):
+                  _check_loader_batches, _check_grid_size, _check_resources, _check_tracking, _check_plasticity,
+                  _check_pretrain, _check_probe, _check_analysis):
         check(spec)
     if files:
         check_files(spec)

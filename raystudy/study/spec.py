@@ -27,7 +27,8 @@ and grid) or a mapping holding ``store`` and any of the overrides of :class:`Dat
           adamw: [3.0e-5, 1.0e-4, 3.0e-4, 6.0e-4]
         seeds: {adamw: [0]}         # per optimizer; a list applies to all; unnamed ones keep the study's
 
-``steps``, ``eval_period``, ``warmup_steps`` and ``log_period`` override the study's value; ``optimizers``
+``steps``, ``eval_period``, ``warmup_steps``, ``log_period``, ``micro_batch_size``, ``loader_batch_size`` and
+``val_batch_size`` (the settings declared ``per_dataset``) override the study's value; ``optimizers``
 replaces the study's mapping for that dataset (so an optimizer runs on a subset of datasets by being
 named only in those entries); ``seeds`` restricts (or changes) the seeds of the dataset's optimizers.
 That is how the ``paper`` preset runs AdamW on four datasets at seed 0 beside SGD on all eleven at three

@@ -438,8 +438,8 @@ class Finetuner:
     def evaluate(self, split: str, model: nn.Module | None = None) -> tuple[float, float]:
         """Mean loss and accuracy (``cfg.accuracy``: per sample, or the mean over the split's consecutive
         batches of ``cfg.eval_batch_size`` rows, on val ``cfg.val_batch_size`` when set, whichever worker holds
-        them, of each batch's accuracy and each batch's mean loss; :func:`accuracy_of`) of ``model`` (default: the run's) on ``split`` over all workers (each
-        evaluates its slice; sums all-reduced)."""
+        them, of each batch's accuracy and each batch's mean loss; :func:`accuracy_of`) of ``model`` (default:
+        the run's) on ``split`` over all workers (each evaluates its slice; sums all-reduced)."""
         loss_sum, hits, losses = evaluate(model if model is not None else self.model, self._eval_batches(split),
                                           device=self.device, precision=self.precision)
         rows, size = len(self._eval_data[split]), accuracy_batch(self.cfg, split)  # forward passes unchanged
