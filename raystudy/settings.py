@@ -37,14 +37,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, dataclass
 from typing import Any
 
+from raystudy import vocab
 from raystudy.setting_roles import roles_metadata
 from raystudy.vocab import (
     ACCURACIES,
-    ATTENTIONS,
     CONTROLS,
     DATA_PATHS,
-    DIVERGED_TESTS,
-    EVAL_STEPS,
     GATED_FC1,
     HEAD_INITS,
     MHA_INPUTS,
@@ -56,7 +54,6 @@ from raystudy.vocab import (
     TEXT_ROWS,
     TRAIN_SPLITS,
     VAL_SPLITS,
-    WARMUP_FACTORS,
 )
 
 #: The paper's default model (ViT-B/16 pretrained on ImageNet-21k).
@@ -68,18 +65,6 @@ WARMUP_FRACTION = 0.2
 def warmup_of(steps: int, warmup_steps: int | None) -> int:
     """Warmup steps a run uses: ``warmup_steps``, or ``round(WARMUP_FRACTION * steps)`` when it is None."""
     return warmup_steps if warmup_steps is not None else int(round(WARMUP_FRACTION * steps))
-
-
-def evaluates_at(step: int, steps: int, eval_period: int, rule: str) -> bool:
-    """Whether update ``step`` (1-based, of ``steps``) evaluates val under ``rule`` (:data:`EVAL_STEPS`):
-    ``every_and_last``: ``step % eval_period == 0 or step == steps``; ``authors``: ``step % p == 0`` with
-    ``p = min(eval_period, steps)`` (their ``TrainingConfig.__post_init__`` sets ``eval_period = n_steps``
-    when it exceeds ``n_steps``; no evaluation at step 0 nor at a last step that is no multiple of ``p``)."""
-    if rule == "authors":
-        return step % min(eval_period, steps) == 0
-    if rule == "every_and_last":
-        return step % eval_period == 0 or step == steps
-    raise ValueError(f"eval_steps={rule!r}: expected one of {list(EVAL_STEPS)}")
 
 
 def accuracy_batch(protocol: Any, split: str) -> int:
@@ -402,30 +387,21 @@ class ProtocolSettings(DeviceSettings):
                               roles={"trial", "resume", "row"})
     eval_period: int = setting(500, check="positive_int", help="evaluate on val every this many steps",
                                roles={"trial"}, per_dataset=True)
-    eval_steps: str = setting("every_and_last", choices=EVAL_STEPS,
-                              help="every_and_last: evaluate every eval_period steps and at the last step; "
-                                   "authors: every min(eval_period, steps) steps only, as the authors' train.py "
-                                   "(10,000 steps every 350: 28 evaluations, the last at 9,800)",
-                              roles={"trial"})
+    eval_steps: str = setting("every_and_last", choices=vocab.EVAL_STEPS, roles={"trial"},
+                              help="every eval_period steps and the last; authors: every min(eval_period, steps) only")
     warmup_steps: int | None = setting(None, check="optional_non_negative_int",
                                        help="linear warmup steps; None: 20% of steps (the paper's 2000/10000)",
                                        roles={"trial", "resume"}, per_dataset=True)
-    warmup_factor: str = setting("k_plus_1", choices=WARMUP_FACTORS,
-                                 help="the warmup's lr factor at update k (0-based): k_plus_1: (k + 1) / "
-                                      "warmup_steps; k: k / warmup_steps, the authors' lr_cosine (first update "
-                                      "at lr 0)", roles={"trial", "resume"}, legacy="k_plus_1")
+    warmup_factor: str = setting("k_plus_1", choices=vocab.WARMUP_FACTORS, roles={"trial", "resume"}, legacy="k_plus_1",
+                                 help="warmup lr factor at update k: (k + 1) / w, or k / w (the authors' lr_cosine)")
     log_period: int = setting(10, check="positive_int", help="training curve (loss, grad norm, lr) every N steps",
                               roles={"trial"}, per_dataset=True)
     micro_batch_size: int | None = setting(None, check="optional_positive_int",
                                            help="per-worker micro-batch (gradient accumulation); None: the "
                                                 "whole share at once", per_dataset=True)
-    loader_batch_size: int | None = setting(None, check="optional_positive_int",
-                                            help="with drop_last: the batch each epoch is cut into, a divisor of "
-                                                 "batch_size; a step takes batch_size / loader_batch_size "
-                                                 "consecutive ones, an epoch ends after its last whole one (the "
-                                                 "authors' DataLoader batch_size x grad_acc_steps, e.g. 128 x 4); "
-                                                 "None: batch_size", roles={"trial", "resume"}, per_dataset=True,
-                                            legacy=None)
+    loader_batch_size: int | None = setting(None, check="optional_positive_int", roles={"trial", "resume"},
+                                            per_dataset=True, legacy=None, help="drop_last: epochs of whole batches "
+                                            "of N rows, batch_size / N a step (the authors' 128 x 4); None: batch_size")
     augment: bool = setting(True, help="random-resized crop and flip on the train split", roles={"trial", "resume"})
     resize: str = setting("crop", choices=RESIZES,
                           help="without augmentation (val, test; train with augment off): crop: shorter side "
@@ -450,29 +426,20 @@ class ProtocolSettings(DeviceSettings):
     head_init: str = setting("trunc_normal", choices=HEAD_INITS, help="initialisation of the new head",
                              roles={"trial", "resume"})
     include_layerscale: bool = setting(False, help="train a component's LayerScale with it", roles={"trial", "resume"})
-    norm_eps: float | None = setting(None, check="optional_positive",
-                                     help="the eps of every LayerNorm of the finetuned model; None: the model's own "
-                                          "(timm's ViT: 1e-6; the authors' ViT: 1e-12)",
-                                     roles={"trial", "resume"}, legacy=None)
-    attention: str = setting("fused", choices=ATTENTIONS,
-                             help="fused: timm attention through scaled_dot_product_attention; explicit: "
-                                  "softmax(q k^T / sqrt(d)) v by matmuls, as the authors' ViT (flash=False; "
-                                  "more memory)", roles={"trial", "resume"}, legacy="fused")
-    diverged_test: str = setting("excluded", choices=DIVERGED_TESTS,
-                                 help="a run that diverged before its first evaluation: no test accuracy "
-                                      "(excluded), or that of predicting class 0 for every test image (class_0: "
-                                      "what the authors' run reports, its NaN logits' argmax being 0)",
-                                 roles={"trial", "resume"}, legacy="excluded")
+    norm_eps: float | None = setting(None, check="optional_positive", roles={"trial", "resume"}, legacy=None,
+                                     help="eps of every LayerNorm; None: the model's (timm: 1e-6; the authors': 1e-12)")
+    attention: str = setting("fused", choices=vocab.ATTENTIONS, roles={"trial", "resume"}, legacy="fused",
+                             help="fused: scaled_dot_product_attention; explicit: by matmuls (the authors')")
+    diverged_test: str = setting("excluded", choices=vocab.DIVERGED_TESTS, roles={"trial", "resume"}, legacy="excluded",
+                                 help="diverged before any evaluation: no test accuracy, or class 0's (the authors')")
     eval_batch_size: int = setting(256, check="positive_int", help="images per evaluation forward pass")
     accuracy: str = setting("per_sample", choices=ACCURACIES,
-                            help="val/test accuracy and loss: over images (per_sample) or the mean of the "
-                                 "accuracies and of the mean losses of the split's consecutive eval_batch_size "
-                                 "batches (per_batch: the authors' eval.py)",
+                            help="val/test accuracy and loss: over images (per_sample) or the mean over the "
+                                 "split's consecutive eval_batch_size batches (per_batch: the authors' eval.py)",
                                  roles={"trial", "resume"}, legacy="per_sample")
     val_batch_size: int | None = setting(None, check="optional_positive_int",
                                          help="per_batch accuracy on val: the batches it averages over (None: "
-                                              "eval_batch_size; the authors' ViT-L and speckle-noise runs: 128)",
-                                         per_dataset=True)
+                                              "eval_batch_size; the authors' ViT-L, speckle: 128)", per_dataset=True)
     val_split: str = setting("fixed", choices=VAL_SPLITS,
                              help="fixed: the store's train/val split for every seed; per_seed: train and val "
                                   "pooled and split anew by each run's seed, sizes kept (the authors')",
@@ -558,12 +525,9 @@ class ProbeSettings:
                         roles={"probe"})
     batch_size: int | None = setting(None, check="optional_positive_int",
                                      help="images per forward pass; None: 512 on the cache path, 64 decoding")
-    drop_last_batch: int | None = setting(None, check="optional_positive_int",
-                                          help="None: fit on every train row; N: on the rows one shuffled pass "
-                                               "in batches of N keeps, its last partial batch dropped (the first "
-                                               "floor(n / N) N rows of a permutation seeded by seed: the authors' "
-                                               "DataLoader(batch_size=512, shuffle=True, drop_last=True))",
-                                          roles={"probe"}, legacy=None)
+    drop_last_batch: int | None = setting(None, check="optional_positive_int", roles={"probe"}, legacy=None,
+                                          help="fit on the first floor(n / N) N rows of a seeded permutation (the "
+                                               "authors' drop_last batches of 512); None: every train row")
     workers: int = setting(1, check="positive_int", help="actors of the feature pass")
     gpus_per_worker: float = setting(0.0, check="non_negative", help="GPUs per actor (0: CPU)")
     cpus_per_worker: float = setting(0.5, check="positive", help="logical CPUs per actor")

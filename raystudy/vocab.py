@@ -97,9 +97,10 @@ HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
 #: How val/test accuracy is averaged: over images, or the mean over eval batches of each batch's
 #: accuracy (the paper authors' run_evaluation, where a short last batch weighs as a full one).
 ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
-#: At which steps a run evaluates val (:func:`raystudy.settings.evaluates_at`): every ``eval_period``-th step
-#: and the last one, or the paper authors' ``train.py`` loop: every ``min(eval_period, steps)``-th step only
-#: (the last one only when it is such a multiple: 10,000 steps every 350 end at 9,800).
+#: At which steps a run evaluates val (:func:`raystudy.core.finetune.config.evaluates_at`): every
+#: ``eval_period``-th step and the last one, or the paper authors' ``train.py`` loop: every
+#: ``min(eval_period, steps)``-th step only (the last one only when it is such a multiple: 10,000 steps every
+#: 350 end at 9,800).
 EVAL_STEPS: tuple[str, ...] = ("every_and_last", "authors")
 #: The linear warmup's factor at update ``k`` (0-based) of ``w`` warmup steps (:func:`raystudy.core.finetune.
 #: config.warmup_cosine`): ``(k + 1) / w`` (the first update at ``lr / w``, the last warmup one at ``lr``) or

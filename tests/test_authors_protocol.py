@@ -10,7 +10,7 @@ import pytest
 from conftest import make_store
 
 from raystudy.core.finetune import FinetuneConfig, Finetuner
-from raystudy.settings import evaluates_at
+from raystudy.core.finetune.config import evaluates_at
 from raystudy.study.spec import load_preset
 
 TINY = dict(patch_size=8, embed_dim=48, depth=3, num_heads=4)
@@ -200,6 +200,7 @@ def test_speckle_noise_resolves_to_the_authors_batches(tmp_path):
     from raystudy.core.finetune.data import MicroBatches, epoch_permutation
     from raystudy.settings import accuracy_batch
     from raystudy.study.jobs import finetune_job
+    from raystudy.study.points import grid_point
 
     spec = load_preset("paper")
     p = spec.protocol("cifar10c-speckle_noise")
@@ -207,8 +208,7 @@ def test_speckle_noise_resolves_to_the_authors_batches(tmp_path):
     for other in ("cifar10c-snow", "cifar10", "pets"):
         q = spec.protocol(other)
         assert (q.micro_batch_size, q.loader_batch_size, q.val_batch_size) == (None, None, None)
-    point = dict(dataset="cifar10c-speckle_noise", configuration="MHA", optimizer="sgd", lr=0.01, seed=0)
-    cfg, _ = finetune_job(spec, point, str(tmp_path))
+    cfg, _ = finetune_job(spec, grid_point("cifar10c-speckle_noise", "MHA", "sgd", 0.01, 0), str(tmp_path))
     assert (cfg.micro_batch_size, cfg.loader_batch_size, cfg.batch_size) == (128, 128, 512)
     assert accuracy_batch(cfg, "val") == 128 and -(-1_600 // accuracy_batch(cfg, "val")) == 13  # 13 val batches
 
@@ -329,8 +329,8 @@ def test_a_run_diverged_before_its_first_evaluation_reports_the_authors_class_0_
                "per_batch": float(np.mean([np.mean(labels[i:i + 4] == 0) for i in range(0, len(labels), 4)]))}
     for accuracy, want in by_hand.items():
         for rule in ("class_0", "excluded"):
-            ft = _finetuner(store, tmp_path / f"{accuracy}-{rule}", steps=6, eval_period=5, lr=1e30, clip_norm=None,
-                            eval_batch_size=4, accuracy=accuracy, diverged_test=rule)
+            ft = _finetuner(store, tmp_path / f"{accuracy}-{rule}", steps=6, eval_period=10, lr=1e30,
+                            eval_batch_size=4, accuracy=accuracy, diverged_test=rule)  # evaluates at step 6 only
             summary = ft.run(progress=False)
             assert summary["status"] == "diverged" and ft.best_state is None
             if rule == "excluded":

@@ -39,7 +39,7 @@ def register(sub) -> None:
     add_flags(p, DeviceSettings, ["data_path", "cache_dir", "precision"])
     add_bf16_flag(p)
     add_flags(p, ProbeJob, ["resize"])
-    add_flags(p, ProbeSettings, ["augment", "seed", "batch_size"])
+    add_flags(p, ProbeSettings, ["augment", "seed", "batch_size", "drop_last_batch"])
     ray = p.add_argument_group("Ray")
     add_flags(ray, ProbeSettings, ["workers", "cpus_per_worker", "gpus_per_worker"])
     ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")

@@ -347,8 +347,8 @@ def eval_rows(spec, meta: dict) -> tuple[int, int]:
 
 
 def evaluations(steps: int, eval_period: int, rule: str = "every_and_last") -> int:
-    """Evaluations of val in a run: the steps :func:`raystudy.settings.evaluates_at` names under ``rule``
-    (``every_and_last``: ``ceil(steps / period)``; ``authors``: ``floor(steps / min(period, steps))``)."""
+    """Evaluations of val in a run: the steps :func:`raystudy.core.finetune.config.evaluates_at` names under
+    ``rule`` (``every_and_last``: ``ceil(steps / period)``; ``authors``: ``floor(steps / min(period, steps))``)."""
     if rule == "authors":
         return steps // min(eval_period, steps)
     return math.ceil(steps / eval_period)

@@ -79,6 +79,7 @@ from raystudy.study.checks import SpecError
 from raystudy.study.points import grid_point
 from raystudy.study.spec_values import (
     DatasetOverrides,
+    DatasetProtocol,
     _dataset_entry,
     _optimizers,
     _override_target,
@@ -161,26 +162,6 @@ class ProbeSpec(ProbeSettings):
     """
 
     enabled: bool = setting(False, help="fit the linear probe of every dataset (LP rows)")
-
-
-@dataclass(frozen=True)
-class DatasetProtocol:
-    """The resolved protocol and grid of one dataset (:meth:`StudySpec.protocol`): its overrides, else
-    the study's values. ``seeds`` maps each of its optimizers to that optimizer's seeds."""
-
-    steps: int
-    eval_period: int
-    warmup_steps: int
-    log_period: int
-    micro_batch_size: int | None
-    loader_batch_size: int | None
-    val_batch_size: int | None
-    optimizers: dict[str, list[float]]
-    seeds: dict[str, list[int]]
-
-    def trials(self, configurations: int) -> int:
-        """Grid points of this dataset for ``configurations`` configurations."""
-        return configurations * sum(len(lrs) * len(self.seeds[o]) for o, lrs in self.optimizers.items())
 
 
 @dataclass

@@ -28,7 +28,7 @@ from raystudy.settings import (
     warmup_of,
 )
 from raystudy.storage import absolute_path
-from raystudy.vocab import OPTIMIZERS
+from raystudy.vocab import EVAL_STEPS, OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,18 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, factor: str = 
         return (step + (factor == "k_plus_1")) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def evaluates_at(step: int, steps: int, eval_period: int, rule: str) -> bool:
+    """Whether update ``step`` (1-based, of ``steps``) evaluates val under ``rule`` (:data:`~raystudy.vocab.
+    EVAL_STEPS`): ``every_and_last``: ``step % eval_period == 0 or step == steps``; ``authors``: ``step % p == 0``
+    with ``p = min(eval_period, steps)`` (their ``TrainingConfig.__post_init__`` sets ``eval_period = n_steps``
+    when it exceeds ``n_steps``; no evaluation at step 0 nor at a last step that is no multiple of ``p``)."""
+    if rule == "authors":
+        return step % min(eval_period, steps) == 0
+    if rule == "every_and_last":
+        return step % eval_period == 0 or step == steps
+    raise ValueError(f"eval_steps={rule!r}: expected one of {list(EVAL_STEPS)}")
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: FinetuneConfig, *,

@@ -18,7 +18,7 @@ from torch import nn
 from raystudy.core.change import change_rows, cka_to_start, first_images, weight_change
 from raystudy.core.components import get_adapter
 from raystudy.core.expressions import Adapter, parse
-from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
+from raystudy.core.finetune.config import FinetuneConfig, evaluates_at, make_optimizer, make_scheduler
 from raystudy.core.finetune.data import (
     CacheBatch,
     MicroBatches,
@@ -51,7 +51,7 @@ from raystudy.core.finetune.step import (
 from raystudy.core.peft_methods import adapted_layers, merge
 from raystudy.data.modality import modality_of_model
 from raystudy.data.store import Store
-from raystudy.settings import accuracy_batch, evaluates_at
+from raystudy.settings import accuracy_batch
 from raystudy.terminal import progress_bar
 
 log = logging.getLogger(__name__)
