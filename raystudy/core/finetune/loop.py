@@ -171,8 +171,9 @@ class Finetuner:
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.train_data = open_split_data(cfg, "train", self.store)
         if cfg.drop_last and len(self.train_data) < cfg.loader_batch:
+            unit = "loader_batch_size" if cfg.loader_batch_size else "batch_size"
             raise ValueError(f"{cfg.store}: drop_last: its {len(self.train_data)} train rows hold no whole batch of "
-                             f"{cfg.loader_batch} (loader_batch_size, else batch_size)")
+                             f"{unit}={cfg.loader_batch}")
         self._eval_data: dict[str, object] = {}  # split -> its data (open_split_data)
         self._eval_cache: dict[str, list] = {}
         # the run's progress and results (all of it is checkpointed, see state_dict)
