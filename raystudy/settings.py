@@ -27,16 +27,15 @@ group's values from its source with :func:`values`. This module imports neither 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import json
 import math
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, dataclass
 from typing import Any
 
+from raystudy import vocab
 from raystudy.setting_roles import roles_metadata
 from raystudy.vocab import (
     ACCURACIES,
@@ -164,6 +163,12 @@ def values(group: type, source: Any, **renamed: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
+def base_type(hint: Any) -> Any:
+    """``int | None`` -> ``int``; other hints unchanged."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args and type(None) in typing.get_args(hint) and len(args) == 1 else hint
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -218,120 +223,9 @@ def coerce(obj: Any, *, prefix: str = "", error: type[Exception] = ValueError) -
     ``error(f"{prefix}{field}: ...")`` names the first value that is no number."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        kind, value = _base_type(hints[f.name]), getattr(obj, f.name)
+        kind, value = base_type(hints[f.name]), getattr(obj, f.name)
         if kind in (int, float) and not (value is None and type(None) in typing.get_args(hints[f.name])):
             setattr(obj, f.name, _to_number(value, kind, prefix + f.name, error))
-
-
-# --------------------------------------------------------------------------------------------------
-# Command-line flags from the same definitions
-# --------------------------------------------------------------------------------------------------
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def _base_type(hint: Any) -> Any:
-    """``int | None`` -> ``int``; other hints unchanged."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args and type(None) in typing.get_args(hint) and len(args) == 1 else hint
-
-
-def _fmt_default(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, dict) else str(value)
-
-
-def flag_of(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def add_flags(parser, cls: type, names: Iterable[str] | None = None, *, unset: bool = False,
-              help: dict[str, str] | None = None, dest: dict[str, str] | None = None,
-              required: Iterable[str] = (), types: dict[str, Callable[[str], Any]] | None = None) -> list[str]:
-    """Add one flag per setting of ``cls`` (``names``: those only, in that order) to ``parser`` (or an
-    argument group); returns the destinations added.
-
-    Type, choices, help text and default come from the field's definition; the help ends with the
-    default, shown once. A ``bool`` setting that defaults to False is a switch (``--compile``), one that
-    defaults to True a ``--no-...`` switch (``--no-augment``); a mapping reads a JSON object. ``unset``:
-    flags default to None (not given: keep what a preset says; the help still shows the definition's
-    default). ``help`` adds a command-specific sentence to a field's help; ``dest`` renames destinations;
-    ``required`` fields have no default; ``types`` replaces a field's parser (e.g. an expression check).
-    """
-    hints = typing.get_type_hints(cls)
-    declared = {f.name: f for f in dataclasses.fields(cls)}
-    added = []
-    for name in (names if names is not None else [n for n, f in declared.items() if f.metadata.get("cli", True)]):
-        f = declared[name]
-        default = default_of(cls, name)
-        default = None if default is MISSING else default  # a required field: no default on the command line
-        kwargs = _flag_kwargs(f, _base_type(hints[name]), default, unset)
-        text = "; ".join(t for t in (f.metadata.get("help", ""), (help or {}).get(name, "")) if t)
-        if name in required:
-            kwargs.update(required=True, default=None)
-        elif kwargs.get("action") == "store_false":
-            text = f"turn off: {text}"
-        elif default is not None and kwargs.get("action") != "store_true":
-            text = f"{text} (default: {_fmt_default(default)})"
-        if name in (types or {}):
-            kwargs["type"] = types[name]
-            kwargs.pop("nargs", None)
-        kwargs["help"] = text.replace("%", "%%")
-        kwargs["dest"] = (dest or {}).get(name, name)
-        flags = [flag_of(f), *f.metadata.get("aliases", ())]
-        if kwargs.get("action") == "store_false":
-            flags = ["--no-" + name.replace("_", "-")]
-        parser.add_argument(*flags, **kwargs)
-        added.append(kwargs["dest"])
-    return added
-
-
-def add_bf16_flag(parser) -> None:
-    """``--bf16`` beside a command's ``--precision``: the same as ``--precision bf16``, in every command."""
-    parser.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-                        help="same as --precision bf16")
-
-
-def _flag_kwargs(f: dataclasses.Field, kind: Any, default: Any, unset: bool) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"default": None if unset else default}
-    if kind is bool:
-        kwargs["action"] = "store_false" if default else "store_true"
-        if unset:
-            kwargs["default"] = None
-        return kwargs
-    if f.metadata.get("choices"):
-        kwargs["choices"] = f.metadata["choices"]
-    if f.metadata.get("metavar"):
-        kwargs["metavar"] = f.metadata["metavar"]
-    origin = typing.get_origin(kind) or kind
-    if origin is dict:
-        kwargs["type"] = _json_object
-        kwargs.setdefault("metavar", "JSON")
-    elif origin is list:
-        kwargs["nargs"] = "+"
-    elif kind in (int, float):
-        kwargs["type"] = kind
-    return kwargs
-
-
-def from_args(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
-    """``cls`` built from the parsed flags that name its fields (others keep their defaults) and
-    ``extra``; a flag left unset (None) where the field's default is not None keeps the default."""
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if hasattr(args, f.name):
-            value = getattr(args, f.name)
-            if value is None and default_of(cls, f.name) is not None:
-                continue
-            kwargs[f.name] = value
-    return cls(**{**kwargs, **extra})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -389,14 +283,21 @@ class ProtocolSettings(DeviceSettings):
                               roles={"trial", "resume", "row"})
     eval_period: int = setting(500, check="positive_int", help="evaluate on val every this many steps",
                                roles={"trial"}, per_dataset=True)
+    eval_steps: str = setting("every_and_last", choices=vocab.EVAL_STEPS, roles={"trial"},
+                              help="every eval_period steps and the last; authors: every min(eval_period, steps) only")
     warmup_steps: int | None = setting(None, check="optional_non_negative_int",
                                        help="linear warmup steps; None: 20% of steps (the paper's 2000/10000)",
                                        roles={"trial", "resume"}, per_dataset=True)
+    warmup_factor: str = setting("k_plus_1", choices=vocab.WARMUP_FACTORS, roles={"trial", "resume"}, legacy="k_plus_1",
+                                 help="warmup lr factor at update k: (k + 1) / w, or k / w (the authors' lr_cosine)")
     log_period: int = setting(10, check="positive_int", help="training curve (loss, grad norm, lr) every N steps",
                               roles={"trial"}, per_dataset=True)
     micro_batch_size: int | None = setting(None, check="optional_positive_int",
                                            help="per-worker micro-batch (gradient accumulation); None: the "
-                                                "whole share at once")
+                                                "whole share at once", per_dataset=True)
+    loader_batch_size: int | None = setting(None, check="optional_positive_int", roles={"trial", "resume"},
+                                            per_dataset=True, legacy=None, help="drop_last: epochs of whole batches "
+                                            "of N rows, batch_size / N a step (the authors' 128 x 4); None: batch_size")
     augment: bool = setting(True, help="random-resized crop and flip on the train split", roles={"trial", "resume"})
     resize: str = setting("crop", choices=RESIZES,
                           help="without augmentation (val, test; train with augment off): crop: shorter side "
@@ -421,14 +322,20 @@ class ProtocolSettings(DeviceSettings):
     head_init: str = setting("trunc_normal", choices=HEAD_INITS, help="initialisation of the new head",
                              roles={"trial", "resume"})
     include_layerscale: bool = setting(False, help="train a component's LayerScale with it", roles={"trial", "resume"})
+    norm_eps: float | None = setting(None, check="optional_positive", roles={"trial", "resume"}, legacy=None,
+                                     help="eps of every LayerNorm; None: the model's (timm: 1e-6; the authors': 1e-12)")
+    attention: str = setting("fused", choices=vocab.ATTENTIONS, roles={"trial", "resume"}, legacy="fused",
+                             help="fused: scaled_dot_product_attention; explicit: by matmuls (the authors')")
+    diverged_test: str = setting("excluded", choices=vocab.DIVERGED_TESTS, roles={"trial", "resume"}, legacy="excluded",
+                                 help="diverged before any evaluation: no test accuracy, or class 0's (the authors')")
     eval_batch_size: int = setting(256, check="positive_int", help="images per evaluation forward pass")
     accuracy: str = setting("per_sample", choices=ACCURACIES,
-                            help="val/test accuracy: over images (per_sample) or the mean of the accuracies of "
-                                 "the split's consecutive eval_batch_size batches (per_batch: the authors')",
+                            help="val/test accuracy and loss: over images (per_sample) or the mean over the "
+                                 "split's consecutive eval_batch_size batches (per_batch: the authors' eval.py)",
                                  roles={"trial", "resume"}, legacy="per_sample")
     val_batch_size: int | None = setting(None, check="optional_positive_int",
                                          help="per_batch accuracy on val: the batches it averages over (None: "
-                                              "eval_batch_size; the authors' ViT-L runs: 128)")
+                                              "eval_batch_size; the authors' ViT-L, speckle: 128)", per_dataset=True)
     val_split: str = setting("fixed", choices=VAL_SPLITS,
                              help="fixed: the store's train/val split for every seed; per_seed: train and val "
                                   "pooled and split anew by each run's seed, sizes kept; authors: the same, "
@@ -519,6 +426,9 @@ class ProbeSettings:
                         roles={"probe"})
     batch_size: int | None = setting(None, check="optional_positive_int",
                                      help="images per forward pass; None: 512 on the cache path, 64 decoding")
+    drop_last_batch: int | None = setting(None, check="optional_positive_int", roles={"probe"}, legacy=None,
+                                          help="fit on the first floor(n / N) N rows of a seeded permutation (the "
+                                               "authors' drop_last batches of 512); None: every train row")
     workers: int = setting(1, check="positive_int", help="actors of the feature pass")
     gpus_per_worker: float = setting(0.0, check="non_negative", help="GPUs per actor (0: CPU)")
     cpus_per_worker: float = setting(0.5, check="positive", help="logical CPUs per actor")

@@ -97,6 +97,23 @@ HEAD_INITS: tuple[str, ...] = ("trunc_normal", "zero", "torch_default")
 #: How val/test accuracy is averaged: over images, or the mean over eval batches of each batch's
 #: accuracy (the paper authors' run_evaluation, where a short last batch weighs as a full one).
 ACCURACIES: tuple[str, ...] = ("per_sample", "per_batch")
+#: At which steps a run evaluates val (:func:`raystudy.core.finetune.config.evaluates_at`): every
+#: ``eval_period``-th step and the last one, or the paper authors' ``train.py`` loop: every
+#: ``min(eval_period, steps)``-th step only (the last one only when it is such a multiple: 10,000 steps every
+#: 350 end at 9,800).
+EVAL_STEPS: tuple[str, ...] = ("every_and_last", "authors")
+#: The linear warmup's factor at update ``k`` (0-based) of ``w`` warmup steps (:func:`raystudy.core.finetune.
+#: config.warmup_cosine`): ``(k + 1) / w`` (the first update at ``lr / w``, the last warmup one at ``lr``) or
+#: ``k / w``, the paper authors' ``lr_cosine`` (``src/vitef/optim.py``: their first update runs at lr 0).
+WARMUP_FACTORS: tuple[str, ...] = ("k_plus_1", "k")
+#: How a timm attention module computes softmax(q k^T / sqrt(d)) v: PyTorch's fused
+#: ``scaled_dot_product_attention`` or the explicit matmul-softmax-matmul (timm's ``fused_attn=False``; the
+#: paper authors' ViT has ``flash=False``).
+ATTENTIONS: tuple[str, ...] = ("fused", "explicit")
+#: What a run that diverged before its first evaluation reports as its test accuracy: nothing (``excluded``
+#: from the analysis), or that of predicting class 0 for every test image (``class_0``): the paper authors'
+#: run keeps training into NaN weights, its NaN logits' argmax is 0, and it reports that accuracy.
+DIVERGED_TESTS: tuple[str, ...] = ("excluded", "class_0")
 #: Which rows a run trains on and validates on: the store's own train/val split, or the store's train and
 #: val rows pooled and split anew by the run's seed in the same sizes (the paper authors' random_split per
 #: run): ``per_seed`` by raystudy's own permutation (:func:`raystudy.core.finetune.data.per_seed_rows`),

@@ -58,6 +58,7 @@ SPEC = dict(
     name="jobs", out="/tmp/jobs-study", data_root="/data/root", pretrain_store="pre",
     datasets={"a": "a-store", "b": "/abs/b",
               "c": {"store": "c-store", "steps": 654, "eval_period": 60, "warmup_steps": 33, "log_period": 9,
+                    "micro_batch_size": 4, "loader_batch_size": 12, "val_batch_size": 25,
                     "optimizers": {"adamw": [1e-4]}, "seeds": [3]}},
     model="vit_small_patch16_224", model_kwargs={"depth": 3, "drop_path_rate": 0.05},
     weights="/w/vit.safetensors", img_size=96, configurations=["MHA"], optimizers={"sgd": [0.1]}, seeds=[0],
@@ -67,7 +68,8 @@ SPEC = dict(
     compile=True, cache_dir="/caches", momentum=0.8, betas=(0.85, 0.99), weight_decay=0.05, clip_norm=2.0,
     head_init="zero", include_layerscale=True, eval_batch_size=100, eval_cache_mb=64, loader_workers=2,
     accuracy="per_batch", val_split="per_seed", drop_last=True, val_batch_size=50, change_images=16,
-    resize="stretch",
+    resize="stretch", eval_steps="authors", warmup_factor="k", loader_batch_size=24, norm_eps=1e-12,
+    attention="explicit", diverged_test="class_0",
     workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,
                     cpus_per_worker=1.5, torch_threads=3, pairing="sequential", pretrain_split=["val", "test"],
@@ -76,7 +78,7 @@ SPEC = dict(
     pretrain=dict(enabled=True, steps=77, batch_size=16, lr=5e-4, optimizer="adamw", warmup_steps=7, seed=5,
                   augment=False),
     probe=dict(enabled=True, augment=False, seed=13, batch_size=20, workers=6, gpus_per_worker=0.5,
-               cpus_per_worker=0.3),
+               cpus_per_worker=0.3, drop_last_batch=16),
 )
 
 
@@ -110,7 +112,8 @@ def test_every_spec_field_reaches_a_job_or_is_the_studys_own():
     assert {"steps", "model", "precision", "resize"} <= set(FINETUNE) and "lr" not in FINETUNE  # lr: the grid's
     assert RESOURCES == {"workers_per_trial": "workers", "gpus_per_worker": "gpus_per_worker",
                          "cpus_per_worker": "cpus_per_worker", "worker_retries": "max_failures"}
-    assert set(PER_DATASET) == {"steps", "eval_period", "warmup_steps", "log_period"}
+    assert set(PER_DATASET) == {"steps", "eval_period", "warmup_steps", "log_period", "micro_batch_size",
+                                "loader_batch_size", "val_batch_size"}
 
 
 def test_the_test_values_differ_from_every_default(spec):

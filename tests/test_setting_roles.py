@@ -23,8 +23,8 @@ from raystudy.study import persist
 from raystudy.study.checks import SpecError
 from raystudy.study.points import grid_point
 from raystudy.study.results import trial_row
-from raystudy.study.spec import DatasetProtocol, PretrainSpec, StudySpec, flag_fields
-from raystudy.study.spec_values import DatasetOverrides
+from raystudy.study.spec import PretrainSpec, StudySpec, flag_fields
+from raystudy.study.spec_values import DatasetOverrides, DatasetProtocol
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from raystudy import settings
+from raystudy import setting_flags, settings
 from raystudy.cli import build_parser
 from raystudy.core.finetune import FinetuneConfig
 from raystudy.distributed.plasticity import PlasticityJob
@@ -132,7 +132,7 @@ def test_generated_flags_take_default_and_help_from_the_definition(command, sour
             else:
                 assert action.default == default_of(source, f.name), f"--{f.name}"
             assert f.metadata["help"].replace("%", "%%") in action.help, f"--{f.name}"
-    assert seen == {"finetune": 51, "probe": 18, "plasticity": 28}[command]
+    assert seen == {"finetune": 57, "probe": 19, "plasticity": 28}[command]
 
 
 def test_the_renamed_settings_are_read_from_their_declarations():
@@ -169,9 +169,9 @@ def test_a_new_group_field_reaches_the_flags_the_spec_and_the_job(monkeypatch):
         name: str = settings.setting("x", help="a name")
 
     parser = argparse.ArgumentParser()
-    settings.add_flags(parser, Job)
+    setting_flags.add_flags(parser, Job)
     assert parser.parse_args([]).label_smoothing == 0.1
-    assert settings.from_args(Job, parser.parse_args(["--label-smoothing", "0.2"])) == Job(label_smoothing=0.2)
+    assert setting_flags.from_args(Job, parser.parse_args(["--label-smoothing", "0.2"])) == Job(label_smoothing=0.2)
     assert list(settings.problems(Job(label_smoothing=-1))) == [("label_smoothing", "must be a number >= 0")]
     assert settings.values(Extra, Job(label_smoothing=0.3)) == {"label_smoothing": 0.3}
 

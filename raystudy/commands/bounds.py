@@ -21,7 +21,8 @@ from pathlib import Path
 from raystudy.commands.plasticity import add_model_args, build_measured_model, load_images
 from raystudy.data.modality import modality_of_model, resolve_modality
 from raystudy.data.store import IMAGE_KIND, TEXT_KIND, Store
-from raystudy.settings import PlasticitySettings, add_flags
+from raystudy.setting_flags import add_flags
+from raystudy.settings import PlasticitySettings
 
 
 def register(sub) -> None:

@@ -8,16 +8,8 @@ import sys
 
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.job_inputs import check_inputs, finetune_problems
-from raystudy.settings import (
-    HubWeights,
-    ModelSettings,
-    ProtocolSettings,
-    ResourceSettings,
-    RunSettings,
-    add_bf16_flag,
-    add_flags,
-    from_args,
-)
+from raystudy.setting_flags import add_bf16_flag, add_flags, from_args
+from raystudy.settings import HubWeights, ModelSettings, ProtocolSettings, ResourceSettings, RunSettings
 
 # The flags are the settings groups FinetuneConfig and TrainResources compose (building those two imports
 # torch and Ray, which --help must not wait for).

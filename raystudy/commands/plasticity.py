@@ -31,15 +31,8 @@ from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.job_inputs import check_inputs, out_problem, plasticity_problems
 from raystudy.precision import resolve_precision
-from raystudy.settings import (
-    HubWeights,
-    ModelSettings,
-    PlasticityRun,
-    PlasticitySettings,
-    add_bf16_flag,
-    add_flags,
-    from_args,
-)
+from raystudy.setting_flags import add_bf16_flag, add_flags, from_args
+from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings
 from raystudy.storage import check_path_name
 from raystudy.terminal import progress_bar
 from raystudy.vocab import COMPONENTS, PRETRAINED, RANDOM_INIT, pretrained_rows

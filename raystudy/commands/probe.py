@@ -18,15 +18,8 @@ import json
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.job_inputs import check_inputs, probe_problems
 from raystudy.distributed.probe import ProbeJob, run_probe_job
-from raystudy.settings import (
-    DeviceSettings,
-    HubWeights,
-    ModelSettings,
-    ProbeSettings,
-    add_bf16_flag,
-    add_flags,
-    from_args,
-)
+from raystudy.setting_flags import add_bf16_flag, add_flags, from_args
+from raystudy.settings import DeviceSettings, HubWeights, ModelSettings, ProbeSettings
 
 
 def register(sub) -> None:
@@ -39,7 +32,7 @@ def register(sub) -> None:
     add_flags(p, DeviceSettings, ["data_path", "cache_dir", "precision"])
     add_bf16_flag(p)
     add_flags(p, ProbeJob, ["resize"])
-    add_flags(p, ProbeSettings, ["augment", "seed", "batch_size"])
+    add_flags(p, ProbeSettings, ["augment", "seed", "batch_size", "drop_last_batch"])
     ray = p.add_argument_group("Ray")
     add_flags(ray, ProbeSettings, ["workers", "cpus_per_worker", "gpus_per_worker"])
     ray.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")

@@ -18,7 +18,7 @@ import os
 import sys
 
 from raystudy.cli import Parser, interrupted, setup_logging
-from raystudy.settings import add_flags
+from raystudy.setting_flags import add_flags
 from raystudy.storage import exists
 from raystudy.study.persist import load_study_spec
 from raystudy.study.spec import StudySpec, flag_fields, load_preset, preset_names

@@ -14,10 +14,12 @@ the training transforms (random resized crop + flip); the test split goes throug
 ``resize`` (``crop``: the authors' shorter side + centre crop; ``stretch``: VTAB-1k's whole image to
 ``size x size``, :func:`raystudy.data.transforms.eval_geometry`).
 
-Two deliberate differences from the authors' script, neither part of the probe's definition: their train
-``DataLoader`` has ``drop_last=True`` (batches of 512, so up to 511 random training images are left out of
-the fit), while every training row is used here; and their ``seed`` is the config's 42, here the caller's
-seed. Their train split is the 80% part of a seeded 80/20 train/val split: a store's ``train`` split.
+The rows of the fit (:func:`fit_rows`): every train row by default; with ``drop_last_batch=N`` the rows
+one pass of the authors' train ``DataLoader(batch_size=512, shuffle=True, drop_last=True)`` yields, in its
+order: a permutation of the ``n`` rows, its first ``floor(n / N) N`` (Flowers102's 1,020 rows: 512; Pets'
+2,944: 2,560; a CIFAR-10-C block's 6,400: 6,144). The permutation is seeded by the probe's ``seed`` (theirs
+comes from torch's global generator: the same count, other rows). Their ``seed`` is the config's 42, here the
+caller's. Their train split is the 80% part of a seeded 80/20 train/val split: a store's ``train`` split.
 
 Features are returned in float32; the model runs in float32 (``precision="fp32"``, the default on a CPU)
 or under bf16 autocast (``"bf16"``, the default on CUDA, as finetuning:
@@ -108,6 +110,23 @@ def sort_by_index(features: np.ndarray, labels: np.ndarray, index: np.ndarray
     """``(features (N, d), labels (N,), index (N,))`` reordered by increasing ``index``."""
     order = np.argsort(index, kind="stable")
     return features[order], labels[order], index[order]
+
+
+#: tag of the probe's row permutation in its generator's seed, apart from the augmentation's seeds
+FIT_ROWS_TAG = 0x9E0B
+
+
+def fit_rows(n: int, seed: int, drop_last_batch: int | None = None) -> np.ndarray:
+    """Positions (in the index-sorted train features) of the rows the probe fits on, in fit order: ``arange(n)``
+    for ``drop_last_batch`` None; else the first ``floor(n / N) N`` of a permutation seeded by ``(seed,
+    FIT_ROWS_TAG)``, what one pass of ``DataLoader(shuffle=True, drop_last=True)`` in batches of ``N`` yields.
+    ``ValueError`` when ``n < N`` (no whole batch)."""
+    if drop_last_batch is None:
+        return np.arange(n, dtype=np.int64)
+    kept = n // drop_last_batch * drop_last_batch
+    if kept == 0:
+        raise ValueError(f"probe drop_last_batch={drop_last_batch}: the {n} train rows hold no whole batch")
+    return np.random.default_rng([seed, FIT_ROWS_TAG]).permutation(n)[:kept].astype(np.int64)
 
 
 def make_classifier(seed: int):

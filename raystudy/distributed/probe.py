@@ -317,7 +317,7 @@ def run_probe_job(job: ProbeJob, *, address: str | None = None) -> dict:
     (:func:`raystudy.core.probe.feature_definition`), ``job`` and ``wall_seconds``."""
     import torch
 
-    from raystudy.core.probe import feature_definition, fit_probe  # torch (raystudy.core): ProbeJob stays light
+    from raystudy.core.probe import feature_definition, fit_probe, fit_rows  # torch: ProbeJob stays light
     from raystudy.distributed.plasticity import resolve_img_size  # torch, pandas, matplotlib: ProbeJob stays light
 
     job.validate()
@@ -327,7 +327,9 @@ def run_probe_job(job: ProbeJob, *, address: str | None = None) -> dict:
     if job.local:
         model.to("cuda" if torch.cuda.is_available() else "cpu")
     feats = split_features(job, model, img_size, address, precision)
-    result = fit_probe(feats["train"][:2], feats["test"][:2], job.seed)
+    x, y = feats["train"][:2]
+    kept = fit_rows(len(y), job.seed, job.drop_last_batch)  # the authors' drop_last rows, or every row
+    result = fit_probe((x[kept], y[kept]), feats["test"][:2], job.seed)
     features = feature_definition(model, augment=job.augment, img_size=img_size, data_path=job.data_path,
                                   precision=precision, resize=job.resize)
     result.update(dataset=str(read_meta(job.store)["name"]), model=job.model, seed=int(job.seed), store=job.store,

@@ -47,8 +47,8 @@ def validate(spec: StudySpec, *, files: bool = True) -> None:
     pretraining create them).
     """
     for check in (_check_names, _check_grid, _check_datasets, _check_protocol, _check_dataset_overrides,
-                  _check_grid_size, _check_resources, _check_tracking, _check_plasticity, _check_pretrain,
-                  _check_probe, _check_analysis):
+                  _check_loader_batches, _check_grid_size, _check_resources, _check_tracking, _check_plasticity,
+                  _check_pretrain, _check_probe, _check_analysis):
         check(spec)
     if files:
         check_files(spec)
@@ -135,14 +135,25 @@ def _check_protocol(spec: StudySpec) -> None:
     if spec.warmup_steps is not None and not 0 <= spec.warmup_steps < spec.steps:
         raise SpecError(f"warmup_steps: {spec.warmup_steps} must lie in [0, steps={spec.steps})")
 
+def _check_loader_batches(spec: StudySpec) -> None:
+    """Each dataset's resolved ``loader_batch_size`` divides the study's ``batch_size`` (a step is whole loader
+    batches)."""
+    for name in spec.datasets:
+        size = spec.protocol(name).loader_batch_size
+        if size is not None and spec.batch_size % size:
+            where = f"datasets.{name}.loader_batch_size" if name in spec.dataset_overrides else "loader_batch_size"
+            raise SpecError(f"{where}: {size} must divide batch_size={spec.batch_size}")
+
+
 def _check_dataset_overrides(spec: StudySpec) -> None:
     """Each dataset's overrides, named ``datasets.<name>.<field>``; the resolved warmup lies before the
     resolved end of training."""
     for name, o in spec.dataset_overrides.items():
         where, p = f"datasets.{name}", spec.protocol(name)
-        for f in ("steps", "eval_period", "log_period"):
+        for f in ("steps", "eval_period", "log_period", "micro_batch_size", "loader_batch_size", "val_batch_size"):
             if getattr(o, f) is not None:
                 _positive(getattr(o, f), f"{where}.{f}")
+
         if (o.steps is not None or o.warmup_steps is not None) and not 0 <= p.warmup_steps < p.steps:
             raise SpecError(f"{where}.warmup_steps: {p.warmup_steps} must lie in [0, steps={p.steps})"
                             + ("" if o.warmup_steps is not None else " (the study's warmup_steps)"))

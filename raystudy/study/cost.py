@@ -23,7 +23,8 @@ GFLOPs for ViT-B/16 with a 10-class head); a component in every block (``LN1``, 
 and the final norm) 1x.
 
 **Per trial**: ``steps x batch_size`` training images, plus the evaluations, forward only: the val rows at
-every ``eval_period``-th step and at the last one (``ceil(steps / eval_period)`` evaluations) and the test
+every ``eval_period``-th step and at the last one (``ceil(steps / eval_period)`` evaluations; ``eval_steps:
+authors``: ``floor(steps / min(eval_period, steps))``) and the test
 rows once. With ``final_fit``, a dependent stage: one more trial per (dataset, configuration, optimizer,
 seed) (:func:`raystudy.study.final.final_cells`; its lr is chosen once the search has ended, the cost does
 not depend on it), the same training images and the test rows, no validation. **Per dataset** also the
@@ -34,8 +35,8 @@ and probe FLOPs left out, with a note. ``auto:B`` is resolved with the study's p
 one, else estimated as ``random:B`` at the trial's seed (same budget, another order), with a note.
 
 **Time**: ``gpu_hours = FLOPs / (peak x MFU) / 3600`` with the peak of the run's precision (:data:`PEAK_TFLOPS`;
-``fp32`` runs with TF32 off, as :func:`~raystudy.core.finetune.step.set_matmul_precision` sets them) and an MFU
-assumed (:data:`DEFAULT_MFU`) or measured by the GPU benchmark (:func:`read_gpu_result`);
+``fp32`` runs with TF32 off for its matmuls, as :func:`~raystudy.core.finetune.step.set_matmul_precision` sets
+them) and an MFU assumed (:data:`DEFAULT_MFU`) or measured by the GPU benchmark (:func:`read_gpu_result`);
 ``wall_hours = gpu_hours / K``, which ignores scheduling gaps, start-up and the last trials' tail.
 """
 
@@ -65,7 +66,7 @@ from raystudy.study.final import final_cells
 #: the MFU assumed when no GPU benchmark result is given (stated in the output)
 DEFAULT_MFU = 0.35
 #: peak dense TFLOP/s per GPU by run precision: bf16 tensor cores; fp32 without TF32 (raystudy's fp32 runs
-#: turn TF32 off); ``tf32`` for reference (a bf16 run's float32 matmuls, outside autocast, use it)
+#: turn TF32 off for their matmuls); ``tf32`` for reference (a bf16 run's float32 matmuls, outside autocast, use it)
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.0, "tf32": 494.7, "fp32": 67.0},
     "H200": {"bf16": 989.0, "tf32": 494.7, "fp32": 67.0},
@@ -346,8 +347,11 @@ def eval_rows(spec, meta: dict) -> tuple[int, int]:
     return int(counts.get("val", 0)), int(counts.get("test", 0))
 
 
-def evaluations(steps: int, eval_period: int) -> int:
-    """Evaluations of val in a run: at every ``eval_period``-th step and at the last (``ceil(steps / period)``)."""
+def evaluations(steps: int, eval_period: int, rule: str = "every_and_last") -> int:
+    """Evaluations of val in a run: the steps :func:`raystudy.core.finetune.config.evaluates_at` names under
+    ``rule`` (``every_and_last``: ``ceil(steps / period)``; ``authors``: ``floor(steps / min(period, steps))``)."""
+    if rule == "authors":
+        return steps // min(eval_period, steps)
     return math.ceil(steps / eval_period)
 
 
@@ -445,7 +449,7 @@ def dataset_cost(spec, name: str, cells: dict, plasticity, notes: list[str], fin
         per_config.setdefault(configuration, []).append((f, trials))
         train += trials * p.steps * spec.batch_size * f.train
         if rows is not None:
-            n_val = evaluations(p.steps, p.eval_period) if validates else 0
+            n_val = evaluations(p.steps, p.eval_period, spec.eval_steps) if validates else 0
             evals += trials * f.forward * (n_val * rows["val"] + rows["test"])
     probe = 0
     if spec.probe.enabled and rows is not None:

@@ -33,7 +33,7 @@ Echo = Callable[[str], object]
 #: the :class:`~raystudy.distributed.probe.ProbeJob` fields that decide a probe's result (the others say
 #: how it runs): a ``probe.json`` is reused only when they all agree
 RESULT_FIELDS: tuple[str, ...] = ("store", "model", "seed", "weights", "pretrained", "model_kwargs", "img_size",
-                                  "augment", "data_path", "resize")
+                                  "augment", "data_path", "resize", "drop_last_batch")
 #: the precision a ``probe.json`` written before it was recorded ran in (the fields it lacks read as their
 #: settings' ``legacy`` values, :func:`~raystudy.setting_roles.legacy_values`: decoded, the crop)
 LEGACY_PRECISION = "fp32"

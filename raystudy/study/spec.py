@@ -27,7 +27,8 @@ and grid) or a mapping holding ``store`` and any of the overrides of :class:`Dat
           adamw: [3.0e-5, 1.0e-4, 3.0e-4, 6.0e-4]
         seeds: {adamw: [0]}         # per optimizer; a list applies to all; unnamed ones keep the study's
 
-``steps``, ``eval_period``, ``warmup_steps`` and ``log_period`` override the study's value; ``optimizers``
+``steps``, ``eval_period``, ``warmup_steps``, ``log_period``, ``micro_batch_size``, ``loader_batch_size`` and
+``val_batch_size`` (the settings declared ``per_dataset``) override the study's value; ``optimizers``
 replaces the study's mapping for that dataset (so an optimizer runs on a subset of datasets by being
 named only in those entries); ``seeds`` restricts (or changes) the seeds of the dataset's optimizers.
 That is how the ``paper`` preset runs AdamW on four datasets at seed 0 beside SGD on all eleven at three
@@ -78,6 +79,7 @@ from raystudy.study.checks import SpecError
 from raystudy.study.points import grid_point
 from raystudy.study.spec_values import (
     DatasetOverrides,
+    DatasetProtocol,
     _dataset_entry,
     _optimizers,
     _override_target,
@@ -160,23 +162,6 @@ class ProbeSpec(ProbeSettings):
     """
 
     enabled: bool = setting(False, help="fit the linear probe of every dataset (LP rows)")
-
-
-@dataclass(frozen=True)
-class DatasetProtocol:
-    """The resolved protocol and grid of one dataset (:meth:`StudySpec.protocol`): its overrides, else
-    the study's values. ``seeds`` maps each of its optimizers to that optimizer's seeds."""
-
-    steps: int
-    eval_period: int
-    warmup_steps: int
-    log_period: int
-    optimizers: dict[str, list[float]]
-    seeds: dict[str, list[int]]
-
-    def trials(self, configurations: int) -> int:
-        """Grid points of this dataset for ``configurations`` configurations."""
-        return configurations * sum(len(lrs) * len(self.seeds[o]) for o, lrs in self.optimizers.items())
 
 
 @dataclass

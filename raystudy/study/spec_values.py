@@ -36,8 +36,32 @@ class DatasetOverrides:
     eval_period: int | None = None
     warmup_steps: int | None = None
     log_period: int | None = None
+    micro_batch_size: int | None = None
+    loader_batch_size: int | None = None
+    val_batch_size: int | None = None
     optimizers: dict[str, list[float]] | None = None
     seeds: list[int] | dict[str, list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class DatasetProtocol:
+    """The resolved protocol and grid of one dataset (:meth:`raystudy.study.spec.StudySpec.protocol`): its
+    :class:`DatasetOverrides`, else
+    the study's values. ``seeds`` maps each of its optimizers to that optimizer's seeds."""
+
+    steps: int
+    eval_period: int
+    warmup_steps: int
+    log_period: int
+    micro_batch_size: int | None
+    loader_batch_size: int | None
+    val_batch_size: int | None
+    optimizers: dict[str, list[float]]
+    seeds: dict[str, list[int]]
+
+    def trials(self, configurations: int) -> int:
+        """Grid points of this dataset for ``configurations`` configurations."""
+        return configurations * sum(len(lrs) * len(self.seeds[o]) for o, lrs in self.optimizers.items())
 
 
 def _sub(cls, value, where):

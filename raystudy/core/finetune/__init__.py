@@ -19,8 +19,9 @@ Protocol (paper, Appendix D; every value is a :class:`FinetuneConfig` field):
   run keeps the same 20% fraction unless ``warmup_steps`` is set);
 * gradient clipping at global norm 1; global batch 512, split evenly over the workers, each worker
   accumulating micro-batches of ``micro_batch_size`` when its share does not fit;
-* evaluation on ``val`` every ``eval_period`` steps and at the last step; the best-validation trainable
-  state is kept and the run's result is its **test** accuracy.
+* evaluation on ``val`` every ``eval_period`` steps and at the last step (``eval_steps: authors``: every
+  ``min(eval_period, steps)`` steps only, :func:`~raystudy.core.finetune.config.evaluates_at`); the
+  best-validation trainable state is kept and the run's result is its **test** accuracy.
 
 Exactness: the data order is a pure function of ``(seed, step)`` sliced contiguously over the workers
 (:mod:`.data`), and each worker's loss is normalised by its share so that DDP's average is the gradient

@@ -28,7 +28,7 @@ from raystudy.settings import (
     warmup_of,
 )
 from raystudy.storage import absolute_path
-from raystudy.vocab import OPTIMIZERS
+from raystudy.vocab import EVAL_STEPS, OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         yield from problems(self)
         if self.seq_len is not None and not (isinstance(self.seq_len, int) and self.seq_len >= 2):
             yield "seq_len", "must be None or an integer >= 2"
+        if self.loader_batch_size is not None and self.batch_size % self.loader_batch_size:
+            yield "loader_batch_size", f"must divide batch_size={self.batch_size}"
         if self.warmup_steps is not None and not (0 <= self.warmup_steps <= self.steps):
             yield "warmup_steps", f"must be None or in [0, steps={self.steps}]"
         if self.weights is not None and self.pretrained:
@@ -151,6 +153,12 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     def resolved_precision(self, device: torch.device | str) -> str:
         """The precision the run runs in on ``device``: :func:`~raystudy.precision.resolve_precision`."""
         return resolve_precision(self.precision, torch.device(device).type == "cuda")
+
+    @property
+    def loader_batch(self) -> int:
+        """Rows of one loader batch, the unit ``drop_last`` cuts epochs into: ``loader_batch_size`` or
+        ``batch_size``."""
+        return self.loader_batch_size or self.batch_size
 
     @property
     def ckpt_period(self) -> int:
@@ -182,17 +190,31 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
         return cls(**d)
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, factor: str = "k_plus_1") -> float:
     """Learning-rate factor of update ``step`` (0-based): linear warmup then cosine decay.
 
     ``(step + 1) / w`` for ``step < w``, then ``0.5 (1 + cos(pi (step - w) / (T - w)))``: the factor
     reaches 1 at the last warmup step and decays towards 0 at ``T`` (the same curve as ``transformers``'
     ``get_cosine_schedule_with_warmup``, shifted by one step so the first update is not wasted).
+    ``factor="k"`` (:data:`raystudy.vocab.WARMUP_FACTORS`): ``step / w`` during warmup, the paper authors'
+    ``lr_cosine`` with ``min_factor=0`` (their first update at lr 0, the factor 1 first at ``step = w``).
     """
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return (step + (factor == "k_plus_1")) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def evaluates_at(step: int, steps: int, eval_period: int, rule: str) -> bool:
+    """Whether update ``step`` (1-based, of ``steps``) evaluates val under ``rule`` (:data:`~raystudy.vocab.
+    EVAL_STEPS`): ``every_and_last``: ``step % eval_period == 0 or step == steps``; ``authors``: ``step % p == 0``
+    with ``p = min(eval_period, steps)`` (their ``TrainingConfig.__post_init__`` sets ``eval_period = n_steps``
+    when it exceeds ``n_steps``; no evaluation at step 0 nor at a last step that is no multiple of ``p``)."""
+    if rule == "authors":
+        return step % min(eval_period, steps) == 0
+    if rule == "every_and_last":
+        return step % eval_period == 0 or step == steps
+    raise ValueError(f"eval_steps={rule!r}: expected one of {list(EVAL_STEPS)}")
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: FinetuneConfig, *,
@@ -214,6 +236,7 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: FinetuneConfig, *,
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """:func:`warmup_cosine` over ``cfg.steps`` updates with ``cfg.warmup`` warmup steps, times ``cfg.lr``."""
-    warmup, total = cfg.warmup, cfg.steps
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total))
+    """:func:`warmup_cosine` over ``cfg.steps`` updates with ``cfg.warmup`` warmup steps and
+    ``cfg.warmup_factor``, times ``cfg.lr``."""
+    warmup, total, factor = cfg.warmup, cfg.steps, cfg.warmup_factor
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total, factor))

@@ -68,22 +68,25 @@ def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarra
 
 
 def global_batch(step: int, *, n: int, batch_size: int, seed: int, shuffle: bool,
-                 drop_last: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                 drop_last: bool = False, loader_batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rows (positions in the split) and epochs of the ``batch_size`` samples of update ``step`` (0-based).
 
     Sample ``p = step * B + j`` is row ``perm_e[p mod n]`` of epoch ``e = p // n``; batches run across epoch
-    boundaries without dropping or repeating rows. ``drop_last``: each epoch is ``k = n // B`` whole batches
-    and its last ``n mod B`` rows are left out (a ``DataLoader(shuffle=True, drop_last=True)`` iterated
-    again and again, the paper authors' loader): step ``s`` is rows ``[j B, (j + 1) B)`` of ``perm_e``,
-    ``e = s // k``, ``j = s mod k``.
+    boundaries without dropping or repeating rows. ``drop_last``: each epoch is ``k = n // L`` whole loader
+    batches of ``L = loader_batch`` rows (default ``B``) and its last ``n mod L`` rows are left out (a
+    ``DataLoader(batch_size=L, shuffle=True, drop_last=True)`` iterated again and again, the paper authors'
+    loader); update ``s`` is the ``K = B / L`` loader batches ``t = s K, ..., s K + K - 1``, batch ``t`` rows
+    ``[j L, (j + 1) L)`` of ``perm_e``, ``e = t // k``, ``j = t mod k`` (with ``L = B``: ``e = s // k``,
+    ``j = s mod k``), so that an update may span two epochs, as the authors' ``grad_acc_steps`` do.
     """
     if drop_last:
-        k = n // batch_size
+        size = loader_batch or batch_size
+        k = n // size
         if k == 0:
-            raise ValueError(f"drop_last: {n} train rows hold no whole batch of {batch_size}")
-        e, j = divmod(step, k)
-        rows = epoch_permutation(n, seed, e, shuffle)[j * batch_size:(j + 1) * batch_size]
-        return rows.copy(), np.full(batch_size, e, dtype=np.int64)
+            raise ValueError(f"drop_last: {n} train rows hold no whole batch of {size}")
+        parts = [divmod(t, k) for t in range(step * (batch_size // size), (step + 1) * (batch_size // size))]
+        rows = [epoch_permutation(n, seed, e, shuffle)[j * size:(j + 1) * size] for e, j in parts]
+        return np.concatenate(rows), np.repeat(np.array([e for e, _ in parts], dtype=np.int64), size)
     pos = step * batch_size + np.arange(batch_size, dtype=np.int64)
     epochs, within = pos // n, pos % n
     rows = np.empty(batch_size, dtype=np.int64)
@@ -466,7 +469,7 @@ class MicroBatches(torch.utils.data.Dataset):
         step, j = divmod(k, len(self.bounds))
         cfg = self.cfg
         rows, epochs = global_batch(self.start + step, n=len(self.data), batch_size=cfg.batch_size, seed=cfg.seed,
-                                    shuffle=cfg.shuffle, drop_last=cfg.drop_last)
+                                    shuffle=cfg.shuffle, drop_last=cfg.drop_last, loader_batch=cfg.loader_batch_size)
         lo, hi = (self.rank * self.share + b for b in self.bounds[j])
         return self.data.batch(rows[lo:hi], size=cfg.img_size, train=cfg.augment, seed=cfg.seed,
                                epochs=epochs[lo:hi])

@@ -18,7 +18,7 @@ from torch import nn
 from raystudy.core.change import change_rows, cka_to_start, first_images, weight_change
 from raystudy.core.components import get_adapter
 from raystudy.core.expressions import Adapter, parse
-from raystudy.core.finetune.config import FinetuneConfig, make_optimizer, make_scheduler
+from raystudy.core.finetune.config import FinetuneConfig, evaluates_at, make_optimizer, make_scheduler
 from raystudy.core.finetune.data import (
     CacheBatch,
     MicroBatches,
@@ -146,7 +146,8 @@ class Finetuner:
 
     On CUDA the run uses ``cfg``'s precision (default bf16 autocast; TF32 for what stays float32), fused
     optimizer kernels, channels-last inputs and weights (the patch embedding convolution) and, with
-    ``cfg.compile``, ``torch.compile``; timm attention always runs through SDPA. Frozen parameters have
+    ``cfg.compile``, ``torch.compile``; timm attention runs through SDPA (``cfg.attention``: fused) or by
+    explicit matmuls (explicit). Frozen parameters have
     ``requires_grad=False`` and never get a gradient buffer.
     """
 
@@ -169,9 +170,10 @@ class Finetuner:
         self.optimizer = make_optimizer(self.trainable, cfg)  # fused kernels on CUDA
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.train_data = open_split_data(cfg, "train", self.store)
-        if cfg.drop_last and len(self.train_data) < cfg.batch_size:
+        if cfg.drop_last and len(self.train_data) < cfg.loader_batch:
+            unit = "loader_batch_size" if cfg.loader_batch_size else "batch_size"
             raise ValueError(f"{cfg.store}: drop_last: its {len(self.train_data)} train rows hold no whole batch of "
-                             f"batch_size={cfg.batch_size}")
+                             f"{unit}={cfg.loader_batch}")
         self._eval_data: dict[str, object] = {}  # split -> its data (open_split_data)
         self._eval_cache: dict[str, list] = {}
         # the run's progress and results (all of it is checkpointed, see state_dict)
@@ -195,7 +197,7 @@ class Finetuner:
         set_matmul_precision(self.device, self.precision)
         self.model = build_finetune_model(self.cfg, self.num_classes)
         get_adapter(self.model)  # fails early, listing the supported families
-        enable_fused_attention(self.model)
+        enable_fused_attention(self.model, self.cfg.attention == "fused")
         self.trained = select_for(self.model, self.cfg)
         self.model.to(self.device)
         if self.channels_last:
@@ -231,7 +233,8 @@ class Finetuner:
                 self._mark_diverged()
             s = self.step
             log_step = s % cfg.log_period == 0 or s == cfg.steps or not res.finite
-            eval_step = res.finite and (s % cfg.eval_period == 0 or s == cfg.steps)
+            eval_step = res.finite and (evaluates_at(s, cfg.steps, cfg.eval_period, cfg.eval_steps)
+                                        or (s == cfg.steps and trains_on_val(cfg)))  # its tested step
             ckpt_step = res.finite and cfg.ckpt_period > 0 and s % cfg.ckpt_period == 0 and s < cfg.steps
             if not (log_step or eval_step or ckpt_step):
                 continue
@@ -287,13 +290,26 @@ class Finetuner:
                        "optimizer_memory_bytes_analytic": analytic["optimizer_bytes"]}
 
     def _test_best(self) -> float:
-        """Test accuracy of the best-validation state (NaN when no evaluation happened), of the merged model
-        for an adapter (:func:`raystudy.core.peft_methods.merge`); the final trainable state is put back afterwards."""
+        """Test accuracy of the best-validation state (NaN when no evaluation happened; for a run that diverged
+        before it, with ``cfg.diverged_test`` ``class_0``, :meth:`class_0_accuracy`), of the merged model for an
+        adapter (:func:`raystudy.core.peft_methods.merge`); the final trainable state is put back afterwards."""
         if self.best_state is None:
+            if self.status == "diverged" and self.cfg.diverged_test == "class_0":
+                return self.class_0_accuracy("test")
             return float("nan")
         with self.trainable_set_to(self.best_state):
             _, acc = self.evaluate("test", self.merged_model() if self.adapted else None)
         return acc
+
+    def class_0_accuracy(self, split: str) -> float:
+        """Accuracy on ``split`` of predicting class 0 for every row, as ``cfg.accuracy`` averages it (over the
+        split's batches for ``per_batch``): what the paper authors report for a run whose weights went NaN
+        (``argmax`` of all-NaN logits is index 0), :data:`raystudy.vocab.DIVERGED_TESTS`."""
+        if split not in self._eval_data:
+            self._eval_data[split] = open_split_data(self.cfg, split, self.store)
+        labels = np.asarray(self._eval_data[split].labels)
+        rows, size = len(labels), accuracy_batch(self.cfg, split)
+        return accuracy_of(correct_by_batch(labels == 0, 0, rows, size), rows, size, self.cfg.accuracy)
 
     def measure_changes(self) -> list[dict]:
         """What finetuning changed (:func:`raystudy.core.change.change_rows`): the weight change of every
@@ -423,17 +439,21 @@ class Finetuner:
     def evaluate(self, split: str, model: nn.Module | None = None) -> tuple[float, float]:
         """Mean loss and accuracy (``cfg.accuracy``: per sample, or the mean over the split's consecutive
         batches of ``cfg.eval_batch_size`` rows, on val ``cfg.val_batch_size`` when set, whichever worker holds
-        them; :func:`accuracy_of`) of ``model`` (default: the run's) on ``split`` over all workers (each
-        evaluates its slice; sums all-reduced)."""
-        loss_sum, hits = evaluate(model if model is not None else self.model, self._eval_batches(split),
-                                  device=self.device, precision=self.precision)
+        them, of each batch's accuracy and each batch's mean loss; :func:`accuracy_of`) of ``model`` (default:
+        the run's) on ``split`` over all workers (each evaluates its slice; sums all-reduced)."""
+        loss_sum, hits, losses = evaluate(model if model is not None else self.model, self._eval_batches(split),
+                                          device=self.device, precision=self.precision)
         rows, size = len(self._eval_data[split]), accuracy_batch(self.cfg, split)  # forward passes unchanged
         share = self._eval_rows(rows)
-        correct = correct_by_batch(hits, int(share[0]) if len(share) else 0, rows, size)
+        first = int(share[0]) if len(share) else 0
+        correct, batch_losses = correct_by_batch(hits, first, rows, size), correct_by_batch(losses, first, rows, size)
         if self.all_reduce is not None and self.world_size > 1:
-            t = self.all_reduce(torch.tensor([loss_sum, *correct], dtype=torch.float64, device=self.device))
-            loss_sum, correct = float(t[0]), t[1:].cpu().numpy()
-        return loss_sum / rows, accuracy_of(correct, rows, size, self.cfg.accuracy)
+            t = self.all_reduce(torch.tensor([loss_sum, *correct, *batch_losses], dtype=torch.float64,
+                                             device=self.device)).cpu().numpy()
+            loss_sum, correct, batch_losses = float(t[0]), t[1:1 + len(correct)], t[1 + len(correct):]
+        per_batch = self.cfg.accuracy == "per_batch"  # the authors' eval_loss: the mean of per-batch means
+        loss = accuracy_of(batch_losses, rows, size, "per_batch") if per_batch else loss_sum / rows
+        return loss, accuracy_of(correct, rows, size, self.cfg.accuracy)
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -458,11 +478,11 @@ class Finetuner:
                 params[n].copy_(t)
 
     def _data_position(self) -> dict:
-        n, b = len(self.train_data), self.cfg.batch_size
+        n, b, size = len(self.train_data), self.cfg.batch_size, self.cfg.loader_batch
         seen = self.step * b
-        epoch, position = divmod(self.step, n // b) if self.cfg.drop_last else divmod(seen, n)
+        epoch, position = divmod(self.step * (b // size), n // size) if self.cfg.drop_last else divmod(seen, n)
         if self.cfg.drop_last:
-            position *= b
+            position *= size
         return {"step": self.step, "samples_seen": seen, "epoch": epoch, "position_in_epoch": position,
                 "train_rows": n, "seed": self.cfg.seed, "batch_size": self.cfg.batch_size,
                 "shuffle": self.cfg.shuffle, "drop_last": self.cfg.drop_last, "augment": self.cfg.augment,

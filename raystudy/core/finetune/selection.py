@@ -30,7 +30,18 @@ def build_finetune_model(cfg: FinetuneConfig, num_classes: int) -> nn.Module:
     kwargs.update(modality_of_model(cfg.model).build_kwargs(pretrained=cfg.pretrained, img_size=cfg.img_size))
     model = build_model(cfg.model, num_classes=num_classes, weights=cfg.weights, **kwargs)
     reset_head(model, seed=cfg.seed, mode=cfg.head_init)
+    if cfg.norm_eps is not None:
+        set_norm_eps(model, cfg.norm_eps)
     return model
+
+
+def set_norm_eps(model: nn.Module, eps: float) -> int:
+    """Set the ``eps`` of every ``nn.LayerNorm`` of ``model`` (``y = (x - mean) / sqrt(var + eps) w + b``;
+    the paper authors' ViT uses ``1e-12``, timm's ``1e-6``); returns how many there are."""
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    for m in norms:
+        m.eps = eps
+    return len(norms)
 
 
 def reset_head(model: nn.Module, *, seed: int, mode: str = "trunc_normal") -> None:
@@ -142,12 +153,13 @@ def select_for(model: nn.Module, cfg: FinetuneConfig, *, plasticity=None) -> Tra
                              include_layerscale=cfg.include_layerscale, plasticity=plasticity, seed=cfg.seed)
 
 
-def enable_fused_attention(model: nn.Module) -> int:
+def enable_fused_attention(model: nn.Module, fused: bool = True) -> int:
     """Switch every timm attention module of ``model`` to ``F.scaled_dot_product_attention`` (its
-    ``fused_attn`` flag; timm turns it off under ``TIMM_FUSED_ATTN=0``); returns how many there are."""
+    ``fused_attn`` flag; timm turns it off under ``TIMM_FUSED_ATTN=0``), or with ``fused=False`` to the explicit
+    ``softmax(q k^T / sqrt(d)) v`` (``attention: explicit``); returns how many there are."""
     count = 0
     for m in model.modules():
         if hasattr(m, "fused_attn"):
-            m.fused_attn = True
+            m.fused_attn = fused
             count += 1
     return count

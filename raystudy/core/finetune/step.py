@@ -38,15 +38,24 @@ def autocast(device: torch.device, enabled: bool):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+def tf32_flags(precision: str) -> dict[str, bool]:
+    """The TF32 flags a run of ``precision`` sets on CUDA: ``{"matmul": torch.backends.cuda.matmul.allow_tf32,
+    "cudnn": torch.backends.cudnn.allow_tf32}``. ``bf16``: TF32 tensor cores for what autocast leaves in float32
+    (both on). ``fp32`` (the fidelity setting): PyTorch's own defaults, which the paper authors' code runs with
+    (it sets neither flag): float32 matmuls in full precision (``matmul`` off, ``float32_matmul_precision``
+    ``highest``), cuDNN convolutions (the patch embedding) allowed TF32 (``cudnn`` on)."""
+    if precision == "bf16":
+        return {"matmul": True, "cudnn": True}
+    return {"matmul": False, "cudnn": True}
+
+
 def set_matmul_precision(device: torch.device, precision: str) -> None:
-    """On CUDA: TF32 tensor cores for the float32 matmuls and convolutions of a ``bf16`` run (what autocast
-    leaves in float32), full-precision float32 for an ``fp32`` run (the fidelity setting). Process-wide;
-    nothing to do on the CPU."""
+    """On CUDA: the flags of :func:`tf32_flags` for ``precision``. Process-wide; nothing to do on the CPU."""
     if device.type != "cuda":
         return
-    tf32 = precision == "bf16"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    flags = tf32_flags(precision)
+    torch.backends.cuda.matmul.allow_tf32 = flags["matmul"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn"]
 
 
 def move(x: torch.Tensor | Mapping[str, torch.Tensor], device: torch.device):
@@ -123,26 +132,31 @@ def train_step(
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device,
-             precision: str = "fp32") -> tuple[float, np.ndarray]:
+             precision: str = "fp32") -> tuple[float, np.ndarray, np.ndarray]:
     """Sum of cross-entropy over ``batches`` of ``(x, y)`` (``x`` ``(B, 3, H, W)`` or a text model's keyword
-    inputs, ``y`` ``(B,)``) and whether each row is predicted right (``(N,)`` bool, in the batches' order), in
-    inference mode (no autograd records, no version counters)."""
+    inputs, ``y`` ``(B,)``), whether each row is predicted right (``(N,)`` bool) and each row's cross-entropy
+    (``(N,)`` float64, for a per-batch mean), rows in the batches' order, in inference mode (no autograd
+    records, no version counters)."""
     model.eval()
-    loss_sum, hits = 0.0, []
+    loss_sum, hits, losses = 0.0, [], []
     for x, y in batches:
         x, y = move(x, device), y.to(device)
         with autocast(device, precision == "bf16"):
             logits = logits_of(model, x)
         loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
+        losses.append(F.cross_entropy(logits.float(), y, reduction="none").double().cpu().numpy())
         hits.append((logits.argmax(dim=1) == y).cpu().numpy())
-    return loss_sum, np.concatenate(hits) if hits else np.zeros(0, dtype=bool)
+    if not hits:
+        return loss_sum, np.zeros(0, dtype=bool), np.zeros(0)
+    return loss_sum, np.concatenate(hits), np.concatenate(losses)
 
 
 def correct_by_batch(hits: np.ndarray, first_row: int, rows: int, batch_size: int) -> np.ndarray:
     """Correct predictions ``c_k`` in each batch ``k`` of a split of ``rows`` rows cut in order into
     ``K = ceil(rows / batch_size)`` batches (the last one shorter), ``(K,)`` float64, counting the ``hits``
     (``(n,)`` bool) of rows ``first_row ... first_row + n - 1``: a worker's contiguous share, so that the
-    workers' vectors sum to the split's."""
+    workers' vectors sum to the split's. Given per-row losses (``(n,)`` float) instead of hits, each batch's
+    loss sum ``l_k`` (:func:`accuracy_of` then gives the per-sample or per-batch mean loss)."""
     k = (first_row + np.arange(len(hits))) // batch_size
     return np.bincount(k, weights=hits.astype(np.float64), minlength=-(-rows // batch_size))
 
@@ -151,7 +165,8 @@ def accuracy_of(correct: np.ndarray, rows: int, batch_size: int, mode: str) -> f
     """Accuracy from the correct counts ``c_k`` of :func:`correct_by_batch`: ``per_sample`` is
     ``sum_k c_k / rows``; ``per_batch`` is ``(1/K) sum_k c_k / n_k`` with ``n_k = min(B, rows - k B)``, the mean
     of the batches' accuracies (the paper authors' ``run_evaluation``: a short last batch weighs as a full
-    one)."""
+    one). Of per-batch loss sums ``l_k``: the mean loss per image, or the mean of the batches' mean losses
+    (their ``eval_loss``)."""
     if mode == "per_sample":
         return float(correct.sum() / rows)
     sizes = np.minimum(batch_size, rows - batch_size * np.arange(len(correct)))
