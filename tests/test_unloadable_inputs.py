@@ -1,0 +1,78 @@
+"""Inputs a study cannot use, each named in one line: a cluster that wants Ray's token, a summary that is not
+UTF-8, a checkpoint whose pickle ``torch.load(weights_only=True)`` refuses; and ``raystudy status`` counting
+failed rows and checkpointed unfinished trials."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import STUDY_MODEL, STUDY_TINY, user_env
+
+# ---------------------------------------------------------------------------------------------------------
+# A token-auth cluster joined without RAY_AUTH_MODE=token
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"no GCS on port {port} after {timeout} s")
+
+
+@pytest.mark.slow  # ~35 s on 2 busy cores: one `ray start --head` (its own temp dir and HOME) and one short command
+def test_a_token_cluster_joined_without_the_token_mode_is_one_line_and_writes_nothing(tmp_path):
+    home = tmp_path / "home"  # the head's and the driver's ~/.ray/auth_token: never the user's
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    ray_tmp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    port = _free_port()
+    env = {**user_env(), "HOME": str(home)}
+    ray = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen([ray, "start", "--head", "--port", str(port), "--num-cpus", "1", "--temp-dir", ray_tmp,
+                             "--disable-usage-stats", "--block"], env={**env, "RAY_AUTH_MODE": "token"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = tmp_path / "study"
+    try:
+        _wait_for_port(port, head)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "raystudy", "study", "--preset", "demo", "--address",
+                               f"127.0.0.1:{port}", "--out", str(out)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        elapsed = time.monotonic() - t0  # from the process's start: Python's and raystudy's imports included
+    finally:
+        head.terminate()  # `ray start --block` stops its own node on SIGTERM; never a machine-wide `ray stop`
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        current = Path("/tmp/ray/ray_current_cluster")  # read by address="auto": never left naming this head
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and proc.stdout == "", (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "RAY_AUTH_MODE=token" in lines[0] and str(home / ".ray" / "auth_token") in lines[0], lines[0]
+    assert "InvalidAuthToken" not in proc.stderr and "Traceback" not in proc.stderr
+    assert elapsed < 5, elapsed
+    assert not out.exists()  # no spec.yaml, no lock, no built-in data, no pretrained model
