@@ -76,3 +76,27 @@ def test_a_token_cluster_joined_without_the_token_mode_is_one_line_and_writes_no
     assert "InvalidAuthToken" not in proc.stderr and "Traceback" not in proc.stderr
     assert elapsed < 5, elapsed
     assert not out.exists()  # no spec.yaml, no lock, no built-in data, no pretrained model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A summary that is not UTF-8
+
+
+def test_a_summary_that_is_not_utf8_counts_its_trial_as_failed_naming_the_file(tmp_path, caplog):
+    from raystudy.study.points import grid_point
+    from raystudy.study.results import ResultTables, trial_dir
+
+    study = str(tmp_path / "s")
+    points = [grid_point("color", "MHA", "sgd", lr, 0) for lr in (0.1, 0.2)]
+    bad = points[0]["trial_id"]
+    path = Path(trial_dir(study, bad)) / "summary.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b'{"status": "ok", "note": "\xff\xfe"}')  # 0xff never starts a UTF-8 character
+    tables = ResultTables(study)
+    with caplog.at_level("WARNING"):
+        assert tables.reconcile(points, STUDY_MODEL, STUDY_TINY) == []  # planning goes on; nothing final
+    assert tables.status(bad) == "failed" and bad not in tables.done_ids()  # failed: launched again
+    assert tables.rows[bad]["error"].startswith(f"{path}: not UTF-8 text")
+    assert tables.status(points[1]["trial_id"]) is None
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and said[0].startswith(f"{path}: not UTF-8 text") and "runs again" in said[0], said
