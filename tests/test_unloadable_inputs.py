@@ -100,3 +100,64 @@ def test_a_summary_that_is_not_utf8_counts_its_trial_as_failed_naming_the_file(t
     assert tables.status(points[1]["trial_id"]) is None
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 1 and said[0].startswith(f"{path}: not UTF-8 text") and "runs again" in said[0], said
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A checkpoint whose pickle torch.load(weights_only=True) refuses
+
+
+class _Payload:
+    """Pickles as a call of ``os.mkdir(marker)``: loading it with ``weights_only=False`` would create the
+    marker; ``weights_only=True`` refuses the global and runs nothing."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize("refused", ["state.pt", "rng_rank0.pt"])
+def test_a_checkpoint_file_holding_a_refused_pickle_is_moved_aside_and_the_run_goes_on(tmp_path, refused):
+    """The newest checkpoint's file is a zip archive (whole CRCs) whose pickle calls ``os.mkdir``: the resume
+    moves it aside (named), restarts from the checkpoint before it, never runs the payload, and no message
+    carries PyTorch's advice to load with ``weights_only=False``."""
+    import dataclasses
+
+    import torch
+    from conftest import make_store
+
+    from raystudy.core.finetune import FinetuneConfig, train_local
+
+    store = make_store(tmp_path / "store", n_per_split=(16, 8, 8))
+    ck, marker = tmp_path / "ck", tmp_path / "payload-ran"
+    cfg = FinetuneConfig(model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32, store=store, configuration="MHA",
+                         steps=6, batch_size=8, eval_period=2, checkpoint_period=2, lr=0.1,
+                         out_dir=str(tmp_path / "a"))
+    first, _ = train_local(cfg, checkpoint_dir=ck, tensorboard=False)  # leaves checkpoint_00000002 and _00000004
+    torch.save({"step": 4, "rng": _Payload(marker)}, ck / "checkpoint_00000004" / refused)
+    again, _ = train_local(dataclasses.replace(cfg, out_dir=str(tmp_path / "b")), checkpoint_dir=ck, resume=True,
+                           tensorboard=False)
+    assert not marker.exists()  # nothing in the file ran
+    assert again["status"] == "ok" and again["restored_from_step"] == 2 and again["checkpoints_skipped"] == 1
+    assert again["test_acc"] == first["test_acc"]  # resumed exactly: the same run as the uninterrupted one
+    (warning,) = again["checkpoint_warnings"]
+    assert str(ck / "checkpoint_00000004" / refused) in warning and ".corrupt-1" in warning, warning
+    assert "refused: it holds Python objects other than tensors" in warning and "nothing in it was run" in warning
+    assert "weights_only" not in warning
+    assert (ck / "checkpoint_00000004.corrupt-1" / refused).is_file()  # kept, never read again
+
+
+def test_no_message_of_the_package_passes_on_torchs_weights_only_advice():
+    """Every ``torch.load`` of the package is ``weights_only=True`` and sits where its errors are rewritten
+    (:func:`raystudy.core.tensors.torch_load_reason`): the call sites are the known ones."""
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "raystudy"
+    calls = {str(p.relative_to(root)) for p in root.rglob("*.py")
+             for line in p.read_text().splitlines() if re.search(r"\btorch\.load\(", line)}
+    assert calls == {"core/tensors.py", "core/models.py", "core/finetune/state.py"}, calls
+    for p in root.rglob("*.py"):
+        for line in p.read_text().splitlines():
+            if re.search(r"\btorch\.load\(", line):
+                assert "weights_only=True" in line, (p, line)
