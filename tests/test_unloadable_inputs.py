@@ -78,6 +78,45 @@ def test_a_token_cluster_joined_without_the_token_mode_is_one_line_and_writes_no
     assert not out.exists()  # no spec.yaml, no lock, no built-in data, no pretrained model
 
 
+def test_the_token_check_asks_only_a_named_cluster_and_reads_its_refusal(monkeypatch, tmp_path):
+    """A gRPC server that refuses every call as Ray's GCS refuses a driver without its token (no Ray)."""
+    from concurrent import futures
+
+    import grpc
+
+    from raystudy.distributed.cluster import ClusterAuthError, auth_problem, check_cluster_auth
+
+    class Refuse(grpc.GenericRpcHandler):
+        def service(self, details):
+            self.methods = [*getattr(self, "methods", []), details.method]
+            return grpc.unary_unary_rpc_method_handler(lambda req, ctx: ctx.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken: Authentication token is missing or incorrect"))
+
+    handler, server = Refuse(), grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))
+    try:
+        for address in (None, "local", "auto", f"ray://127.0.0.1:{port}"):  # not a GCS address: never asked
+            assert auth_problem(address) is None
+        assert getattr(handler, "methods", []) == []
+        problem = auth_problem(f"127.0.0.1:{port}")
+        assert handler.methods == ["/ray.rpc.NodeInfoGcsService/GetClusterId"]
+        assert problem and "RAY_AUTH_MODE=token" in problem and str(tmp_path / "token") in problem, problem
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        with pytest.raises(ClusterAuthError, match="RAY_AUTH_MODE=token"):
+            check_cluster_auth(None)
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the driver sends its token: Ray's own answer stands
+        assert auth_problem(f"127.0.0.1:{port}") is None and len(handler.methods) == 2
+    finally:
+        server.stop(None)
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    assert auth_problem(f"127.0.0.1:{port}") is None  # nothing listens: left to Ray
+
+
 # ---------------------------------------------------------------------------------------------------------
 # A summary that is not UTF-8
 
