@@ -18,6 +18,7 @@ import os
 import sys
 
 from raystudy.cli import Parser, interrupted, setup_logging
+from raystudy.distributed.cluster import check_cluster_auth
 from raystudy.setting_flags import add_flags
 from raystudy.storage import exists
 from raystudy.study.persist import load_study_spec
@@ -274,6 +275,7 @@ def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
         return print_spec(spec)
     if args.dry_run:
         return dry_run(spec, as_json=args.json, **cost_flags)
+    check_cluster_auth(args.address)  # before torch's import: a refusing cluster is one line within a second
     from raystudy.study.tune import run_study  # torch, pandas, matplotlib (study.tune): --help stays light
 
     outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import warnings
@@ -149,6 +150,50 @@ def restrict_token_file() -> None:
         pass
 
 
+class ClusterAuthError(ValueError):
+    """A cluster that asks for Ray's token while this process would send none (one line, exit status 2)."""
+
+
+#: a cluster's GCS address as ``ray start`` prints it (``host:port``, ``[ipv6]:port``): what :func:`auth_problem` asks
+_GCS_ADDRESS = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}")
+#: the cheapest call of the GCS: it answers at once, and a cluster with token authentication refuses it without one
+_GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
+def auth_problem(address: str | None, timeout_s: float = 3.0) -> str | None:
+    """Why Ray could not join the cluster at ``address`` (default ``RAY_ADDRESS``) for want of a token: one
+    line naming ``RAY_AUTH_MODE=token`` and the token file, or ``None`` (no cluster named, token mode set,
+    the cluster answers without a token, or it cannot be asked: Ray then says what it says).
+
+    Ray 2.60's ``ray start`` turns token authentication on wherever a token exists, while a driver given an
+    address sends its token only under ``RAY_AUTH_MODE=token``; without it ``ray.init`` retries for ~20 s
+    (``InvalidAuthToken`` lines) and ends in a ``ConnectionError`` that names neither. One gRPC call to the
+    GCS without a token (milliseconds) tells the two apart before anything starts."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if (not address or not _GCS_ADDRESS.fullmatch(address)
+            or os.environ.get("RAY_AUTH_MODE", "").lower() == "token"):
+        return None  # "local", "auto", ray:// (Ray Client), or this process sends its token
+    try:
+        import grpc  # Ray's own dependency; light beside Ray
+
+        with grpc.insecure_channel(address) as channel:
+            channel.unary_unary(_GCS_PROBE)(b"", timeout=timeout_s)  # an empty request: raw bytes
+    except Exception as e:  # grpc.RpcError: refused, unreachable, too slow; anything else: not ours to judge
+        code = getattr(e, "code", None)
+        if callable(code) and getattr(code(), "name", "") == "UNAUTHENTICATED":
+            where = os.environ.get("RAY_AUTH_TOKEN_PATH") or token_file()
+            return (f"the Ray cluster at {address} requires token authentication: set RAY_AUTH_MODE=token, and "
+                    f"put the cluster's token in {where} (or RAY_AUTH_TOKEN)")
+    return None
+
+
+def check_cluster_auth(address: str | None) -> None:
+    """Raise :class:`ClusterAuthError` with :func:`auth_problem`'s line, if any, before anything connects."""
+    problem = auth_problem(address)
+    if problem:
+        raise ClusterAuthError(problem)
+
+
 def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any) -> bool:
     """Connect to ``address`` (a cluster; default ``RAY_ADDRESS``) or start a local Ray.
 
@@ -173,6 +218,8 @@ def init_ray(address: str | None = None, *, verbose: bool = False, **kwargs: Any
                                "logging_level": logging.INFO if verbose else logging.WARNING}
     if not address or address == "local":  # an instance of our own: no dashboard to serve
         options["include_dashboard"] = False
+    else:
+        check_cluster_auth(address)  # one line now, not ~20 s of Ray's retries and a ConnectionError
     options.update(kwargs)
     ray.init(address=address, **options)
     restrict_token_file()

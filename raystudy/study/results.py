@@ -55,7 +55,16 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raystudy.io import TableError, read_result, write_result
-from raystudy.storage import delete_dir, exists, filesystem, join, move_aside, read_text, write_parquet_atomic
+from raystudy.storage import (
+    delete_dir,
+    exists,
+    filesystem,
+    join,
+    move_aside,
+    read_bytes,
+    read_text,
+    write_parquet_atomic,
+)
 from raystudy.study.points import grid_point, phase_of
 from raystudy.vocab import (
     FINAL_STATUSES,
@@ -104,11 +113,15 @@ def quarantine(path: str) -> str:
 def read_trial_summary(study_dir: str, trial_id: str) -> dict[str, Any] | None:
     """``trials/<id>/summary.json`` as a dict, or ``None`` when the trial has not finished. A summary that is
     no run's (not a JSON object, an unknown ``status``) makes the trial ``failed``, with the file named in its
-    ``error``, so that the study goes on and runs that trial again."""
+    ``error``, so that the study goes on and runs that trial again; so does one that is not UTF-8 text."""
     path = join(trial_dir(study_dir, trial_id), "summary.json")
-    text = read_text(path)
-    if text is None:
+    data = read_bytes(path)
+    if data is None:
         return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _malformed(path, f"not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})")
     try:
         summary = json.loads(text)
     except json.JSONDecodeError:

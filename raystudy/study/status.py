@@ -1,8 +1,10 @@
 """A study's progress read from its directory alone (``raystudy status DIR``): no Ray, no driver needed.
 
-A trial is *final* (``ok``, ``diverged``, ``failed``) once its ``trials/<id>/summary.json`` is written, *running*
-while its folder exists without one and the study's driver holds ``study.lock`` (without a live driver the same
-trial is *unfinished*: an interrupted launch left it, and ``--resume`` continues it), and *pending* before its
+A trial is *final* (``ok``, ``diverged``, ``failed``) once its ``trials/<id>/summary.json`` is written or, without
+one, once ``trials.parquet`` holds its row (the driver's row of a trial that failed before its run wrote a summary),
+*running* while its folder exists without one and the study's driver holds ``study.lock``; without a live driver the
+same trial is *resumable* when its run left a complete checkpoint (``train/<id>/checkpoint_*/.complete``: ``--resume``
+continues it from there) and *unfinished* otherwise (``--resume`` starts it again); it is *pending* before either
 folder exists. The ETA is the remaining trials times the median wall time of the final ones, divided by the
 number running (one when none runs).
 """
@@ -10,19 +12,30 @@ number running (one when none runs).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
+import pandas as pd
+
+from raystudy.core.finetune.checkpoint import checkpoint_steps
+from raystudy.io import read_result, table_path
 from raystudy.storage import exists, is_uri, join, read_text, subdirs
 from raystudy.study.lock import LOCK_FILE, describe, holder_alive
 from raystudy.study.persist import load_study_spec
 from raystudy.study.progress import fmt_seconds
 from raystudy.study.results import read_trial_summary, trial_dir
+from raystudy.vocab import STATUSES
+
+log = logging.getLogger(__name__)
 
 #: how many of the latest failed trials :func:`study_status` reports
 LAST_ERRORS = 3
+#: the states of :func:`study_status`, final ones first, and those still to run (the ETA's)
+STATES = ("ok", "diverged", "failed", "running", "resumable", "unfinished", "pending")
+LEFT = ("running", "resumable", "unfinished", "pending")
 
 
 @dataclass
@@ -47,10 +60,10 @@ class StudyStatus:
         final = self.count("ok") + self.count("diverged")
         out = [f"Study {self.name!r} ({self.study_dir}): {final}/{total} trials done "
                f"(ok {self.count('ok')}, diverged {self.count('diverged')}), failed {self.count('failed')}, "
-               f"running {self.count('running')}, unfinished {self.count('unfinished')}, "
-               f"pending {self.count('pending')}",
+               f"running {self.count('running')}, resumable {self.count('resumable')}, "
+               f"unfinished {self.count('unfinished')}, pending {self.count('pending')}",
                f"  driver: {self.driver}"]
-        if self.count("running") or self.count("pending") or self.count("unfinished"):
+        if any(self.count(s) for s in LEFT):
             out.append(f"  ETA {fmt_seconds(self.eta_seconds)} (median trial {fmt_seconds(self.median_trial_seconds)}, "
                        f"{max(1, self.count('running'))} at a time)")
         if self.last_errors:
@@ -77,18 +90,33 @@ def _driver(study_dir: str) -> tuple[str, bool]:
     return f"running ({describe(holder)})" + ("" if alive else ", another host: not checked"), True
 
 
+def _table_rows(study_dir: str) -> dict[str, dict]:
+    """``trials.parquet``'s rows by trial id (none when it is absent or unreadable: the summaries still say)."""
+    try:
+        df = read_result(study_dir, "trials", required=False)
+    except Exception as e:  # a torn or foreign table: the next launch repairs it; status only reads
+        log.warning("%s: %s; read from the trials' summaries alone", table_path(study_dir, "trials"), e)
+        return {}
+    if df is None:
+        return {}
+    return {r["trial_id"]: {k: (None if v is pd.NA else v) for k, v in r.items()}
+            for r in df.to_dict("records") if r.get("status") in STATUSES}
+
+
 def study_status(study_dir: str | os.PathLike) -> StudyStatus:
     """The state of every grid trial of the study in ``study_dir`` (see the module docstring)."""
     study_dir = str(study_dir)
     spec = load_study_spec(study_dir, what=None)
     driver, live = _driver(study_dir)
-    status = StudyStatus(spec.name, study_dir, {s: [] for s in ("ok", "diverged", "failed", "running",
-                                                                 "unfinished", "pending")}, driver)
-    started = set(subdirs(join(study_dir, "trials")))
+    status = StudyStatus(spec.name, study_dir, {s: [] for s in STATES}, driver)
+    started = set(subdirs(join(study_dir, "trials"))) | set(subdirs(join(study_dir, "train")))
+    rows = _table_rows(study_dir)
     walls, failed = [], []
     for point in spec.grid():
         tid = point["trial_id"]
         summary = read_trial_summary(study_dir, tid)
+        if summary is None and not (live and tid in started) and tid in rows:
+            summary = rows[tid]  # a row without a summary: the driver's record of a trial that failed early
         if summary is not None:
             state = summary.get("status", "failed")
             status.trials[state if state in status.trials else "failed"].append(tid)
@@ -98,14 +126,20 @@ def study_status(study_dir: str | os.PathLike) -> StudyStatus:
             if state == "failed":
                 path = join(trial_dir(study_dir, tid), "summary.json")
                 mtime = 0.0 if is_uri(path) or not exists(path) else os.path.getmtime(path)
-                failed.append((mtime, tid, str(summary.get("error") or "no error recorded").splitlines()[0][:200]))
+                error = summary.get("error")
+                error = error if isinstance(error, str) and error else "no error recorded"
+                failed.append((mtime, tid, error.splitlines()[0][:200]))
+        elif tid in started and live:
+            status.trials["running"].append(tid)
+        elif checkpoint_steps(join(study_dir, "train", tid)):
+            status.trials["resumable"].append(tid)
         elif tid in started:
-            status.trials["running" if live else "unfinished"].append(tid)
+            status.trials["unfinished"].append(tid)
         else:
             status.trials["pending"].append(tid)
     status.last_errors = [(tid, line) for _, tid, line in sorted(failed, reverse=True)[:LAST_ERRORS]]
     if walls:
         status.median_trial_seconds = statistics.median(walls)
-        remaining = status.count("running") + status.count("pending") + status.count("unfinished")
+        remaining = sum(status.count(s) for s in LEFT)
         status.eta_seconds = remaining * status.median_trial_seconds / max(1, status.count("running"))
     return status

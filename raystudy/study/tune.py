@@ -50,7 +50,7 @@ from raystudy.data.cache import kinds_read
 from raystudy.data.splits import SPLITS
 from raystudy.data.store import read_meta
 from raystudy.distributed.cache import build_caches
-from raystudy.distributed.cluster import init_ray, orphaned_placement_groups_removed
+from raystudy.distributed.cluster import check_cluster_auth, init_ray, orphaned_placement_groups_removed
 from raystudy.distributed.job_inputs import weights_problem
 from raystudy.distributed.reaper import start_reaper
 from raystudy.io import table_path
@@ -386,6 +386,7 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
     :class:`StudyStorageError` line; SIGTERM stops it cleanly (Ray shut down, lock released)."""
     t_start = time.monotonic()
     spec.validate(check_files=False)
+    check_cluster_auth(address)  # a cluster that would refuse this driver: one line before anything is written
     out = spec.out if is_uri(spec.out) else os.path.abspath(spec.out)
     for name, folder in (("out", out), ("cache_dir", spec.cache_dir)):
         why = folder_problem(folder)  # a file on the way, a read-only mount: one line, before the lock file

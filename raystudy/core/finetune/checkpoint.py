@@ -36,7 +36,12 @@ import tempfile
 from typing import Protocol
 
 from raystudy.core.finetune.loop import Finetuner
-from raystudy.core.finetune.state import ForeignCheckpoint, checkpoint_problem
+from raystudy.core.finetune.state import (
+    ForeignCheckpoint,
+    UnreadableCheckpoint,
+    checkpoint_problem,
+    load_checkpoint_file,
+)
 from raystudy.storage import (
     delete_dir,
     delete_file,
@@ -160,9 +165,10 @@ def _ray_folder_step(folder: str) -> int | None:
             local = tmp
         if checkpoint_problem(local) is not None:
             return None
-        import torch
-
-        return int(torch.load(os.path.join(local, "state.pt"), map_location="cpu", weights_only=True)["step"])
+        try:
+            return int(load_checkpoint_file(os.path.join(local, "state.pt"))["step"])
+        except (UnreadableCheckpoint, KeyError, TypeError, ValueError):  # refused, or no run state: moved aside
+            return None
 
 
 def _older_checkpoints(storage: str) -> list[tuple[str, int | None]]:
@@ -209,8 +215,9 @@ def upgrade_layout(storage: str) -> list[str]:
 
 def load_checkpoint(ft: Finetuner, folder: str, *, verify: bool = False) -> dict:
     """Load the checkpoint ``folder`` (local or a URI) into ``ft``; its restore record. With ``verify``, a
-    folder whose files do not verify raises :class:`UnusableCheckpoint` (tag ``corrupt``), as does another
-    run's (tag ``foreign``)."""
+    folder whose files do not verify raises :class:`UnusableCheckpoint` (tag ``corrupt``), as does one with a
+    file that cannot be loaded without running code (:class:`~raystudy.core.finetune.state.UnreadableCheckpoint`:
+    tag ``corrupt``) and another run's (tag ``foreign``)."""
     with tempfile.TemporaryDirectory(prefix="raystudy-resume-") as tmp:
         local = folder
         if is_uri(folder):
@@ -223,6 +230,8 @@ def load_checkpoint(ft: Finetuner, folder: str, *, verify: bool = False) -> dict
             return ft.load(local)
         except ForeignCheckpoint as e:
             raise UnusableCheckpoint(str(e), "foreign") from e
+        except UnreadableCheckpoint as e:  # e.g. a pickle weights_only refuses: never loaded any other way
+            raise UnusableCheckpoint(str(e), "corrupt") from None
 
 
 class UnusableCheckpoint(ValueError):
@@ -237,7 +246,8 @@ def resume_latest(ft: Finetuner, storage: str) -> dict | None:
     """Load the newest complete checkpoint under ``storage`` into ``ft``; its restore record, or None.
 
     Older layouts there are upgraded first (:func:`upgrade_layout`). A checkpoint that cannot be resumed from,
-    because its files do not verify (:func:`~raystudy.core.finetune.state.checkpoint_problem`) or another
+    because its files do not verify (:func:`~raystudy.core.finetune.state.checkpoint_problem`), one of them
+    cannot be loaded without running code (a pickle ``weights_only`` refuses: never loaded otherwise) or another
     run wrote it (:class:`~raystudy.core.finetune.state.ForeignCheckpoint`), is moved aside
     (``<folder>.corrupt-<n>`` or ``.foreign-<n>``: kept, never read again, so a re-run does not meet it),
     noted in ``ft.skipped_checkpoints`` (the run's summary) and the one before it is tried."""

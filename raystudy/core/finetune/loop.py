@@ -32,10 +32,11 @@ from raystudy.core.finetune.outputs import run_summary
 from raystudy.core.finetune.selection import build_finetune_model, enable_fused_attention, select_for
 from raystudy.core.finetune.state import (
     fingerprint,
+    read_rng,
     read_state,
-    restore_rng,
     resume_config,
     rng_state,
+    set_rng_state,
     write_checkpoint,
 )
 from raystudy.core.finetune.step import (
@@ -528,8 +529,10 @@ class Finetuner:
         """Restore a checkpoint written by :meth:`save`; returns fingerprints of the live restored state
         (also appended to :attr:`restores`)."""
         state = read_state(directory, self.cfg, train_rows=len(self.train_data), checksum=self.meta.get("checksum"))
+        rng = read_rng(directory, rank=self.rank)  # both files read before either is applied
         self.load_state_dict(state)
-        restore_rng(directory, rank=self.rank, device=self.device)
+        if rng is not None:
+            set_rng_state(rng, self.device)
         info = {
             "step": self.step,
             "optimizer": fingerprint(self.optimizer.state_dict()),

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from raystudy.core.finetune.config import RENAMED_KEYS, FinetuneConfig
+from raystudy.core.tensors import torch_load_reason
 from raystudy.precision import upgrade_settings
 from raystudy.setting_roles import fields_with, legacy_values
 from raystudy.settings import accuracy_batches
@@ -114,8 +115,9 @@ def checkpoint_problem(directory: str | os.PathLike) -> str | None:
     """Why the checkpoint folder ``directory`` cannot be resumed from, or ``None`` when it is whole.
 
     Every ``*.pt`` file must be a complete archive (``torch.save`` writes a zip whose entries carry CRCs,
-    all checked here: a file cut short by a full disk or a killed writer fails), and rank 0's
-    ``state.pt`` must be there.
+    all checked here: a file cut short by a full disk or a killed writer fails), rank 0's ``state.pt`` must
+    be there, and every rank's RNG file must load without running code (:func:`load_checkpoint_file`);
+    ``state.pt`` itself is loaded, the same way, when the run resumes (:func:`read_state`).
     """
     import zipfile
 
@@ -130,7 +132,26 @@ def checkpoint_problem(directory: str | os.PathLike) -> str | None:
             return f"checkpoint file {path} is unreadable (truncated or corrupt: {e})"
         if bad is not None:
             return f"checkpoint file {path} is corrupt (entry {bad} fails its CRC)"
+    for path in sorted(directory.glob(RNG_FILE.format(rank="*"))):  # small: every rank's, loaded here by rank 0
+        try:
+            load_checkpoint_file(path)
+        except UnreadableCheckpoint as e:
+            return str(e)
     return None
+
+
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file ``torch.load(weights_only=True)`` cannot load: cut short, corrupt, or a pickle of
+    objects other than tensors (refused, never run). Its message names the file and never repeats PyTorch's
+    advice to load it with ``weights_only=False`` (:func:`~raystudy.core.tensors.torch_load_reason`)."""
+
+
+def load_checkpoint_file(path: str | os.PathLike):
+    """The contents of one checkpoint file, loaded without running code (:class:`UnreadableCheckpoint`)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError (a refused global), a truncated zip, EOFError, OSError, ...
+        raise UnreadableCheckpoint(f"checkpoint file {path} cannot be loaded safely: {torch_load_reason(e)}") from None
 
 
 class ForeignCheckpoint(ValueError):
@@ -140,15 +161,15 @@ class ForeignCheckpoint(ValueError):
 def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows: int,
                checksum: str | None) -> dict:
     """The run state of a checkpoint, checked to belong to ``cfg`` on a store with ``train_rows`` train
-    rows and this ``checksum`` (:class:`ForeignCheckpoint` otherwise; ``ValueError`` for an unreadable one).
+    rows and this ``checksum`` (:class:`ForeignCheckpoint` otherwise; :class:`UnreadableCheckpoint` for an
+    unreadable one).
     Checkpoints of older versions name the configuration ``component``; it is renamed on read."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"checkpoint file {path} is unreadable (truncated or corrupt): {e}") from e
+    state = load_checkpoint_file(path)
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+        raise UnreadableCheckpoint(f"checkpoint file {path} holds no run state")
     saved = upgrade_settings(state["config"])  # older settings in today's spelling
     for old, new in RENAMED_KEYS.items():
         if old in saved:
@@ -168,10 +189,21 @@ def read_state(directory: str | os.PathLike, cfg: FinetuneConfig, *, train_rows:
     return state
 
 
-def restore_rng(directory: str | os.PathLike, *, rank: int, device: torch.device | None = None) -> None:
-    """Set this rank's RNG states from the checkpoint (a warning when it has none for this rank)."""
+def read_rng(directory: str | os.PathLike, *, rank: int) -> dict | None:
+    """This rank's RNG states in the checkpoint (:func:`set_rng_state` sets them), or None with a warning
+    when it has none for this rank; read before anything of the checkpoint is applied."""
     path = Path(directory) / RNG_FILE.format(rank=rank)
-    if path.is_file():
-        set_rng_state(torch.load(path, map_location="cpu", weights_only=True), device)
-    else:
+    if not path.is_file():
         log.warning("checkpoint %s has no RNG state for rank %d; RNG not restored", directory, rank)
+        return None
+    state = load_checkpoint_file(path)
+    if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state):
+        raise UnreadableCheckpoint(f"checkpoint file {path} holds no RNG state")
+    return state
+
+
+def restore_rng(directory: str | os.PathLike, *, rank: int, device: torch.device | None = None) -> None:
+    """Set this rank's RNG states from the checkpoint (:func:`read_rng`; a warning when it has none)."""
+    rng = read_rng(directory, rank=rank)
+    if rng is not None:
+        set_rng_state(rng, device)
