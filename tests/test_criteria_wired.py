@@ -67,6 +67,8 @@ def test_fisher_budget_trains_the_units_a_by_hand_fisher_picks(store, tmp_path, 
                      optimizers={"sgd": [0.1]}, seeds=[0], steps=3, batch_size=8, eval_period=3, log_period=1,
                      warmup_steps=1, augment=False, shuffle=False, criteria_batches=2)
     point = grid_point("tiny", "fisher:30%", "sgd", 0.1, 0)
+    unscored, _ = finetune_job(spec, point, str(tmp_path / "run"), score=False)  # a failed trial's row
+    assert unscored.selection is None and not (tmp_path / "study" / "criteria").exists()
     cfg, _ = finetune_job(spec, point, str(tmp_path / "run"))
 
     scores = by_hand_fisher(store, seed=0, batches=2, batch_size=8)

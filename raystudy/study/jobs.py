@@ -57,7 +57,7 @@ def train_resources(spec: StudySpec):
                                    max_failures="worker_retries"))
 
 
-def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, plasticity=None):
+def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, plasticity=None, score: bool = True):
     """The finetuning run of one grid point (``dataset``, ``configuration``, ``optimizer``, ``lr``,
     ``seed``; see :func:`raystudy.study.points.grid_point`): ``(FinetuneConfig, TrainResources)``.
 
@@ -72,7 +72,8 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     (``auto:B``, ``random:B``) is resolved here, once per trial, into the config's ``selection``
     (:func:`budget_selection`), a criterion's (``fisher:B``, ...) with its units' scores in
     ``selection_scores`` (:func:`selection_of`); ``plasticity`` (the study's plasticity table, default: read
-    from the study directory when ``auto:B`` needs it) is for tests and callers holding it.
+    from the study directory when ``auto:B`` needs it) is for tests and callers holding it; ``score=False``
+    (a failed trial's row, in the driver) reads a criterion's cached scores but never computes them.
     """
     protocol = {**values(ProtocolSettings, spec), **values(ProtocolSettings, spec.protocol(point["dataset"]))}
     axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
@@ -80,7 +81,7 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
                          store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir),
                          change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split,
                          hparams={"dataset": point["dataset"], "phase": phase_of(dict(point))})
-    cfg.selection, cfg.selection_scores = selection_of(spec, cfg, point["dataset"], plasticity)
+    cfg.selection, cfg.selection_scores = selection_of(spec, cfg, point["dataset"], plasticity, score=score)
     return cfg, train_resources(spec)
 
 
@@ -97,7 +98,8 @@ def budget_selection(spec: StudySpec, cfg, dataset: str, plasticity=None) -> str
     return selection_of(spec, cfg, dataset, plasticity)[0]
 
 
-def selection_of(spec: StudySpec, cfg, dataset: str, plasticity=None) -> tuple[str | None, dict]:
+def selection_of(spec: StudySpec, cfg, dataset: str, plasticity=None, *, score: bool = True
+                 ) -> tuple[str | None, dict]:
     """``(selection, scores)``: the units a budget of ``cfg`` trains on ``dataset`` as a canonical combination
     (``None`` for any other configuration), and for a criterion's budget its chosen units' scores in chosen
     order (``{"FC2@2": 0.31, ...}``; else ``{}``).
@@ -105,7 +107,7 @@ def selection_of(spec: StudySpec, cfg, dataset: str, plasticity=None) -> tuple[s
     Resolved on a meta-device model (counts without memory) with ``cfg.seed`` (``random:B``'s order); for
     ``auto:B`` the rows of ``dataset`` and the spec's plasticity mode in ``plasticity`` (default: the study's
     ``plasticity.parquet``, measured before any trial runs); for a criterion its cached unit scores
-    (:func:`criterion_table`).
+    (:func:`criterion_table`); without them cached and with ``score=False``: ``(None, {})``.
     """
     tree = normalise(cfg.configuration)
     if not isinstance(tree, Budgeted):
@@ -114,7 +116,9 @@ def selection_of(spec: StudySpec, cfg, dataset: str, plasticity=None) -> tuple[s
     if tree.strategy == "auto":
         table = plasticity_of(spec, dataset, plasticity)
     elif tree.strategy in CRITERIA:
-        rows = criterion_table(spec, cfg, dataset, tree.strategy)
+        rows = criterion_table(spec, cfg, dataset, tree.strategy, score=score)
+        if rows is None:
+            return None, {}
         scores = {(c, int(b)): float(v) for c, b, v in zip(rows["component"], rows["layer"], rows["score"])}
     resolved = resolve(_meta_model(cfg), tree, plasticity=table, scores=scores, seed=cfg.seed,
                        include_layerscale=cfg.include_layerscale)
@@ -128,12 +132,13 @@ CRITERION_KEYS = ("model", "model_kwargs", "weights", "pretrained", "img_size", 
                   "drop_last", "augment", "resize", "data_path", "include_layerscale")
 
 
-def criterion_table(spec: StudySpec, cfg, dataset: str, criterion: str):
+def criterion_table(spec: StudySpec, cfg, dataset: str, criterion: str, *, score: bool = True):
     """The unit scores of ``criterion`` for ``cfg``'s run on ``dataset`` (DataFrame: ``component``, ``layer``,
     ``score`` and the key's columns), computed once (:func:`raystudy.core.finetune.selection.criterion_scores`,
     on CUDA when there is one) and cached in the study directory as
     ``criteria/<dataset>/<criterion>_b<criteria_batches>_s<seed>_<key>.parquet``, ``key`` a hash of the
-    settings in :data:`CRITERION_KEYS`; a later trial (another lr, the driver's callback, a resume) reads it."""
+    settings in :data:`CRITERION_KEYS`; a later trial (another lr, the driver's callback, a resume) reads it.
+    ``None`` when not cached and ``score`` is false."""
     import pandas as pd  # heavy: only for a criterion's budget
     import pyarrow.parquet as pq
 
@@ -143,6 +148,8 @@ def criterion_table(spec: StudySpec, cfg, dataset: str, criterion: str):
     cached = read_bytes(path)
     if cached is not None:
         return pq.read_table(io.BytesIO(cached)).to_pandas()
+    if not score:
+        return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     scores = criterion_scores(cfg, criterion, device=device)
     rows = pd.DataFrame([{"dataset": dataset, "criterion": criterion, "batches": cfg.criteria_batches,
