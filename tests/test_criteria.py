@@ -101,3 +101,11 @@ def test_unknown_criterion_and_no_gradients():
         element_scores("snip", params, [])
     with pytest.raises(ValueError, match="at least one gradient"):
         element_scores("grad", params, [])
+
+
+def test_chunked_batches_give_the_batch_gradient():
+    model, batches, units, params = _setup(n_batches=1, batch=5)
+    whole = next(batch_gradients(model, params, batches))
+    chunked = next(batch_gradients(model, params, batches, chunk=2))  # chunks of 2, 2, 1 rows
+    for n, _ in params:
+        torch.testing.assert_close(chunked[n], whole[n], rtol=1e-4, atol=1e-7)

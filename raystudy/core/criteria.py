@@ -57,12 +57,14 @@ Named = list[tuple[str, torch.Tensor]]
 
 
 def batch_gradients(model: nn.Module, params: Named, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-                    per_sample: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+                    per_sample: bool = False, chunk: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """The gradient of ``cross_entropy(model(x), y)`` (mean over the rows) w.r.t. each of ``params``, once per
     batch ``(x, y)`` (``x`` ``(B, ...)``, ``y`` ``(B,)`` int64), or with ``per_sample`` once per row of each batch
     (a batch of one). Yields ``{name: gradient}``, each of its tensor's shape (float32, detached).
 
-    The model runs in ``eval()`` mode and is restored to its mode and ``requires_grad`` flags afterwards.
+    ``chunk``: rows per backward pass (memory): a batch's gradient is then the sum over its chunks ``k`` of
+    the gradient of ``sum_{i in k} loss_i / B``, the same mean up to rounding. The model runs in ``eval()``
+    mode and is restored to its mode and ``requires_grad`` flags afterwards.
     """
     tensors = [p for _, p in params]
     was_training, flags = model.training, [p.requires_grad for p in tensors]
@@ -71,15 +73,27 @@ def batch_gradients(model: nn.Module, params: Named, batches: Iterable[tuple[tor
         for p in tensors:
             p.requires_grad_(True)
         for x, y in batches:
-            pieces = [(x[i:i + 1], y[i:i + 1]) for i in range(len(y))] if per_sample else [(x, y)]
-            for xs, ys in pieces:
-                loss = F.cross_entropy(model(xs).float(), ys)
-                grads = torch.autograd.grad(loss, tensors)
-                yield {n: g.detach().float() for (n, _), g in zip(params, grads)}
+            if per_sample:
+                for i in range(len(y)):
+                    yield _gradient(model, params, [(x[i:i + 1], y[i:i + 1])], 1)
+            else:
+                step = chunk or len(y)
+                yield _gradient(model, params, [(x[i:i + step], y[i:i + step]) for i in range(0, len(y), step)],
+                                len(y))
     finally:
         model.train(was_training)
         for p, flag in zip(tensors, flags):
             p.requires_grad_(flag)
+
+
+def _gradient(model: nn.Module, params: Named, chunks: list, rows: int) -> dict[str, torch.Tensor]:
+    """``{name: d(sum of the chunks' losses / rows) / d param}``: one backward pass per chunk, summed."""
+    total: dict[str, torch.Tensor] = {}
+    for xs, ys in chunks:
+        loss = F.cross_entropy(model(xs).float(), ys, reduction="sum") / rows
+        for (n, _), g in zip(params, torch.autograd.grad(loss, [p for _, p in params])):
+            total[n] = total[n] + g.float() if n in total else g.detach().float()
+    return total
 
 
 def element_scores(criterion: str, params: Named, gradients: Iterable[dict[str, torch.Tensor]]) -> dict:

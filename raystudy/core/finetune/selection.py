@@ -154,7 +154,8 @@ def criterion_scores(cfg: FinetuneConfig, criterion: str, *, device: str = "cpu"
     of ``cfg``: its model at the pretrained weights with its new head (:func:`build_finetune_model`, seeded by
     ``cfg.seed``), on its first ``cfg.criteria_batches`` training batches as the run draws them (the rows of
     :func:`~raystudy.core.finetune.data.global_batch` for steps ``0..N-1``, their augmentation seeded by
-    ``cfg.seed``), in float32 on ``device``. ``magnitude`` reads no data. Image models only."""
+    ``cfg.seed``), in float32 on ``device``, ``cfg.micro_batch_size`` rows per backward pass (all when None).
+    ``magnitude`` reads no data. Image models only."""
     store = Store.open(cfg.store)
     model = build_finetune_model(cfg, cfg.num_classes or int(store.meta["num_classes"])).to(device)
     units = unit_parameters(model, include_layerscale=cfg.include_layerscale)
@@ -174,7 +175,7 @@ def criterion_scores(cfg: FinetuneConfig, criterion: str, *, device: str = "cpu"
                 raise ValueError(f"criterion {criterion!r}: scores are computed for image models only")
             yield x, y
 
-    grads = batch_gradients(model, params, batches(), per_sample=per_sample(criterion))
+    grads = batch_gradients(model, params, batches(), per_sample=per_sample(criterion), chunk=cfg.micro_batch_size)
     return unit_scores(criterion, units, params, grads)
 
 
