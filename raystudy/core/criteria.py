@@ -107,22 +107,34 @@ def element_scores(criterion: str, params: Named, gradients: Iterable[dict[str, 
     theta = {n: p.detach().float() for n, p in params}
     if criterion == "magnitude":
         return {n: t.abs() for n, t in theta.items()}
-    total = {n: torch.zeros_like(t) for n, t in theta.items()}
+    if criterion == "grad":
+        return _accumulate(params, gradients, torch.abs)[0]
+    if criterion == "fisher":
+        total, count = _accumulate(params, gradients, torch.square)
+        return {n: s / count for n, s in total.items()}
+    gbar = mean_gradient(params, gradients)
+    if criterion == "taylor":
+        return {n: (theta[n] * gbar[n]).abs() for n in theta}
+    return {n: torch.full_like(theta[n], float(gbar[n].norm() / theta[n].norm())) for n in theta}
+
+
+def mean_gradient(params: Named, gradients: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``gbar = (1/N) sum_b g_b`` per name of ``params`` (each of its parameter's shape)."""
+    total, count = _accumulate(params, gradients, lambda g: g)
+    return {n: s / count for n, s in total.items()}
+
+
+def _accumulate(params: Named, gradients: Iterable[dict[str, torch.Tensor]], f) -> tuple[dict, int]:
+    """``({name: sum over the gradients of f(g[name])}, how many gradients)``; ``ValueError`` for none."""
+    total = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params}
     count = 0
     for g in gradients:
         count += 1
         for n in total:
-            total[n] += g[n].abs() if criterion == "grad" else g[n].square() if criterion == "fisher" else g[n]
+            total[n] += f(g[n])
     if count == 0:
-        raise ValueError(f"criterion {criterion!r} needs at least one gradient")
-    if criterion == "grad":
-        return total
-    mean = {n: s / count for n, s in total.items()}
-    if criterion == "fisher":
-        return mean
-    if criterion == "taylor":
-        return {n: (theta[n] * mean[n]).abs() for n in theta}
-    return {n: torch.full_like(theta[n], float(mean[n].norm() / theta[n].norm())) for n in theta}
+        raise ValueError("a gradient criterion needs at least one gradient")
+    return total, count
 
 
 def unit_scores(criterion: str, units: dict, params: Named, gradients: Iterable[dict[str, torch.Tensor]]) -> dict:
@@ -133,15 +145,8 @@ def unit_scores(criterion: str, units: dict, params: Named, gradients: Iterable[
     if criterion != "rgn":
         scores = element_scores(criterion, params, gradients)
         return {u: _mean([scores[n] for n, _ in ps]) for u, ps in units.items()}
-    total, count = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params}, 0
-    for g in gradients:
-        count += 1
-        for n in total:
-            total[n] += g[n]
-    if count == 0:
-        raise ValueError("criterion 'rgn' needs at least one gradient")
-    return {u: _norm([total[n] / count for n, _ in ps]) / _norm([p.detach().float() for _, p in ps])
-            for u, ps in units.items()}
+    gbar = mean_gradient(params, gradients)
+    return {u: _norm([gbar[n] for n, _ in ps]) / _norm([p.detach().float() for _, p in ps]) for u, ps in units.items()}
 
 
 def _mean(tensors: list[torch.Tensor]) -> float:
