@@ -281,6 +281,9 @@ class ProtocolSettings(DeviceSettings):
                          roles={"trial", "resume", "row", "study_flag"}, per_dataset=True)
     batch_size: int = setting(512, check="batch_size", help="global batch over all workers",
                               roles={"trial", "resume", "row"})
+    criteria_batches: int = setting(8, check="positive_int", roles={"trial"}, legacy=8,
+                                    help="rgn:/grad:/taylor:/fisher: budgets: the run's first training batches "
+                                         "their scores are computed on (SPT's 8)")
     eval_period: int = setting(500, check="positive_int", help="evaluate on val every this many steps",
                                roles={"trial"}, per_dataset=True)
     eval_steps: str = setting("every_and_last", choices=vocab.EVAL_STEPS, roles={"trial"},
@@ -468,6 +471,8 @@ class RunSettings:
                                       roles={"resume"})
     selection: str | None = setting(None, cli=False, help="auto:/random: only: the units they were resolved to",
                                     roles={"resume"})
+    selection_scores: dict = setting(factory=dict, cli=False,
+                                     help="a criterion's budget only: its chosen units' scores, in chosen order")
     optimizer: str = setting("sgd", choices=OPTIMIZERS, help="sgd (momentum) or adamw", roles={"resume"})
     lr: float = setting(1e-2, check="positive", help="learning rate as used (AdamW: the caller scales)",
                         roles={"resume"})

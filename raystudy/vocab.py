@@ -40,6 +40,10 @@ STATUSES: tuple[str, ...] = ("ok", "diverged", "failed")
 FINAL_STATUSES: tuple[str, ...] = ("ok", "diverged")
 MODES: tuple[str, ...] = ("embedding", "hidden")
 SEARCHES: tuple[str, ...] = ("grid", "optuna")
+#: selection criteria a budget may rank units by beside plasticity (``auto``) and ``random``
+#: (:mod:`raystudy.core.criteria`): Auto-RGN, GPS-style accumulated |g|, first-order Taylor |g theta|,
+#: empirical Fisher, weight magnitude
+CRITERIA: tuple[str, ...] = ("rgn", "grad", "taylor", "fisher", "magnitude")
 #: A trials row's stage of the benchmark protocol (VTAB-1k: VPT, NOAH): ``search`` a grid trial (trained on
 #: train, lr chosen on val), ``final`` the refit at the val-chosen lr on train + val, test reported.
 PHASES: tuple[str, ...] = ("search", "final")

@@ -234,3 +234,13 @@ def test_matched_budget_matches_the_cap_when_all_and_head_ran():
     table = B.matched_budget_table(pd.DataFrame(without), notes=notes)  # reference 10,500: the other way round
     assert ("auto:2%", "lora:r=1") in set(zip(table["first"], table["second"]))
     assert any("ia3" in n for n in notes)
+
+
+def test_criterion_budgets_are_a_family_compared_with_auto_and_random():
+    from raystudy.analysis.beyond import _comparisons, family
+
+    assert family("fisher:1%") == "fisher" and family("rgn:2M") == "rgn"
+    assert _comparisons(["lora:r=2", "fisher:1%", "random:1%", "auto:1%", "fisher:2%"]) == [
+        ("auto:1%", "random:1%"), ("auto:1%", "fisher:1%"), ("auto:1%", "fisher:2%"), ("auto:1%", "lora:r=2"),
+        ("random:1%", "fisher:1%"), ("random:1%", "fisher:2%"), ("random:1%", "lora:r=2"),
+        ("fisher:1%", "lora:r=2"), ("fisher:2%", "lora:r=2")]

@@ -66,7 +66,7 @@ def test_config_validates_expressions_and_selection(store, tmp_path):
         tiny_cfg(store, tmp_path, configuration="MHA+Attn").validate()
     with pytest.raises(ValueError, match="auto:<budget> needs `selection`"):
         tiny_cfg(store, tmp_path, configuration="auto:30%").validate()
-    with pytest.raises(ValueError, match="only an auto:/random: configuration has a selection"):
+    with pytest.raises(ValueError, match="only a budget .auto:, random:, a criterion. has a selection"):
         tiny_cfg(store, tmp_path, configuration="MHA", selection="FC1").validate()
     with pytest.raises(ValueError, match="expected a combination"):
         tiny_cfg(store, tmp_path, configuration="random:5%", selection="lora:r=2").validate()

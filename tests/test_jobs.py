@@ -68,7 +68,7 @@ SPEC = dict(
     compile=True, cache_dir="/caches", momentum=0.8, betas=(0.85, 0.99), weight_decay=0.05, clip_norm=2.0,
     head_init="zero", include_layerscale=True, eval_batch_size=100, eval_cache_mb=64, loader_workers=2,
     accuracy="per_batch", val_split="per_seed", drop_last=True, val_batch_size=50, change_images=16,
-    resize="stretch", eval_steps="authors", warmup_factor="k", loader_batch_size=24, norm_eps=1e-12,
+    resize="stretch", eval_steps="authors", warmup_factor="k", loader_batch_size=24, norm_eps=1e-12, criteria_batches=3,
     attention="explicit", diverged_test="class_0",
     workers_per_trial=3, gpus_per_worker=0.25, cpus_per_worker=2.5, worker_retries=4,
     plasticity=dict(pairs=999, batch_size=24, mode="hidden", seed=11, workers=5, gpus_per_worker=0.75,

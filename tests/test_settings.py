@@ -132,7 +132,7 @@ def test_generated_flags_take_default_and_help_from_the_definition(command, sour
             else:
                 assert action.default == default_of(source, f.name), f"--{f.name}"
             assert f.metadata["help"].replace("%", "%%") in action.help, f"--{f.name}"
-    assert seen == {"finetune": 57, "probe": 19, "plasticity": 28}[command]
+    assert seen == {"finetune": 58, "probe": 19, "plasticity": 28}[command]
 
 
 def test_the_renamed_settings_are_read_from_their_declarations():

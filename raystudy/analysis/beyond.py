@@ -31,7 +31,7 @@ from raystudy.analysis.render import STD_NOTE, Block, Rendered, fmt_count, fmt_l
 from raystudy.analysis.stats import _match_models, signed_rank_test, smallest_p_note, spearman_p_value, statistic_note
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models, population_std, recorded_counts
 from raystudy.core.expressions import BIAS, METHODS, Adapter, Budgeted, Combination, ExpressionError, parse
-from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
+from raystudy.vocab import COMPONENTS, CRITERIA, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 #: The tables of this module, in report order.
 TABLES = ("frontier", "matched_budget", "unit_gain")
@@ -41,17 +41,18 @@ DEFAULT_TOLERANCE = 1.5
 #: The families that join a budget by their count (not by a ``B`` of their own), in comparison order after
 #: ``auto`` and ``random``: the PEFT methods, then BitFit.
 MATCHED_FAMILIES: tuple[str, ...] = tuple(METHODS) + (BIAS,)
-#: The families of the matched-budget comparisons, in the order a pair names them.
-BUDGET_FAMILIES: tuple[str, ...] = ("auto", "random") + MATCHED_FAMILIES
+#: The families of the matched-budget comparisons, in the order a pair names them: plasticity, its random
+#: control, the selection criteria of the literature, the matched families.
+BUDGET_FAMILIES: tuple[str, ...] = ("auto", "random") + CRITERIA + MATCHED_FAMILIES
 #: The alternative of the matched-budget tests (no configuration is the favourite).
 MATCHED_ALTERNATIVE = "two-sided"
 KEYS = ["model", "dataset", "optimizer", "configuration"]
 
 
 def family(configuration: str) -> str:
-    """``auto``, ``random``, a PEFT method (``lora``, ``dora``, ``loha``, ``lokr``, ``vera``, ``ia3``), ``bias``
-    (BitFit: ``bias`` or ``bias@blocks`` alone), ``combination`` (any other expression) or the paper name
-    itself."""
+    """``auto``, ``random``, a criterion (``fisher``, ...), a PEFT method (``lora``, ``dora``, ``loha``, ``lokr``,
+    ``vera``, ``ia3``), ``bias`` (BitFit: ``bias`` or ``bias@blocks`` alone), ``combination`` (any other
+    expression) or the paper name itself."""
     if configuration in TRIALS_CONFIGURATIONS:
         return configuration
     try:
@@ -187,7 +188,7 @@ def _budget_groups(per: pd.DataFrame, tolerance: float, notes: list[str]) -> dic
 
 def _comparisons(configs: list[str]) -> list[tuple[str, str]]:
     """Every pair of configurations of different families, in :data:`BUDGET_FAMILIES` order (auto, random,
-    lora, dora, ..., ia3, bias)."""
+    rgn, grad, ..., lora, dora, ..., ia3, bias)."""
     cs = sorted(configs, key=lambda c: (BUDGET_FAMILIES.index(family(c)), c))
     return [(a, b) for i, a in enumerate(cs) for b in cs[i + 1:] if family(a) != family(b)]
 

@@ -8,7 +8,8 @@ Grammar (no whitespace; names are case-sensitive)::
                                                   component or bias
     blocks      := span (',' span)*
     span        := INT ('-' INT)?                  inclusive and ascending: 8-11 is 8,9,10,11
-    budgeted    := ('auto' | 'random') ':' budget
+    budgeted    := STRATEGY ':' budget
+    STRATEGY    := 'auto' | 'random' | 'rgn' | 'grad' | 'taylor' | 'fisher' | 'magnitude'
     budget      := NUMBER ('%' | 'k' | 'M')?       % of All's parameter count, or a count: 2M, 500k, 1234
     adapter     := RANKED ':r=' INT targets? | 'ia3' targets?
     RANKED      := 'lora' | 'dora' | 'loha' | 'lokr' | 'vera'
@@ -27,6 +28,8 @@ Meaning (the classification head trains in every configuration and is never part
   are still tried, so the selection never exceeds ``B`` and uses it as fully as the order allows.
   Units whose plasticity is NaN are never chosen. ``random:B`` packs the same units the same way in a
   random order drawn from the seed: the control that tells whether plasticity is what helps.
+* ``rgn:B``, ``grad:B``, ``taylor:B``, ``fisher:B``, ``magnitude:B`` pack them the same way in decreasing
+  score of a criterion of the literature (:mod:`raystudy.core.criteria`): does plasticity select better?
 * ``lora:r=8`` low-rank adapters of rank 8 on every block's ``qkv`` and ``proj`` (the attention's input and
   output projections); ``lora:r=8:qkv,fc1`` on other linear layers, named relative to the block. ``dora:r=8``
   (weight-decomposed LoRA), ``loha:r=8`` (Hadamard product), ``lokr:r=8`` (Kronecker product) and
@@ -56,9 +59,10 @@ from typing import NoReturn
 
 from raystudy.core.components import get_adapter, trainable_parameters
 from raystudy.core.peft_methods import METHODS, TargetError, apply_method
-from raystudy.vocab import COMPONENTS, CONFIGURATIONS, did_you_mean
+from raystudy.vocab import COMPONENTS, CONFIGURATIONS, CRITERIA, did_you_mean
 
-STRATEGIES: tuple[str, ...] = ("auto", "random")
+#: The words of a budget: plasticity (``auto``), the seeded random control, the criteria of the literature.
+STRATEGIES: tuple[str, ...] = ("auto", "random") + CRITERIA
 #: BitFit's term: every bias outside the head (a name a trial trains, not one of the paper's seven, so it is
 #: not in :data:`~raystudy.vocab.CONFIGURATIONS`, whose order the paper's tables and colours follow).
 BIAS = "bias"
@@ -159,7 +163,8 @@ class Budget:
 
 @dataclass(frozen=True)
 class Budgeted:
-    """``auto:B`` (by plasticity) or ``random:B`` (seeded random order): units packed into ``budget``."""
+    """``auto:B`` (by plasticity), ``random:B`` (seeded random order) or ``<criterion>:B`` (by a criterion's
+    scores): units packed into ``budget``."""
 
     strategy: str
     budget: Budget
@@ -252,8 +257,8 @@ class _Parser:
             self.fail(f"expected a configuration name, found {self.found()}")
         if name not in TERMS:
             self.fail(f"unknown name {name!r}{did_you_mean(name, TERMS + WORDS) or ';'} expected one of "
-                      f"{', '.join(TERMS)}, auto:<budget>, "
-                      f"random:<budget>, {':r=<rank>, '.join(m for m in METHODS if METHODS[m].ranked)}:r=<rank> "
+                      f"{', '.join(TERMS)}, {', '.join(w + ':<budget>' for w in STRATEGIES)}, "
+                      f"{':r=<rank>, '.join(m for m in METHODS if METHODS[m].ranked)}:r=<rank> "
                       f"or {', '.join(m for m in METHODS if not METHODS[m].ranked)}", start)
         if not self.accept("@"):
             return Term(name)
@@ -412,12 +417,17 @@ def plasticity_order(units: list[Unit], plasticity) -> list[Unit]:
     if len(set(keys)) != len(keys):
         raise ValueError("plasticity table has several rows for one (component, layer): filter it to one "
                          "dataset and mode first")
-    value = dict(zip(keys, (float(x) for x in plasticity["plasticity"])))
-    missing = [u for u in units if u not in value]
+    return score_order(units, dict(zip(keys, (float(x) for x in plasticity["plasticity"]))), "plasticity table")
+
+
+def score_order(units: list[Unit], score: dict[Unit, float], what: str = "scores") -> list[Unit]:
+    """``units`` in decreasing ``score`` (ties: lower block, then COMPONENTS order); NaN ones dropped.
+    ``ValueError`` for a unit ``score`` (the ``what``) lacks."""
+    missing = [u for u in units if u not in score]
     if missing:
-        raise ValueError(f"plasticity table lacks {len(missing)} unit(s), e.g. {missing[:3]}")
-    measured = [u for u in units if not math.isnan(value[u])]
-    return sorted(measured, key=lambda u: (-value[u], u[1], COMPONENTS.index(u[0])))
+        raise ValueError(f"{what} lacks {len(missing)} unit(s), e.g. {missing[:3]}")
+    measured = [u for u in units if not math.isnan(score[u])]
+    return sorted(measured, key=lambda u: (-score[u], u[1], COMPONENTS.index(u[0])))
 
 
 def random_order(units: list[Unit], seed: int) -> list[Unit]:
@@ -453,10 +463,10 @@ class Resolved:
 
     ``configuration``: the canonical expression; ``parameters``: ``(name, parameter)`` in
     ``model.named_parameters()`` order; ``units``: the (component, block) units in the order they were
-    chosen (plasticity order for ``auto``; every unit a combination names, in depth order; empty for
-    ``Emb``/``All``/``Head``/``bias`` alone and adapters); ``chosen``: a canonical expression training exactly these
-    parameters (the units' combination for a budget, the configuration otherwise: record it in the trial
-    row); ``budget``: the budget in parameters (``None`` without one).
+    chosen (plasticity order for ``auto``, score order for a criterion; every unit a combination names, in
+    depth order; empty for ``Emb``/``All``/``Head``/``bias`` alone and adapters); ``chosen``: a canonical
+    expression training exactly these parameters (the units' combination for a budget, the configuration
+    otherwise: record it in the trial row); ``budget``: the budget in parameters (``None`` without one).
     """
 
     configuration: str
@@ -526,8 +536,8 @@ def _resolve_combination(model, tree: Combination, include_layerscale: bool) -> 
     return _in_model_order(model, names), tuple(sorted(units, key=lambda u: (u[1], COMPONENTS.index(u[0]))))
 
 
-def _resolve_budget(model, tree: Budgeted, plasticity, seed: int, include_layerscale: bool) -> Resolved:
-    """First-fit packing of the units into the budget, in plasticity or seeded random order."""
+def _resolve_budget(model, tree: Budgeted, plasticity, scores, seed: int, include_layerscale: bool) -> Resolved:
+    """First-fit packing of the units into the budget, in plasticity, criterion or seeded random order."""
     per_unit = unit_parameters(model, include_layerscale=include_layerscale)
     sizes = {u: sum(p.numel() for _, p in ps) for u, ps in per_unit.items()}
     total = sum(p.numel() for _, p in trainable_parameters(model, "All"))
@@ -536,6 +546,10 @@ def _resolve_budget(model, tree: Budgeted, plasticity, seed: int, include_layers
         if plasticity is None:
             raise ValueError(f"configuration {str(tree)!r} needs the dataset's plasticity table")
         order = plasticity_order(list(per_unit), plasticity)
+    elif tree.strategy in CRITERIA:
+        if scores is None:
+            raise ValueError(f"configuration {str(tree)!r} needs the units' {tree.strategy} scores")
+        order = score_order(list(per_unit), scores)
     else:
         order = random_order(list(per_unit), seed)
     chosen = first_fit(order, sizes, budget)
@@ -559,11 +573,13 @@ def _target_position(tree: Adapter, target: str) -> int:
     return len(text)
 
 
-def resolve(model, expr: str | Expression, *, plasticity=None, seed: int = 0,
-            include_layerscale: bool = False) -> Resolved:
+def resolve(model, expr: str | Expression, *, plasticity=None, scores: dict[Unit, float] | None = None,
+            seed: int = 0, include_layerscale: bool = False) -> Resolved:
     """The parameters ``expr`` trains on ``model`` (head excluded; the caller adds it).
 
     ``plasticity``: the dataset's plasticity table, needed by ``auto:B`` (see :func:`plasticity_order`);
+    ``scores``: ``{unit: score}`` of the expression's criterion, needed by ``<criterion>:B``
+    (:func:`raystudy.core.criteria.unit_scores`; see :func:`score_order`);
     ``seed``: the order of ``random:B`` and the initialisation of an adapter's random factors.
     **An adapter modifies ``model`` in place**: it wraps the target layers
     (:func:`raystudy.core.peft_methods.apply_method`), so their weights are named ``...qkv.base_layer.weight``
@@ -573,7 +589,7 @@ def resolve(model, expr: str | Expression, *, plasticity=None, seed: int = 0,
     """
     tree = normalise(expr)
     if isinstance(tree, Budgeted):
-        return _resolve_budget(model, tree, plasticity, seed, include_layerscale)
+        return _resolve_budget(model, tree, plasticity, scores, seed, include_layerscale)
     if isinstance(tree, Adapter):
         try:
             params = apply_method(model, tree.method, tree.rank, tree.targets, seed=seed)

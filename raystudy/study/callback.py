@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def failed_trial_row(spec: StudySpec, point: dict[str, Any], error: BaseException | str) -> dict[str, Any]:
     """The ``trials.parquet`` row of a trial that ended without a result of its own:
     :func:`raystudy.core.finetune.driver.failed_summary` of its run config, as a :func:`trial_row`."""
-    cfg, _ = finetune_job(spec, point, trial_dir(spec.out, point["trial_id"]))
+    cfg, _ = finetune_job(spec, point, trial_dir(spec.out, point["trial_id"]), score=False)  # no scoring here
     return trial_row(point, spec.model, failed_summary(cfg, error), spec.model_kwargs)
 
 

@@ -217,12 +217,17 @@ def _parameter_count(model: str, kwargs_json: str, img_size: int | None) -> int 
 def counted_selection(spec, dataset: str, configuration: str, seed: int, plasticity=None) -> tuple[str, str]:
     """``(expression whose FLOPs a trial of configuration at seed on dataset costs, note)``: the configuration
     itself; for ``random:B`` the units it packs at ``seed``; for ``auto:B`` the units the plasticity of
-    ``dataset`` in ``plasticity`` (the study's table) packs, else those of ``random:B`` at ``seed`` (noted)."""
+    ``dataset`` in ``plasticity`` (the study's table) packs, else those of ``random:B`` at ``seed`` (noted); for a
+    criterion's budget (scored by the trial) those of ``random:B`` at ``seed`` (noted)."""
     tree = normalise(configuration)
     if not isinstance(tree, Budgeted):
         return configuration, ""
     note, table = "", None
-    if tree.strategy == "auto":
+    if tree.strategy not in ("auto", "random"):  # a criterion: its scores are computed by the trial itself
+        tree = Budgeted("random", tree.budget)
+        note = (f"{configuration}: its units are scored by each trial; its FLOPs are estimated as {tree}'s at "
+                "each trial's seed (same budget, random order)")
+    elif tree.strategy == "auto":
         if plasticity is not None:
             table = plasticity[(plasticity["dataset"] == dataset) & (plasticity["mode"] == spec.plasticity.mode)]
         if table is None or table.empty:

@@ -17,6 +17,9 @@ resources (``workers_per_trial`` -> ``workers``, ``worker_retries`` -> ``max_fai
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +27,7 @@ import torch
 
 from raystudy.core.expressions import Budgeted, normalise, resolve
 from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.finetune.selection import criterion_scores
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
 from raystudy.distributed.probe import ProbeJob
@@ -37,9 +41,10 @@ from raystudy.settings import (
     ResourceSettings,
     values,
 )
+from raystudy.storage import join, read_bytes, write_parquet_atomic
 from raystudy.study.points import phase_of
 from raystudy.study.spec import StudySpec
-from raystudy.vocab import PHASES, pretrained_rows
+from raystudy.vocab import CRITERIA, PHASES, pretrained_rows
 
 
 def train_resources(spec: StudySpec):
@@ -52,7 +57,7 @@ def train_resources(spec: StudySpec):
                                    max_failures="worker_retries"))
 
 
-def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, plasticity=None):
+def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, plasticity=None, score: bool = True):
     """The finetuning run of one grid point (``dataset``, ``configuration``, ``optimizer``, ``lr``,
     ``seed``; see :func:`raystudy.study.points.grid_point`): ``(FinetuneConfig, TrainResources)``.
 
@@ -65,8 +70,10 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     ``plasticity.pretrain_split``; :meth:`raystudy.core.finetune.Finetuner.measure_changes`). The run's
     TensorBoard HParams session adds the point's ``dataset`` and ``phase`` (``hparams``). A budget
     (``auto:B``, ``random:B``) is resolved here, once per trial, into the config's ``selection``
-    (:func:`budget_selection`); ``plasticity`` (the study's plasticity table, default: read from the study
-    directory when ``auto:B`` needs it) is for tests and callers holding it.
+    (:func:`budget_selection`), a criterion's (``fisher:B``, ...) with its units' scores in
+    ``selection_scores`` (:func:`selection_of`); ``plasticity`` (the study's plasticity table, default: read
+    from the study directory when ``auto:B`` needs it) is for tests and callers holding it; ``score=False``
+    (a failed trial's row, in the driver) reads a criterion's cached scores but never computes them.
     """
     protocol = {**values(ProtocolSettings, spec), **values(ProtocolSettings, spec.protocol(point["dataset"]))}
     axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
@@ -74,7 +81,7 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
                          store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir),
                          change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split,
                          hparams={"dataset": point["dataset"], "phase": phase_of(dict(point))})
-    cfg.selection = budget_selection(spec, cfg, point["dataset"], plasticity)
+    cfg.selection, cfg.selection_scores = selection_of(spec, cfg, point["dataset"], plasticity, score=score)
     return cfg, train_resources(spec)
 
 
@@ -85,21 +92,71 @@ def train_splits_of(point: Mapping[str, Any]) -> str:
 
 
 def budget_selection(spec: StudySpec, cfg, dataset: str, plasticity=None) -> str | None:
-    """The units an ``auto:B`` / ``random:B`` configuration of ``cfg`` trains on ``dataset``, as a canonical
-    combination (``MHA@10-11+FC1@11``); ``None`` for any other configuration.
+    """The units a budget (``auto:B``, ``random:B``, ``<criterion>:B``) of ``cfg`` trains on ``dataset``, as a
+    canonical combination (``MHA@10-11+FC1@11``); ``None`` for any other configuration
+    (:func:`selection_of`)."""
+    return selection_of(spec, cfg, dataset, plasticity)[0]
 
-    Resolved on a meta-device model (counts without memory) with ``cfg.seed`` (``random:B``'s order) and,
-    for ``auto:B``, the rows of ``dataset`` and the spec's plasticity mode in ``plasticity`` (default: the
-    study's ``plasticity.parquet``, measured before any trial runs).
+
+def selection_of(spec: StudySpec, cfg, dataset: str, plasticity=None, *, score: bool = True
+                 ) -> tuple[str | None, dict]:
+    """``(selection, scores)``: the units a budget of ``cfg`` trains on ``dataset`` as a canonical combination
+    (``None`` for any other configuration), and for a criterion's budget its chosen units' scores in chosen
+    order (``{"FC2@2": 0.31, ...}``; else ``{}``).
+
+    Resolved on a meta-device model (counts without memory) with ``cfg.seed`` (``random:B``'s order); for
+    ``auto:B`` the rows of ``dataset`` and the spec's plasticity mode in ``plasticity`` (default: the study's
+    ``plasticity.parquet``, measured before any trial runs); for a criterion its cached unit scores
+    (:func:`criterion_table`); without them cached and with ``score=False``: ``(None, {})``.
     """
     tree = normalise(cfg.configuration)
     if not isinstance(tree, Budgeted):
-        return None
-    table = None
+        return None, {}
+    table = scores = None
     if tree.strategy == "auto":
         table = plasticity_of(spec, dataset, plasticity)
-    return resolve(_meta_model(cfg), tree, plasticity=table, seed=cfg.seed,
-                   include_layerscale=cfg.include_layerscale).chosen
+    elif tree.strategy in CRITERIA:
+        rows = criterion_table(spec, cfg, dataset, tree.strategy, score=score)
+        if rows is None:
+            return None, {}
+        scores = {(c, int(b)): float(v) for c, b, v in zip(rows["component"], rows["layer"], rows["score"])}
+    resolved = resolve(_meta_model(cfg), tree, plasticity=table, scores=scores, seed=cfg.seed,
+                       include_layerscale=cfg.include_layerscale)
+    return resolved.chosen, ({} if scores is None else {f"{c}@{b}": scores[(c, b)] for c, b in resolved.units})
+
+
+#: the settings a criterion's scores depend on besides (dataset, criterion, batches, seed): the model and its
+#: weights, the new head, the training batches' rows and augmentation, the candidate units
+CRITERION_KEYS = ("model", "model_kwargs", "weights", "pretrained", "img_size", "head_init", "norm_eps", "store",
+                  "num_classes", "train_splits", "val_split", "batch_size", "loader_batch_size", "shuffle",
+                  "drop_last", "augment", "resize", "data_path", "include_layerscale")
+
+
+def criterion_table(spec: StudySpec, cfg, dataset: str, criterion: str, *, score: bool = True):
+    """The unit scores of ``criterion`` for ``cfg``'s run on ``dataset`` (DataFrame: ``component``, ``layer``,
+    ``score`` and the key's columns), computed once (:func:`raystudy.core.finetune.selection.criterion_scores`,
+    on CUDA when there is one) and cached in the study directory as
+    ``criteria/<dataset>/<criterion>_b<criteria_batches>_s<seed>_<key>.parquet``, ``key`` a hash of the
+    settings in :data:`CRITERION_KEYS`; a later trial (another lr, the driver's callback, a resume) reads it.
+    ``None`` when not cached and ``score`` is false."""
+    import pandas as pd  # heavy: only for a criterion's budget
+    import pyarrow.parquet as pq
+
+    key = json.dumps({k: getattr(cfg, k, None) for k in CRITERION_KEYS}, sort_keys=True, default=str)
+    name = f"{criterion}_b{cfg.criteria_batches}_s{cfg.seed}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    path = join(spec.out, "criteria", dataset, f"{name}.parquet")
+    cached = read_bytes(path)
+    if cached is not None:
+        return pq.read_table(io.BytesIO(cached)).to_pandas()
+    if not score:
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scores = criterion_scores(cfg, criterion, device=device)
+    rows = pd.DataFrame([{"dataset": dataset, "criterion": criterion, "batches": cfg.criteria_batches,
+                          "seed": cfg.seed, "component": c, "layer": b, "score": v} for (c, b), v in scores.items()])
+    rows["key"] = key
+    write_parquet_atomic(path, rows)
+    return rows
 
 
 def plasticity_of(spec: StudySpec, dataset: str, plasticity=None):

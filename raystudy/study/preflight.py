@@ -130,7 +130,7 @@ def configuration_problems(spec: StudySpec) -> list[str]:
     problems = []
     for configuration in spec.configurations:
         tree = normalise(configuration)
-        if isinstance(tree, Budgeted) and tree.strategy == "auto":
+        if isinstance(tree, Budgeted) and tree.strategy != "random":  # auto, a criterion: scored at launch
             tree = Budgeted("random", tree.budget)
         model = copy.deepcopy(net) if isinstance(tree, Adapter) else net  # an adapter wraps layers in place
         try:

@@ -74,7 +74,8 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     ``MHA@8-11+FC1``, ``auto:5%``, ``random:2M``, ``lora:r=8``). ``selection`` is the combination a budget
     (``auto:B`` / ``random:B``) was resolved to, e.g. ``MHA@10-11+FC1@11``: the run trains exactly it, so
     that workers need no plasticity table and a resumed run trains what the first attempt did
-    (:func:`raystudy.study.jobs.finetune_job` resolves it once per trial). ``auto:B`` requires it;
+    (:func:`raystudy.study.jobs.finetune_job` resolves it once per trial). ``auto:B`` and a criterion's
+    budget (``fisher:B``, ...; ``selection_scores`` its units' scores) require it;
     ``random:B`` without it resolves its units from ``seed``.
 
     Text classifiers: ``model="hf:<dir>"`` (a Hugging Face BERT / GPT-2 / Llama family model, see
@@ -111,12 +112,14 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
             return
         budgeted = isinstance(tree, Budgeted)
         if self.selection is None:
-            if budgeted and tree.strategy == "auto":
-                yield "configuration", ("auto:<budget> needs `selection`, the units it resolves to from the "
-                                        "dataset's plasticity table (raystudy.study.jobs.finetune_job sets it)")
+            if budgeted and tree.strategy != "random":
+                source = "plasticity table" if tree.strategy == "auto" else f"{tree.strategy} scores"
+                yield "configuration", (f"{tree.strategy}:<budget> needs `selection`, the units it resolves to "
+                                        f"from the dataset's {source} (raystudy.study.jobs.finetune_job sets it)")
             return
         if not budgeted:
-            yield "selection", f"only an auto:/random: configuration has a selection, not {self.configuration!r}"
+            yield "selection", ("only a budget (auto:, random:, a criterion) has a selection, not "
+                                f"{self.configuration!r}")
             return
         try:
             ok = isinstance(parse(self.selection), Combination)

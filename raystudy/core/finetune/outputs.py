@@ -51,7 +51,8 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     compiled.
     ``units`` is the canonical expression of what the run trained (:attr:`TrainedParameters.chosen`: a budget's
     units, the configuration otherwise); without a result it is known from ``cfg`` except for a
-    ``random:B`` resolved by the run itself (then None).
+    ``random:B`` resolved by the run itself (then None). A criterion's budget adds ``selection_scores``: its
+    chosen units' scores in chosen order (``{"FC2@2": 0.31, ...}``).
     """
     unknown = set(results) - set(RESULT_DEFAULTS) - {"error"}
     if unknown:
@@ -64,7 +65,8 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     }
     protocol.update({name: getattr(cfg, name) for name in fields_with(cfg, "row")  # the row's settings
                      if name not in protocol and name not in RESULT_DEFAULTS})  # (precision: as it ran)
-    return {**protocol, **RESULT_DEFAULTS, "units": _known_units(cfg), **results}
+    scores = {"selection_scores": dict(cfg.selection_scores)} if cfg.selection_scores else {}
+    return {**protocol, **RESULT_DEFAULTS, "units": _known_units(cfg), **scores, **results}
 
 
 def _known_units(cfg: FinetuneConfig) -> str | None:

@@ -15,10 +15,13 @@ import torch
 from torch import nn
 
 from raystudy.core.components import head_parameters
-from raystudy.core.expressions import resolve
+from raystudy.core.criteria import batch_gradients, needs_gradients, per_sample, unit_scores
+from raystudy.core.expressions import Unit, resolve, unit_parameters
 from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.core.finetune.data import global_batch, open_split_data, to_device
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
+from raystudy.data.store import Store
 
 
 def build_finetune_model(cfg: FinetuneConfig, num_classes: int) -> nn.Module:
@@ -144,6 +147,36 @@ def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm:
         if n in chosen:
             trainable.append((n, p))
     return TrainedParameters(component=component, head=head, extra=extra, trainable=trainable, chosen=resolved.chosen)
+
+
+def criterion_scores(cfg: FinetuneConfig, criterion: str, *, device: str = "cpu") -> dict[Unit, float]:
+    """``{(component, block): score}`` of ``criterion`` (:func:`raystudy.core.criteria.unit_scores`) for the run
+    of ``cfg``: its model at the pretrained weights with its new head (:func:`build_finetune_model`, seeded by
+    ``cfg.seed``), on its first ``cfg.criteria_batches`` training batches as the run draws them (the rows of
+    :func:`~raystudy.core.finetune.data.global_batch` for steps ``0..N-1``, their augmentation seeded by
+    ``cfg.seed``), in float32 on ``device``, ``cfg.micro_batch_size`` rows per backward pass (all when None).
+    ``magnitude`` reads no data. Image models only."""
+    store = Store.open(cfg.store)
+    model = build_finetune_model(cfg, cfg.num_classes or int(store.meta["num_classes"])).to(device)
+    units = unit_parameters(model, include_layerscale=cfg.include_layerscale)
+    params = [(n, p) for ps in units.values() for n, p in ps]
+    if not needs_gradients(criterion):
+        return unit_scores(criterion, units, params, [])
+    data = open_split_data(cfg, "train", store)
+
+    def batches():
+        for step in range(cfg.criteria_batches):
+            rows, epochs = global_batch(step, n=len(data), batch_size=cfg.batch_size, seed=cfg.seed,
+                                        shuffle=cfg.shuffle, drop_last=cfg.drop_last,
+                                        loader_batch=cfg.loader_batch_size)
+            x, y = to_device(data.batch(rows, size=cfg.img_size, train=cfg.augment, seed=cfg.seed, epochs=epochs),
+                             torch.device(device), size=cfg.img_size)
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"criterion {criterion!r}: scores are computed for image models only")
+            yield x, y
+
+    grads = batch_gradients(model, params, batches(), per_sample=per_sample(criterion), chunk=cfg.micro_batch_size)
+    return unit_scores(criterion, units, params, grads)
 
 
 def select_for(model: nn.Module, cfg: FinetuneConfig, *, plasticity=None) -> TrainedParameters:

@@ -1,0 +1,61 @@
+"""Element masks: training a chosen subset of a tensor's entries, the rest bit-identical (no Ray).
+
+A mask selects single weights (the granularity of GPS, the FISH mask and SPT's unstructured tuning)
+instead of whole (component, block) units. Zeroing the frozen entries' gradients is not enough to keep
+them still: AdamW's decoupled weight decay multiplies every entry by ``1 - lr * wd`` whatever its
+gradient, and an optimizer whose state was filled before the mask would keep moving them by momentum.
+So :func:`hold_frozen_entries` does both: a gradient hook zeroes the frozen entries' gradients (what
+clipping and the logged gradient norm see is the trained entries' alone), and an optimizer step hook
+writes the frozen entries back from a copy taken when the mask is applied (``torch.where``: the values
+are the copy's bits, not a recomputation).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def top_elements(scores: dict[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
+    """``{name: bool mask}`` of the ``budget`` entries with the largest ``scores`` over all tensors together
+    (each mask of its score's shape). Ties are broken by position in ``scores``' order, then in the tensor's
+    flattened order (a stable sort), so the masks are a function of the scores alone. ``budget`` is capped
+    at the number of entries; NaN scores are never chosen."""
+    names = list(scores)
+    flat = torch.cat([scores[n].detach().flatten().double() for n in names])
+    flat = torch.where(torch.isnan(flat), torch.full_like(flat, -torch.inf), flat)
+    order = torch.sort(flat, descending=True, stable=True).indices
+    take = order[:min(int(budget), int((flat > -torch.inf).sum()))]
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+    chosen[take] = True
+    masks, at = {}, 0
+    for n in names:
+        size = scores[n].numel()
+        masks[n] = chosen[at:at + size].view(scores[n].shape)
+        at += size
+    return masks
+
+
+def _zero_outside(keep: torch.Tensor):
+    """A gradient hook: ``g * keep`` (``keep`` 1 on trained entries, 0 on frozen ones)."""
+    return lambda g: g * keep
+
+
+def hold_frozen_entries(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
+                        masks: dict[str, torch.Tensor]) -> list:
+    """Train only the ``True`` entries of ``masks`` (``{name: bool mask}``, shapes of ``params[name]``): a
+    gradient hook zeroes the others' gradients and a step hook of ``optimizer`` restores them, bit for bit,
+    from their values now. Returns the hooks' handles (``.remove()`` to undo)."""
+    held, handles = [], []
+    for name, mask in masks.items():
+        p = params[name]
+        keep = mask.to(p.device)
+        held.append((p, keep, p.detach().clone()))
+        handles.append(p.register_hook(_zero_outside(keep.to(p.dtype))))
+
+    def restore(opt, args, kwargs):
+        with torch.no_grad():
+            for p, keep, frozen in held:
+                p.copy_(torch.where(keep, p, frozen))
+
+    return handles + [optimizer.register_step_post_hook(restore)]
