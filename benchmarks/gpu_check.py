@@ -7,7 +7,8 @@ Four sections, each measured with the code a study runs:
   training image (:func:`raystudy.study.cost.image_flops`), achieved TFLOP/s, MFU against the device's peak
   (:data:`raystudy.study.cost.PEAK_TFLOPS`) and peak memory;
 * ``data_path``: images/s delivered to the device by the ``cache`` path (uint8 crops cut on the CPU,
-  resized on the device) and by the ``decode`` path (JPEG decode and augment on the CPU, then copied);
+  resized on the device) and by the ``decode`` path (JPEG decode and augment on the CPU, then copied), and
+  ``split``: where a data-bound training step (a one-block ViT) spends its time on each path (printed too);
 * ``plasticity``: :func:`raystudy.core.plasticity.pair_rates` pairs/s on the device and on one CPU core;
 * ``actor``: a reused trial process (:func:`raystudy.distributed.inprocess.run_in_process`, what a reused
   Tune actor does) over ``--trials`` trials: the per-trial fixed overhead (wall - training seconds) and the
@@ -37,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TINY = {"patch_size": 8, "embed_dim": 48, "depth": 3, "num_heads": 4}
 FULL = {"model": "vit_base_patch16_224", "model_kwargs": {}, "img_size": 224, "batch": 256, "steps": 20,
         "warmup": 5, "configurations": ["All", "MHA", "FC1", "LN1", "Head"], "images": 1024, "width": 500,
-        "height": 375, "pairs": 256, "cpu_pairs": 8, "trials": 10, "trial_steps": 30}
+        "height": 375, "split_steps": 4, "pairs": 256, "cpu_pairs": 8, "trials": 10, "trial_steps": 30}
 SMOKE = {"model": "vit_tiny_patch16_224", "model_kwargs": TINY, "img_size": 32, "batch": 8, "steps": 2,
-         "warmup": 1, "configurations": ["All", "Head"], "images": 32, "width": 64, "height": 48, "pairs": 4,
-         "cpu_pairs": 4, "trials": 3, "trial_steps": 4}
+         "warmup": 1, "configurations": ["All", "Head"], "images": 32, "width": 64, "height": 48, "split_steps": 2,
+         "pairs": 4, "cpu_pairs": 4, "trials": 3, "trial_steps": 4}
 
 
 def _sync(device) -> None:
@@ -70,9 +71,12 @@ def step_section(p: dict, device) -> list[dict]:
 
 
 def data_section(p: dict, device) -> dict:
-    """Images/s to the device of both data paths on the same JPEG store, same rows and seeds."""
+    """Images/s to the device of both data paths on the same JPEG store, same rows and seeds, and ``split``:
+    where a data-bound training step's time goes on each (``data_path_bench.step_split``: fetch, augment,
+    forward/backward, optimizer, bookkeeping, ms per step)."""
     import numpy as np
-    from data_path_bench import make_jpeg_store
+    import torch
+    from data_path_bench import make_jpeg_store, one_block_vit, split_lines, step_split
 
     from raystudy.core.finetune import CachedSplitData, SplitData, global_batch, to_device
 
@@ -93,7 +97,18 @@ def data_section(p: dict, device) -> dict:
                                  size=p["img_size"])
             _sync(device)
             out[f"{name}_images_per_s"] = len(order) * batch / (time.perf_counter() - t)
+        # where a data-bound training step's time goes on each path: one-block ViT, same initial weights
+        torch.manual_seed(0)
+        model = one_block_vit(p["img_size"])
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        out["split"] = {}
+        for name, data in paths.items():
+            model.load_state_dict(state)
+            out["split"][name] = step_split(model, data, order[:p["split_steps"]], size=p["img_size"], device=device)
     out["cache_vs_decode"] = out["cache_images_per_s"] / out["decode_images_per_s"]
+    out["cache_vs_decode_end_to_end"] = out["split"]["cache"]["images_per_s"] / out["split"]["decode"]["images_per_s"]
+    for line in split_lines(out["split"]):
+        print(f"data_path split (ms per step): {line}", flush=True)
     return out
 
 

@@ -39,6 +39,14 @@ def test_every_section_measured(result):
     assert steps["All"]["gflops_forward"] * 1e9 == pytest.approx(blocks * per_block + patch + 2 * d * 10, rel=1e-3)
     assert all(r["images_per_s"] > 0 and r["mfu"] is None for r in data["step"])  # no peak on a CPU
     assert data["data_path"]["cache_images_per_s"] > 0 and data["data_path"]["decode_images_per_s"] > 0
+    split = data["data_path"]["split"]
+    assert set(split) == {"cache", "decode"}
+    for s in split.values():  # ms per step of each phase, their sum the step, images over the summed time
+        assert s["step"] == pytest.approx(sum(s[k] for k in ("fetch", "augment", "forward_backward", "optimizer",
+                                                           "bookkeeping")))
+        assert s["images_per_s"] == pytest.approx(params["batch"] / (s["step"] / 1e3))
+    assert data["data_path"]["cache_vs_decode_end_to_end"] == pytest.approx(
+        split["cache"]["images_per_s"] / split["decode"]["images_per_s"])
     assert data["plasticity"]["cpu_core_pairs_per_s"] > 0
     actor = data["actor"]
     assert actor["trials"] == params["trials"] == len(actor["overhead_s"]) == len(actor["memory_after_trial"])
@@ -56,3 +64,40 @@ def test_its_json_is_what_the_dry_run_reads(result, tmp_path):
     assert read_gpu_result(str(path), "bf16") == (0.41, 989.0, "NVIDIA H200")
     with pytest.raises(ValueError, match="mfu.fp32"):
         read_gpu_result(str(path), "fp32")
+
+
+def test_the_step_split_times_the_training_step_a_plain_loop_takes():
+    """``step_split`` trains as a plain loop does (one warm-up step, then one per batch: the same weights
+    after), and its phases are the step's: each measured, their sum the step."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        from data_path_bench import PHASES, step_split
+    finally:
+        sys.path.remove(str(BENCH))
+
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 3, 8, 8) for _ in range(3)]
+    ys = [torch.tensor([0, 1, 2, 1]) for _ in range(3)]
+
+    class Data:  # a decode-path-like source: (x, y) of the rows asked
+        def batch(self, rows, **kw):
+            return xs[int(rows[0])], ys[int(rows[0])]
+
+    def model():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 3))
+
+    timed, plain = model(), model()
+    split = step_split(timed, Data(), [[0, 0, 0, 0], [1, 1, 1, 1], [2, 2, 2, 2]], size=8, device=torch.device("cpu"))
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    for k in (0, 0, 1, 2):
+        torch.nn.functional.cross_entropy(plain(xs[k]), ys[k]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for a, b in zip(timed.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    assert all(split[k] > 0 for k in PHASES)
+    assert split["step"] == pytest.approx(sum(split[k] for k in PHASES))
+    assert split["images_per_s"] == pytest.approx(4 / (split["step"] / 1e3))

@@ -116,13 +116,14 @@ def test_trial_session_carries_dataset_and_no_experiment_record(tmp_path):
 
 
 def test_grid_trials_config_carries_the_study_trial_id(tmp_path):
-    from ray.tune.search.variant_generator import generate_variants
+    from ray.tune.search import Searcher
 
     spec = _spec(tmp_path)
     points = spec.grid()
-    param_space, _, n = study_tune._search_setup(spec, None, points)
-    configs = [cfg for _, cfg in generate_variants(param_space)]  # what Tune's grid search resolves
-    assert n == len(configs) == 8
+    param_space, tune_config, n = study_tune._search_setup(spec, None, points)
+    searcher = tune_config.search_alg
+    configs = [searcher.suggest(f"t{i}") for i in range(n)]  # what Tune's trials get, in the grid's order
+    assert param_space == {} and n == len(configs) == 8 and searcher.suggest("t8") == Searcher.FINISHED
     assert [c[STUDY_TRIAL_ID] for c in configs] == [p["trial_id"] for p in points]
     assert all(c["point"]["trial_id"] == c[STUDY_TRIAL_ID] for c in configs)
 

@@ -52,11 +52,6 @@ def phase_of(point: dict[str, Any]) -> str:
     return point.get("phase") or SEARCH
 
 
-def point_study_trial_id(config: dict[str, Any]) -> str:
-    """The study's trial id of a Tune config (``{"point": ...}``): its grid point's ``trial_id``."""
-    return config["point"]["trial_id"]
-
-
 def tune_config(point: dict[str, Any]) -> dict[str, Any]:
     """The Tune trial config of a grid point: ``{"point": point, "study_trial_id": its trial id}``."""
     return {"point": point, STUDY_TRIAL_ID: point["trial_id"]}

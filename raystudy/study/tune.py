@@ -74,7 +74,6 @@ from raystudy.study.persist import (
     row_conflicts_message,
     write_spec,
 )
-from raystudy.study.points import STUDY_TRIAL_ID, point_study_trial_id
 from raystudy.study.preflight import configuration_problems
 from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
 from raystudy.study.probes import probe_todo, run_probes
@@ -107,11 +106,14 @@ def _search_setup(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     """``(param_space, TuneConfig, number of trials)`` of a grid (``points``) or the Optuna budget."""
     from ray import tune
 
+    from raystudy.study.schedule import FirstPending, GridPoints  # Ray Tune
+
     if points is not None:
-        # the study's trial id beside its point (Tune's trial_id is Tune's): resolved from the point drawn
-        param_space = {"point": tune.grid_search(points), STUDY_TRIAL_ID: tune.sample_from(point_study_trial_id)}
-        tune_config = tune.TuneConfig(num_samples=1, reuse_actors=True)
+        # one point per trial in the grid's order, the study's trial id beside it (Tune's trial_id is Tune's);
+        # not Tune's grid_search, which deep-copies the list of every point for each variant (O(n) a trial)
         n = len(points)
+        param_space = {}
+        tune_config = tune.TuneConfig(search_alg=GridPoints(points), num_samples=n, reuse_actors=True)
     else:
         from raystudy.study.search import GroupedOptunaSearch, optuna_plan  # Optuna and Ray Tune
 
@@ -120,6 +122,7 @@ def _search_setup(spec: StudySpec, tables: ResultTables, points: list[dict] | No
         param_space = {}
         tune_config = tune.TuneConfig(search_alg=GroupedOptunaSearch(spec, budget, history), num_samples=n,
                                       reuse_actors=True)
+    tune_config.scheduler = FirstPending()  # FIFO, at a constant cost per trial
     tune_config.max_concurrent_trials = spec.max_concurrent_trials or None
     tune_config.trial_name_creator = _trial_name
     tune_config.trial_dirname_creator = _trial_name
