@@ -38,10 +38,11 @@ lint: venv
 
 # Two pytest processes (pytest-xdist), a test file each at a time (--dist loadfile: a file's session fixtures,
 # e.g. its Ray instance, stay in one process), in collection order (--no-loadscope-reorder: tests/conftest.py
-# orders the files (the demo study's build beside the files that start no Ray); it also shares one demo study between the processes). TEST_WORKERS=0 runs
-# everything in this process. Measured from a fresh clone on a quiet 2-core machine (2026-12-06): `make venv`
-# 101 s, then `make test` 13m41s (ruff, 1297 tests in 820 s); the same code varies by about 30% between runs
-# and machines of this kind. The CPUs are the limit: every test runs slower beside another.
+# orders the files, the demo study's build beside the files that start no Ray; it also shares one demo study
+# between the processes). TEST_WORKERS=0 runs everything in this process. Measured from a fresh clone on a
+# quiet 2-core machine (2026-12-06): `make venv` 101 s, then `make test` 13m41s (ruff, 1297 tests in 820 s);
+# the same code varies by about 30% between runs and machines of this kind. The CPUs are the limit: every
+# test runs slower beside another.
 TEST_WORKERS ?= 2
 
 test: lint
