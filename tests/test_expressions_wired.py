@@ -156,19 +156,19 @@ def test_auto_budget_resolved_by_the_study_job_trains_its_units(store, tmp_path)
 
 
 def test_random_budget_is_reproducible_per_seed(store, tmp_path):
-    from raystudy.study.jobs import budget_selection
+    from raystudy.study.jobs import selection_of
     from raystudy.study.spec import StudySpec
 
     spec = StudySpec(name="t", out=str(tmp_path), model="vit_tiny_patch16_224", model_kwargs=TINY, img_size=32)
-    picks = {s: budget_selection(spec, tiny_cfg(store, tmp_path, configuration="random:30%", seed=s), "tiny")
+    picks = {s: selection_of(spec, tiny_cfg(store, tmp_path, configuration="random:30%", seed=s), "tiny")[0]
              for s in (0, 0, 1, 2, 3)}
-    again = budget_selection(spec, tiny_cfg(store, tmp_path, configuration="random:30%", seed=0), "tiny")
+    again = selection_of(spec, tiny_cfg(store, tmp_path, configuration="random:30%", seed=0), "tiny")[0]
     assert again == picks[0]
     assert len(set(picks.values())) > 1  # the seed changes the units
     # the run itself (no selection given) trains the units the study resolves for its seed
     ft = Finetuner(tiny_cfg(store, tmp_path, configuration="random:30%", seed=2))
     assert ft.trained.chosen == picks[2]
-    assert budget_selection(spec, tiny_cfg(store, tmp_path, configuration="MHA@1"), "tiny") is None
+    assert selection_of(spec, tiny_cfg(store, tmp_path, configuration="MHA@1"), "tiny") == (None, {})
 
 
 # ---------------------------------------------------------------------------------------------------

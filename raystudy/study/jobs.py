@@ -70,8 +70,8 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     ``plasticity.pretrain_split``; :meth:`raystudy.core.finetune.Finetuner.measure_changes`). The run's
     TensorBoard HParams session adds the point's ``dataset`` and ``phase`` (``hparams``). A budget
     (``auto:B``, ``random:B``) is resolved here, once per trial, into the config's ``selection``
-    (:func:`budget_selection`), a criterion's (``fisher:B``, ...) with its units' scores in
-    ``selection_scores`` (:func:`selection_of`); ``plasticity`` (the study's plasticity table, default: read
+    (:func:`selection_of`), a criterion's (``fisher:B``, ...) with its units' scores in
+    ``selection_scores``; ``plasticity`` (the study's plasticity table, default: read
     from the study directory when ``auto:B`` needs it) is for tests and callers holding it; ``score=False``
     (a failed trial's row, in the driver) reads a criterion's cached scores but never computes them.
     """
@@ -89,13 +89,6 @@ def train_splits_of(point: Mapping[str, Any]) -> str:
     """The ``train_splits`` of a grid point's run: ``train+val`` for a final-fit point (VTAB-1k's refit on
     train800val200), else ``train``."""
     return "train+val" if phase_of(dict(point)) == PHASES[1] else "train"
-
-
-def budget_selection(spec: StudySpec, cfg, dataset: str, plasticity=None) -> str | None:
-    """The units a budget (``auto:B``, ``random:B``, ``<criterion>:B``) of ``cfg`` trains on ``dataset``, as a
-    canonical combination (``MHA@10-11+FC1@11``); ``None`` for any other configuration
-    (:func:`selection_of`)."""
-    return selection_of(spec, cfg, dataset, plasticity)[0]
 
 
 def selection_of(spec: StudySpec, cfg, dataset: str, plasticity=None, *, score: bool = True
