@@ -473,6 +473,8 @@ class RunSettings:
                                     roles={"resume"})
     selection_scores: dict = setting(factory=dict, cli=False,
                                      help="a criterion's budget only: its chosen units' scores, in chosen order")
+    selection_mask: str | None = setting(None, cli=False, path=True,
+                                         help=":weights budgets only: their masks' file, {param_name: bool tensor}")
     optimizer: str = setting("sgd", choices=OPTIMIZERS, help="sgd (momentum) or adamw", roles={"resume"})
     lr: float = setting(1e-2, check="positive", help="learning rate as used (AdamW: the caller scales)",
                         roles={"resume"})

@@ -188,7 +188,7 @@ def test_path_safe():
 
 
 def test_split_configurations_the_comma_rule():
-    from raystudy.core.expressions import split_configurations
+    from raystudy.core.expression_lists import split_configurations
 
     text = "MHA, FC1@0,2,4, lora:r=8:fc1,qkv, ia3, bias, ia3:qkv,fc2, bias@1,3, dora:r=4, LN1+bias, vera:r=64:fc1"
     assert split_configurations(text) == ["MHA", "FC1@0,2,4", "lora:r=8:fc1,qkv", "ia3", "bias", "ia3:qkv,fc2",

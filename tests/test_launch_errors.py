@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from raystudy.cli import main as cli
 from raystudy.commands import finetune, plasticity, probe
-from raystudy.core.expressions import split_configurations
+from raystudy.core.expression_lists import split_configurations
 from raystudy.vocab import COMPONENTS, did_you_mean
 
 MODEL_FLAGS = ["--model", STUDY_MODEL, "--model-kwargs", str(STUDY_TINY).replace("'", '"'), "--img-size", "32"]

@@ -48,7 +48,7 @@ def _name_list(text: str) -> list[str]:
 
 
 def _configuration_list(text: str) -> list[str]:
-    from raystudy.core.expressions import split_configurations  # torch (raystudy.core): --help stays light
+    from raystudy.core.expression_lists import split_configurations  # torch (raystudy.core): --help stays light
 
     return split_configurations(text)
 

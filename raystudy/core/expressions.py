@@ -8,7 +8,7 @@ Grammar (no whitespace; names are case-sensitive)::
                                                   component or bias
     blocks      := span (',' span)*
     span        := INT ('-' INT)?                  inclusive and ascending: 8-11 is 8,9,10,11
-    budgeted    := STRATEGY ':' budget
+    budgeted    := STRATEGY ':' budget (':weights')?
     STRATEGY    := 'auto' | 'random' | 'rgn' | 'grad' | 'taylor' | 'fisher' | 'magnitude'
     budget      := NUMBER ('%' | 'k' | 'M')?       % of All's parameter count, or a count: 2M, 500k, 1234
     adapter     := RANKED ':r=' INT targets? | 'ia3' targets?
@@ -30,6 +30,13 @@ Meaning (the classification head trains in every configuration and is never part
   random order drawn from the seed: the control that tells whether plasticity is what helps.
 * ``rgn:B``, ``grad:B``, ``taylor:B``, ``fisher:B``, ``magnitude:B`` pack them the same way in decreasing
   score of a criterion of the literature (:mod:`raystudy.core.criteria`): does plasticity select better?
+* ``<criterion>:B:weights`` (``fisher:0.1%:weights``) trains single entries instead of whole units: the
+  ``B`` entries of the units' tensors with the largest element scores of the criterion over all of them
+  together (:func:`raystudy.core.finetune.masks.top_elements`); ``random:B:weights`` ``B`` entries drawn
+  uniformly from the seed (:func:`raystudy.core.budgets.random_elements`). ``B`` is read as for units (a
+  percentage of ``All``'s count, or a count), the entries number exactly ``B``, capped at the units' entries.
+  ``auto:B:weights`` is refused: plasticity is measured per unit, so it gives no order within a unit's
+  tensors (every entry of a unit would tie), and its units are what ``auto:B`` already packs.
 * ``lora:r=8`` low-rank adapters of rank 8 on every block's ``qkv`` and ``proj`` (the attention's input and
   output projections); ``lora:r=8:qkv,fc1`` on other linear layers, named relative to the block. ``dora:r=8``
   (weight-decomposed LoRA), ``loha:r=8`` (Hadamard product), ``lokr:r=8`` (Kronecker product) and
@@ -50,13 +57,13 @@ and a parser library (lark, pyparsing) would add a dependency and still need our
 from __future__ import annotations
 
 import math
-import random
 import re
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from typing import NoReturn
 
+from raystudy.core.budgets import Unit, first_fit, plasticity_order, random_elements, random_order, score_order
 from raystudy.core.components import get_adapter, trainable_parameters
 from raystudy.core.peft_methods import METHODS, TargetError, apply_method
 from raystudy.vocab import COMPONENTS, CONFIGURATIONS, CRITERIA, did_you_mean
@@ -161,16 +168,21 @@ class Budget:
         return str(n)
 
 
+#: the suffix of a budget at the granularity of single weights (``fisher:1%:weights``)
+WEIGHTS_SUFFIX = "weights"
+
+
 @dataclass(frozen=True)
 class Budgeted:
     """``auto:B`` (by plasticity), ``random:B`` (seeded random order) or ``<criterion>:B`` (by a criterion's
-    scores): units packed into ``budget``."""
+    scores): units packed into ``budget``; with ``weights``, ``budget`` single entries (a mask)."""
 
     strategy: str
     budget: Budget
+    weights: bool = False
 
     def __str__(self) -> str:
-        return f"{self.strategy}:{self.budget}"
+        return f"{self.strategy}:{self.budget}" + (f":{WEIGHTS_SUFFIX}" if self.weights else "")
 
 
 @dataclass(frozen=True)
@@ -234,7 +246,7 @@ class _Parser:
         start = self.pos
         word = self.match(r"[a-z][a-z0-9]*")
         if word in STRATEGIES and self.accept(":"):
-            result: Expression = Budgeted(word, self.budget())
+            result: Expression = self.budgeted(word, start)
         elif word in METHODS:
             result = self.adapter(word)
         else:
@@ -292,6 +304,21 @@ class _Parser:
         if count != int(count) or count < 1:
             self.fail(f"{self.text[start:self.pos]} is not a positive whole number of parameters", start)
         return Budget(int(count), "")
+
+    def budgeted(self, strategy: str, start: int) -> Budgeted:
+        """After ``<strategy>:``: the budget, then optionally ``:weights`` (never after ``auto``)."""
+        budget = self.budget()
+        at = self.pos
+        if not self.accept(":"):
+            return Budgeted(strategy, budget)
+        if self.match(r"[A-Za-z_]+") != WEIGHTS_SUFFIX:
+            self.fail(f"expected '{WEIGHTS_SUFFIX}' after {self.text[start:at]!r}: a budget is followed only by "
+                      "':weights' (single entries instead of whole units)", at + 1)
+        if strategy == "auto":
+            self.fail("auto:<budget>:weights has no meaning: plasticity is measured per (component, block) unit, "
+                      "so it orders no entry within a unit; use auto:<budget>, or "
+                      f"{'|'.join(('random',) + CRITERIA)}:<budget>:weights", start)
+        return Budgeted(strategy, budget, weights=True)
 
     def adapter(self, name: str) -> Adapter:
         """After the method's word: ``:r=<rank>`` for a ranked method, then optional ``:targets``."""
@@ -363,88 +390,8 @@ def path_safe(expr: str | Expression) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Budgets: the order units are tried in, and first-fit packing
+# A budget's units as a combination
 # --------------------------------------------------------------------------------------------------
-
-Unit = tuple[str, int]  # (component, block)
-
-
-def split_configurations(text: str) -> list[str]:
-    """``"MHA, FC1@0,2,4, lora:r=8:fc1,qkv, ia3, bias"`` -> ``["MHA", "FC1@0,2,4", "lora:r=8:fc1,qkv", "ia3",
-    "bias"]``.
-
-    A comma starts a new expression unless what follows continues the one before: a digit after a block
-    list (``FC1@0,2``), or a lower-case layer name after an adapter's targets (``lora:r=8:fc1,qkv``) that
-    does not start an expression (``auto:``, ``random:``, a method's word followed by ``:`` or the end,
-    ``bias`` followed by ``+``, ``@`` or the end). Anything else is an expression of its own, so
-    ``MHA,fc1`` is ``["MHA", "fc1"]`` and the parser names ``fc1`` (did you mean ``FC1``?).
-    """
-    starts = re.compile(rf"({'|'.join(WORDS)})(:|$)|{BIAS}([+@]|$)")
-    out: list[str] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        if out and _continues(out[-1], piece, starts):
-            out[-1] += "," + piece
-        else:
-            out.append(piece)
-    return out
-
-
-#: an adapter expression whose targets are being listed (``lora:r=8:fc1``, ``ia3:qkv``), not ``lora:r=8``
-_ADAPTER_TARGETS = re.compile(rf"({'|'.join(METHODS)})(:r=\d+)?:(?!r=)[A-Za-z_]")
-
-
-def _continues(previous: str, piece: str, starts: re.Pattern) -> bool:
-    """Whether ``piece`` (after a comma) continues ``previous``: a block list's next block, or an adapter's
-    next target (a lower-case name that does not start an expression)."""
-    if piece[0].isdigit():
-        return re.search(r"@[\d,-]*\d$", previous) is not None
-    return piece[0].islower() and not starts.match(piece) and _ADAPTER_TARGETS.match(previous) is not None
-
-
-def plasticity_order(units: list[Unit], plasticity) -> list[Unit]:
-    """``units`` in decreasing plasticity (ties: lower block, then COMPONENTS order); NaN ones dropped.
-
-    ``plasticity``: a DataFrame with columns ``layer``, ``component``, ``plasticity`` holding one row per
-    unit for one dataset and mode (a ``plasticity.parquet`` filtered to them). Raises ``ValueError`` for
-    several rows of one unit or for a unit the table lacks.
-    """
-    missing_columns = {"layer", "component", "plasticity"} - set(plasticity.columns)
-    if missing_columns:
-        raise ValueError(f"plasticity table lacks the columns {sorted(missing_columns)}")
-    keys = list(zip(plasticity["component"], (int(x) for x in plasticity["layer"])))
-    if len(set(keys)) != len(keys):
-        raise ValueError("plasticity table has several rows for one (component, layer): filter it to one "
-                         "dataset and mode first")
-    return score_order(units, dict(zip(keys, (float(x) for x in plasticity["plasticity"]))), "plasticity table")
-
-
-def score_order(units: list[Unit], score: dict[Unit, float], what: str = "scores") -> list[Unit]:
-    """``units`` in decreasing ``score`` (ties: lower block, then COMPONENTS order); NaN ones dropped.
-    ``ValueError`` for a unit ``score`` (the ``what``) lacks."""
-    missing = [u for u in units if u not in score]
-    if missing:
-        raise ValueError(f"{what} lacks {len(missing)} unit(s), e.g. {missing[:3]}")
-    measured = [u for u in units if not math.isnan(score[u])]
-    return sorted(measured, key=lambda u: (-score[u], u[1], COMPONENTS.index(u[0])))
-
-
-def random_order(units: list[Unit], seed: int) -> list[Unit]:
-    """``units`` in a random order that depends only on ``seed`` and ``units``."""
-    return random.Random(int(seed)).sample(sorted(units, key=lambda u: (u[1], COMPONENTS.index(u[0]))),
-                                           len(units))
-
-
-def first_fit(order: list[Unit], sizes: dict[Unit, int], budget: int) -> list[Unit]:
-    """The units of ``order`` taken in turn while they fit: a unit that would overflow ``budget`` is skipped
-    and later units are still tried. The chosen units' sizes sum to at most ``budget``."""
-    chosen, used = [], 0
-    for unit in order:
-        if used + sizes[unit] <= budget:
-            chosen.append(unit)
-            used += sizes[unit]
-    return chosen
 
 
 def units_expression(units: list[Unit]) -> Combination:
@@ -467,6 +414,8 @@ class Resolved:
     depth order; empty for ``Emb``/``All``/``Head``/``bias`` alone and adapters); ``chosen``: a canonical
     expression training exactly these parameters (the units' combination for a budget, the configuration
     otherwise: record it in the trial row); ``budget``: the budget in parameters (``None`` without one).
+    ``masks``: for ``:weights``, ``{name: bool mask}`` of the trained entries of each of ``parameters`` (the
+    tensors the mask touches; ``units`` and ``chosen`` their units), ``None`` otherwise.
     """
 
     configuration: str
@@ -474,6 +423,7 @@ class Resolved:
     units: tuple[Unit, ...]
     chosen: str
     budget: int | None = None
+    masks: dict | None = None
 
     @property
     def names(self) -> list[str]:
@@ -536,6 +486,40 @@ def _resolve_combination(model, tree: Combination, include_layerscale: bool) -> 
     return _in_model_order(model, names), tuple(sorted(units, key=lambda u: (u[1], COMPONENTS.index(u[0]))))
 
 
+def element_budget(model, tree: Budgeted, include_layerscale: bool = False) -> int:
+    """The entries a ``:weights`` budget trains on ``model``: ``B`` read as a unit budget is (a percentage of
+    ``All``'s count, or a count), capped at the units' entries; ``ValueError`` below one entry."""
+    candidates = sum(p.numel() for ps in unit_parameters(model, include_layerscale=include_layerscale).values()
+                     for _, p in ps)
+    budget = min(tree.budget.parameters(sum(p.numel() for _, p in trainable_parameters(model, "All"))), candidates)
+    if budget < 1:
+        raise ValueError(f"configuration {str(tree)!r}: the budget is below one parameter")
+    return budget
+
+
+def _resolve_weights(model, tree: Budgeted, masks, seed: int, include_layerscale: bool) -> Resolved:
+    """The tensors ``masks`` touch (``random:B:weights`` draws its masks from ``seed`` when none are given),
+    checked against the units' tensors and the budget."""
+    per_unit = unit_parameters(model, include_layerscale=include_layerscale)
+    shapes = {n: tuple(p.shape) for ps in per_unit.values() for n, p in ps}
+    budget = element_budget(model, tree, include_layerscale)
+    if masks is None:
+        if tree.strategy != "random":
+            raise ValueError(f"configuration {str(tree)!r} needs the mask of its {tree.strategy} scores")
+        masks = random_elements(shapes, budget, seed)
+    wrong = [n for n, m in masks.items() if shapes.get(n) != tuple(m.shape)]
+    if wrong:
+        raise ValueError(f"configuration {str(tree)!r}: mask(s) {wrong[:3]} name no unit tensor of that shape")
+    count = sum(int(m.sum()) for m in masks.values())
+    if not 0 < count <= budget:
+        raise ValueError(f"configuration {str(tree)!r}: its mask holds {count:,} entries, not 1 to {budget:,}")
+    touched = {n: m.bool() for n, m in masks.items() if bool(m.any())}
+    units = [u for u, ps in per_unit.items() if any(n in touched for n, _ in ps)]
+    units.sort(key=lambda u: (u[1], COMPONENTS.index(u[0])))
+    return Resolved(str(tree), _in_model_order(model, set(touched)), tuple(units), str(units_expression(units)),
+                    budget, touched)
+
+
 def _resolve_budget(model, tree: Budgeted, plasticity, scores, seed: int, include_layerscale: bool) -> Resolved:
     """First-fit packing of the units into the budget, in plasticity, criterion or seeded random order."""
     per_unit = unit_parameters(model, include_layerscale=include_layerscale)
@@ -574,13 +558,15 @@ def _target_position(tree: Adapter, target: str) -> int:
 
 
 def resolve(model, expr: str | Expression, *, plasticity=None, scores: dict[Unit, float] | None = None,
-            seed: int = 0, include_layerscale: bool = False) -> Resolved:
+            masks: dict | None = None, seed: int = 0, include_layerscale: bool = False) -> Resolved:
     """The parameters ``expr`` trains on ``model`` (head excluded; the caller adds it).
 
     ``plasticity``: the dataset's plasticity table, needed by ``auto:B`` (see :func:`plasticity_order`);
     ``scores``: ``{unit: score}`` of the expression's criterion, needed by ``<criterion>:B``
-    (:func:`raystudy.core.criteria.unit_scores`; see :func:`score_order`);
-    ``seed``: the order of ``random:B`` and the initialisation of an adapter's random factors.
+    (:func:`raystudy.core.criteria.unit_scores`; see :func:`~raystudy.core.budgets.score_order`);
+    ``masks``: ``{name: bool mask}`` of ``<criterion>:B:weights`` (the top entries of its element scores);
+    ``seed``: the order of ``random:B``, the entries of ``random:B:weights`` and the initialisation of an
+    adapter's random factors.
     **An adapter modifies ``model`` in place**: it wraps the target layers
     (:func:`raystudy.core.peft_methods.apply_method`), so their weights are named ``...qkv.base_layer.weight``
     from then on; the returned parameters are the adapters' (``lora_A`` / ``lora_B``, ``ia3_l``, ...). A
@@ -588,6 +574,8 @@ def resolve(model, expr: str | Expression, *, plasticity=None, scores: dict[Unit
     the counts without memory.
     """
     tree = normalise(expr)
+    if isinstance(tree, Budgeted) and tree.weights:
+        return _resolve_weights(model, tree, masks, seed, include_layerscale)
     if isinstance(tree, Budgeted):
         return _resolve_budget(model, tree, plasticity, scores, seed, include_layerscale)
     if isinstance(tree, Adapter):

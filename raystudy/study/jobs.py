@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
-from raystudy.core.expressions import Budgeted, normalise, resolve
+from raystudy.core.expressions import Budgeted, normalise, path_safe, resolve
 from raystudy.core.finetune.config import FinetuneConfig
-from raystudy.core.finetune.selection import criterion_scores
+from raystudy.core.finetune.masks import read_masks, write_masks
+from raystudy.core.finetune.outputs import CRITERIA_FOLDER
+from raystudy.core.finetune.selection import criterion_masks, criterion_scores
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
 from raystudy.distributed.probe import ProbeJob
@@ -73,7 +75,8 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     (:func:`selection_of`), a criterion's (``fisher:B``, ...) with its units' scores in
     ``selection_scores``; ``plasticity`` (the study's plasticity table, default: read
     from the study directory when ``auto:B`` needs it) is for tests and callers holding it; ``score=False``
-    (a failed trial's row, in the driver) reads a criterion's cached scores but never computes them.
+    (a failed trial's row, in the driver) reads a criterion's cached scores but never computes them. A
+    ``:weights`` budget's mask file is the config's ``selection_mask`` (:func:`weights_mask`).
     """
     protocol = {**values(ProtocolSettings, spec), **values(ProtocolSettings, spec.protocol(point["dataset"]))}
     axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
@@ -82,6 +85,9 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
                          change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split,
                          hparams={"dataset": point["dataset"], "phase": phase_of(dict(point))})
     cfg.selection, cfg.selection_scores = selection_of(spec, cfg, point["dataset"], plasticity, score=score)
+    tree = normalise(cfg.configuration)
+    if isinstance(tree, Budgeted) and tree.weights and cfg.selection is not None:
+        cfg.selection_mask = mask_path(spec, cfg, point["dataset"], tree)
     return cfg, train_resources(spec)
 
 
@@ -100,11 +106,15 @@ def selection_of(spec: StudySpec, cfg, dataset: str, plasticity=None, *, score: 
     Resolved on a meta-device model (counts without memory) with ``cfg.seed`` (``random:B``'s order); for
     ``auto:B`` the rows of ``dataset`` and the spec's plasticity mode in ``plasticity`` (default: the study's
     ``plasticity.parquet``, measured before any trial runs); for a criterion its cached unit scores
-    (:func:`criterion_table`); without them cached and with ``score=False``: ``(None, {})``.
+    (:func:`criterion_table`); without them cached and with ``score=False``: ``(None, {})``. For a
+    ``:weights`` budget the units its mask touches (:func:`weights_mask`; no scores).
     """
     tree = normalise(cfg.configuration)
     if not isinstance(tree, Budgeted):
         return None, {}
+    if tree.weights:
+        masks = weights_mask(spec, cfg, dataset, tree, score=score)
+        return (None if masks is None else _resolve_meta(cfg, tree, masks=masks).chosen), {}
     table = scores = None
     if tree.strategy == "auto":
         table = plasticity_of(spec, dataset, plasticity)
@@ -113,8 +123,7 @@ def selection_of(spec: StudySpec, cfg, dataset: str, plasticity=None, *, score: 
         if rows is None:
             return None, {}
         scores = {(c, int(b)): float(v) for c, b, v in zip(rows["component"], rows["layer"], rows["score"])}
-    resolved = resolve(_meta_model(cfg), tree, plasticity=table, scores=scores, seed=cfg.seed,
-                       include_layerscale=cfg.include_layerscale)
+    resolved = _resolve_meta(cfg, tree, plasticity=table, scores=scores)
     return resolved.chosen, ({} if scores is None else {f"{c}@{b}": scores[(c, b)] for c, b in resolved.units})
 
 
@@ -135,9 +144,8 @@ def criterion_table(spec: StudySpec, cfg, dataset: str, criterion: str, *, score
     import pandas as pd  # heavy: only for a criterion's budget
     import pyarrow.parquet as pq
 
-    key = json.dumps({k: getattr(cfg, k, None) for k in CRITERION_KEYS}, sort_keys=True, default=str)
-    name = f"{criterion}_b{cfg.criteria_batches}_s{cfg.seed}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    path = join(spec.out, "criteria", dataset, f"{name}.parquet")
+    key = _criterion_key(cfg)
+    path = join(spec.out, CRITERIA_FOLDER, dataset, f"{_criterion_name(cfg, criterion)}.parquet")
     cached = read_bytes(path)
     if cached is not None:
         return pq.read_table(io.BytesIO(cached)).to_pandas()
@@ -150,6 +158,48 @@ def criterion_table(spec: StudySpec, cfg, dataset: str, criterion: str, *, score
     rows["key"] = key
     write_parquet_atomic(path, rows)
     return rows
+
+
+def _criterion_key(cfg) -> str:
+    """The settings of :data:`CRITERION_KEYS` as sorted JSON (what a criterion's file depends on)."""
+    return json.dumps({k: getattr(cfg, k, None) for k in CRITERION_KEYS}, sort_keys=True, default=str)
+
+
+def _criterion_name(cfg, criterion: str) -> str:
+    """``<criterion>_b<criteria_batches>_s<seed>_<hash of the key>``: a criterion's cached file, less suffix."""
+    digest = hashlib.sha256(_criterion_key(cfg).encode()).hexdigest()[:12]
+    return f"{criterion}_b{cfg.criteria_batches}_s{cfg.seed}_{digest}"
+
+
+def mask_path(spec: StudySpec, cfg, dataset: str, tree: Budgeted) -> str:
+    """Where the mask of ``tree`` (a ``:weights`` budget) for ``cfg``'s run on ``dataset`` is cached, beside the
+    unit scores: ``criteria/<dataset>/<criterion>_b<batches>_s<seed>_<key>_w<budget>.safetensors`` (``random``
+    too: its masks depend on the seed and the model's shapes alone)."""
+    name = f"{_criterion_name(cfg, tree.strategy)}_w{path_safe(str(tree.budget))}"
+    return join(spec.out, CRITERIA_FOLDER, dataset, f"{name}.safetensors")
+
+
+def weights_mask(spec: StudySpec, cfg, dataset: str, tree: Budgeted, *, score: bool = True) -> dict | None:
+    """The masks ``{name: bool tensor}`` of ``tree`` (``<criterion>:B:weights``, ``random:B:weights``) for
+    ``cfg``'s run on ``dataset``: read from :func:`mask_path`, else computed once and written there
+    (a criterion's: :func:`raystudy.core.finetune.selection.criterion_masks` on CUDA when there is one, its
+    element scores not kept, but re-derivable from the same settings; ``random``'s: drawn from ``cfg.seed``
+    on the meta-device model). ``None`` when not cached and ``score`` is false."""
+    path = mask_path(spec, cfg, dataset, tree)
+    cached = read_masks(path)
+    if cached is not None or not score:
+        return cached
+    if tree.strategy == "random":
+        masks = _resolve_meta(cfg, tree).masks
+    else:
+        masks = criterion_masks(cfg, tree, device="cuda" if torch.cuda.is_available() else "cpu")
+    write_masks(path, masks)
+    return masks
+
+
+def _resolve_meta(cfg, tree: Budgeted, **kw):
+    """:func:`~raystudy.core.expressions.resolve` of ``tree`` on ``cfg``'s meta-device model at ``cfg.seed``."""
+    return resolve(_meta_model(cfg), tree, seed=cfg.seed, include_layerscale=cfg.include_layerscale, **kw)
 
 
 def plasticity_of(spec: StudySpec, dataset: str, plasticity=None):

@@ -314,7 +314,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         if isinstance(self.seeds, int):
             self.seeds = [self.seeds]
         if isinstance(self.configurations, str):
-            from raystudy.core.expressions import split_configurations  # torch (raystudy.core): --help stays light
+            from raystudy.core.expression_lists import split_configurations  # torch (raystudy.core): --help stays light
 
             self.configurations = split_configurations(self.configurations)
         if self.configurations is None:

@@ -76,7 +76,10 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
     that workers need no plasticity table and a resumed run trains what the first attempt did
     (:func:`raystudy.study.jobs.finetune_job` resolves it once per trial). ``auto:B`` and a criterion's
     budget (``fisher:B``, ...; ``selection_scores`` its units' scores) require it;
-    ``random:B`` without it resolves its units from ``seed``.
+    ``random:B`` without it resolves its units from ``seed``. A ``:weights`` budget (``fisher:1%:weights``)
+    trains the entries of the masks in ``selection_mask`` (a safetensors file ``{param_name: bool tensor}``;
+    ``random:B:weights`` without it draws them from ``seed``); its ``selection`` is then the units the masks
+    touch, for the record only.
 
     Text classifiers: ``model="hf:<dir>"`` (a Hugging Face BERT / GPT-2 / Llama family model, see
     :mod:`raystudy.core.hf`) on a text store (``kind: text``) gets a sequence-classification head; each
@@ -104,15 +107,22 @@ class FinetuneConfig(RunSettings, ModelSettings, HubWeights, ProtocolSettings):
 
     def _configuration_problems(self) -> Iterator[tuple[str, str]]:
         """``configuration`` parses; ``selection`` is a combination, given with a budget only (and with
-        ``auto:B``, which cannot be resolved without the dataset's plasticity table)."""
+        ``auto:B``, which cannot be resolved without the dataset's plasticity table); ``selection_mask`` with a
+        ``:weights`` budget only, and required by a criterion's."""
         try:
             tree = parse(self.configuration)
         except (ExpressionError, TypeError) as e:
             yield "configuration", str(e)
             return
         budgeted = isinstance(tree, Budgeted)
+        weights = budgeted and tree.weights
+        if self.selection_mask is not None and not weights:
+            yield "selection_mask", f"only a :weights budget has a mask, not {self.configuration!r}"
+        if weights and self.selection_mask is None and tree.strategy != "random":
+            yield "configuration", (f"{tree.strategy}:<budget>:weights needs `selection_mask`, the file of the "
+                                    "masks its scores choose (raystudy.study.jobs.finetune_job sets it)")
         if self.selection is None:
-            if budgeted and tree.strategy != "random":
+            if budgeted and not weights and tree.strategy != "random":
                 source = "plasticity table" if tree.strategy == "auto" else f"{tree.strategy} scores"
                 yield "configuration", (f"{tree.strategy}:<budget> needs `selection`, the units it resolves to "
                                         f"from the dataset's {source} (raystudy.study.jobs.finetune_job sets it)")

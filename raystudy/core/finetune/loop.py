@@ -28,6 +28,7 @@ from raystudy.core.finetune.data import (
     to_device,
     trains_on_val,
 )
+from raystudy.core.finetune.masks import count_entries, hold_frozen_entries
 from raystudy.core.finetune.outputs import run_summary
 from raystudy.core.finetune.selection import build_finetune_model, enable_fused_attention, select_for
 from raystudy.core.finetune.state import (
@@ -169,6 +170,8 @@ class Finetuner:
         self.channels_last = self.device.type == "cuda"
         self._build_model(wrap)
         self.optimizer = make_optimizer(self.trainable, cfg)  # fused kernels on CUDA
+        if self.trained.masks:  # a :weights budget: gradients masked, frozen entries restored after each step
+            hold_frozen_entries(self.optimizer, dict(self.trained.trainable), self.trained.masks)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.train_data = open_split_data(cfg, "train", self.store)
         if cfg.drop_last and len(self.train_data) < cfg.loader_batch:
@@ -283,7 +286,7 @@ class Finetuner:
 
     def _measure_memory(self) -> None:
         measured = measured_memory(self.trainable, self.optimizer)
-        analytic = analytic_memory(self.trained.num_trainable, self.cfg.optimizer,
+        analytic = analytic_memory(sum(p.numel() for p in self.trainable), self.cfg.optimizer,  # whole tensors
                                    self.trainable[0].element_size())
         self.memory = {"grad_memory_bytes": measured["grad_bytes"],
                        "optimizer_memory_bytes": measured["optimizer_bytes"],
@@ -385,6 +388,7 @@ class Finetuner:
             restored_from_step=self.restores[-1]["step"] if self.restores else None, precision=self.precision,
             compile=self.cfg.compile, units=self.trained.chosen, checkpoints_skipped=len(self.skipped_checkpoints),
             checkpoint_warnings=list(self.skipped_checkpoints), **self.memory,
+            selection_entries=count_entries(self.trained.masks) if self.trained.masks else None,
         )
 
     # ---- data ---------------------------------------------------------------------------------------

@@ -7,13 +7,16 @@ gradient, and an optimizer whose state was filled before the mask would keep mov
 So :func:`hold_frozen_entries` does both: a gradient hook zeroes the frozen entries' gradients (what
 clipping and the logged gradient norm see is the trained entries' alone), and an optimizer step hook
 writes the frozen entries back from a copy taken when the mask is applied (``torch.where``: the values
-are the copy's bits, not a recomputation).
+are the copy's bits, not a recomputation). A mask file (:func:`write_masks`, :func:`read_masks`) is a
+safetensors dict ``{param_name: bool tensor}``.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from raystudy.storage import read_bytes, write_bytes_atomic
 
 
 def top_elements(scores: dict[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
@@ -59,3 +62,23 @@ def hold_frozen_entries(optimizer: torch.optim.Optimizer, params: dict[str, nn.P
                 p.copy_(torch.where(keep, p, frozen))
 
     return handles + [optimizer.register_step_post_hook(restore)]
+
+
+def write_masks(path: str, masks: dict[str, torch.Tensor]) -> None:
+    """``masks`` (``{param_name: bool mask}``) as one safetensors file at ``path`` (a path or URI; atomic)."""
+    from safetensors.torch import save
+
+    write_bytes_atomic(path, save({n: m.detach().cpu().bool().contiguous() for n, m in masks.items()}))
+
+
+def read_masks(path: str) -> dict[str, torch.Tensor] | None:
+    """The masks :func:`write_masks` wrote at ``path``; ``None`` when there is no file."""
+    from safetensors.torch import load
+
+    data = read_bytes(path)
+    return None if data is None else load(data)
+
+
+def count_entries(masks: dict[str, torch.Tensor]) -> int:
+    """How many entries ``masks`` select: ``sum of mask.sum()``."""
+    return sum(int(m.sum()) for m in masks.values())

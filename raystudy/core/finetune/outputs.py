@@ -18,6 +18,8 @@ from raystudy.setting_roles import fields_with
 from raystudy.storage import join, write_bytes_atomic, write_json_atomic, write_parquet_atomic
 from raystudy.vocab import RUN_CURVE_COLUMNS, columns
 
+#: The folder of a study's selection files (criteria's unit scores, :weights masks) in its directory.
+CRITERIA_FOLDER = "criteria"
 #: The columns of a run's ``curves.parquet`` (one row per logged step; val columns null between evaluations).
 CURVE_COLUMNS = list(RUN_CURVE_COLUMNS)
 #: The columns of a run's ``changes.parquet`` (what finetuning changed): the study table's, less ``trial_id``.
@@ -35,6 +37,7 @@ RESULT_DEFAULTS: dict = {
     "restored_from_step": None, "precision": None, "compile": None, "units": None, **dict.fromkeys(MEMORY_KEYS),
     # unusable checkpoints a resume moved aside: how many (a trials.parquet column) and why (summary.json)
     "checkpoints_skipped": None, "checkpoint_warnings": None,
+    "selection_entries": None,  # a :weights budget: the entries its mask trains (the head's not counted)
 }
 #: The hyperparameters of a run in its TensorBoard HParams record, and the metrics recorded with them.
 HPARAM_KEYS = ("configuration", "optimizer", "lr", "seed", "steps", "batch_size", "model", "model_kwargs")
@@ -52,7 +55,8 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     ``units`` is the canonical expression of what the run trained (:attr:`TrainedParameters.chosen`: a budget's
     units, the configuration otherwise); without a result it is known from ``cfg`` except for a
     ``random:B`` resolved by the run itself (then None). A criterion's budget adds ``selection_scores``: its
-    chosen units' scores in chosen order (``{"FC2@2": 0.31, ...}``).
+    chosen units' scores in chosen order (``{"FC2@2": 0.31, ...}``). A ``:weights`` budget adds
+    ``selection_mask``: its mask file (:func:`mask_record`), and counts its entries in ``selection_entries``.
     """
     unknown = set(results) - set(RESULT_DEFAULTS) - {"error"}
     if unknown:
@@ -66,7 +70,17 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     protocol.update({name: getattr(cfg, name) for name in fields_with(cfg, "row")  # the row's settings
                      if name not in protocol and name not in RESULT_DEFAULTS})  # (precision: as it ran)
     scores = {"selection_scores": dict(cfg.selection_scores)} if cfg.selection_scores else {}
+    if cfg.selection_mask is not None:
+        scores["selection_mask"] = mask_record(cfg.selection_mask)
     return {**protocol, **RESULT_DEFAULTS, "units": _known_units(cfg), **scores, **results}
+
+
+def mask_record(path: str) -> str:
+    """A mask file as a trial row records it: relative to its study directory for a study's mask
+    (``<study>/criteria/<dataset>/<file>`` -> ``criteria/<dataset>/<file>``: a moved study still finds it),
+    else the path as given."""
+    parts = str(path).replace("\\", "/").split("/")
+    return "/".join(parts[-3:]) if len(parts) >= 3 and parts[-3] == CRITERIA_FOLDER else str(path)
 
 
 def _known_units(cfg: FinetuneConfig) -> str | None:

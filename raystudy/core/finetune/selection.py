@@ -1,9 +1,10 @@
 """The model of a run and which of its parameters train: a fresh head, the configuration's selection.
 
 A configuration is any expression of :mod:`raystudy.core.expressions` (``MHA``, ``MHA@8-11+FC1``, ``bias``,
-``auto:5%``, ``random:2M``, ``lora:r=8``, ``dora:r=8``, ``ia3``, ...); a PEFT method injects its adapters into
-the model in place when the selection is made, so :func:`select_and_freeze` is called once per model, before
-it moves to its device.
+``auto:5%``, ``random:2M``, ``fisher:1%:weights``, ``lora:r=8``, ``dora:r=8``, ``ia3``, ...); a PEFT method
+injects its adapters into the model in place when the selection is made, so :func:`select_and_freeze` is
+called once per model, before it moves to its device. A ``:weights`` budget trains the tensors its mask
+touches, with :attr:`TrainedParameters.masks` for :func:`~raystudy.core.finetune.masks.hold_frozen_entries`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from raystudy.core.budgets import Unit
 from raystudy.core.components import head_parameters
-from raystudy.core.criteria import batch_gradients, needs_gradients, per_sample, unit_scores
-from raystudy.core.expressions import Unit, resolve, unit_parameters
+from raystudy.core.criteria import batch_gradients, element_scores, needs_gradients, per_sample, unit_scores
+from raystudy.core.expressions import Budgeted, element_budget, normalise, resolve, unit_parameters
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.finetune.data import global_batch, open_split_data, to_device
+from raystudy.core.finetune.masks import count_entries, read_masks, top_elements
 from raystudy.core.models import build_model
 from raystudy.data.modality import modality_of_model
 from raystudy.data.store import Store
@@ -101,7 +104,8 @@ class TrainedParameters:
     ``model.named_parameters()`` order. ``group`` is the set whose gradient norm is logged as
     ``component_grad_norm``: the component selection, or the head for ``Head``. ``chosen``: the canonical
     expression training exactly ``component`` (for ``auto:B`` / ``random:B`` the units it picked, e.g.
-    ``MHA@10-11+FC1@11``; the configuration itself otherwise).
+    ``MHA@10-11+FC1@11``; the configuration itself otherwise). ``masks``: for a ``:weights`` budget the
+    ``{name: bool mask}`` of the entries of ``component``'s tensors that train (``None`` otherwise).
     """
 
     component: list[tuple[str, nn.Parameter]]
@@ -109,6 +113,7 @@ class TrainedParameters:
     extra: list[tuple[str, nn.Parameter]]
     trainable: list[tuple[str, nn.Parameter]]
     chosen: str = ""
+    masks: dict | None = None
 
     @property
     def group(self) -> list[tuple[str, nn.Parameter]]:
@@ -120,20 +125,26 @@ class TrainedParameters:
 
     @property
     def num_trainable(self) -> int:
-        return sum(p.numel() for _, p in self.trainable)
+        """Trained entries: every entry of the trainable tensors, a mask's tensors counting its entries only
+        (``:weights``: the budget's entries + the head [+ the final norm], as ``auto:B`` counts its units + the
+        head)."""
+        masks = self.masks or {}
+        return sum(p.numel() for n, p in self.trainable if n not in masks) + count_entries(masks)
 
 
 def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm: bool = False,
-                      include_layerscale: bool = False, plasticity=None, seed: int = 0) -> TrainedParameters:
+                      include_layerscale: bool = False, plasticity=None, seed: int = 0,
+                      masks: dict | None = None) -> TrainedParameters:
     """Set ``requires_grad`` so that exactly the configuration's selection, the head (and the final norm
     if asked) are trainable; return the :class:`TrainedParameters`.
 
     ``configuration``: a configuration expression; ``plasticity`` (the dataset's table, for ``auto:B``) and
-    ``seed`` (``random:B``'s order, an adapter's initialisation) go to :func:`~raystudy.core.expressions.resolve`.
+    ``seed`` (``random:B``'s order, an adapter's initialisation) and ``masks`` (a ``:weights`` budget's) go to
+    :func:`~raystudy.core.expressions.resolve`.
     A PEFT method (``lora:``, ``dora:``, ``ia3``, ...) injects its adapters into ``model`` here, in place.
     """
     head = head_parameters(model)  # before an adapter wraps any layer
-    resolved = resolve(model, configuration, plasticity=plasticity, seed=seed,
+    resolved = resolve(model, configuration, plasticity=plasticity, seed=seed, masks=masks,
                        include_layerscale=include_layerscale)
     component = list(resolved.parameters)
     chosen = {n for n, _ in component} | {n for n, _ in head}
@@ -146,7 +157,8 @@ def select_and_freeze(model: nn.Module, configuration: str, *, train_final_norm:
         p.requires_grad_(n in chosen)
         if n in chosen:
             trainable.append((n, p))
-    return TrainedParameters(component=component, head=head, extra=extra, trainable=trainable, chosen=resolved.chosen)
+    return TrainedParameters(component=component, head=head, extra=extra, trainable=trainable, chosen=resolved.chosen,
+                             masks=resolved.masks)
 
 
 def criterion_scores(cfg: FinetuneConfig, criterion: str, *, device: str = "cpu") -> dict[Unit, float]:
@@ -156,12 +168,30 @@ def criterion_scores(cfg: FinetuneConfig, criterion: str, *, device: str = "cpu"
     :func:`~raystudy.core.finetune.data.global_batch` for steps ``0..N-1``, their augmentation seeded by
     ``cfg.seed``), in float32 on ``device``, ``cfg.micro_batch_size`` rows per backward pass (all when None).
     ``magnitude`` reads no data. Image models only."""
+    _, units, params, grads = _scoring(cfg, criterion, device)
+    return unit_scores(criterion, units, params, grads)
+
+
+def criterion_masks(cfg: FinetuneConfig, tree: Budgeted, *, device: str = "cpu") -> dict:
+    """``{name: bool mask}`` of ``tree`` (``<criterion>:B:weights``) for the run of ``cfg``: the
+    :func:`~raystudy.core.expressions.element_budget` entries with the largest element scores of the
+    criterion (:func:`raystudy.core.criteria.element_scores`, on the model and batches of
+    :func:`criterion_scores`) over all the units' tensors together
+    (:func:`~raystudy.core.finetune.masks.top_elements`), as CPU tensors."""
+    model, _, params, grads = _scoring(cfg, tree.strategy, device)
+    scores = element_scores(tree.strategy, params, grads)
+    return {n: m.cpu() for n, m in top_elements(scores, element_budget(model, tree, cfg.include_layerscale)).items()}
+
+
+def _scoring(cfg: FinetuneConfig, criterion: str, device: str):
+    """``(model, units, params, gradients)``: what a criterion of ``cfg``'s run is computed from (see
+    :func:`criterion_scores`); ``gradients`` an iterator (empty for ``magnitude``)."""
     store = Store.open(cfg.store)
     model = build_finetune_model(cfg, cfg.num_classes or int(store.meta["num_classes"])).to(device)
     units = unit_parameters(model, include_layerscale=cfg.include_layerscale)
     params = [(n, p) for ps in units.values() for n, p in ps]
     if not needs_gradients(criterion):
-        return unit_scores(criterion, units, params, [])
+        return model, units, params, iter(())
     data = open_split_data(cfg, "train", store)
 
     def batches():
@@ -176,14 +206,23 @@ def criterion_scores(cfg: FinetuneConfig, criterion: str, *, device: str = "cpu"
             yield x, y
 
     grads = batch_gradients(model, params, batches(), per_sample=per_sample(criterion), chunk=cfg.micro_batch_size)
-    return unit_scores(criterion, units, params, grads)
+    return model, units, params, grads
 
 
 def select_for(model: nn.Module, cfg: FinetuneConfig, *, plasticity=None) -> TrainedParameters:
     """:func:`select_and_freeze` with the options of ``cfg``: its ``selection`` (the units a budget was
-    resolved to, see :class:`FinetuneConfig`) when set, else its ``configuration`` seeded by ``cfg.seed``."""
-    return select_and_freeze(model, cfg.selection or cfg.configuration, train_final_norm=cfg.train_final_norm,
-                             include_layerscale=cfg.include_layerscale, plasticity=plasticity, seed=cfg.seed)
+    resolved to, see :class:`FinetuneConfig`) when set, else its ``configuration`` seeded by ``cfg.seed``; a
+    ``:weights`` budget its configuration with the masks of ``cfg.selection_mask`` (``random:B:weights``
+    without one draws them from the seed)."""
+    tree, masks = normalise(cfg.configuration), None
+    weights = isinstance(tree, Budgeted) and tree.weights
+    if weights and cfg.selection_mask is not None:
+        masks = read_masks(cfg.selection_mask)
+        if masks is None:
+            raise FileNotFoundError(f"{cfg.configuration}: its mask file {cfg.selection_mask} does not exist")
+    return select_and_freeze(model, cfg.configuration if weights else cfg.selection or cfg.configuration,
+                             train_final_norm=cfg.train_final_norm, include_layerscale=cfg.include_layerscale,
+                             plasticity=plasticity, seed=cfg.seed, masks=masks)
 
 
 def enable_fused_attention(model: nn.Module, fused: bool = True) -> int:
