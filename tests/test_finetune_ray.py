@@ -16,7 +16,7 @@ from conftest import make_store
 from safetensors.torch import load_file
 from test_finetune import read_hparams
 
-from raystudy.core.finetune import FinetuneConfig, build_finetune_model, fingerprint, select_and_freeze, train_local
+from raystudy.core.finetune import FinetuneConfig, build_finetune_model, fingerprint, select_for, train_local
 from raystudy.distributed.train import TrainResources
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def init_model(cfg) -> dict[str, torch.Tensor]:
 
 def trainable_names(cfg) -> set[str]:
     model = build_finetune_model(cfg, 10)
-    return set(select_and_freeze(model, cfg.configuration).names)
+    return set(select_for(model, cfg).names)
 
 
 def assert_frozen_exact(cfg):
@@ -141,11 +141,22 @@ def _checkpoint_at(run_dir: Path, step: int) -> Path:
 def test_resume_with_shuffling_restores_optimizer_schedule_and_rng(store, tmp_path, faults):
     """Shuffled, augmented, AdamW, 2 workers: a worker raises after its checkpoint at step 4,
     FailureConfig(max_failures=1) restarts the workers from it, and they continue at step 5 with the checkpointed
-    optimizer, schedule and RNG state and end with the uninterrupted (single-process) run's metrics and weights."""
+    optimizer, schedule and RNG state and end with the uninterrupted (single-process) run's metrics and weights.
+    The configuration is a mask of single weights (``magnitude:3%:weights``, its file written here): under DDP's
+    gradient reduction, AdamW's weight decay and the restart, every entry outside it stays bit-identical. (Not
+    ``random:B:weights``: it may draw key biases, whose gradient is zero but for rounding, which AdamW's
+    normalisation turns into steps of either sign, so that DDP's sums and one process's differ there.)"""
+    from raystudy.core.expressions import unit_parameters
+    from raystudy.core.finetune.masks import top_elements, write_masks
     from raystudy.distributed.train import run_finetune
 
-    kw = dict(configuration="FC1", optimizer="adamw", lr=3e-3, steps=8, eval_period=4, checkpoint_period=4,
-              shuffle=True, augment=True, seed=1)
+    init = init_model(cfg_for(store, tmp_path, seed=1))
+    names = [n for ps in unit_parameters(build_finetune_model(cfg_for(store, tmp_path), 10)).values() for n, _ in ps]
+    masks = top_elements({n: init[n].abs() for n in names}, 95_040 * 3 // 100)
+    write_masks(str(tmp_path / "mask.safetensors"), masks)
+    kw = dict(configuration="magnitude:3%:weights", selection_mask=str(tmp_path / "mask.safetensors"),
+              optimizer="adamw", lr=3e-3, steps=8, eval_period=4, checkpoint_period=4, shuffle=True, augment=True,
+              seed=1)
     faults(fail_after_step={"shuffled": 4})
     cfg = cfg_for(store, tmp_path / "shuffled", **kw)
     summary = run_finetune(cfg, TrainResources(workers=2, max_failures=1, cleanup_checkpoints=False))
@@ -180,6 +191,10 @@ def test_resume_with_shuffling_restores_optimizer_schedule_and_rng(store, tmp_pa
     for n, p in ft.trained.trainable:
         assert rel_close(fb[n], p.detach(), 1e-5), n
     assert_frozen_exact(cfg)
+    assert summary["selection_entries"] == 95_040 * 3 // 100 and summary["trainable_params"] == 2851 + D * 10 + 10
+    for n, m in masks.items():  # the entries outside the mask, inside the tensors it touches: bit for bit
+        assert torch.equal(fb[n][~m], init[n][~m]), n
+        assert bool((fb[n][m] != init[n][m]).all()), n  # AdamW moves every trained entry
 
 
 def test_a_rerun_resumes_from_an_older_versions_ray_checkpoint(ray_session, baseline, store, tmp_path, faults):

@@ -97,3 +97,22 @@ def test_a_launch_refuses_them_before_writing_the_study(files, tmp_path):
     with pytest.raises(SpecError, match=r"'MHA@40' does not resolve on vit_tiny_patch16_224: .*out of range"):
         prepare_study(_spec(files, out, ["MHA", "MHA@40"]), echo=lambda _: None)
     assert not (out / "spec.yaml").exists() and not (out / "trials").exists()
+
+
+def test_weights_budgets_are_checked_by_their_entry_count(files, tmp_path, capsys):
+    """``:weights`` budgets resolve to their entry count on the meta device (at least one entry: 0.0001% of
+    the tiny ViT's 95,040 is 0); ``auto:B:weights`` does not parse, and the dry run says why."""
+    from raystudy.commands.study import dry_run
+    from raystudy.study.checks import SpecError
+    from raystudy.study.preflight import configuration_problems
+
+    spec = _spec(files, tmp_path / "w", ["fisher:1%:weights", "random:2k:weights", "magnitude:0.0001%:weights",
+                                         "grad:1M:weights"])
+    spec.validate(check_files=False)
+    assert configuration_problems(spec) == [
+        f"configurations: 'magnitude:0.0001%:weights' does not resolve on {MODEL}: configuration "
+        "'magnitude:0.0001%:weights': the budget is below one parameter"]
+    with pytest.raises(SpecError, match=r"auto:<budget>:weights has no meaning: plasticity is measured per"):
+        _spec(files, tmp_path / "a", ["auto:1%:weights"]).validate(check_files=False)
+    assert dry_run(_spec(files, tmp_path / "ok", ["fisher:0.5%:weights", "random:1%:weights"])) == 0
+    assert "checked: every store" in capsys.readouterr().out

@@ -62,6 +62,7 @@ from raystudy.data.splits import val_origin
 from raystudy.io import read_result
 from raystudy.precision import resolve_precision
 from raystudy.study.final import final_cells
+from raystudy.vocab import COMPONENTS
 
 #: the MFU assumed when no GPU benchmark result is given (stated in the output)
 DEFAULT_MFU = 0.35
@@ -218,10 +219,16 @@ def counted_selection(spec, dataset: str, configuration: str, seed: int, plastic
     """``(expression whose FLOPs a trial of configuration at seed on dataset costs, note)``: the configuration
     itself; for ``random:B`` the units it packs at ``seed``; for ``auto:B`` the units the plasticity of
     ``dataset`` in ``plasticity`` (the study's table) packs, else those of ``random:B`` at ``seed`` (noted); for a
-    criterion's budget (scored by the trial) those of ``random:B`` at ``seed`` (noted)."""
+    criterion's budget (scored by the trial) those of ``random:B`` at ``seed`` (noted); for a ``:weights``
+    budget every unit (noted: its gradients are of whole tensors, and a mask of a few entries per tensor
+    touches most of them)."""
     tree = normalise(configuration)
     if not isinstance(tree, Budgeted):
         return configuration, ""
+    if tree.weights:
+        every = "+".join(COMPONENTS)
+        return every, (f"{configuration}: a mask trains single entries but their gradients are of whole tensors; "
+                       f"its FLOPs are estimated as {every}'s (every tensor it may touch)")
     note, table = "", None
     if tree.strategy not in ("auto", "random"):  # a criterion: its scores are computed by the trial itself
         tree = Budgeted("random", tree.budget)

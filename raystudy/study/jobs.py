@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from raystudy.core.expressions import Budgeted, normalise, path_safe, resolve
+from raystudy.core.expressions import Budgeted, normalise, resolve
 from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.finetune.masks import read_masks, write_masks
 from raystudy.core.finetune.outputs import CRITERIA_FOLDER
@@ -175,13 +175,14 @@ def mask_path(spec: StudySpec, cfg, dataset: str, tree: Budgeted) -> str:
     """Where the mask of ``tree`` (a ``:weights`` budget) for ``cfg``'s run on ``dataset`` is cached, beside the
     unit scores: ``criteria/<dataset>/<criterion>_b<batches>_s<seed>_<key>_w<budget>.safetensors`` (``random``
     too: its masks depend on the seed and the model's shapes alone)."""
-    name = f"{_criterion_name(cfg, tree.strategy)}_w{path_safe(str(tree.budget))}"
+    name = f"{_criterion_name(cfg, tree.strategy)}_w{str(tree.budget).replace('%', 'pct')}"
     return join(spec.out, CRITERIA_FOLDER, dataset, f"{name}.safetensors")
 
 
 def weights_mask(spec: StudySpec, cfg, dataset: str, tree: Budgeted, *, score: bool = True) -> dict | None:
     """The masks ``{name: bool tensor}`` of ``tree`` (``<criterion>:B:weights``, ``random:B:weights``) for
-    ``cfg``'s run on ``dataset``: read from :func:`mask_path`, else computed once and written there
+    ``cfg``'s run on ``dataset`` (the tensors they touch): read from :func:`mask_path`, else computed once and
+    written there
     (a criterion's: :func:`raystudy.core.finetune.selection.criterion_masks` on CUDA when there is one, its
     element scores not kept, but re-derivable from the same settings; ``random``'s: drawn from ``cfg.seed``
     on the meta-device model). ``None`` when not cached and ``score`` is false."""
@@ -193,6 +194,7 @@ def weights_mask(spec: StudySpec, cfg, dataset: str, tree: Budgeted, *, score: b
         masks = _resolve_meta(cfg, tree).masks
     else:
         masks = criterion_masks(cfg, tree, device="cuda" if torch.cuda.is_available() else "cpu")
+    masks = {n: m for n, m in masks.items() if bool(m.any())}  # the tensors it touches
     write_masks(path, masks)
     return masks
 

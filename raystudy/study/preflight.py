@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 
-from raystudy.core.expressions import Adapter, Budgeted, normalise, resolve
+from raystudy.core.expressions import Adapter, Budgeted, element_budget, normalise, resolve
 from raystudy.data.modality import modality_of_model, resolve_modality
 from raystudy.data.store import StoreError, check_store
 from raystudy.distributed.job_inputs import weights_problem
@@ -121,8 +121,9 @@ def configuration_problems(spec: StudySpec) -> list[str]:
     on the spec's model on the meta device (:func:`raystudy.study.cost.spec_meta_model`: shapes only, no
     weights): the expression and the reason (an adapter target no block has, a block out of range). A budget
     resolves at the first seed; ``auto:B``, whose plasticity table is measured at launch, as ``random:B``
-    (the same budget and units, another order). A model the meta device cannot build is left to the weights
-    check (no line here)."""
+    (the same budget and units, another order); a ``:weights`` budget by its entry count
+    (:func:`~raystudy.core.expressions.element_budget`: at least one entry; its mask is drawn at launch). A
+    model the meta device cannot build is left to the weights check (no line here)."""
     try:
         net = spec_meta_model(spec)
     except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError, OSError):
@@ -130,11 +131,15 @@ def configuration_problems(spec: StudySpec) -> list[str]:
     problems = []
     for configuration in spec.configurations:
         tree = normalise(configuration)
+        weights = isinstance(tree, Budgeted) and tree.weights
         if isinstance(tree, Budgeted) and tree.strategy != "random":  # auto, a criterion: scored at launch
             tree = Budgeted("random", tree.budget)
         model = copy.deepcopy(net) if isinstance(tree, Adapter) else net  # an adapter wraps layers in place
         try:
-            resolve(model, tree, seed=spec.seeds[0], include_layerscale=spec.include_layerscale)
+            if weights:
+                element_budget(model, normalise(configuration), spec.include_layerscale)
+            else:
+                resolve(model, tree, seed=spec.seeds[0], include_layerscale=spec.include_layerscale)
         except (ValueError, TypeError, KeyError) as e:  # ExpressionError, TargetError are ValueErrors
             problems.append(f"configurations: {configuration!r} does not resolve on {spec.model}: {e}")
     return problems
