@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo demo-text demo-vtab1k test test-fast lint bench constraints clean
+.PHONY: venv demo demo-text demo-vtab1k demo-selection test test-fast lint bench constraints clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,12 @@ demo-text: venv
 # (raystudy/presets/vtab1k-demo.yaml).
 demo-vtab1k: venv
 	$(BIN)/python experiments/full_study.py --preset vtab1k-demo
+
+# Which units to finetune, chosen before training: plasticity (auto) against rgn, grad, taylor, fisher,
+# magnitude and random at one matched budget, on the same three miniature tasks and protocol, each
+# strategy's scoring cost in --dry-run; under 10 minutes on 2 CPUs (raystudy/presets/selection-demo.yaml).
+demo-selection: venv
+	$(BIN)/python experiments/full_study.py --preset selection-demo
 
 lint: venv
 	$(BIN)/ruff check .

@@ -80,6 +80,30 @@ def test_grid_sizes_of_the_named_presets():
     assert sizes["plasticity-demo"] == sizes["plasticity-paper"] == 0
     assert sizes["vtab1k"] == 19 * 16 * 4 * 3 + 19 * 16 * 3 == 3648 + 912  # search, then the final fit
     assert sizes["vtab1k-demo"] == 3 * 12 * 2 * 2 + 3 * 12 * 2 == 144 + 72
+    assert sizes["selection"] == 19 * 21 * 4 * 3 + 19 * 21 * 3 == 4788 + 1197
+    assert sizes["selection-demo"] == 3 * 7 * 2 * 2 + 3 * 7 * 2 == 84 + 42
+
+
+@pytest.mark.parametrize("name", ["selection", "selection-demo"])
+def test_selection_presets_compare_every_strategy_at_each_budget_as_their_headers_say(name):
+    """Every criterion, auto and random at each budget (a unit-granularity budget, parsed by the grammar),
+    the protocol of vtab1k (val chooses, final fit), and the header's run counts those of the grid."""
+    from raystudy.core.expressions import Budgeted, normalise
+    from raystudy.vocab import CRITERIA
+
+    spec, vtab = load_preset(name), load_preset("vtab1k" if name == "selection" else "vtab1k-demo")
+    trees = [normalise(c) for c in spec.configurations]
+    assert all(isinstance(t, Budgeted) for t in trees)
+    budgets = list(dict.fromkeys(str(t.budget) for t in trees))
+    assert sorted(str(t) for t in trees) == sorted(f"{s}:{b}" for s in ("auto", "random", *CRITERIA) for b in budgets)
+    assert spec.final_fit and spec.analysis_select_by == "val" and spec.plasticity.enabled
+    assert spec.datasets == vtab.datasets and spec.model == vtab.model and spec.optimizers == vtab.optimizers
+    assert (spec.steps, spec.batch_size, spec.resize, spec.augment) == (vtab.steps, vtab.batch_size, vtab.resize,
+                                                                          vtab.augment)
+    search, final = len(spec.grid()), len(spec.groups())
+    header = (PRESET_DIR / f"{name}.yaml").read_text().split("\nname:")[0]
+    assert f"= {search:,} search trials" in header and f"= {final:,} final trials" in header
+    assert f"({search + final:,} runs" in header or f"{search + final:,} runs," in header
 
 
 def test_plasticity_presets_measure_what_the_old_plasticity_study_did():

@@ -93,6 +93,23 @@ def test_budgets_count_the_units_they_resolve_to():
     assert cost.counted_selection(spec, "a", "MHA+FC1", 0) == ("MHA+FC1", "")
 
 
+def test_auto_is_counted_with_the_models_plasticity_not_its_controls():
+    """A study's plasticity table holds the random-init control's rows beside the model's (weights column):
+    auto:B packs by the model's own rows, as a trial does (raystudy.study.jobs.plasticity_of)."""
+    import pandas as pd
+
+    from raystudy.vocab import COMPONENTS, PRETRAINED, RANDOM_INIT
+
+    spec = StudySpec.from_dict({"model": PAPER_MODEL, "img_size": 224, "datasets": {"a": "a"},
+                                "configurations": ["auto:5%"], "seeds": [0]})
+    units = [(c, b) for c in COMPONENTS for b in range(DEPTH)]
+    rows = [{"dataset": "a", "mode": "embedding", "component": c, "layer": b, "weights": w,
+             "plasticity": (9.0 if (c, b) == ("FC1", 4) else 1.0) if w == PRETRAINED else
+             (9.0 if (c, b) == ("MHA", 7) else 1.0)} for w in (PRETRAINED, RANDOM_INIT) for c, b in units]
+    chosen, note = cost.counted_selection(spec, "a", "auto:5%", 0, pd.DataFrame(rows))
+    assert note == "" and "FC1@4" in chosen and "MHA" not in chosen  # one big unit: the model's most plastic
+
+
 # ---------------------------------------------------------------------------------------------------------
 # a miniature study: evaluations from the store's rows
 # ---------------------------------------------------------------------------------------------------------
@@ -251,3 +268,97 @@ def test_paper_text_dry_run_prints_the_cost(tmp_path, capsys):
     assert lines[0].endswith("888 trials  4.18e+20 FLOPs  4,946 GPU-h  618 h wall"), lines[0]
     assert "per training image, GFLOPs: LN1 71.5, MHA 81.9, LN2 70.3, FC1 80.5, FC2 79.6, All 105.2 " in out
     assert "assumes MFU 0.35 (assumed default" in out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the selection cost: each budget strategy's scoring pass before any training (#35 item 2)
+# ---------------------------------------------------------------------------------------------------------
+
+TINY_PARTS = vit_parts(tokens=17, d=64, mlp=256, patches=16, patch=8, classes=3)
+SELECTION = ["auto:20%", "random:20%", "rgn:20%", "fisher:20%", "magnitude:20%"]
+
+
+def _selection_spec(tmp_path) -> StudySpec:
+    """The tiny study with every kind of budget, 2 seeds and a final fit (a second scoring key per seed),
+    criteria on 3 batches of 8, plasticity on 40 pairs; bf16 trials (a criterion is scored in float32)."""
+    return _tiny_spec(tmp_path, configurations=SELECTION, seeds=[0, 1], final_fit=True, criteria_batches=3,
+                      precision="bf16", plasticity={"enabled": True, "pairs": 40, "control": "none"})
+
+
+def _with_selection(spec) -> dict:
+    from raystudy.study.selection_cost import add_selection
+
+    return add_selection(spec, cost.study_cost(spec))
+
+
+def test_selection_cost_is_the_hand_count(tmp_path):
+    c = _with_selection(_selection_spec(tmp_path))
+    s = c["selection"]["strategies"]
+    forward = vit_forward(TINY_PARTS, 4)  # one image through the tiny ViT, 3-class head
+    gradient_pass = (forward + 2 * forward) * 3 * 8  # forward + backward (2x) of 3 batches of 8 images
+    assert list(s) == ["auto", "random", "rgn", "fisher", "magnitude"]
+    for name in ("rgn", "fisher"):  # 2 seeds x (search on train, final fit on train + val): 4 keys
+        assert (s[name]["passes"], s[name]["flops"]) == (4, 4 * gradient_pass)
+        assert s[name]["labels"] and s[name]["backward"] and s[name]["measured_passes"] == 0
+        # estimated in float32 (TF32 off): 67 TFLOP/s at the assumed MFU 0.35, one GPU
+        assert s[name]["seconds"] == pytest.approx(4 * gradient_pass / (67e12 * 0.35))
+    assert s["fisher"]["per_sample"] and not s["rgn"]["per_sample"]
+    # plasticity: both images of each of its 40 pairs, once per dataset, in the trials' bf16 (989 TFLOP/s)
+    assert (s["auto"]["passes"], s["auto"]["flops"]) == (1, 2 * forward * 40)
+    assert s["auto"]["seconds"] == pytest.approx(2 * forward * 40 / (989e12 * 0.35))
+    assert not s["auto"]["labels"] and not s["auto"]["backward"]
+    assert (s["magnitude"]["passes"], s["magnitude"]["flops"], s["magnitude"]["seconds"]) == (4, 0, 0)
+    assert (s["random"]["passes"], s["random"]["flops"], s["random"]["data"]) == (0, 0, "none (the seed)")
+    assert not any(s[n]["labels"] or s[n]["backward"] for n in ("magnitude", "random"))
+    assert (c["selection"]["scoring_precision"], c["selection"]["scoring_peak_tflops"]) == ("fp32", 67.0)
+    assert s["rgn"]["per_dataset"]["tiny"]["flops"] == s["rgn"]["flops"]
+    # beside the trials' cost, not in it
+    assert c["total"]["flops"] == c["datasets"]["tiny"]["flops"]
+
+
+def test_selection_cost_reads_the_measured_seconds_of_cached_scores(tmp_path):
+    from raystudy.study.jobs import criterion_table, finetune_config
+    from raystudy.study.points import grid_point
+
+    spec = _selection_spec(tmp_path)
+    measured = {}
+    for criterion in ("rgn", "magnitude"):  # seed 0's search key scored (and cached) as a trial scores it
+        cfg = finetune_config(spec, grid_point("tiny", f"{criterion}:20%", "sgd", 0.1, 0), str(tmp_path / "run"))
+        rows = criterion_table(spec, cfg, "tiny", criterion)
+        assert rows["seconds"].nunique() == 1 and rows["seconds"].iloc[0] > 0
+        measured[criterion] = float(rows["seconds"].iloc[0])
+    c = _with_selection(spec)
+    s = c["selection"]["strategies"]
+    forward = vit_forward(TINY_PARTS, 4)
+    estimated = 3 * forward * 3 * 8 / (67e12 * 0.35)  # one pass not cached
+    assert s["rgn"]["measured_passes"] == 1 and s["rgn"]["seconds"] == pytest.approx(measured["rgn"] + 3 * estimated)
+    assert s["magnitude"]["measured_passes"] == 1 and s["magnitude"]["seconds"] == pytest.approx(measured["magnitude"])
+    assert s["fisher"]["measured_passes"] == 0  # another criterion's cache is not its own
+    from raystudy.study.selection_cost import selection_lines
+
+    lines = "\n".join(selection_lines(c["selection"]))
+    assert "selection cost (each strategy's scoring before any training; not in the total above):" in lines
+    assert "rgn        labels yes  backward yes     4 passes" in lines
+    assert "(measured 1/4 passes, rest estimated)" in lines
+    assert "auto       labels no   backward no      1 passes" in lines and "fisher: per-sample gradients" in lines
+
+
+def test_selection_preset_scores_each_criterion_once_per_task_seed_and_split():
+    """The selection preset's header: 114 scoring passes per gradient criterion (19 tasks x 3 seeds x the
+    search's and the final fit's train split) of 8 batches of 64 images at ViT-B/16's 3 x 35.1 GFLOPs."""
+    from raystudy.study import selection_cost as sc
+    from raystudy.study.spec import load_preset
+
+    spec = load_preset("selection")
+    keys = sc.scoring_keys(spec)
+    assert sc.strategies(spec) == ["auto", "random", "rgn", "grad", "taylor", "fisher", "magnitude"]
+    for criterion in ("rgn", "grad", "taylor", "fisher", "magnitude"):
+        assert sum(len(keys[(d, criterion)]) for d in spec.datasets) == 19 * 3 * 2
+    assert all(keys[(d, "auto")] == [(None, "search")] for d in spec.datasets)
+    assert not any(s == "random" for _, s in keys)
+    forward = vit_forward(vit_parts(tokens=197, d=768, mlp=3072, patches=196, patch=16,
+                                    classes=cost.FALLBACK_CLASSES), DEPTH)
+    passes = 114 * sc.pass_flops(spec, "fisher", forward)
+    assert passes == 114 * 3 * forward * 8 * 64 and f"{passes:.2e}" == "6.15e+15"  # the header's
+    assert f"{19 * sc.pass_flops(spec, 'auto', forward):.2e}" == "3.42e+15"
+    assert 114 * 3 * forward * 8 * 64 / (67e12 * 0.35) == pytest.approx(262, abs=0.5)

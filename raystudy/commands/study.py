@@ -151,15 +151,16 @@ def dry_run(spec, *, as_json: bool = False, gpus: float | None = None, mfu: floa
     there is any. Launches nothing, writes nothing. The cost (:func:`raystudy.study.cost.study_cost`) assumes
     ``gpus`` GPUs at an MFU of ``mfu`` or the one measured in ``gpu_result`` (defaults: the spec's concurrency,
     0.35); it needs neither the weights nor the stores (without a store, its evaluations are left out)."""
-    from raystudy.study import cost, preflight  # torch (weights, model, FLOP counts), pandas: --help stays light
+    from raystudy.study import cost, preflight, selection_cost  # torch (FLOP counts), pandas: --help stays light
 
     spec, problems = preflight.preflight(spec)  # a study directory created with another protocol is refused here
-    estimate = cost.study_cost(spec, gpus=gpus, mfu=mfu, gpu_result=gpu_result)
+    flags = {"gpus": gpus, "mfu": mfu, "gpu_result": gpu_result}
+    estimate = selection_cost.add_selection(spec, cost.study_cost(spec, **flags), **flags)
     if as_json:
         print(json.dumps({**dry_run_json(spec, estimate), "problems": problems}, indent=1))
     else:
         print_plan(spec)
-        print("\n".join(cost.cost_lines(estimate)))
+        print("\n".join(cost.cost_lines(estimate) + selection_cost.selection_lines(estimate.get("selection"))))
         if problems:
             print(f"{len(problems)} problem(s) a launch would meet:", file=sys.stderr)
             for problem in problems:

@@ -62,7 +62,7 @@ from raystudy.data.splits import val_origin
 from raystudy.io import read_result
 from raystudy.precision import resolve_precision
 from raystudy.study.final import final_cells
-from raystudy.vocab import COMPONENTS
+from raystudy.vocab import COMPONENTS, pretrained_rows
 
 #: the MFU assumed when no GPU benchmark result is given (stated in the output)
 DEFAULT_MFU = 0.35
@@ -235,8 +235,9 @@ def counted_selection(spec, dataset: str, configuration: str, seed: int, plastic
         note = (f"{configuration}: its units are scored by each trial; its FLOPs are estimated as {tree}'s at "
                 "each trial's seed (same budget, random order)")
     elif tree.strategy == "auto":
-        if plasticity is not None:
-            table = plasticity[(plasticity["dataset"] == dataset) & (plasticity["mode"] == spec.plasticity.mode)]
+        if plasticity is not None:  # the model's own plasticity, not its random-init control's (as a trial reads it)
+            table = pretrained_rows(plasticity)
+            table = table[(table["dataset"] == dataset) & (table["mode"] == spec.plasticity.mode)]
         if table is None or table.empty:
             table, tree = None, Budgeted("random", tree.budget)
             note = (f"{configuration}: no plasticity table yet (measured at launch); its FLOPs are estimated as "
@@ -393,6 +394,8 @@ def study_cost(spec, *, gpus: float | None = None, mfu: float | None = None, gpu
                              "per_image": {configuration: {"forward", "backward", "train"}}}},
          "total": {"trials", "flops", "gpu_hours", "wall_hours", "flops_train", "flops_eval", "flops_probe"},
          "mfu", "gpus", "precision", "peak_tflops", "device", "mfu_source", "gpus_source", "wall", "notes"}
+
+    (:func:`raystudy.study.selection_cost.add_selection` adds what choosing a budget's units costs.)
 
     FLOPs per the module docstring's rule; ``flops`` is ``None`` where a configuration could not be counted.
     """

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -78,17 +79,23 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     (a failed trial's row, in the driver) reads a criterion's cached scores but never computes them. A
     ``:weights`` budget's mask file is the config's ``selection_mask`` (:func:`weights_mask`).
     """
-    protocol = {**values(ProtocolSettings, spec), **values(ProtocolSettings, spec.protocol(point["dataset"]))}
-    axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
-    cfg = FinetuneConfig(**values(ModelSettings, spec), **protocol, **axes, train_splits=train_splits_of(point),
-                         store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir),
-                         change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split,
-                         hparams={"dataset": point["dataset"], "phase": phase_of(dict(point))})
+    cfg = finetune_config(spec, point, out_dir)
     cfg.selection, cfg.selection_scores = selection_of(spec, cfg, point["dataset"], plasticity, score=score)
     tree = normalise(cfg.configuration)
     if isinstance(tree, Budgeted) and tree.weights and cfg.selection is not None:
         cfg.selection_mask = mask_path(spec, cfg, point["dataset"], tree)
     return cfg, train_resources(spec)
+
+
+def finetune_config(spec: StudySpec, point: Mapping[str, Any], out_dir: str) -> FinetuneConfig:
+    """The :class:`FinetuneConfig` of :func:`finetune_job` before its budget is resolved (``selection`` unset):
+    what a criterion's cache key (:func:`criterion_path`) is computed from."""
+    protocol = {**values(ProtocolSettings, spec), **values(ProtocolSettings, spec.protocol(point["dataset"]))}
+    axes = {k: point[k] for k in ("configuration", "optimizer", "lr", "seed")}
+    return FinetuneConfig(**values(ModelSettings, spec), **protocol, **axes, train_splits=train_splits_of(point),
+                          store=spec.store_path(spec.datasets[point["dataset"]]), out_dir=str(out_dir),
+                          change_store=spec.pretrain_store_path(), change_split=spec.plasticity.pretrain_split,
+                          hparams={"dataset": point["dataset"], "phase": phase_of(dict(point))})
 
 
 def train_splits_of(point: Mapping[str, Any]) -> str:
@@ -136,28 +143,38 @@ CRITERION_KEYS = ("model", "model_kwargs", "weights", "pretrained", "img_size", 
 
 def criterion_table(spec: StudySpec, cfg, dataset: str, criterion: str, *, score: bool = True):
     """The unit scores of ``criterion`` for ``cfg``'s run on ``dataset`` (DataFrame: ``component``, ``layer``,
-    ``score`` and the key's columns), computed once (:func:`raystudy.core.finetune.selection.criterion_scores`,
-    on CUDA when there is one) and cached in the study directory as
-    ``criteria/<dataset>/<criterion>_b<criteria_batches>_s<seed>_<key>.parquet``, ``key`` a hash of the
-    settings in :data:`CRITERION_KEYS`; a later trial (another lr, the driver's callback, a resume) reads it.
-    ``None`` when not cached and ``score`` is false."""
+    ``score``, ``seconds`` and the key's columns), computed once (:func:`raystudy.core.finetune.selection.
+    criterion_scores`, on CUDA when there is one) and cached in the study directory at :func:`criterion_path`;
+    a later trial (another lr, the driver's callback, a resume) reads it. ``seconds``: the scoring pass's wall
+    time (model built, batches read, gradients and scores; the same on every row), the selection cost
+    ``--dry-run`` reports as measured (:mod:`raystudy.study.selection_cost`). ``None`` when not cached and
+    ``score`` is false."""
     import pandas as pd  # heavy: only for a criterion's budget
     import pyarrow.parquet as pq
 
-    key = _criterion_key(cfg)
-    path = join(spec.out, CRITERIA_FOLDER, dataset, f"{_criterion_name(cfg, criterion)}.parquet")
+    path, key = criterion_path(spec, cfg, dataset, criterion)
     cached = read_bytes(path)
     if cached is not None:
         return pq.read_table(io.BytesIO(cached)).to_pandas()
     if not score:
         return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
     scores = criterion_scores(cfg, criterion, device=device)
+    seconds = time.perf_counter() - t0
     rows = pd.DataFrame([{"dataset": dataset, "criterion": criterion, "batches": cfg.criteria_batches,
-                          "seed": cfg.seed, "component": c, "layer": b, "score": v} for (c, b), v in scores.items()])
+                          "seed": cfg.seed, "component": c, "layer": b, "score": v, "seconds": seconds}
+                         for (c, b), v in scores.items()])
     rows["key"] = key
     write_parquet_atomic(path, rows)
     return rows
+
+
+def criterion_path(spec: StudySpec, cfg, dataset: str, criterion: str) -> tuple[str, str]:
+    """``(path, key)`` of the cached scores of ``criterion`` for ``cfg``'s run on ``dataset``:
+    ``<study>/criteria/<dataset>/<criterion>_b<criteria_batches>_s<seed>_<hash>.parquet``, ``key`` the JSON
+    of the settings in :data:`CRITERION_KEYS` and ``hash`` its SHA-256's first 12 hex digits."""
+    return join(spec.out, CRITERIA_FOLDER, dataset, f"{_criterion_name(cfg, criterion)}.parquet"), _criterion_key(cfg)
 
 
 def _criterion_key(cfg) -> str:
