@@ -264,3 +264,48 @@ def test_weights_overlap_reads_the_masks(tmp_path):
     assert t[t["dataset"] == "overall"]["jaccard"].item() == pytest.approx(np.mean(per))
     same = masks[("fisher", "d0", 0)]
     assert mask_jaccard(same, same) == 1.0 and mask_jaccard(same, {k: ~v for k, v in same.items()}) == 0.0
+
+
+VTAB = ("cifar", "dtd", "eurosat", "clevr_count", "dsprites_loc", "kitti")
+
+
+def _vtab_rows(final: bool) -> list[dict]:
+    """Search rows whose validation favours the other lr than test does; final rows (one lr per seed) with
+    accuracies no search row has."""
+    rows = []
+    for (ti, task), (ci, crit), (li, lr), seed in itertools.product(
+            enumerate(VTAB), enumerate(("auto", "rgn", "taylor")), enumerate(LRS), SEEDS):
+        base = 0.4 + 0.05 * ti + 0.01 * ((ci * (ti + 1)) % 3) + 0.002 * seed + 0.0003 * ci * ti
+        test, val = round(base + 0.03 * li, 6), round(base + 0.03 * (1 - li) + 0.001 * ci, 6)
+        common = dict(dataset=task, model="vit_tiny", configuration=f"{crit}:5%", optimizer="sgd", seed=seed,
+                      steps=50, batch_size=32, trainable_params=1000, status="ok", best_val_step=40,
+                      final_val_loss=1.0, wall_seconds=3.0, units=_spell(_units(crit, "5%", ti, seed)))
+        rows.append(dict(common, trial_id=f"s-{task}-{crit}-{lr}-{seed}", lr=lr, best_val_acc=val, test_acc=test,
+                         phase="search"))
+        if final and li == 0:
+            rows.append(dict(common, trial_id=f"f-{task}-{crit}-{seed}", lr=LRS[0], best_val_acc=np.nan,
+                             test_acc=round(base + 0.2 + 0.004 * ci, 6), phase="final"))
+    return rows
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_vtab_criteria_read_the_task_accuracies_of_the_vtab_table(tmp_path, final):
+    rows = _vtab_rows(final)
+    res = run_analysis(_write(tmp_path / "s", rows), figures=False)
+    t = res.tables["criteria"]
+    assert set(t["lr_rule"]) == {"final" if final else "val"}
+    means = {}
+    for crit, task in itertools.product(("auto", "rgn", "taylor"), VTAB):
+        mine = [r for r in rows if (r["configuration"], r["dataset"]) == (f"{crit}:5%", task)]
+        if final:
+            accs = [r["test_acc"] for r in mine if r["phase"] == "final"]
+        else:  # the lr of the highest mean validation accuracy, its test accuracies
+            lr = max(LRS, key=lambda v: np.mean([r["best_val_acc"] for r in mine if r["lr"] == v]))
+            accs = [r["test_acc"] for r in mine if r["lr"] == lr and r["phase"] == "search"]
+        r = t[(t["criterion"] == crit) & (t["dataset"] == task)].iloc[0]
+        assert r["mean"] == pytest.approx(np.mean(accs)) and r["std"] == pytest.approx(np.std(accs))
+        means.setdefault(crit, []).append(np.mean(accs))
+    o = t[t["dataset"] == "overall"].set_index("criterion")
+    p = [stats.wilcoxon(means["auto"], means[c], alternative="two-sided").pvalue for c in ("rgn", "taylor")]
+    assert [o.loc[c, "p_value"] for c in ("rgn", "taylor")] == pytest.approx(p)
+    assert [o.loc[c, "p_holm"] for c in ("rgn", "taylor")] == pytest.approx(_holm_by_hand(p))
