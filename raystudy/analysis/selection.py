@@ -398,6 +398,10 @@ def selection_tables(best_lr: pd.DataFrame, inputs, rules: tuple[str, str], note
     if weights.any() and chosen.loc[weights, "mask"].isna().all():
         notes.append("Selection criteria: no selection_mask recorded for the weights-granularity trials; their "
                      "overlap is omitted.")
+    units = chosen["granularity"] == GRANULARITIES[0]
+    if units.any() and chosen.loc[units, "units"].isna().all():
+        notes.append("Selection criteria: trials.parquet records no chosen units (column units or selection); the "
+                     "overlap table and the units figure are omitted.")
     overlap = overlap_table(chosen)
     if overlap is not None:
         tables["criteria_overlap"] = overlap
@@ -447,7 +451,9 @@ def render_criteria(t: pd.DataFrame) -> Rendered:
                     "datasets (per-dataset means); p (Holm): Holm-corrected across the budget's criteria.", blocks,
                     [STD_NOTE, f"{statistic_note(ALTERNATIVE, 'auto − criterion')}; '–' without pairs or when every "
                      "difference is zero.", smallest_p_note(ALTERNATIVE, t["n_pairs"].dropna()),
-                     "Bold: the highest accuracy of each column."])
+                     "Bold: the highest accuracy of each column."]
+                    + (["Selection cost: the criterion's scoring pass before training (wall time, FLOPs), the mean "
+                        "over the trials that recorded it per dataset, then over datasets."] if cost else []))
 
 
 def render_criteria_overlap(t: pd.DataFrame) -> Rendered:
