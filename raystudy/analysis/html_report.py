@@ -29,6 +29,9 @@ from raystudy.analysis.options import (
 from raystudy.analysis.pipeline import AnalysisResult, lr_rules, run_analysis
 from raystudy.analysis.render import LR_RULES, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
+from raystudy.analysis.selection import SECTION_TITLE as CRITERIA_TITLE
+from raystudy.analysis.selection import TABLES as CRITERIA_TABLES
+from raystudy.analysis.selection_figures import FIGURE_PREFIX as CRITERIA_FIGURES
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.style import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.vtab import lr_rule_text
@@ -237,10 +240,27 @@ def toc_entries(res: AnalysisResult) -> list[tuple[str, str]]:
     entries = [("summary", "Summary", "section")]
     entries += [("scope", SCOPE_TITLE, "section")] if scope_items(res) else []
     entries += [("notes", "Notes", "section")] if res.notes or res.footnote else []
+    entries += [("criteria", CRITERIA_TITLE, "section")] if any(map(_in_criteria_section, res.rendered)) else []
     entries += [(f"table-{n}", r.title, "table") for n, r in res.rendered.items()]
     entries += [(f"figure-{f.name}", f.title, "figure") for f in res.figures]
     labels = unique_labels([lab for _, lab, _ in entries], [k for _, _, k in entries])
     return [(anchor, label) for (anchor, _, _), label in zip(entries, labels)]
+
+
+def _in_criteria_section(name: str) -> bool:
+    """Whether a table or figure belongs to the selection criteria's section (not to Tables / Figures)."""
+    return name in CRITERIA_TABLES or name.startswith(CRITERIA_FIGURES)
+
+
+def _criteria_section(res: AnalysisResult) -> str:
+    """The selection criteria at matched budgets (:mod:`raystudy.analysis.selection`): its tables, then its
+    figures; empty when the study has no criterion budget."""
+    tables = "".join(f'<div class="table-scroll">{r.html()}</div>' for n, r in res.rendered.items()
+                     if _in_criteria_section(n))
+    figs = "".join(_figure(f) for f in res.figures if _in_criteria_section(f.name))
+    if not tables and not figs:
+        return ""
+    return f'<section class="block" id="criteria"><h2>{_e(CRITERIA_TITLE)}</h2>{tables}{figs}</section>'
 
 
 def build_html(res: AnalysisResult) -> str:
@@ -250,9 +270,10 @@ def build_html(res: AnalysisResult) -> str:
     if res.notes or res.footnote:
         items = "".join(f"<li>{_e(n)}</li>" for n in res.notes + ([res.footnote] if res.footnote else []))
         notes = f'<section class="block" id="notes"><h2>Notes</h2><ul class="notes">{items}</ul></section>'
-    tables = "".join(f'<div class="table-scroll">{r.html()}</div>' for r in res.rendered.values())
+    tables = "".join(f'<div class="table-scroll">{r.html()}</div>' for n, r in res.rendered.items()
+                     if not _in_criteria_section(n))
     tables = f'<section class="block" id="tables"><h2>Tables</h2>{tables}</section>' if tables else ""
-    figs = "".join(_figure(f) for f in res.figures)
+    figs = "".join(_figure(f) for f in res.figures if not _in_criteria_section(f.name))
     figs = f'<section class="block" id="figures"><h2>Figures</h2>{figs}</section>' if figs else ""
     stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     name = Path(str(res.study_dir).rstrip("/")).name or str(res.study_dir)
@@ -272,6 +293,7 @@ def build_html(res: AnalysisResult) -> str:
 {_summary(res)}
 {_scope(res)}
 {notes}
+{_criteria_section(res)}
 {tables}
 {figs}
 </main>

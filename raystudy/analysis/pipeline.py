@@ -24,6 +24,8 @@ from raystudy.analysis import change as CH
 from raystudy.analysis import control as C
 from raystudy.analysis import figures as F
 from raystudy.analysis import render as R
+from raystudy.analysis import selection as S
+from raystudy.analysis import selection_figures as SelF
 from raystudy.analysis import sweep_figures as SF
 from raystudy.analysis import vtab as V
 from raystudy.analysis.inputs import StudyInputs, only_seeds, read_studies
@@ -65,7 +67,7 @@ log = logging.getLogger(__name__)
 TABLE_FORMATS = (".csv", ".md", ".tex")
 #: Every table the analysis can write, in report order.
 TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking",
-          *B.TABLES, *CH.TABLES, *V.TABLES, *C.TABLES, "cost")
+          *B.TABLES, *S.TABLES, *CH.TABLES, *V.TABLES, *C.TABLES, "cost")
 
 
 @dataclass
@@ -214,6 +216,8 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
                               pair_by=pair_by, round_to=round_to)
     if V.is_vtab(ok):
         tables.update(V.vtab_tables(ok, inputs.probes, inputs.final, vtab_rule, notes))
+    if S.has_criteria(ok):  # plasticity against the selection criteria at matched budgets
+        tables.update(S.selection_tables(tables["best_lr"], inputs, (paper_rule, vtab_rule), notes))
     tables.update(CH.change_tables(inputs, tables["best_lr"], notes))  # what finetuning changed
     tables["cost"] = cost_table(inputs.trials, ok, inputs.probes)
     tables.update(control)
@@ -239,6 +243,8 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
             r = getattr(CH, f"render_{name}")(df)
         elif name in B.TABLES:
             r = getattr(B, f"render_{name}")(df)
+        elif name in S.TABLES:
+            r = getattr(S, f"render_{name}")(df)
         elif name in V.TABLES:
             r = getattr(V, f"render_{name}")(df)
         elif name in C.TABLES:
@@ -422,6 +428,8 @@ def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: 
                      lambda s: F.plot_relative_gain(g, s)))
     if "frontier" in tables:
         jobs += B.figure_jobs(tables["frontier"], _slug)
+    if "criteria" in tables:
+        jobs += SelF.figure_jobs(inputs, _slug)
     jobs += CH.figure_jobs(tables)
     if "vtab_frontier" in tables:
         jobs.append(V.figure_job(tables["vtab_frontier"]))
