@@ -475,6 +475,8 @@ class RunSettings:
                                      help="a criterion's budget only: its chosen units' scores, in chosen order")
     selection_mask: str | None = setting(None, cli=False, path=True,
                                          help=":weights budgets only: their masks' file, {param_name: bool tensor}")
+    selection_seconds: float | None = setting(None, cli=False,
+                                              help="a budget's selection cost: its scoring pass's wall seconds")
     optimizer: str = setting("sgd", choices=OPTIMIZERS, help="sgd (momentum) or adamw", roles={"resume"})
     lr: float = setting(1e-2, check="positive", help="learning rate as used (AdamW: the caller scales)",
                         roles={"resume"})

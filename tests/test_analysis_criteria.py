@@ -309,3 +309,28 @@ def test_vtab_criteria_read_the_task_accuracies_of_the_vtab_table(tmp_path, fina
     p = [stats.wilcoxon(means["auto"], means[c], alternative="two-sided").pvalue for c in ("rgn", "taylor")]
     assert [o.loc[c, "p_value"] for c in ("rgn", "taylor")] == pytest.approx(p)
     assert [o.loc[c, "p_holm"] for c in ("rgn", "taylor")] == pytest.approx(_holm_by_hand(p))
+
+
+def test_weights_budgets_without_auto_are_tested_against_random(tmp_path):
+    """Plasticity scores no single entry: a ``:weights`` budget's criteria are tested against ``random``."""
+    rows = [dict(r, configuration=f"{r['configuration']}:weights", trial_id=r["trial_id"] + "-w")
+            for r in _rows(("random", "rgn", "fisher"), ("1%",), head=False)]
+    rows += _rows(("auto", "rgn"), ("5%",), prefix="u", head=False)  # a units budget beside it keeps auto
+    res = run_analysis(_write(tmp_path / "s", rows), figures=False)
+    t = res.tables["criteria"]
+    o = t[(t["dataset"] == "overall")]
+    w = o[o["granularity"] == "weights"].set_index("criterion")
+    assert set(w.index) == {"random", "rgn", "fisher"} and (w.loc[["rgn", "fisher"], "reference"] == "random").all()
+    means = {c: [_best([dict(r, configuration=r["configuration"][:-len(":weights")]) for r in rows
+                        if r["configuration"].endswith(":weights")], c, "1%", ds)[0] for ds in DATASETS]
+             for c in ("random", "rgn", "fisher")}
+    ps = []
+    for crit in ("rgn", "fisher"):
+        want = stats.wilcoxon(means["random"], means[crit], alternative="two-sided")
+        assert w.loc[crit, "p_value"] == pytest.approx(want.pvalue)
+        ps.append(want.pvalue)
+    assert [w.loc["rgn", "p_holm"], w.loc["fisher", "p_holm"]] == pytest.approx(_holm_by_hand(ps))
+    u = o[o["granularity"] == "units"].set_index("criterion")
+    assert u.loc["rgn", "reference"] == "auto"
+    md = (res.out_dir / "criteria.md").read_text()
+    assert "| p vs random |" in md and "| p vs auto |" in md

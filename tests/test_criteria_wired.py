@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import make_store
@@ -86,6 +87,9 @@ def test_fisher_budget_trains_the_units_a_by_hand_fisher_picks(store, tmp_path, 
 
     cached = list((tmp_path / "study" / "criteria" / "tiny").glob("fisher_b2_s0_*.parquet"))
     assert len(cached) == 1
+    # the selection cost: the scoring pass's wall time, recorded with the scores
+    seconds = pd.read_parquet(cached[0])["seconds"]
+    assert seconds.nunique() == 1 and seconds.iloc[0] > 0 and cfg.selection_seconds == seconds.iloc[0]
     monkeypatch.setattr(selection, "criterion_scores", lambda *a, **k: pytest.fail("recomputed, not cached"))
     again, _ = finetune_job(spec, grid_point("tiny", "fisher:30%", "sgd", 0.05, 0), str(tmp_path / "run2"))
     assert again.selection == cfg.selection and again.selection_scores == cfg.selection_scores
@@ -98,6 +102,7 @@ def test_fisher_budget_trains_the_units_a_by_hand_fisher_picks(store, tmp_path, 
     assert summary["units"] == cfg.selection and summary["configuration"] == "fisher:30%"
     written = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert written["selection_scores"] == pytest.approx(cfg.selection_scores)
+    assert written["selection_seconds"] == cfg.selection_seconds
 
 
 def test_criterion_budget_needs_its_selection(store, tmp_path):

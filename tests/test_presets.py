@@ -80,8 +80,8 @@ def test_grid_sizes_of_the_named_presets():
     assert sizes["plasticity-demo"] == sizes["plasticity-paper"] == 0
     assert sizes["vtab1k"] == 19 * 16 * 4 * 3 + 19 * 16 * 3 == 3648 + 912  # search, then the final fit
     assert sizes["vtab1k-demo"] == 3 * 12 * 2 * 2 + 3 * 12 * 2 == 144 + 72
-    assert sizes["selection"] == 19 * 21 * 4 * 3 + 19 * 21 * 3 == 4788 + 1197
-    assert sizes["selection-demo"] == 3 * 7 * 2 * 2 + 3 * 7 * 2 == 84 + 42
+    assert sizes["selection"] == 19 * 39 * 4 * 3 + 19 * 39 * 3 == 8892 + 2223  # 21 unit + 18 weights budgets
+    assert sizes["selection-demo"] == 3 * 13 * 2 * 2 + 3 * 13 * 2 == 156 + 78  # 7 unit + 6 weights budgets
 
 
 @pytest.mark.parametrize("name", ["selection", "selection-demo"])
@@ -94,8 +94,13 @@ def test_selection_presets_compare_every_strategy_at_each_budget_as_their_header
     spec, vtab = load_preset(name), load_preset("vtab1k" if name == "selection" else "vtab1k-demo")
     trees = [normalise(c) for c in spec.configurations]
     assert all(isinstance(t, Budgeted) for t in trees)
-    budgets = list(dict.fromkeys(str(t.budget) for t in trees))
-    assert sorted(str(t) for t in trees) == sorted(f"{s}:{b}" for s in ("auto", "random", *CRITERIA) for b in budgets)
+    units = list(dict.fromkeys(str(t.budget) for t in trees if not t.weights))
+    weights = list(dict.fromkeys(str(t.budget) for t in trees if t.weights))
+    assert units and weights
+    # every strategy at each unit budget; every one but auto (plasticity is per unit) at each weights budget
+    assert sorted(str(t) for t in trees) == sorted(
+        [f"{s}:{b}" for s in ("auto", "random", *CRITERIA) for b in units]
+        + [f"{s}:{b}:weights" for s in ("random", *CRITERIA) for b in weights])
     assert spec.final_fit and spec.analysis_select_by == "val" and spec.plasticity.enabled
     assert spec.datasets == vtab.datasets and spec.model == vtab.model and spec.optimizers == vtab.optimizers
     assert (spec.steps, spec.batch_size, spec.resize, spec.augment) == (vtab.steps, vtab.batch_size, vtab.resize,

@@ -6,6 +6,8 @@ also when it resumes from a checkpoint."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -174,6 +176,10 @@ def test_a_weights_budget_trains_exactly_the_entries_its_criterion_chooses(store
     row = trial_row(point, spec.model, summary)
     assert row["selection_mask"] == summary["selection_mask"] and row["selection_entries"] == entries
     assert read_masks(str(tmp_path / "study" / row["selection_mask"])).keys() == masks.keys()
+    # the selection cost: the mask's scoring pass, timed once and kept in its file's header
+    seconds = float(json.loads(cached.read_bytes()[8:8 + int.from_bytes(cached.read_bytes()[:8], "little")])
+                    ["__metadata__"]["seconds"])
+    assert seconds > 0 and cfg.selection_seconds == seconds and row["selection_seconds"] == seconds
 
 
 def _cfg(out, store, mask, **kw) -> FinetuneConfig:

@@ -56,6 +56,8 @@ SECTION_TITLE = "Selection criteria at matched budgets"
 CRITERION_ORDER: tuple[str, ...] = ("auto", "random") + CRITERIA
 #: The reference of the tests: plasticity (``auto:B``).
 REFERENCE = "auto"
+#: the reference of a granularity without ``auto`` (single weights: plasticity scores no entry)
+CONTROL = "random"
 #: The granularities of a budget: (component, block) units, or single weights (``:weights``).
 GRANULARITIES: tuple[str, ...] = ("units", "weights")
 WEIGHTS_SUFFIX = ":weights"
@@ -195,19 +197,24 @@ def _overall(rows: pd.DataFrame, costs: list[str]) -> pd.DataFrame:
 
 def _tests(rows: pd.DataFrame) -> pd.DataFrame:
     """Per group: ``auto`` against every other criterion, ``scipy.stats.wilcoxon`` over the shared datasets
-    (:func:`~raystudy.analysis.stats.signed_rank_test`), then :func:`holm` over the group's p-values."""
+    (:func:`~raystudy.analysis.stats.signed_rank_test`), then :func:`holm` over the group's p-values. A group
+    without ``auto`` (the weights granularity: plasticity scores no entry) tests against ``random``, the
+    control, instead; column ``reference`` says which."""
     out = []
     for _, g in rows.groupby(GROUP, sort=False):
         acc = {c: r.set_index("dataset")["mean"] for c, r in g.groupby("criterion", sort=False)}
-        if REFERENCE not in acc:
+        ref = next((c for c in (REFERENCE, CONTROL) if c in acc), None)
+        if ref is None:
             continue
         tests = []
-        for other in (c for c in CRITERION_ORDER if c in acc and c != REFERENCE):
-            stat, p, n = signed_rank_test(acc[REFERENCE], acc[other], ALTERNATIVE)
-            tests.append(dict(zip(GROUP, g.iloc[0][GROUP]), criterion=other, statistic=stat, p_value=p, n_pairs=n))
+        for other in (c for c in CRITERION_ORDER if c in acc and c != ref):
+            stat, p, n = signed_rank_test(acc[ref], acc[other], ALTERNATIVE)
+            tests.append(dict(zip(GROUP, g.iloc[0][GROUP]), criterion=other, reference=ref, statistic=stat,
+                              p_value=p, n_pairs=n))
         adjusted = holm([t["p_value"] for t in tests])
         out += [dict(t, p_holm=a) for t, a in zip(tests, adjusted)]
-    return pd.DataFrame(out, columns=GROUP + ["criterion", "statistic", "p_value", "n_pairs", "p_holm"])
+    return pd.DataFrame(out, columns=GROUP + ["criterion", "reference", "statistic", "p_value", "n_pairs",
+                                              "p_holm"])
 
 
 def criteria_table(per: pd.DataFrame, counted: pd.DataFrame, lr_rule: str) -> pd.DataFrame:
@@ -228,10 +235,10 @@ def criteria_table(per: pd.DataFrame, counted: pd.DataFrame, lr_rule: str) -> pd
     rows = rows.assign(n_datasets=1)
     overall = _overall(rows, cost_cols).merge(_tests(rows), on=GROUP + ["criterion"], how="left")
     out = _sorted(pd.concat([rows, overall], ignore_index=True)).assign(lr_rule=lr_rule)
-    for c in ("statistic", "p_value", "p_holm", "n_pairs"):
+    for c in ("reference", "statistic", "p_value", "p_holm", "n_pairs"):
         out[c] = out[c] if c in out.columns else np.nan
     cols = ["optimizer", "granularity", "budget", "criterion", "configuration", "dataset", "mean", "std", "n_seeds",
-            "n_datasets", "lr", *cost_cols, "statistic", "p_value", "p_holm", "n_pairs", "lr_rule"]
+            "n_datasets", "lr", *cost_cols, "reference", "statistic", "p_value", "p_holm", "n_pairs", "lr_rule"]
     return out[(["model"] if out["model"].nunique() > 1 else []) + cols]
 
 
@@ -422,8 +429,9 @@ def _criteria_block(heading: str, g: pd.DataFrame, cost: bool) -> Block:
     datasets, the cost, the test against auto (raw and Holm p-values, pairs)."""
     datasets = [d for d in dict.fromkeys(g["dataset"]) if d != OVERALL]
     crits = [c for c in CRITERION_ORDER if c in set(g["criterion"])]
+    refs = g["reference"].dropna() if "reference" in g.columns else pd.Series(dtype=object)
     cols = ["criterion", *datasets, "mean over datasets", *(["selection cost"] if cost else []),
-            "p vs auto", "p (Holm)", "pairs"]
+            f"p vs {refs.iloc[0] if len(refs) else REFERENCE}", "p (Holm)", "pairs"]
     rows, values = [], pd.DataFrame(index=crits, columns=[*datasets, OVERALL], dtype=float)
     for c in crits:
         cell = g[g["criterion"] == c].set_index("dataset")
@@ -448,9 +456,10 @@ def render_criteria(t: pd.DataFrame) -> Rendered:
                     f"seeds; {rule}) and over datasets (mean ± std over datasets); auto: units by plasticity, "
                     "random: a seeded random order, rgn/grad/taylor/fisher/magnitude: the field's criteria. "
                     f"p vs auto: scipy.stats.wilcoxon of auto against the criterion, {ALTERNATIVE}, paired over "
-                    "datasets (per-dataset means); p (Holm): Holm-corrected across the budget's criteria.", blocks,
-                    [STD_NOTE, f"{statistic_note(ALTERNATIVE, 'auto − criterion')}; '–' without pairs or when every "
-                     "difference is zero.", smallest_p_note(ALTERNATIVE, t["n_pairs"].dropna()),
+                    "datasets (per-dataset means); at the weights granularity, where plasticity scores no entry, p vs "
+                    "random (the control) instead; p (Holm): Holm-corrected across the budget's criteria.", blocks,
+                    [STD_NOTE, f"{statistic_note(ALTERNATIVE, 'reference − criterion')}; '–' without pairs or "
+                     "when every difference is zero.", smallest_p_note(ALTERNATIVE, t["n_pairs"].dropna()),
                      "Bold: the highest accuracy of each column."]
                     + (["Selection cost: the criterion's scoring pass before training (wall time, FLOPs), the mean "
                         "over the trials that recorded it per dataset, then over datasets."] if cost else []))

@@ -28,7 +28,7 @@ import torch
 
 from raystudy.core.expressions import Budgeted, normalise, resolve
 from raystudy.core.finetune.config import FinetuneConfig
-from raystudy.core.finetune.masks import read_masks, write_masks
+from raystudy.core.finetune.masks import mask_metadata, read_masks, write_masks
 from raystudy.core.finetune.outputs import CRITERIA_FOLDER
 from raystudy.core.finetune.selection import criterion_masks, criterion_scores
 from raystudy.core.models import build_model
@@ -81,6 +81,7 @@ def finetune_job(spec: StudySpec, point: Mapping[str, Any], out_dir: str, *, pla
     """
     cfg = finetune_config(spec, point, out_dir)
     cfg.selection, cfg.selection_scores = selection_of(spec, cfg, point["dataset"], plasticity, score=score)
+    cfg.selection_seconds = selection_seconds(spec, cfg, point["dataset"])
     tree = normalise(cfg.configuration)
     if isinstance(tree, Budgeted) and tree.weights and cfg.selection is not None:
         cfg.selection_mask = mask_path(spec, cfg, point["dataset"], tree)
@@ -207,13 +208,31 @@ def weights_mask(spec: StudySpec, cfg, dataset: str, tree: Budgeted, *, score: b
     cached = read_masks(path)
     if cached is not None or not score:
         return cached
+    t0 = time.perf_counter()
     if tree.strategy == "random":
         masks = _resolve_meta(cfg, tree).masks
     else:
         masks = criterion_masks(cfg, tree, device="cuda" if torch.cuda.is_available() else "cpu")
     masks = {n: m for n, m in masks.items() if bool(m.any())}  # the tensors it touches
-    write_masks(path, masks)
+    write_masks(path, masks, metadata={"seconds": repr(time.perf_counter() - t0)})
     return masks
+
+
+def selection_seconds(spec: StudySpec, cfg, dataset: str) -> float | None:
+    """The selection cost of ``cfg``'s budget on ``dataset``: the wall seconds of the scoring pass its
+    selection was derived from, as measured when it was cached (a criterion's ``seconds`` column, a
+    ``:weights`` mask's header); ``0.0`` for ``random`` (no pass); ``None`` for ``auto`` (plasticity is
+    measured by its own stage, for every budget at once), any other configuration, or nothing cached."""
+    tree = normalise(cfg.configuration)
+    if not isinstance(tree, Budgeted) or tree.strategy == "auto":
+        return None
+    if tree.strategy == "random":
+        return 0.0
+    if tree.weights:
+        seconds = mask_metadata(mask_path(spec, cfg, dataset, tree)).get("seconds")
+        return None if seconds is None else float(seconds)
+    rows = criterion_table(spec, cfg, dataset, tree.strategy, score=False)
+    return None if rows is None or "seconds" not in rows.columns else float(rows["seconds"].iloc[0])
 
 
 def _resolve_meta(cfg, tree: Budgeted, **kw):

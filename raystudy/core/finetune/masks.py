@@ -13,6 +13,8 @@ safetensors dict ``{param_name: bool tensor}``.
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
@@ -64,11 +66,23 @@ def hold_frozen_entries(optimizer: torch.optim.Optimizer, params: dict[str, nn.P
     return handles + [optimizer.register_step_post_hook(restore)]
 
 
-def write_masks(path: str, masks: dict[str, torch.Tensor]) -> None:
-    """``masks`` (``{param_name: bool mask}``) as one safetensors file at ``path`` (a path or URI; atomic)."""
+def write_masks(path: str, masks: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """``masks`` (``{param_name: bool mask}``) as one safetensors file at ``path`` (a path or URI; atomic),
+    with ``metadata`` (strings) in its header."""
     from safetensors.torch import save
 
-    write_bytes_atomic(path, save({n: m.detach().cpu().bool().contiguous() for n, m in masks.items()}))
+    write_bytes_atomic(path, save({n: m.detach().cpu().bool().contiguous() for n, m in masks.items()},
+                                  metadata=metadata))
+
+
+def mask_metadata(path: str) -> dict[str, str]:
+    """The header metadata :func:`write_masks` stored at ``path`` (``{}`` when none or no file): a
+    safetensors file starts with its header's length (8 bytes, little-endian), then the header's JSON."""
+    data = read_bytes(path)
+    if data is None or len(data) < 8:
+        return {}
+    size = int.from_bytes(data[:8], "little")
+    return dict(json.loads(data[8:8 + size]).get("__metadata__") or {})
 
 
 def read_masks(path: str) -> dict[str, torch.Tensor] | None:

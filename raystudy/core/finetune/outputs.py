@@ -57,6 +57,7 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     ``random:B`` resolved by the run itself (then None). A criterion's budget adds ``selection_scores``: its
     chosen units' scores in chosen order (``{"FC2@2": 0.31, ...}``). A ``:weights`` budget adds
     ``selection_mask``: its mask file (:func:`mask_record`), and counts its entries in ``selection_entries``.
+    A budget whose scoring pass was timed adds ``selection_seconds``, its wall time.
     """
     unknown = set(results) - set(RESULT_DEFAULTS) - {"error"}
     if unknown:
@@ -72,6 +73,8 @@ def run_summary(cfg: FinetuneConfig, **results) -> dict:
     scores = {"selection_scores": dict(cfg.selection_scores)} if cfg.selection_scores else {}
     if cfg.selection_mask is not None:
         scores["selection_mask"] = mask_record(cfg.selection_mask)
+    if cfg.selection_seconds is not None:  # the budget's selection cost (raystudy.study.jobs.selection_seconds)
+        scores["selection_seconds"] = float(cfg.selection_seconds)
     return {**protocol, **RESULT_DEFAULTS, "units": _known_units(cfg), **scores, **results}
 
 
