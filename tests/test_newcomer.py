@@ -682,6 +682,7 @@ def test_unusable_checkpoints_are_moved_aside_and_reported(tmp_path):
 
     from raystudy.core.finetune import FinetuneConfig, train_local
     from raystudy.study.progress import Progress
+    from raystudy.study.results import trial_row
 
     store = make_store(tmp_path / "store", n_per_split=(16, 8, 8))
     ck = tmp_path / "ck"
@@ -705,8 +706,13 @@ def test_unusable_checkpoints_are_moved_aside_and_reported(tmp_path):
     assert (ck / "checkpoint_00000004.corrupt-1").is_dir() and ".corrupt-1" in again["checkpoint_warnings"][0]
     lines = []
     progress = Progress(total=1, done_before=0, prefix="s", echo=lines.append)
-    progress.trial_finished("t1", {"status": "ok", "test_acc": 0.5, "wall_seconds": 1.0, "checkpoints_skipped": 1})
-    assert "(1 unusable checkpoint(s) moved aside: checkpoint_warnings in trials/t1/summary.json)" in lines[0]
+    row = trial_row({"trial_id": "t1", "dataset": "d", "configuration": "All", "optimizer": "sgd", "lr": 0.1,
+                     "seed": 0}, "m", {**again, "wall_seconds": 1.0})
+    progress.trial_finished("t1", row)
+    # the terminal names the checkpoint moved aside and where it went, then where the others are listed
+    assert (f"(1 unusable checkpoint(s) moved aside, the first: {again['checkpoint_warnings'][0]}; "
+            "checkpoint_warnings in trials/t1/summary.json)") in lines[0]
+    assert "checkpoint_00000004" in lines[0] and ".corrupt-1" in lines[0]
 
 
 # ---------------------------------------------------------------------------------------------------------

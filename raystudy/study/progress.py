@@ -111,7 +111,8 @@ class Progress:
         detail = f": {row['error']}" if status == "failed" and row.get("error") else ""
         skipped = row.get("checkpoints_skipped")
         if isinstance(skipped, int) and skipped > 0:
-            detail += (f" ({skipped} unusable checkpoint(s) moved aside: checkpoint_warnings in "
-                       f"trials/{trial_id}/summary.json)")
+            first = row.get("checkpoint_warning")
+            detail += (f" ({skipped} unusable checkpoint(s) moved aside{f', the first: {first}' if first else ''}; "
+                       f"checkpoint_warnings in trials/{trial_id}/summary.json)")
         self.echo(f"[{self.prefix}] {status} {trial_id}: {acc}{took}{detail} | {self.done}/{self.total} done, "
                   f"ETA {fmt_seconds(self.eta())}")

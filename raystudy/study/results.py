@@ -182,6 +182,9 @@ def trial_row(point: dict[str, Any], model: str, summary: dict[str, Any],
         "lr": float(point["lr"]), "seed": int(point["seed"]), "model_kwargs": json.dumps(kwargs, sort_keys=True),
         "phase": phase_of(point),
     })
+    warnings = summary.get("checkpoint_warnings")
+    if isinstance(warnings, list) and warnings:  # the terminal names the first checkpoint moved aside
+        row["checkpoint_warning"] = str(warnings[0])
     if row.get("status") not in STATUSES:
         raise ValueError(f"trial {point['trial_id']}: summary status {row.get('status')!r} not in {STATUSES}")
     return row
