@@ -334,3 +334,17 @@ def test_weights_budgets_without_auto_are_tested_against_random(tmp_path):
     assert u.loc["rgn", "reference"] == "auto"
     md = (res.out_dir / "criteria.md").read_text()
     assert "| p vs random |" in md and "| p vs auto |" in md
+
+
+def test_the_cost_table_shows_each_budgets_selection_cost(tmp_path):
+    rows = _rows(budgets=("5%",))
+    res = run_analysis(_write(tmp_path / "s", rows), figures=False)
+    cost = res.tables["cost"].set_index("configuration")
+    for crit in CRITERIA:
+        recorded = [r["selection_seconds"] for r in rows if r["configuration"] == f"{crit}:5%"]
+        if recorded[0] is None:  # auto (plasticity: its own stage) and random: nothing timed
+            assert np.isnan(cost.loc[f"{crit}:5%", "selection_seconds"])
+        else:
+            assert cost.loc[f"{crit}:5%", "selection_seconds"] == pytest.approx(np.mean(recorded))
+    md = (res.out_dir / "cost.md").read_text()
+    assert "| selection cost |" in md and "Selection cost: a budget's scoring pass" in md

@@ -413,7 +413,7 @@ def render_ranking(t: pd.DataFrame) -> Rendered:
 def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered:
     mem = [c for c in ("grad_memory_bytes", "optimizer_memory_bytes") if c in t.columns]
     labels = {"grad_memory_bytes": "gradient memory", "optimizer_memory_bytes": "optimizer memory"}
-    speed = "images_per_s" in t.columns
+    speed, selection = "images_per_s" in t.columns, "selection_seconds" in t.columns
     blocks = []
     for heading, g in _groups(t, []):
         rows = []
@@ -423,16 +423,23 @@ def render_cost(t: pd.DataFrame, trials: pd.DataFrame | None = None) -> Rendered
                 wall += f" ± {fmt_duration(r['wall_seconds_std'])}"
             rows.append([r["optimizer"], r["configuration"], fmt_count(r["trainable_params"]),
                          *[fmt_bytes(r[c]) for c in mem], wall, fmt_duration(r["total_wall_seconds"]),
-                         str(int(r["n_trials"])), *([fmt_num(r["images_per_s"], 1)] if speed else [])])
+                         str(int(r["n_trials"])), *([fmt_num(r["images_per_s"], 1)] if speed else []),
+                         *([fmt_duration(r["selection_seconds"]) if _finite(r["selection_seconds"]) else "–"]
+                           if selection else [])])
         blocks.append(Block(heading, ["optimizer", "configuration", "trainable parameters",
                                       *[labels[c] for c in mem], "wall time per ok trial", "total wall time",
-                                      "trials", *([f"{_inputs(trials)}/s"] if speed else [])], rows))
+                                      "trials", *([f"{_inputs(trials)}/s"] if speed else []),
+                                      *(["selection cost"] if selection else [])], rows))
     notes = ["Trainable parameters and memory: median over the configuration's trials (they vary only with the "
              "classifier head, i.e. the number of classes); total wall time includes failed trials."]
     if not mem:
         notes.append("trials.parquet has no grad_memory_bytes / optimizer_memory_bytes: memory columns omitted.")
     if trials is not None and (spread := _params_spread(trials)):
         notes.append(spread)
+    if selection:
+        notes.append("Selection cost: a budget's scoring pass before training (its criterion's gradients or a "
+                     "mask's), wall time as measured once and cached, mean over its trials; – where none was "
+                     "timed (auto: plasticity is its own stage; other configurations select nothing).")
     return Rendered("cost", "Cost per configuration", "Trainable parameters, gradient and optimizer-state memory, "
                     "and wall time per configuration.", blocks, notes)
 

@@ -293,8 +293,9 @@ def cost_table(trials: pd.DataFrame, counted: pd.DataFrame, probes: pd.DataFrame
     diverged runs stop early); ``total_wall_seconds`` sums every trial with a recorded time, failed ones
     included (the compute actually spent); ``n_trials`` counts all trials. ``grad_memory_bytes`` /
     ``optimizer_memory_bytes`` appear only when ``trials.parquet`` has them (with at least one value), and
-    ``images_per_s`` (mean training throughput per completed run) likewise. The ``LP`` row's optimizer is
-    :data:`NO_OPTIMIZER`.
+    ``images_per_s`` (mean training throughput per completed run) likewise, and ``selection_seconds`` (a
+    budget's selection cost: the wall time of the scoring pass its selection came from, mean over its trials).
+    The ``LP`` row's optimizer is :data:`NO_OPTIMIZER`.
     """
     key = ["model", "optimizer", "configuration"]
     df = trials.assign(optimizer=trials["optimizer"].where(trials["configuration"] != LINEAR_PROBE, NO_OPTIMIZER))
@@ -313,6 +314,12 @@ def cost_table(trials: pd.DataFrame, counted: pd.DataFrame, probes: pd.DataFrame
     if speed:
         ok = ok.assign(images_per_s=pd.to_numeric(ok["images_per_s"], errors="coerce"))
         out = out.join(ok.groupby(key, sort=False)["images_per_s"].mean())
+    selection = "selection_seconds" in df.columns \
+        and pd.to_numeric(df["selection_seconds"], errors="coerce").notna().any()
+    if selection:  # a budget's scoring pass before training (raystudy.study.jobs.selection_seconds)
+        out = out.join(df.assign(selection_seconds=pd.to_numeric(df["selection_seconds"], errors="coerce"))
+                       .groupby(key, sort=False)["selection_seconds"].mean())
     cols = ["optimizer", "configuration", "trainable_params", *mem, "wall_seconds", "wall_seconds_std",
-            "total_wall_seconds", "n_trials", *(["images_per_s"] if speed else [])]
+            "total_wall_seconds", "n_trials", *(["images_per_s"] if speed else []),
+            *(["selection_seconds"] if selection else [])]
     return finish(out.reset_index(), cols, int(df["model"].nunique()))
