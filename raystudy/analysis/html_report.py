@@ -158,6 +158,9 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
                                   if o["round_to"] is not None else "")))
     else:
         items.append(("tests", f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)"))
+    if "criteria" in res.tables:
+        items.append(("selection tests", "Wilcoxon of plasticity (auto) against each selection criterion at each "
+                                         "budget, Holm-corrected: section 'Selection criteria at matched budgets'"))
     return items
 
 
