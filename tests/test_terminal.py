@@ -80,6 +80,40 @@ def test_one_line_per_finished_trial():
     assert p.running == set() and p.counts == {"ok": 1, "diverged": 0, "failed": 1}
 
 
+def test_a_trial_that_asked_for_gpus_and_ran_on_the_cpu_is_said_once():
+    from raystudy.distributed.devices import no_cuda_message
+
+    clock, lines = FakeClock(), []
+    p = Progress(total=3, done_before=0, echo=lines.append, prefix="gpu", clock=clock)
+    warning = no_cuda_message(0.5, 1)
+    for tid in ("t1", "t2"):
+        p.trial_finished(tid, {"status": "ok", "test_acc": 0.5, "wall_seconds": 1.0, "device_warning": warning})
+    p.trial_finished("t3", {"status": "ok", "test_acc": 0.5, "wall_seconds": 1.0, "device_warning": None})
+    notes = [line for line in lines if "note:" in line]
+    assert notes == [f"[gpu] note: t1: {warning} (every trial it happened to: device_warning in trials.parquet; "
+                     "this note is not repeated)"] and len(lines) == 4
+    assert "gpus_per_worker=0.5 but CUDA sees no device" in warning and "1 thread(s)" in warning
+
+
+def test_worker_device_falls_back_to_the_cpu_only_with_a_reason(monkeypatch):
+    import torch
+
+    from raystudy.distributed.devices import worker_device
+
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+        device, warning = worker_device(1.0, 2)
+        assert device.type == "cpu" and torch.get_num_threads() == 2
+        assert "gpus_per_worker=1 but CUDA sees no device" in warning and "CUDA_VISIBLE_DEVICES='0'" in warning
+        assert worker_device(0.0, 1) == (torch.device("cpu"), None)  # asked for none: nothing to say
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert worker_device(0.5, 1) == (torch.device("cuda"), None)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_periodic_summary_every_interval():
     clock, lines = FakeClock(), []
     p = Progress(total=5, done_before=0, echo=lines.append, prefix="s", clock=clock, every=60.0)

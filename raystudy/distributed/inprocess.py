@@ -37,18 +37,12 @@ from raystudy.core.finetune.config import FinetuneConfig
 from raystudy.core.finetune.data import epoch_permutation, prepare_caches
 from raystudy.core.finetune.driver import ForwardReports, finish_run, finished_summary, run, run_record
 from raystudy.data.cache import release_reads
+from raystudy.distributed.devices import placement_record, worker_device
 from raystudy.distributed.train import TrainResources, run_config_dict
 
 log = logging.getLogger(__name__)
 
 __all__ = ["release_trial_memory", "run_in_process"]
-
-
-def _device(resources: TrainResources) -> torch.device:
-    if resources.use_gpu and torch.cuda.is_available():
-        return torch.device("cuda")
-    torch.set_num_threads(max(1, int(resources.cpus_per_worker)))
-    return torch.device("cpu")
 
 
 def run_in_process(cfg: FinetuneConfig, resources: TrainResources, *, storage: str,
@@ -66,9 +60,13 @@ def run_in_process(cfg: FinetuneConfig, resources: TrainResources, *, storage: s
         raise ValueError(f"run_in_process runs one worker, not TrainResources.workers={resources.workers}")
     t0 = time.perf_counter()
     prepare_caches(cfg)
+    device, warning = worker_device(resources.gpus_per_worker, int(resources.cpus_per_worker))
+    if warning:
+        log.warning("%s: %s", cfg.out_dir, warning)
     summary, ft = run(cfg, checkpointer=DirectoryCheckpointer(storage, keep=resources.keep_checkpoints),
-                      reporter=ForwardReports(on_report), progress=False, device=_device(resources))
+                      reporter=ForwardReports(on_report), progress=False, device=device)
     summary = finished_summary(summary, wall_seconds=time.perf_counter() - t0, workers=1, execution="actor")
+    summary.update(placement_record(device, warning))
     finish_run(cfg, summary, run_record(summary, ft), config=run_config_dict(cfg, resources), storage=storage,
                cleanup=resources.cleanup_checkpoints)
     del ft

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import threading
@@ -29,7 +30,10 @@ from raystudy.core.components import get_adapter
 from raystudy.core.models import build_control_model, build_seeded_model
 from raystudy.core.plasticity import pair_rates_tensor
 from raystudy.data.modality import Modality
+from raystudy.distributed.devices import worker_device
 from raystudy.vocab import RANDOM_INIT
+
+log = logging.getLogger(__name__)
 
 
 def load_buckets(batch: dict, *, img_size: int | None, modality: Modality) -> dict:
@@ -85,13 +89,9 @@ class RateActor:
 
     def __init__(self, spec: dict):
         self.spec = spec
-        if spec["gpus"] > 0 and torch.cuda.is_available():
-            self.device = torch.device("cuda")
-        else:
-            if spec["gpus"] > 0:
-                raise RuntimeError("gpus_per_worker > 0 but this worker sees no CUDA device")
-            self.device = torch.device("cpu")
-            torch.set_num_threads(spec["threads"] or max(1, int(spec["cpus"])))
+        self.device, warning = worker_device(spec["gpus"], spec["threads"] or max(1, int(spec["cpus"])))
+        if warning:
+            log.warning("plasticity actor: %s", warning)
         self.model = build_model_of(spec).to(self.device).eval()
         control = build_control_of(spec)
         self.control = None if control is None else control.to(self.device).eval()

@@ -32,6 +32,7 @@ Definition of the features and the classifier: :mod:`raystudy.core.probe`.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -152,13 +153,11 @@ class FeatureActor:
     ``index``."""
 
     def __init__(self, spec: dict, gpus: float, threads: int, precision: str = "fp32"):
-        import torch
+        from raystudy.distributed.devices import worker_device
 
-        if gpus > 0 and not torch.cuda.is_available():
-            raise RuntimeError("gpus_per_worker > 0 but this worker sees no CUDA device")
-        self.device = torch.device("cuda" if gpus > 0 else "cpu")
-        if gpus == 0:
-            torch.set_num_threads(threads)
+        self.device, warning = worker_device(gpus, threads)
+        if warning:
+            logging.getLogger(__name__).warning("probe feature actor: %s", warning)
         self.model = build_probe_model(spec).to(self.device)
         self.precision, self.seed = precision, spec["seed"]
 

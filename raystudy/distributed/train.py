@@ -58,6 +58,7 @@ from raystudy.core.finetune.driver import (
     run_record,
 )
 from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.devices import no_cuda_message, placement_record
 from raystudy.settings import ResourceSettings, problems
 from raystudy.storage import filesystem, join, read_text, write_json_atomic
 
@@ -178,7 +179,9 @@ def _worker_placement(resources: TrainResources) -> dict:
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
+    device = ray.train.torch.get_device()  # cuda:<i> from the GPU ids Ray assigned, whether CUDA sees it or not
+    if device.type == "cuda" and not torch.cuda.is_available():
+        device = torch.device("cpu")  # the summary's device_warning says why (train_loop_per_worker)
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(resources.cpus_per_worker)))
     return dict(rank=rank, world_size=world, device=device,
@@ -202,7 +205,12 @@ def train_loop_per_worker(config: dict) -> dict | None:
     collective = RayCollective() if placement["world_size"] > 1 else None
     checkpointer = DirectoryCheckpointer(config["storage"], keep=resources.keep_checkpoints, collective=collective)
     summary, ft = run(cfg, checkpointer=checkpointer, reporter=RayTrainReporter(), progress=False, **placement)
-    return run_record(summary, ft) if ft.rank == 0 else None
+    if ft.rank != 0:
+        return None
+    device = placement["device"]
+    warning = no_cuda_message(resources.gpus_per_worker, int(resources.cpus_per_worker)) \
+        if resources.use_gpu and device.type == "cpu" else None
+    return run_record({**summary, **placement_record(device, warning)}, ft)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,8 +271,34 @@ def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *
         scaling_config=ScalingConfig(num_workers=resources.workers, use_gpu=resources.use_gpu,
                                      resources_per_worker=per_worker),
         run_config=run_config,
-        torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
+        torch_config=_torch_config() if resources.use_gpu else TorchConfig(backend="gloo"),
     )
+
+
+def _cuda_seen() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _torch_config():
+    """A ``TorchConfig`` whose backend the workers decide as they start: NCCL where every worker's CUDA sees a
+    device, else gloo (GPUs Ray declared but CUDA does not see: the run goes on on the CPU and its summary's
+    ``device_warning`` says so, :mod:`raystudy.distributed.devices`). Ray's own choice is NCCL whenever GPUs
+    were asked for, and NCCL refuses to start without one."""
+    from ray.train.torch.config import TorchConfig, _TorchBackend  # Ray's backend; only its choice differs
+
+    class CudaWhereSeenBackend(_TorchBackend):
+        def on_start(self, worker_group, backend_config):
+            backend = "nccl" if all(worker_group.execute(_cuda_seen)) else "gloo"
+            super().on_start(worker_group, dataclasses.replace(backend_config, backend=backend))
+
+    class CudaWhereSeenConfig(TorchConfig):
+        @property
+        def backend_cls(self):
+            return CudaWhereSeenBackend
+
+    return CudaWhereSeenConfig()
 
 
 # --- worker-group failures: a trace in the summary also when no checkpoint was restored (issue 15) ---

@@ -54,6 +54,7 @@ class Progress:
     counts: dict = field(default_factory=lambda: {"ok": 0, "diverged": 0, "failed": 0})
     t0: float | None = None
     last_shown: float | None = None
+    device_warned: bool = False  # a trial that asked for GPUs ran on the CPU: said once per launch
 
     def __post_init__(self) -> None:
         if self.t0 is None:
@@ -116,3 +117,8 @@ class Progress:
                        f"checkpoint_warnings in trials/{trial_id}/summary.json)")
         self.echo(f"[{self.prefix}] {status} {trial_id}: {acc}{took}{detail} | {self.done}/{self.total} done, "
                   f"ETA {fmt_seconds(self.eta())}")
+        warning = row.get("device_warning")
+        if isinstance(warning, str) and warning and not self.device_warned:
+            self.device_warned = True
+            self.echo(f"[{self.prefix}] note: {trial_id}: {warning} (every trial it happened to: device_warning "
+                      "in trials.parquet; this note is not repeated)")
