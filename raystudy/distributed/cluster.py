@@ -43,6 +43,10 @@ BENIGN_NOTICES: tuple[tuple[str, str], ...] = (
     # Printed at every Ray Data execution when progress bars are off (as they are here unless verbose).
     ("ray.data._internal.progress", "Progress bars disabled"),
     ("ray.data._internal.progress", "Progress bars for operators disabled"),
+    # Tune's traceback of a failed trial task (a lost node, a raised error): the study's terminal names the
+    # trial and its error in one line ("retrying ... after a failure (...)", or its "failed" line), and the
+    # trial's summary.json keeps the error
+    ("ray.tune.execution.tune_controller", "Trial task failed for trial"),
 )
 
 

@@ -363,7 +363,7 @@ def rate_pipeline(ray, job: PlasticityJob, plan: PairPlan, layouts: list[Layout]
     load_cpus = LOAD_CPUS if job.cpus_per_worker != LOAD_CPUS else LOAD_CPUS / 2
     ds = ds.map_batches(load_buckets, batch_size=1, fn_kwargs={"img_size": img_size, "modality": plan.modality},
                         num_cpus=load_cpus,
-                        compute=ray.data.TaskPoolStrategy(size=loaders))
+                        compute=ray.data.TaskPoolStrategy(size=min(loaders, len(items))))
     return ds.map_batches(RateActor, batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers),
                           num_cpus=job.cpus_per_worker, num_gpus=job.gpus_per_worker or None,
                           fn_constructor_kwargs={"spec": spec})
