@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -117,6 +118,61 @@ def user_env() -> dict:
     return env
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_s3(log_dir: Path, bucket: str):
+    """``(env, filesystem)``: moto's S3 server on a free port of 127.0.0.1 with ``bucket`` made, the
+    environment a client needs to reach it (also set in this process, which reads the study's tables, until
+    the block ends), and a pyarrow file system on it. The server is stopped when the block ends."""
+    import shutil
+    import socket
+    import time
+
+    import pyarrow.fs as pafs
+
+    port = free_port()
+    server = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or "moto_server"
+    log = open(Path(log_dir) / "moto.log", "w")
+    proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_REGION": "us-east-1"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto_server did not start"
+                time.sleep(0.2)
+        fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", access_key="test", secret_key="test",
+                               region="us-east-1", allow_bucket_creation=True)
+        fs.create_dir(bucket)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield env, fs
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 def _build_demo_study(cwd: Path) -> dict:
     (cwd / "experiments").symlink_to(REPO / "experiments", target_is_directory=True)
     (cwd / ".venv").symlink_to(sys.prefix, target_is_directory=True)  # the environment `make` creates
@@ -180,7 +236,7 @@ FILE_SECONDS = {
     "test_actor_memory.py": 34, "test_analysis_compare.py": 34, "test_finetune.py": 32, "test_study_probes.py": 30,
     "test_data_default.py": 29, "test_peft_methods.py": 29, "test_packaging.py": 28, "test_presets.py": 27,
     "test_analysis_beyond.py": 23, "test_data_stream.py": 23, "test_fast_step.py": 22, "test_paper_protocol.py": 22,
-    "test_cli_core.py": 20,
+    "test_cli_core.py": 20, "test_topology.py": 115, "test_s3.py": 45,
 }
 
 
@@ -194,7 +250,7 @@ RAY_FILES = frozenset({
     "test_hardening_study.py", "test_expressions_wired.py", "test_distributed_plasticity.py",
     "test_text_finetune.py", "test_text_plasticity.py", "test_probe.py", "test_cli_plasticity.py",
     "test_vtab_protocol.py", "test_actor_memory.py", "test_study_probes.py", "test_data_stream.py",
-    "test_demo_study.py", "test_terminal.py",  # (these two read the demo study: beside its build they would wait)
+    "test_topology.py", "test_s3.py", "test_demo_study.py", "test_terminal.py",  # (these two read the demo study: beside its build they would wait)
 })
 
 

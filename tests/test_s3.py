@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +23,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import STUDY_MODEL, STUDY_TINY
+from conftest import STUDY_MODEL, STUDY_TINY, moto_s3
 
 from raystudy.io import read_result
 from raystudy.study.points import trial_id
@@ -39,51 +37,11 @@ GRID = sorted(trial_id("noise", "MHA", "sgd", lr, 0) for lr in LRS)
 HELD = trial_id("noise", "MHA", "sgd", LRS[0], 0)  # launched first (one trial at a time)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    """``(env, filesystem)``: moto's S3 server on a free port of 127.0.0.1 with the bucket made, the
-    environment a client needs to reach it, and a pyarrow file system on it."""
-    import pyarrow.fs as pafs
-
-    port = _free_port()
-    server = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or "moto_server"
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_REGION": "us-east-1"}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto_server did not start"
-                time.sleep(0.2)
-        fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", access_key="test", secret_key="test",
-                               region="us-east-1", allow_bucket_creation=True)
-        fs.create_dir(BUCKET)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # this process reads the study's tables too
-        try:
-            yield env, fs
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    """``(env, filesystem)`` of moto's S3 server with the bucket made (:func:`conftest.moto_s3`)."""
+    with moto_s3(tmp_path_factory.mktemp("moto"), BUCKET) as (env, fs):
+        yield env, fs
 
 
 def _spec(builtin: dict, out: str) -> dict:

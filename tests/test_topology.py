@@ -1,0 +1,332 @@
+"""The shape of ``cluster/gpu.yaml`` on one machine (issue 36): the cluster a user's study meets, in the suite.
+
+As the configs start it: a head of ``CPU: 0`` (``ray start --head --num-cpus 0``, its dashboard on
+127.0.0.1), two worker nodes that declare one GPU each (``--num-gpus 1``: logical GPUs, CUDA sees none here),
+token authentication on every node and in the driver (``RAY_AUTH_MODE=token``, the shared
+``~/.ray/auth_token``), results on a real S3 API (moto's server on 127.0.0.1, ``AWS_ENDPOINT_URL``, as for
+MinIO or Ceph). The study is launched as a user launches it: ``raystudy study --address HEAD``.
+
+Its four trials ask for half a GPU each (``gpus_per_worker: 0.5``), so that each node packs two; its
+plasticity pass asks for half a GPU per actor. Every trial is held after its first checkpoint (on S3) until
+both nodes hold two; then one worker node is lost (its raylet and every process under it killed with
+SIGKILL) and the other's trials released. The lost trials are re-run by Tune on the surviving node from their
+S3 checkpoints, and the final tables equal an uninterrupted single-process run of each trial's own
+``config.json``. No trial and no plasticity actor ever ran on the head; every trial ran on the CPU and the
+terminal said so once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+import torch
+import yaml
+from conftest import STUDY_MODEL, STUDY_TINY, free_port, moto_s3, user_env
+
+from raystudy.io import read_result
+from raystudy.study.points import trial_id
+
+pytestmark = pytest.mark.slow
+
+BUCKET = "raystudy-topology"
+OUT = f"s3://{BUCKET}/study"
+STEPS = 12
+GRID = sorted(trial_id("noise", c, "sgd", 0.1, s) for c in ("LN1", "MHA") for s in (0, 1))
+HOLD_S = 240  # a held run's longest wait at its first checkpoint (released as soon as the node is lost)
+NO_CUDA = "CUDA sees no device"
+
+# the cluster's nodes see each other's deaths within ~2 s (a killed raylet's checks fail at once; a live one
+# has 5 s to answer on two busy cores)
+HEAD_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
+            "RAY_health_check_timeout_ms": "5000"}
+
+QUERY = r"""
+import json, sys
+import ray
+from ray._private.state import actors  # the GCS's actor table, dead actors included
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+nodes = [{"id": n["NodeID"], "port": n["NodeManagerPort"], "alive": n["Alive"], "resources": n["Resources"]}
+         for n in ray.nodes()]
+table = [{"cls": a["ActorClassName"].rsplit(".", 1)[-1], "node": a["Address"]["NodeID"], "state": a["State"]}
+         for a in actors().values()]
+print(json.dumps({"nodes": nodes, "actors": table}))
+"""
+
+
+def _spec(builtin: dict) -> dict:
+    return dict(
+        name="topology", out=OUT, model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32,
+        weights=builtin["weights"], data_root=builtin["data_root"], pretrain_store="pretrain",
+        datasets={"noise": "shift-noise"}, configurations=["LN1", "MHA"], optimizers={"sgd": [0.1]}, seeds=[0, 1],
+        steps=STEPS, batch_size=16, eval_period=4, warmup_steps=1, checkpoint_period=4, workers_per_trial=1,
+        cpus_per_worker=1, gpus_per_worker=0.5, max_concurrent_trials=4, trial_retries=2, worker_retries=0,
+        plasticity={"enabled": True, "pairs": 16, "batch_size": 8, "mode": "embedding", "workers": 1,
+                    "gpus_per_worker": 0.5, "cpus_per_worker": 1, "torch_threads": 1},
+        probe={"enabled": False}, pretrain={"enabled": False}, analysis=False,
+    )
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+def _raylet(node_manager_port: int) -> psutil.Process:
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and os.path.basename(cmd[0]) == "raylet" and f"--node_manager_port={node_manager_port}" in cmd:
+            return p
+    raise LookupError(f"no raylet with node manager port {node_manager_port}")
+
+
+def _trials_under(raylet: psutil.Process) -> set[str]:
+    """The grid's trials whose Tune actor runs under ``raylet`` (Tune works in a folder named by the trial)."""
+    found = set()
+    for p in raylet.children(recursive=True):
+        try:
+            found.add(os.path.basename(p.cwd()))
+        except (psutil.Error, OSError):
+            pass
+    return found & set(GRID)
+
+
+def _checkpointed(fs, tid: str) -> bool:
+    import pyarrow.fs as pafs
+
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(f"{BUCKET}/study/train/{tid}", recursive=True))
+    except (FileNotFoundError, OSError):
+        return False
+    return any(i.base_name == ".complete" for i in infos)
+
+
+class Cluster:
+    """A head of ``CPU: 0`` and worker nodes of one logical GPU, each a ``ray start --block`` process with
+    its own ports (several nodes share this machine), token authentication on, its HOME and temp dir."""
+
+    def __init__(self, root: Path, env: dict):
+        self.home = root / "home"  # every node's and the driver's ~/.ray/auth_token: never the user's
+        (self.home / ".ray").mkdir(parents=True)
+        (self.home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+        self.env = {**env, "HOME": str(self.home), "RAY_AUTH_MODE": "token"}
+        self.temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths stay < 108 bytes
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.ray = str(Path(sys.executable).parent / "ray")
+        self.procs: list[subprocess.Popen] = []
+        self.workers: list[int] = []  # node manager ports
+
+    def _start(self, args: list[str], env: dict) -> subprocess.Popen:
+        agent = ["--dashboard-agent-listen-port", str(free_port()), "--min-worker-port", "0",
+                 "--max-worker-port", "0", "--disable-usage-stats", "--block"]
+        proc = subprocess.Popen([self.ray, "start", *args, *agent], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def start(self, workers: int = 2) -> None:
+        # cluster/gpu.yaml's head: CPU 0, its dashboard on 127.0.0.1 (ports free here, not 8265/10001)
+        head = self._start(["--head", "--port", str(self.port), "--num-cpus", "0", "--num-gpus", "0",
+                            "--temp-dir", self.temp, "--dashboard-host", "127.0.0.1", "--dashboard-port",
+                            str(free_port()), "--ray-client-server-port", str(free_port())],
+                           {**self.env, **HEAD_ENV})
+        _wait_for_port(self.port, head)
+        for _ in range(workers):
+            nm = free_port()
+            node = self._start(["--address", self.address, "--num-cpus", "2", "--num-gpus", "1",
+                                "--node-manager-port", str(nm)], self.env)
+            _wait_for_port(nm, node)
+            self.workers.append(nm)
+
+    def query(self) -> dict:
+        """The GCS's nodes and actors (dead ones included), asked by a driver of its own."""
+        proc = subprocess.run([sys.executable, "-c", QUERY, self.address], env=self.env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # `ray start --block` stops its own node on SIGTERM
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        current = Path("/tmp/ray/ray_current_cluster")  # read by address="auto": never left naming this head
+        if current.is_file() and current.read_text().strip().endswith(f":{self.port}"):
+            current.unlink()
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def topology(builtin, tmp_path_factory):
+    root = tmp_path_factory.mktemp("topology")
+    with moto_s3(root, BUCKET) as (env_s3, fs):
+        faults = root / "faults.json"
+        faults.write_text(json.dumps({"hold_after_checkpoint": dict.fromkeys(GRID, HOLD_S)}))
+        # the nodes' workers inherit the nodes' environment: the S3 endpoint and its credentials, the faults
+        env = {**user_env(), **env_s3, "RAYSTUDY_FAULTS": str(faults), "TQDM_DISABLE": "1"}
+        cluster = Cluster(root, env)
+        (root / "spec.yaml").write_text(yaml.safe_dump(_spec(builtin)))
+        t0 = time.monotonic()
+        driver = None
+        try:
+            cluster.start()
+            driver = subprocess.Popen([sys.executable, "-m", "raystudy", "study", "--preset", "spec.yaml",
+                                       "--address", cluster.address], cwd=root, env=cluster.env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            deadline = time.monotonic() + 420
+            placed: dict[int, set[str]] = {}
+            while True:  # every trial held mid-run after its first checkpoint, on S3
+                assert driver.poll() is None, f"the driver ended early:\n{driver.communicate()}"
+                assert time.monotonic() < deadline, "the four trials were not all checkpointed within 420 s"
+                if all(_checkpointed(fs, tid) for tid in GRID):
+                    placed = {nm: _trials_under(_raylet(nm)) for nm in cluster.workers}
+                    if sum(map(len, placed.values())) == len(GRID):
+                        break
+                time.sleep(0.5)
+            lost_port = cluster.workers[1]
+            raylet = _raylet(lost_port)
+            doomed = [raylet, *raylet.children(recursive=True)]
+            for p in doomed:  # the node is lost: its raylet and everything under it, at once
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+            for tid in GRID:  # the held runs go on (their folders: local staging of the S3 trial folders)
+                for folder in Path(tempfile.gettempdir()).glob(f"raystudy-*/{tid}"):
+                    (folder / ".release").touch()
+            stdout, stderr = driver.communicate(timeout=480)
+            (root / "driver.out").write_text(stdout)
+            (root / "driver.err").write_text(stderr)
+            seconds = time.monotonic() - t0
+            gcs = cluster.query()
+        finally:
+            if driver is not None and driver.poll() is None:
+                driver.kill()
+                driver.communicate()
+            cluster.stop()
+        yield {"fs": fs, "rc": driver.returncode, "stdout": stdout, "stderr": stderr, "placed": placed,
+               "lost_port": lost_port, "workers": list(cluster.workers), "gcs": gcs, "seconds": seconds}
+
+
+def test_the_study_ends_with_the_grid_after_losing_a_node(topology):
+    assert topology["rc"] == 0, (topology["stdout"][-3000:], topology["stderr"][-3000:])
+    trials = read_result(OUT, "trials").set_index("trial_id")
+    assert sorted(trials.index) == GRID and trials.index.is_unique
+    assert (trials.status == "ok").all() and (trials.steps_completed == STEPS).all()
+    lost = topology["placed"][topology["lost_port"]]
+    for tid in GRID:  # the lost node's trials went on from their S3 checkpoints; the others never restarted
+        assert (trials.loc[tid, "num_restores"] >= 1) == (tid in lost), trials.loc[tid].to_dict()
+    print(f"topology study: {topology['seconds']:.0f} s")
+
+
+def test_each_node_packs_two_half_gpu_trials_and_the_head_runs_none(topology):
+    placed = topology["placed"]
+    assert sorted(len(t) for t in placed.values()) == [2, 2], placed  # 0.5 GPU each: two per GPU, both nodes
+    nodes = {n["port"]: n for n in topology["gcs"]["nodes"]}
+    head = [n["id"] for n in topology["gcs"]["nodes"] if n["port"] not in topology["workers"]]
+    assert len(head) == 1 and nodes[topology["workers"][0]]["resources"].get("GPU") == 1
+    kinds = {}
+    for a in topology["gcs"]["actors"]:
+        kinds.setdefault(a["cls"], []).append(a["node"])
+    # Tune's trial actors and Ray Data's map workers (the plasticity pass's actors) ran, never on the head
+    rates = kinds.get("MapWorker(MapBatches(RateActor))")
+    assert kinds.get("ImplicitFunc") and rates, sorted(kinds)
+    assert head[0] not in kinds["ImplicitFunc"] + rates, kinds
+    trials = read_result(OUT, "trials")
+    worker_ids = {nodes[p]["id"] for p in topology["workers"]}
+    assert set(trials.node_id) <= worker_ids and nodes[topology["workers"][0]]["id"] in set(trials.node_id)
+
+
+def test_a_logical_gpu_without_cuda_trains_on_the_cpu_and_says_so_once(topology):
+    trials = read_result(OUT, "trials")
+    assert (trials.device == "cpu").all() and trials.device_warning.str.contains(NO_CUDA).all()
+    said = [line for line in topology["stdout"].splitlines() + topology["stderr"].splitlines() if NO_CUDA in line]
+    assert len(said) == 1 and "gpus_per_worker=0.5" in said[0] and "note:" in said[0], said
+    assert "Traceback" not in topology["stderr"], topology["stderr"][-3000:]
+
+
+def test_the_tables_equal_uninterrupted_single_process_runs(topology, tmp_path):
+    from raystudy.core.finetune import train_local
+    from raystudy.distributed.train import split_legacy
+    from raystudy.storage import join, read_text
+
+    trials = read_result(OUT, "trials").set_index("trial_id")
+    curves = read_result(OUT, "curves")
+    for tid in GRID:
+        cfg, _ = split_legacy(json.loads(read_text(join(OUT, "trials", tid, "config.json"))))
+        cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / tid))
+        ref, _ = train_local(cfg, tensorboard=False)
+        ref_curves = pd.read_parquet(tmp_path / tid / "curves.parquet")
+        got = curves[curves.trial_id == tid].sort_values("step")
+        assert got.step.tolist() == ref_curves.step.tolist()  # every step once: none lost or repeated
+        torch.testing.assert_close(torch.tensor(got.train_loss.values), torch.tensor(ref_curves.train_loss.values),
+                                   rtol=1e-6, atol=0)
+        assert trials.loc[tid, "test_acc"] == ref["test_acc"]
+        assert trials.loc[tid, "best_val_acc"] == ref["best_val_acc"]
+    plasticity = read_result(OUT, "plasticity")
+    assert len(plasticity) and plasticity.notna().any(axis=None)
+
+
+TRAIN = r"""
+import json, sys
+from raystudy.core.finetune.config import FinetuneConfig
+from raystudy.distributed.cluster import init_ray
+from raystudy.distributed.train import TrainResources, run_finetune
+
+init_ray("local", num_cpus=1, num_gpus=1)  # one logical GPU: CUDA sees none here
+summary = run_finetune(FinetuneConfig(**json.loads(sys.argv[1])), TrainResources(gpus_per_worker=1))
+print(json.dumps(summary, default=str))
+"""
+
+
+def test_a_ray_train_run_on_a_logical_gpu_trains_on_the_cpu(tmp_path):
+    """``execution: train`` on a GPU CUDA does not see: the workers pick gloo (Ray's choice, NCCL, refuses to
+    start without a GPU), train on the CPU to the single-process loop's numbers, and the summary says why."""
+    from conftest import make_store
+
+    from raystudy.core.finetune import FinetuneConfig, train_local
+
+    store = make_store(tmp_path / "store", n_per_split=(24, 8, 12))
+    run = dict(model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32, store=str(store), configuration="MHA",
+               optimizer="sgd", lr=0.1, seed=0, steps=6, batch_size=8, eval_period=3, checkpoint_period=3,
+               shuffle=False, augment=False)
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.run([sys.executable, "-c", TRAIN, json.dumps({**run, "out_dir": str(tmp_path / "ray")})],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["status"] == "ok" and summary["execution"] == "train" and summary["device"] == "cpu"
+    assert NO_CUDA in summary["device_warning"] and "gpus_per_worker=1" in summary["device_warning"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the Ray Train worker of one CPU
+    try:
+        ref, _ = train_local(FinetuneConfig(**run, out_dir=str(tmp_path / "local")), tensorboard=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["test_acc"] == ref["test_acc"] and summary["final_train_loss"] == ref["final_train_loss"]
