@@ -1,9 +1,11 @@
 """Issue 15: a study survives the loss of a node.
 
-A ``ray.cluster_utils.Cluster`` on this machine: a head without CPUs and two worker nodes of 1 CPU, so that
-with ``cpus_per_worker: 0.75`` each node trains one of the two trials of the grid. As each trial's first
-checkpoint is complete, its run waits there (the test fault ``hold_after_checkpoint``) and its training
-process is frozen (SIGSTOP), so that both trials are mid-run, each on its node, whatever the machine's speed.
+A ``ray.cluster_utils.Cluster`` on this machine: a head without CPUs and two worker nodes of 1 CPU and one
+logical GPU, so that with ``cpus_per_worker: 0.75`` and ``gpus_per_worker: 1`` each node trains one of the two
+trials of the grid (as Ray Train runs on GPUs CUDA does not see: gloo, on the CPU, said in the summary).
+As each trial's first checkpoint is complete, its run waits there (the test fault ``hold_after_checkpoint``)
+and its training process is frozen (SIGSTOP), so that both trials are mid-run, each on its node, whatever the
+machine's speed.
 Then the node that holds a training process and, under ``execution: train``, a Ray Train controller is
 lost: its frozen process is killed and the node removed (``cluster.remove_node``); the other training
 process continues. The trial that ran there resumes from its
@@ -65,7 +67,7 @@ out, grid = Path(spec.out), {p["trial_id"] for p in spec.grid()}
 # 1 s deadline declared live nodes dead too, and the study ran its retries for them.
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": {
     "health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 5000}})
-nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+nodes = [cluster.add_node(num_cpus=1, num_gpus=1) for _ in range(2)]  # logical GPUs: CUDA sees none
 cluster.wait_for_nodes()
 report = {"frozen": {}}
 
@@ -152,6 +154,7 @@ def study_spec(builtin: dict, out: Path, execution: str) -> dict:
         data_root=builtin["data_root"], pretrain_store="pretrain", datasets={"color": "shift-color"},
         configurations=["LN1", "MHA"], optimizers={"sgd": [0.1]}, seeds=[0], steps=STEPS, batch_size=16,
         eval_period=8, warmup_steps=1, checkpoint_period=2, workers_per_trial=1, cpus_per_worker=0.75,
+        gpus_per_worker=1,
         max_concurrent_trials=2, trial_retries=2, worker_retries=2, plasticity={"enabled": False}, analysis=False,
     )
     spec["execution"] = execution
@@ -212,6 +215,8 @@ def test_lost_worker_node_study_ends_with_the_grid(builtin, tmp_path, execution)
     trials = read_result(out, "trials").set_index("trial_id")
     assert sorted(trials.index) == GRID and trials.index.is_unique
     assert (trials.status == "ok").all() and (trials.steps_completed == STEPS).all()
+    # a Ray Train run on a logical GPU: gloo on the CPU (NCCL refuses without a GPU), and the row says why
+    assert (trials.device == "cpu").all() and trials.device_warning.str.contains("CUDA sees no device").all()
     # the lost trials resumed from their checkpoints, after a worker-group restart or a re-run of the trial
     for tid in report["lost_trials"]:
         row = trials.loc[tid]

@@ -12,7 +12,7 @@ both nodes hold two; then one worker node is lost (its raylet and every process 
 SIGKILL) and the other's trials released. The lost trials are re-run by Tune on the surviving node from their
 S3 checkpoints, and the final tables equal an uninterrupted single-process run of each trial's own
 ``config.json``. No trial and no plasticity actor ever ran on the head; every trial ran on the CPU and the
-terminal said so once.
+terminal said so once. (Ray Train runs on logical GPUs: ``tests/test_multinode.py``.)
 """
 
 from __future__ import annotations
@@ -292,41 +292,3 @@ def test_the_tables_equal_uninterrupted_single_process_runs(topology, tmp_path):
     plasticity = read_result(OUT, "plasticity")
     assert len(plasticity) and plasticity.notna().any(axis=None)
 
-
-TRAIN = r"""
-import json, sys
-from raystudy.core.finetune.config import FinetuneConfig
-from raystudy.distributed.cluster import init_ray
-from raystudy.distributed.train import TrainResources, run_finetune
-
-init_ray("local", num_cpus=1, num_gpus=1)  # one logical GPU: CUDA sees none here
-summary = run_finetune(FinetuneConfig(**json.loads(sys.argv[1])), TrainResources(gpus_per_worker=1))
-print(json.dumps(summary, default=str))
-"""
-
-
-def test_a_ray_train_run_on_a_logical_gpu_trains_on_the_cpu(tmp_path):
-    """``execution: train`` on a GPU CUDA does not see: the workers pick gloo (Ray's choice, NCCL, refuses to
-    start without a GPU), train on the CPU to the single-process loop's numbers, and the summary says why."""
-    from conftest import make_store
-
-    from raystudy.core.finetune import FinetuneConfig, train_local
-
-    store = make_store(tmp_path / "store", n_per_split=(24, 8, 12))
-    run = dict(model=STUDY_MODEL, model_kwargs=STUDY_TINY, img_size=32, store=str(store), configuration="MHA",
-               optimizer="sgd", lr=0.1, seed=0, steps=6, batch_size=8, eval_period=3, checkpoint_period=3,
-               shuffle=False, augment=False)
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    proc = subprocess.run([sys.executable, "-c", TRAIN, json.dumps({**run, "out_dir": str(tmp_path / "ray")})],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["status"] == "ok" and summary["execution"] == "train" and summary["device"] == "cpu"
-    assert NO_CUDA in summary["device_warning"] and "gpus_per_worker=1" in summary["device_warning"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the Ray Train worker of one CPU
-    try:
-        ref, _ = train_local(FinetuneConfig(**run, out_dir=str(tmp_path / "local")), tensorboard=False)
-    finally:
-        torch.set_num_threads(threads)
-    assert summary["test_acc"] == ref["test_acc"] and summary["final_train_loss"] == ref["final_train_loss"]
