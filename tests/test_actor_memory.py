@@ -1,6 +1,6 @@
 """A reused trial actor's memory across trials (issue #22 item 3): after its first trial, the resident memory
 of a process that runs trial after trial (:func:`raystudy.distributed.inprocess.run_in_process`, what a
-reused Tune actor does) stays flat within 5% over trials 2-30, on two stores in turn (so that a leak of
+reused Tune actor does) grows by no more than 5% over trials 2-30, on two stores in turn (so that a leak of
 the last trial's data or model would accumulate); and fractional GPUs per trial reach Tune's resources."""
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def test_resident_memory_stays_flat_over_30_reused_trials(tmp_path):
         assert summary["status"] == "ok"
         rss.append(psutil.Process(os.getpid()).memory_info().rss)
     steady = rss[1:]  # the first trial pays imports, kernels and allocator growth once
-    spread = (max(steady) - min(steady)) / min(steady)
-    assert spread <= 0.05, f"resident memory over trials 2-{TRIALS}: {[r >> 20 for r in steady]} MiB"
+    # a leak grows; resident memory may also fall (the kernel reclaims pages under other tests' load)
+    growth = (max(steady) - steady[0]) / steady[0]
+    assert growth <= 0.05, f"resident memory over trials 2-{TRIALS}: {[r >> 20 for r in steady]} MiB"
 
 
 def test_fractional_gpus_pack_trials_onto_a_gpu():

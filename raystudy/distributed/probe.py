@@ -153,7 +153,7 @@ class FeatureActor:
     ``index``."""
 
     def __init__(self, spec: dict, gpus: float, threads: int, precision: str = "fp32"):
-        from raystudy.distributed.devices import worker_device
+        from raystudy.distributed.devices import worker_device  # torch: ProbeJob's module stays light
 
         self.device, warning = worker_device(gpus, threads)
         if warning:
