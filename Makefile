@@ -35,7 +35,7 @@ demo-vtab1k: venv
 
 # Which units to finetune, chosen before training: plasticity (auto) against rgn, grad, taylor, fisher,
 # magnitude and random at 20% of units and (but auto) 1% of single weights, on the same three miniature tasks
-# and protocol, each strategy's scoring cost in --dry-run and the report; 3m05s from a fresh clone on 2 CPUs
+# and protocol, each strategy's scoring cost in --dry-run and the report; 3m05s-3m53s from a fresh clone on 2 CPUs
 # (234 runs; raystudy/presets/selection-demo.yaml).
 demo-selection: venv
 	$(BIN)/python experiments/full_study.py --preset selection-demo
