@@ -173,6 +173,51 @@ def moto_s3(log_dir: Path, bucket: str):
         log.close()
 
 
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    """Until something listens on 127.0.0.1:``port`` (``proc``, e.g. a ``ray start --block``, must live)."""
+    import socket
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:2]} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+def assert_trials_equal_single_process_runs(out: str, trial_ids, scratch: Path) -> None:
+    """Every trial of the study ``out`` (local or a URI) ends as an uninterrupted single-process run of its own
+    ``config.json`` (into ``scratch``) does: the same steps once each, train losses within 1e-6, and the same
+    test and best val accuracies."""
+    import dataclasses
+
+    import pandas as pd
+    import torch
+
+    from raystudy.core.finetune import train_local
+    from raystudy.distributed.train import split_legacy
+    from raystudy.io import read_result
+    from raystudy.storage import join, read_text
+
+    trials = read_result(out, "trials").set_index("trial_id")
+    curves = read_result(out, "curves")
+    for tid in trial_ids:
+        cfg, _ = split_legacy(json.loads(read_text(join(out, "trials", tid, "config.json"))))
+        cfg = dataclasses.replace(cfg, out_dir=str(Path(scratch) / tid))
+        ref, _ = train_local(cfg, tensorboard=False)
+        ref_curves = pd.read_parquet(Path(scratch) / tid / "curves.parquet")
+        got = curves[curves.trial_id == tid].sort_values("step")
+        assert got.step.tolist() == ref_curves.step.tolist()  # every step once: none lost or repeated
+        torch.testing.assert_close(torch.tensor(got.train_loss.values), torch.tensor(ref_curves.train_loss.values),
+                                   rtol=1e-6, atol=0)
+        assert trials.loc[tid, "test_acc"] == ref["test_acc"], tid
+        assert trials.loc[tid, "best_val_acc"] == ref["best_val_acc"], tid
+
+
 def _build_demo_study(cwd: Path) -> dict:
     (cwd / "experiments").symlink_to(REPO / "experiments", target_is_directory=True)
     (cwd / ".venv").symlink_to(sys.prefix, target_is_directory=True)  # the environment `make` creates

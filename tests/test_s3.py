@@ -10,7 +10,6 @@ its workers inherit the endpoint and the credentials.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -19,11 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
-import torch
 import yaml
-from conftest import STUDY_MODEL, STUDY_TINY, moto_s3
+from conftest import STUDY_MODEL, STUDY_TINY, assert_trials_equal_single_process_runs, moto_s3
 
 from raystudy.io import read_result
 from raystudy.study.points import trial_id
@@ -123,10 +120,6 @@ def test_sigterm_stops_the_s3_study_mid_trial(s3_study):
 
 
 def test_resume_from_s3_checkpoints_equals_uninterrupted_runs(s3_study, tmp_path):
-    from raystudy.core.finetune import train_local
-    from raystudy.distributed.train import split_legacy
-    from raystudy.storage import join, read_text
-
     resumed = s3_study["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     out = s3_study["out"]
@@ -134,18 +127,7 @@ def test_resume_from_s3_checkpoints_equals_uninterrupted_runs(s3_study, tmp_path
     assert sorted(trials.index) == GRID and (trials.status == "ok").all() and (trials.steps_completed == 12).all()
     # the held trial went on from its S3 checkpoint (step 4), not from scratch
     assert trials.loc[HELD, "num_restores"] >= 1, trials.loc[HELD].to_dict()
-    curves = read_result(out, "curves")
-    for tid in GRID:
-        cfg, _ = split_legacy(json.loads(read_text(join(out, "trials", tid, "config.json"))))
-        cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / tid))
-        ref, _ = train_local(cfg, tensorboard=False)
-        ref_curves = pd.read_parquet(tmp_path / tid / "curves.parquet")
-        got = curves[curves.trial_id == tid].sort_values("step")
-        assert got.step.tolist() == ref_curves.step.tolist()  # every step once: none lost or repeated
-        torch.testing.assert_close(torch.tensor(got.train_loss.values), torch.tensor(ref_curves.train_loss.values),
-                                   rtol=1e-6, atol=0)
-        assert trials.loc[tid, "test_acc"] == ref["test_acc"]
-        assert trials.loc[tid, "best_val_acc"] == ref["best_val_acc"]
+    assert_trials_equal_single_process_runs(out, GRID, tmp_path)
     # the analysis wrote its report to the bucket
     fs = s3_study["fs"]
     assert fs.get_file_info(f"{BUCKET}/study/analysis/report.html").size > 1000

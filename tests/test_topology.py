@@ -17,25 +17,29 @@ terminal said so once. (Ray Train runs on logical GPUs: ``tests/test_multinode.p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import pandas as pd
 import psutil
 import pytest
-import torch
 import yaml
-from conftest import STUDY_MODEL, STUDY_TINY, free_port, moto_s3, user_env
+from conftest import (
+    STUDY_MODEL,
+    STUDY_TINY,
+    assert_trials_equal_single_process_runs,
+    free_port,
+    moto_s3,
+    user_env,
+    wait_for_port,
+)
 
 from raystudy.io import read_result
 from raystudy.study.points import trial_id
@@ -79,18 +83,6 @@ def _spec(builtin: dict) -> dict:
                     "gpus_per_worker": 0.5, "cpus_per_worker": 1, "torch_threads": 1},
         probe={"enabled": False}, pretrain={"enabled": False}, analysis=False,
     )
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
 def _raylet(node_manager_port: int) -> psutil.Process:
@@ -152,12 +144,12 @@ class Cluster:
                             "--temp-dir", self.temp, "--dashboard-host", "127.0.0.1", "--dashboard-port",
                             str(free_port()), "--ray-client-server-port", str(free_port())],
                            {**self.env, **HEAD_ENV})
-        _wait_for_port(self.port, head)
+        wait_for_port(self.port, head)
         for _ in range(workers):
             nm = free_port()
             node = self._start(["--address", self.address, "--num-cpus", "2", "--num-gpus", "1",
                                 "--node-manager-port", str(nm)], self.env)
-            _wait_for_port(nm, node)
+            wait_for_port(nm, node)
             self.workers.append(nm)
 
     def query(self) -> dict:
@@ -272,23 +264,6 @@ def test_a_logical_gpu_without_cuda_trains_on_the_cpu_and_says_so_once(topology)
 
 
 def test_the_tables_equal_uninterrupted_single_process_runs(topology, tmp_path):
-    from raystudy.core.finetune import train_local
-    from raystudy.distributed.train import split_legacy
-    from raystudy.storage import join, read_text
-
-    trials = read_result(OUT, "trials").set_index("trial_id")
-    curves = read_result(OUT, "curves")
-    for tid in GRID:
-        cfg, _ = split_legacy(json.loads(read_text(join(OUT, "trials", tid, "config.json"))))
-        cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / tid))
-        ref, _ = train_local(cfg, tensorboard=False)
-        ref_curves = pd.read_parquet(tmp_path / tid / "curves.parquet")
-        got = curves[curves.trial_id == tid].sort_values("step")
-        assert got.step.tolist() == ref_curves.step.tolist()  # every step once: none lost or repeated
-        torch.testing.assert_close(torch.tensor(got.train_loss.values), torch.tensor(ref_curves.train_loss.values),
-                                   rtol=1e-6, atol=0)
-        assert trials.loc[tid, "test_acc"] == ref["test_acc"]
-        assert trials.loc[tid, "best_val_acc"] == ref["best_val_acc"]
+    assert_trials_equal_single_process_runs(OUT, GRID, tmp_path)
     plasticity = read_result(OUT, "plasticity")
     assert len(plasticity) and plasticity.notna().any(axis=None)
-

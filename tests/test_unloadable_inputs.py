@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,28 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import STUDY_MODEL, STUDY_TINY, user_env
+from conftest import STUDY_MODEL, STUDY_TINY, free_port, user_env, wait_for_port
 
 # ---------------------------------------------------------------------------------------------------------
 # A token-auth cluster joined without RAY_AUTH_MODE=token
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"no GCS on port {port} after {timeout} s")
 
 
 @pytest.mark.slow  # ~35 s on 2 busy cores: one `ray start --head` (its own temp dir and HOME) and one short command
@@ -45,7 +26,7 @@ def test_a_token_cluster_joined_without_the_token_mode_is_one_line_and_writes_no
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
     ray_tmp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
-    port = _free_port()
+    port = free_port()
     env = {**user_env(), "HOME": str(home)}
     ray = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen([ray, "start", "--head", "--port", str(port), "--num-cpus", "1", "--temp-dir", ray_tmp,
@@ -53,7 +34,7 @@ def test_a_token_cluster_joined_without_the_token_mode_is_one_line_and_writes_no
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = tmp_path / "study"
     try:
-        _wait_for_port(port, head)
+        wait_for_port(port, head)
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "raystudy", "study", "--preset", "demo", "--address",
                                f"127.0.0.1:{port}", "--out", str(out)], env=env, capture_output=True, text=True,
