@@ -48,7 +48,9 @@ lint: venv
 # orders the files, the demo study's build beside the files that start no Ray; it also shares one demo study
 # between the processes). TEST_WORKERS=0 runs everything in this process. Measured from a fresh clone on a
 # quiet 2-core machine (2026-12-06): `make venv` 101 s, then `make test` 13m41s (ruff, 1297 tests in 820 s);
-# the same code varies by about 30% between runs and machines of this kind. The CPUs are the limit: every
+# on another (an AMD EPYC, the same day, with the cluster-shape test_topology): `make venv` 131 s, pytest
+# 1,016 s (1,333 tests; the two browser tests skipped without Chromium, ~40 s where it is installed).
+# The same code varies by about 30% between runs and machines of this kind. The CPUs are the limit: every
 # test runs slower beside another.
 TEST_WORKERS ?= 2
 
