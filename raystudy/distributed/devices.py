@@ -4,8 +4,9 @@ Ray schedules by the GPUs a node *declares*; CUDA may see none of them: a logica
 --num-gpus 1`` on a CPU machine, as the suite's gpu.yaml-shaped cluster in ``tests/test_topology.py``
 declares), a node whose driver is missing or broken. A worker there computes on the CPU and says why in one
 line (:func:`no_cuda_message`) instead of failing its trial or pass: a trial's summary records it as
-``device_warning`` (the study's terminal prints the first), an actor logs it (Ray folds identical lines
-of many actors into one).
+``device_warning`` (the study's terminal prints the first); a plasticity or probe actor logs it to its
+worker log (shown in the terminal with ``--verbose``, where Ray folds the identical lines of many actors into
+one).
 """
 
 from __future__ import annotations
