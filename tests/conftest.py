@@ -133,8 +133,6 @@ def moto_s3(log_dir: Path, bucket: str):
     environment a client needs to reach it (also set in this process, which reads the study's tables, until
     the block ends), and a pyarrow file system on it. The server is stopped when the block ends."""
     import shutil
-    import socket
-    import time
 
     import pyarrow.fs as pafs
 
@@ -146,14 +144,7 @@ def moto_s3(log_dir: Path, bucket: str):
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
            "AWS_REGION": "us-east-1"}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto_server did not start"
-                time.sleep(0.2)
+        wait_for_port(port, proc, timeout=60)
         fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", access_key="test", secret_key="test",
                                region="us-east-1", allow_bucket_creation=True)
         fs.create_dir(bucket)
@@ -187,6 +178,18 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 90) -> Non
                 return
         time.sleep(0.2)
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+def s3_checkpoints(fs, folder: str) -> list[str]:
+    """The complete checkpoints (``checkpoint_*/.complete``) under ``folder`` (``bucket/study/train/<trial>``)
+    of the pyarrow file system ``fs``; none while the folder does not exist."""
+    import pyarrow.fs as pafs
+
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(folder, recursive=True))
+    except (FileNotFoundError, OSError):
+        return []
+    return sorted(i.path for i in infos if i.base_name == ".complete")
 
 
 def assert_trials_equal_single_process_runs(out: str, trial_ids, scratch: Path) -> None:

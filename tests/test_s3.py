@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import STUDY_MODEL, STUDY_TINY, assert_trials_equal_single_process_runs, moto_s3
+from conftest import STUDY_MODEL, STUDY_TINY, assert_trials_equal_single_process_runs, moto_s3, s3_checkpoints
 
 from raystudy.io import read_result
 from raystudy.study.points import trial_id
@@ -53,15 +53,7 @@ def _spec(builtin: dict, out: str) -> dict:
 
 
 def _checkpoints(fs, tid: str) -> list[str]:
-    """The complete checkpoints of trial ``tid`` on S3 (``<study>/train/<tid>/checkpoint_*/.complete``)."""
-    import pyarrow.fs as pafs
-
-    folder = f"{BUCKET}/study/train/{tid}"
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(folder, recursive=True))
-    except (FileNotFoundError, OSError):
-        return []
-    return sorted(i.path for i in infos if i.base_name == ".complete")
+    return s3_checkpoints(fs, f"{BUCKET}/study/train/{tid}")
 
 
 def _study(args: list[str], env: dict, cwd: Path, **kw) -> subprocess.Popen:

@@ -37,6 +37,7 @@ from conftest import (
     assert_trials_equal_single_process_runs,
     free_port,
     moto_s3,
+    s3_checkpoints,
     user_env,
     wait_for_port,
 )
@@ -102,16 +103,6 @@ def _trials_under(raylet: psutil.Process) -> set[str]:
         except (psutil.Error, OSError):
             pass
     return found & set(GRID)
-
-
-def _checkpointed(fs, tid: str) -> bool:
-    import pyarrow.fs as pafs
-
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(f"{BUCKET}/study/train/{tid}", recursive=True))
-    except (FileNotFoundError, OSError):
-        return False
-    return any(i.base_name == ".complete" for i in infos)
 
 
 class Cluster:
@@ -196,7 +187,7 @@ def topology(builtin, tmp_path_factory):
             while True:  # every trial held mid-run after its first checkpoint, on S3
                 assert driver.poll() is None, f"the driver ended early:\n{driver.communicate()}"
                 assert time.monotonic() < deadline, "the four trials were not all checkpointed within 420 s"
-                if all(_checkpointed(fs, tid) for tid in GRID):
+                if all(s3_checkpoints(fs, f"{BUCKET}/study/train/{tid}") for tid in GRID):
                     placed = {nm: _trials_under(_raylet(nm)) for nm in cluster.workers}
                     if sum(map(len, placed.values())) == len(GRID):
                         break

@@ -170,9 +170,10 @@ class RayTrainReporter(Reporter):
         ray.train.collective.barrier()
 
 
-def _worker_placement(resources: TrainResources) -> dict:
+def _worker_placement(resources: TrainResources) -> tuple[dict, str | None]:
     """This worker's :class:`Finetuner` placement: rank, world size, device, the DDP wrapper and all-reduce
-    when there are several workers (CPU workers use ``int(cpus_per_worker)`` threads)."""
+    when there are several workers (CPU workers use ``int(cpus_per_worker)`` threads); and why a worker given
+    GPUs runs on the CPU (:func:`~raystudy.distributed.devices.no_cuda_message`), or ``None``."""
     import ray.train
     import ray.train.torch
     import torch
@@ -181,13 +182,16 @@ def _worker_placement(resources: TrainResources) -> dict:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()  # cuda:<i> from the GPU ids Ray assigned, whether CUDA sees it or not
     if device.type == "cuda" and not torch.cuda.is_available():
-        device = torch.device("cpu")  # the summary's device_warning says why (train_loop_per_worker)
+        device = torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(resources.cpus_per_worker)))
-    return dict(rank=rank, world_size=world, device=device,
-                wrap=lambda m: ray.train.torch.prepare_model(m, move_to_device=device,
-                                                             parallel_strategy="ddp" if world > 1 else None),
-                all_reduce=_all_reduce_sum if world > 1 else None)
+    warning = no_cuda_message(resources.gpus_per_worker, max(1, int(resources.cpus_per_worker))) \
+        if resources.use_gpu and device.type == "cpu" else None
+    placement = dict(rank=rank, world_size=world, device=device,
+                     wrap=lambda m: ray.train.torch.prepare_model(m, move_to_device=device,
+                                                                  parallel_strategy="ddp" if world > 1 else None),
+                     all_reduce=_all_reduce_sum if world > 1 else None)
+    return placement, warning
 
 
 def train_loop_per_worker(config: dict) -> dict | None:
@@ -201,16 +205,13 @@ def train_loop_per_worker(config: dict) -> dict | None:
     :func:`~raystudy.core.finetune.driver.run_record` on worker 0, ``None`` on the others.
     """
     cfg, resources = split_legacy(config["run"])
-    placement = _worker_placement(resources)
+    placement, warning = _worker_placement(resources)
     collective = RayCollective() if placement["world_size"] > 1 else None
     checkpointer = DirectoryCheckpointer(config["storage"], keep=resources.keep_checkpoints, collective=collective)
     summary, ft = run(cfg, checkpointer=checkpointer, reporter=RayTrainReporter(), progress=False, **placement)
     if ft.rank != 0:
         return None
-    device = placement["device"]
-    warning = no_cuda_message(resources.gpus_per_worker, int(resources.cpus_per_worker)) \
-        if resources.use_gpu and device.type == "cpu" else None
-    return run_record({**summary, **placement_record(device, warning)}, ft)
+    return run_record({**summary, **placement_record(placement["device"], warning)}, ft)
 
 
 # --------------------------------------------------------------------------------------------------
