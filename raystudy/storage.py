@@ -176,6 +176,14 @@ def upload_dir(local: str | os.PathLike, uri: str) -> None:
                     destination_filesystem=fs)
 
 
+def copy_dir(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Copy the folder ``source`` into ``target`` (each local or a URI; kept files there stay)."""
+    src_fs, src = filesystem(source)
+    dst_fs, dst = filesystem(target)
+    create_dir(dst_fs, dst)
+    pafs.copy_files(src, dst, source_filesystem=src_fs, destination_filesystem=dst_fs)
+
+
 def subdirs(path: str | os.PathLike) -> list[str]:
     """Names of the folders directly under ``path`` (local or URI), sorted; ``[]`` if it is none."""
     fs, p = filesystem(path)

@@ -284,7 +284,7 @@ FILE_SECONDS = {
     "test_actor_memory.py": 34, "test_analysis_compare.py": 34, "test_finetune.py": 32, "test_study_probes.py": 30,
     "test_data_default.py": 29, "test_peft_methods.py": 29, "test_packaging.py": 28, "test_presets.py": 27,
     "test_analysis_beyond.py": 23, "test_data_stream.py": 23, "test_fast_step.py": 22, "test_paper_protocol.py": 22,
-    "test_cli_core.py": 20, "test_topology.py": 90, "test_s3.py": 45,
+    "test_cli_core.py": 20, "test_topology.py": 90, "test_s3_train.py": 80, "test_s3.py": 45,
 }
 
 
@@ -298,7 +298,7 @@ RAY_FILES = frozenset({
     "test_hardening_study.py", "test_expressions_wired.py", "test_distributed_plasticity.py",
     "test_text_finetune.py", "test_text_plasticity.py", "test_probe.py", "test_cli_plasticity.py",
     "test_vtab_protocol.py", "test_actor_memory.py", "test_study_probes.py", "test_data_stream.py",
-    "test_topology.py", "test_s3.py",
+    "test_topology.py", "test_s3_train.py", "test_s3.py",
     "test_demo_study.py", "test_terminal.py",  # (these two read the demo study: beside its build they would wait)
 })
 

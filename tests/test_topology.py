@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,12 +33,11 @@ from conftest import (
     STUDY_MODEL,
     STUDY_TINY,
     assert_trials_equal_single_process_runs,
-    free_port,
     moto_s3,
     s3_checkpoints,
     user_env,
-    wait_for_port,
 )
+from local_cluster import Cluster, raylet
 
 from raystudy.io import read_result
 from raystudy.study.points import trial_id
@@ -53,25 +50,6 @@ STEPS = 12
 GRID = sorted(trial_id("noise", c, "sgd", 0.1, s) for c in ("LN1", "MHA") for s in (0, 1))
 HOLD_S = 240  # a held run's longest wait at its first checkpoint (released as soon as the node is lost)
 NO_CUDA = "CUDA sees no device"
-
-# the cluster's nodes see each other's deaths within ~2 s (a killed raylet's checks fail at once; a live one
-# has 5 s to answer on two busy cores)
-HEAD_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
-            "RAY_health_check_timeout_ms": "5000"}
-
-QUERY = r"""
-import json, sys
-import ray
-from ray._private.state import actors  # the GCS's actor table, dead actors included
-
-ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-nodes = [{"id": n["NodeID"], "port": n["NodeManagerPort"], "alive": n["Alive"], "resources": n["Resources"]}
-         for n in ray.nodes()]
-table = [{"cls": a["ActorClassName"].rsplit(".", 1)[-1], "node": a["Address"]["NodeID"], "state": a["State"]}
-         for a in actors().values()]
-print(json.dumps({"nodes": nodes, "actors": table}))
-"""
-
 
 def _spec(builtin: dict) -> dict:
     return dict(
@@ -86,83 +64,16 @@ def _spec(builtin: dict) -> dict:
     )
 
 
-def _raylet(node_manager_port: int) -> psutil.Process:
-    for p in psutil.process_iter(["name", "cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if cmd and os.path.basename(cmd[0]) == "raylet" and f"--node_manager_port={node_manager_port}" in cmd:
-            return p
-    raise LookupError(f"no raylet with node manager port {node_manager_port}")
-
-
-def _trials_under(raylet: psutil.Process) -> set[str]:
-    """The grid's trials whose Tune actor runs under ``raylet`` (Tune works in a folder named by the trial)."""
+def _trials_under(node: psutil.Process) -> set[str]:
+    """The grid's trials whose Tune actor runs under the raylet ``node`` (Tune works in a folder named by the
+    trial)."""
     found = set()
-    for p in raylet.children(recursive=True):
+    for p in node.children(recursive=True):
         try:
             found.add(os.path.basename(p.cwd()))
         except (psutil.Error, OSError):
             pass
     return found & set(GRID)
-
-
-class Cluster:
-    """A head of ``CPU: 0`` and worker nodes of one logical GPU, each a ``ray start --block`` process with
-    its own ports (several nodes share this machine), token authentication on, its HOME and temp dir."""
-
-    def __init__(self, root: Path, env: dict):
-        self.home = root / "home"  # every node's and the driver's ~/.ray/auth_token: never the user's
-        (self.home / ".ray").mkdir(parents=True)
-        (self.home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-        self.env = {**env, "HOME": str(self.home), "RAY_AUTH_MODE": "token"}
-        self.temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths stay < 108 bytes
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.ray = str(Path(sys.executable).parent / "ray")
-        self.procs: list[subprocess.Popen] = []
-        self.workers: list[int] = []  # node manager ports
-
-    def _start(self, args: list[str], env: dict) -> subprocess.Popen:
-        agent = ["--dashboard-agent-listen-port", str(free_port()), "--min-worker-port", "0",
-                 "--max-worker-port", "0", "--disable-usage-stats", "--block"]
-        proc = subprocess.Popen([self.ray, "start", *args, *agent], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def start(self, workers: int = 2) -> None:
-        # cluster/gpu.yaml's head: CPU 0, its dashboard on 127.0.0.1 (ports free here, not 8265/10001)
-        head = self._start(["--head", "--port", str(self.port), "--num-cpus", "0", "--num-gpus", "0",
-                            "--temp-dir", self.temp, "--dashboard-host", "127.0.0.1", "--dashboard-port",
-                            str(free_port()), "--ray-client-server-port", str(free_port())],
-                           {**self.env, **HEAD_ENV})
-        wait_for_port(self.port, head)
-        for _ in range(workers):
-            nm = free_port()
-            node = self._start(["--address", self.address, "--num-cpus", "2", "--num-gpus", "1",
-                                "--node-manager-port", str(nm)], self.env)
-            wait_for_port(nm, node)
-            self.workers.append(nm)
-
-    def query(self) -> dict:
-        """The GCS's nodes and actors (dead ones included), asked by a driver of its own."""
-        proc = subprocess.run([sys.executable, "-c", QUERY, self.address], env=self.env, capture_output=True,
-                              text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):  # `ray start --block` stops its own node on SIGTERM
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        current = Path("/tmp/ray/ray_current_cluster")  # read by address="auto": never left naming this head
-        if current.is_file() and current.read_text().strip().endswith(f":{self.port}"):
-            current.unlink()
-        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -188,13 +99,13 @@ def topology(builtin, tmp_path_factory):
                 assert driver.poll() is None, f"the driver ended early:\n{driver.communicate()}"
                 assert time.monotonic() < deadline, "the four trials were not all checkpointed within 420 s"
                 if all(s3_checkpoints(fs, f"{BUCKET}/study/train/{tid}") for tid in GRID):
-                    placed = {nm: _trials_under(_raylet(nm)) for nm in cluster.workers}
+                    placed = {nm: _trials_under(raylet(nm)) for nm in cluster.workers}
                     if sum(map(len, placed.values())) == len(GRID):
                         break
                 time.sleep(0.5)
             lost_port = cluster.workers[1]
-            raylet = _raylet(lost_port)
-            doomed = [raylet, *raylet.children(recursive=True)]
+            lost = raylet(lost_port)
+            doomed = [lost, *lost.children(recursive=True)]
             for p in doomed:  # the node is lost: its raylet and everything under it, at once
                 try:
                     p.send_signal(signal.SIGKILL)

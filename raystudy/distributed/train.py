@@ -38,6 +38,9 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -60,7 +63,7 @@ from raystudy.core.finetune.driver import (
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.devices import no_cuda_message, placement_record
 from raystudy.settings import ResourceSettings, problems
-from raystudy.storage import filesystem, join, read_text, write_json_atomic
+from raystudy.storage import filesystem, join, read_text, upload_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +197,29 @@ def _worker_placement(resources: TrainResources) -> tuple[dict, str | None]:
     return placement, warning
 
 
+@contextlib.contextmanager
+def _outputs_folder(run_dir: str, upload_to: str | None) -> Iterator[str]:
+    """Where worker 0 writes the run's TensorBoard events and weights: the run's folder ``run_dir`` where this
+    node sees it (the node of the run's driver, or a shared file system); else, for a run whose folder is the
+    local staging of ``upload_to`` (a study on object storage) on another node, a temporary folder of this
+    worker's, uploaded to ``upload_to`` when the run ends (also when it fails) and removed."""
+    if upload_to is None or os.path.isdir(run_dir):
+        yield run_dir
+        return
+    tmp = tempfile.mkdtemp(prefix="raystudy-worker-")
+    try:
+        yield tmp
+    finally:
+        try:
+            upload_dir(tmp, upload_to)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def train_loop_per_worker(config: dict) -> dict | None:
     """The Ray Train worker function: ``config["run"]`` is a run's :func:`run_config_dict`, ``config["storage"]``
-    its checkpoint folder (the Ray Train run's own folder, :func:`run_storage`).
+    its checkpoint folder (the Ray Train run's own folder, :func:`run_storage`), ``config["upload_to"]`` the
+    URI the run's folder is uploaded to, if any (:func:`_outputs_folder`).
 
     Every worker runs :func:`raystudy.core.finetune.driver.run` with one
     :class:`~raystudy.core.finetune.checkpoint.DirectoryCheckpointer` over that folder (the workers joined by
@@ -208,7 +231,11 @@ def train_loop_per_worker(config: dict) -> dict | None:
     placement, warning = _worker_placement(resources)
     collective = RayCollective() if placement["world_size"] > 1 else None
     checkpointer = DirectoryCheckpointer(config["storage"], keep=resources.keep_checkpoints, collective=collective)
-    summary, ft = run(cfg, checkpointer=checkpointer, reporter=RayTrainReporter(), progress=False, **placement)
+    outputs = _outputs_folder(cfg.out_dir, config.get("upload_to")) if placement["rank"] == 0 \
+        else contextlib.nullcontext(cfg.out_dir)
+    with outputs as outputs_dir:
+        summary, ft = run(cfg, checkpointer=checkpointer, reporter=RayTrainReporter(), progress=False,
+                          outputs_dir=outputs_dir, **placement)
     if ft.rank != 0:
         return None
     return run_record({**summary, **placement_record(placement["device"], warning)}, ft)
@@ -247,7 +274,7 @@ def run_storage(run_config) -> str:
 
 
 def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *, run_config=None,
-                 callbacks: list | None = None):
+                 callbacks: list | None = None, upload_to: str | None = None):
     """The ``TorchTrainer`` of one run.
 
     Without ``run_config``: ``RunConfig(name="train", storage_path=<out_dir>/ray,
@@ -256,7 +283,8 @@ def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     Tune trial) is used as is, except that a failure config left at Ray's default, a missing storage path or
     name take the values above and ``callbacks`` are appended to its own. The run's checkpoints are the
     project's, ``resources.keep_checkpoints`` newest kept in :func:`run_storage` (Ray's ``CheckpointConfig``
-    is not used: no checkpoint is reported to Ray).
+    is not used: no checkpoint is reported to Ray). ``upload_to``: the URI that ``cfg.out_dir``, a local
+    staging folder, is uploaded to (worker 0 uploads its own outputs there when it runs on another node).
     """
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -268,7 +296,8 @@ def make_trainer(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     run_config = _run_config(cfg, resources, run_config, list(callbacks or []))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"run": run_config_dict(cfg, resources), "storage": run_storage(run_config)},
+        train_loop_config={"run": run_config_dict(cfg, resources), "storage": run_storage(run_config),
+                           "upload_to": upload_to},
         scaling_config=ScalingConfig(num_workers=resources.workers, use_gpu=resources.use_gpu,
                                      resources_per_worker=per_worker),
         run_config=run_config,
@@ -395,7 +424,8 @@ def forwarded_reports(on_report: Callable[[dict], None] | None) -> Iterator[list
 
 
 def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *, run_config=None,
-                 callbacks: list | None = None, on_report: Callable[[dict], None] | None = None) -> dict:
+                 callbacks: list | None = None, on_report: Callable[[dict], None] | None = None,
+                 upload_to: str | None = None) -> dict:
     """Run one finetuning run on Ray Train and return its summary (also written to ``cfg.out_dir``).
 
     Starts a quiet local Ray (:func:`~raystudy.distributed.cluster.init_ray`) when none runs.
@@ -404,6 +434,8 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     ``resources.max_failures`` (status ``failed``, with ``error``); invalid settings raise ``ValueError``.
     ``wall_seconds`` is the driver's wall time of ``fit()``, Ray Train start-up included. ``on_report``
     receives worker 0's metrics of every report while the run lives (``raystudy finetune`` prints them).
+    ``upload_to``: the URI ``cfg.out_dir`` (a local staging folder) is uploaded to by the caller, where worker
+    0 uploads its TensorBoard events and weights itself when it does not see that folder (another node).
     """
     resources = (resources or TrainResources()).validate(cfg.validate())
     init_ray()  # from Python: a quiet local Ray of its own (Ray Train's own ray.init logs, and joins any instance)
@@ -417,7 +449,8 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
     resolved = _run_config(cfg, resources, run_config, [])
     if error is None:
         upgrade_layout(run_storage(resolved))  # before Ray reads its snapshot of an older version's checkpoints
-        record, error = _fit(cfg, resources, run_config, [*(callbacks or []), RecordFailures()], on_report)
+        record, error = _fit(cfg, resources, run_config, [*(callbacks or []), RecordFailures()], on_report,
+                             upload_to)
     summary = dict(record["summary"]) if record is not None else failed_summary(cfg, error)
     summary = finished_summary(summary, wall_seconds=time.perf_counter() - t0, workers=resources.workers,
                                execution="train", failures=worker_failures(resolved))
@@ -425,14 +458,15 @@ def run_finetune(cfg: FinetuneConfig, resources: TrainResources | None = None, *
                       cleanup=resources.cleanup_checkpoints)
 
 
-def _fit(cfg: FinetuneConfig, resources: TrainResources, run_config, callbacks, on_report):
+def _fit(cfg: FinetuneConfig, resources: TrainResources, run_config, callbacks, on_report, upload_to):
     """Fit the run's trainer: ``(worker 0's run record or None, error or None)``."""
     from ray.train import TrainingFailedError
 
     record, error = None, None
     try:
         with forwarded_reports(on_report) as forward:
-            trainer = make_trainer(cfg, resources, run_config=run_config, callbacks=[*(callbacks or []), *forward])
+            trainer = make_trainer(cfg, resources, run_config=run_config, callbacks=[*(callbacks or []), *forward],
+                                   upload_to=upload_to)
             record = trainer.fit().return_value
         if record is None:
             error = RuntimeError("Ray Train returned no result from worker 0")

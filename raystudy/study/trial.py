@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from raystudy.storage import is_uri, join, upload_dir
+from raystudy.storage import copy_dir, exists, is_uri, join, upload_dir
 from raystudy.study.jobs import finetune_job
 from raystudy.study.points import STUDY_TRIAL_ID
 from raystudy.study.results import trial_dir
@@ -59,11 +59,15 @@ def _link_tensorboard(study_dir: str, tid: str, run_dir: str) -> None:
 
 
 def _copy_tensorboard(study_dir: str, tid: str, run_dir: str) -> None:
-    """``<study>/tb/<trial_id>``: a copy of the run's ``tb/`` where no link could be made (URIs)."""
+    """``<study>/tb/<trial_id>``: a copy of the run's ``tb/`` where no link could be made (URIs). On object
+    storage, a Ray Train run whose worker 0 ran on another node uploaded its ``tb/`` to the trial's folder
+    itself (:func:`raystudy.distributed.train.run_finetune`): the copy is made from there."""
     target = join(study_dir, "tb", tid)
     src = os.path.join(run_dir, "tb")
     if (is_uri(study_dir) or not os.path.lexists(target)) and os.path.isdir(src):
         upload_dir(src, target)
+    elif is_uri(study_dir) and exists(join(trial_dir(study_dir, tid), "tb")):
+        copy_dir(join(trial_dir(study_dir, tid), "tb"), target)
 
 
 class TrialFailed(RuntimeError):
@@ -96,7 +100,9 @@ def _train_point(spec: StudySpec, tid: str, cfg, resources) -> dict:
         name=tid, storage_path=join(spec.out, "train"),
         failure_config=ray.train.FailureConfig(max_failures=spec.worker_retries),
     )
-    summary = run_finetune(cfg, resources, run_config=run_config, callbacks=[TuneReportCallback()])
+    upload_to = trial_dir(spec.out, tid) if is_uri(spec.out) else None  # cfg.out_dir: its local staging
+    summary = run_finetune(cfg, resources, run_config=run_config, callbacks=[TuneReportCallback()],
+                           upload_to=upload_to)
     if summary.get("status") == "failed":
         # Raising hands the trial to Tune's FailureConfig: a retry resumes from the run's checkpoints.
         raise TrialFailed(f"{tid}: {summary.get('error', 'Ray Train run failed')}")

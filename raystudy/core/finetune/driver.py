@@ -175,7 +175,7 @@ def inject_failure(ft: Finetuner, ev: Event) -> None:
 
 def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, reporter: Reporter | None = None,
         resume: bool = True, tensorboard: bool = True, progress: bool | None = None, write_weights: bool = True,
-        **placement) -> tuple[dict, Finetuner]:
+        outputs_dir: str | None = None, **placement) -> tuple[dict, Finetuner]:
     """Run ``cfg`` to its end; returns ``(summary, finetuner)``.
 
     ``placement`` goes to :class:`Finetuner` (a worker's ``rank``, ``world_size``, ``device``, ``wrap``,
@@ -185,14 +185,16 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
     ``fail_after_step`` of the run's folder name (after that step's checkpoint and report) and the test fault
     ``hold_after_checkpoint`` (the first attempt waits after its first checkpoint, see :func:`hold_run`).
     The summary's ``wall_seconds`` is the wall time of the loop; worker 0 writes the run's weights
-    (:func:`save_weights`) with ``write_weights``.
+    (:func:`save_weights`) with ``write_weights``. Worker 0's TensorBoard events and weights go to
+    ``outputs_dir`` (default ``cfg.out_dir``; a Ray Train worker away from its run's folder passes its own).
     """
     ft = Finetuner(cfg, **placement)
     checkpointer = checkpointer if checkpointer is not None else NoCheckpoints()
     reporter = reporter if reporter is not None else Reporter()
     if resume:
         checkpointer.restore(ft)
-    tb = TensorBoardLogger(cfg.out_dir, purge_step=ft.step + 1 if ft.step else None, hparams=cfg.hparams) \
+    outputs_dir = outputs_dir or cfg.out_dir
+    tb = TensorBoardLogger(outputs_dir, purge_step=ft.step + 1 if ft.step else None, hparams=cfg.hparams) \
         if tensorboard and ft.rank == 0 else None
     fail_after = injected("fail_after_step", Path(cfg.out_dir).name)
     hold = injected("hold_after_checkpoint", Path(cfg.out_dir).name)
@@ -216,18 +218,19 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
             tb.close()
     summary["wall_seconds"] = time.perf_counter() - t0
     if write_weights and ft.rank == 0:
-        save_weights(ft)
+        save_weights(ft, outputs_dir)
     return summary, ft
 
 
-def save_weights(ft: Finetuner) -> None:
+def save_weights(ft: Finetuner, folder: str | os.PathLike | None = None) -> None:
     """``best_trainable.safetensors`` (the best-validation trainable state, when there was an evaluation)
-    and, with ``save_final``, ``final_model.safetensors`` (the whole final model) in the run's ``out_dir``;
-    both under a plain timm model's names (LoRA merged: :meth:`Finetuner.exported_state`)."""
+    and, with ``save_final``, ``final_model.safetensors`` (the whole final model) in ``folder`` (default the
+    run's ``out_dir``); both under a plain timm model's names (LoRA merged: :meth:`Finetuner.exported_state`)."""
+    folder = folder or ft.cfg.out_dir
     if ft.best_state is not None:
-        save_safetensors(ft.exported_state(ft.best_state), join(ft.cfg.out_dir, "best_trainable.safetensors"))
+        save_safetensors(ft.exported_state(ft.best_state), join(folder, "best_trainable.safetensors"))
     if ft.cfg.save_final:
-        save_safetensors(ft.merged_model().state_dict(), join(ft.cfg.out_dir, "final_model.safetensors"))
+        save_safetensors(ft.merged_model().state_dict(), join(folder, "final_model.safetensors"))
 
 
 # ---- the summary -------------------------------------------------------------------------------------
