@@ -221,6 +221,29 @@ def assert_trials_equal_single_process_runs(out: str, trial_ids, scratch: Path) 
         assert trials.loc[tid, "best_val_acc"] == ref["best_val_acc"], tid
 
 
+def assert_tensorboard_equals_curves(out: str, trial_ids) -> None:
+    """Each trial's TensorBoard events in the study ``out`` (local or a URI), in its folder and under ``tb/``,
+    as TensorBoard shows them: every step of ``curves.parquet`` once, with its train loss."""
+    import tempfile
+
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from raystudy.io import read_result
+    from raystudy.storage import download_dir, join
+
+    curves = read_result(out, "curves")
+    for tid in trial_ids:
+        want = curves[curves.trial_id == tid].sort_values("step")
+        for folder in (join(out, "trials", tid, "tb"), join(out, "tb", tid)):
+            with tempfile.TemporaryDirectory() as tmp:
+                download_dir(folder, tmp)
+                events = EventAccumulator(tmp).Reload().Scalars("train/train_loss")
+            assert [e.step for e in events] == want.step.tolist(), folder
+            torch.testing.assert_close(torch.tensor([e.value for e in events]),
+                                       torch.tensor(want.train_loss.values, dtype=torch.float32), msg=folder)
+
+
 def _build_demo_study(cwd: Path) -> dict:
     (cwd / "experiments").symlink_to(REPO / "experiments", target_is_directory=True)
     (cwd / ".venv").symlink_to(sys.prefix, target_is_directory=True)  # the environment `make` creates

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -633,3 +635,34 @@ def test_head_init_torch_default_is_nn_linears_own_initialisation():
     torch.testing.assert_close(model.head.weight, ref.weight, rtol=0, atol=0)
     torch.testing.assert_close(model.head.bias, ref.bias, rtol=0, atol=0)
     assert model.head.bias.abs().max() > 0 and model.head.weight.abs().max() <= 1 / D ** 0.5
+
+
+def _tb_losses(tb_dir) -> list[tuple[int, float]]:
+    """``(step, train loss)`` of every event of a TensorBoard folder, as TensorBoard shows them (purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return [(e.step, e.value) for e in EventAccumulator(str(tb_dir)).Reload().Scalars("train/train_loss")]
+
+
+@pytest.mark.parametrize("fresh_folder", [False, True])
+def test_a_resumed_run_shows_every_step_once_in_tensorboard(store, tmp_path, fresh_folder):
+    """Killed after its first checkpoint and resumed: into the same folder (one file system: the new events
+    start after the restored step), or into a fresh one (a trial re-run on another node of a study on object
+    storage: the restored rows are written again). Either way TensorBoard shows every curve row once, with the
+    resumed run's values, also once the killed attempt's events are merged into the fresh folder (as an upload
+    of both attempts to the trial's URI merges them)."""
+    kw = dict(optimizer="adamw", lr=3e-3, steps=8, eval_period=3, checkpoint_period=2, log_period=1)
+    first, ckdir = tiny_cfg(store, tmp_path / "first", **kw), tmp_path / "ck"
+    with pytest.raises(_Killed):
+        run(first, checkpointer=DirectoryCheckpointer(ckdir), reporter=_KillAtFirstCheckpoint())
+    assert [s for s, _ in _tb_losses(tmp_path / "first" / "tb")] == [1, 2]
+    second = dataclasses.replace(first, out_dir=str(tmp_path / "second")) if fresh_folder else first
+    summary, ft = run(second, checkpointer=DirectoryCheckpointer(ckdir))
+    assert summary["restored_from_step"] == 2
+    want = [(r["step"], pytest.approx(r["train_loss"])) for r in ft.curves]
+    assert [r["step"] for r in ft.curves] == list(range(1, 9))
+    assert _tb_losses(Path(second.out_dir) / "tb") == want
+    if fresh_folder:
+        for f in (tmp_path / "first" / "tb").iterdir():
+            shutil.copy(f, tmp_path / "second" / "tb")
+        assert _tb_losses(tmp_path / "second" / "tb") == want

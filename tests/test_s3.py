@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import STUDY_MODEL, STUDY_TINY, assert_trials_equal_single_process_runs, moto_s3, s3_checkpoints
+from conftest import (
+    STUDY_MODEL,
+    STUDY_TINY,
+    assert_tensorboard_equals_curves,
+    assert_trials_equal_single_process_runs,
+    moto_s3,
+    s3_checkpoints,
+)
 
 from raystudy.io import read_result
 from raystudy.study.points import trial_id
@@ -120,6 +127,7 @@ def test_resume_from_s3_checkpoints_equals_uninterrupted_runs(s3_study, tmp_path
     # the held trial went on from its S3 checkpoint (step 4), not from scratch
     assert trials.loc[HELD, "num_restores"] >= 1, trials.loc[HELD].to_dict()
     assert_trials_equal_single_process_runs(out, GRID, tmp_path)
+    assert_tensorboard_equals_curves(out, GRID)  # the held trial's too: its steps before the restore once
     # the analysis wrote its report to the bucket
     fs = s3_study["fs"]
     assert fs.get_file_info(f"{BUCKET}/study/analysis/report.html").size > 1000

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import STUDY_MODEL, STUDY_TINY, assert_trials_equal_single_process_runs, moto_s3, user_env
+from conftest import (
+    STUDY_MODEL,
+    STUDY_TINY,
+    assert_tensorboard_equals_curves,
+    assert_trials_equal_single_process_runs,
+    moto_s3,
+    user_env,
+)
 from local_cluster import Cluster
 from safetensors.torch import load_file
 
 from raystudy.io import read_result
-from raystudy.storage import download_dir, exists, join
+from raystudy.storage import download_dir, join
 from raystudy.study.points import trial_id
 
 pytestmark = pytest.mark.slow
@@ -88,18 +94,8 @@ def test_the_weights_reach_the_bucket_equal_to_a_single_process_run(study, tmp_p
         torch.testing.assert_close(got[name], want[name], msg=name)
 
 
-@pytest.mark.parametrize("folder", [f"trials/{TID}/tb", f"tb/{TID}"])
-def test_the_tensorboard_events_reach_the_bucket(study, folder):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    assert exists(join(OUT, folder)), folder
-    with tempfile.TemporaryDirectory() as tmp:
-        download_dir(join(OUT, folder), tmp)
-        events = EventAccumulator(tmp).Reload().Scalars("train/train_loss")
-    curves = read_result(OUT, "curves").sort_values("step")
-    assert [e.step for e in events] == curves.step.tolist()
-    torch.testing.assert_close(torch.tensor([e.value for e in events]),
-                               torch.tensor(curves.train_loss.values, dtype=torch.float32))
+def test_the_tensorboard_events_reach_the_bucket(study):
+    assert_tensorboard_equals_curves(OUT, [TID])
 
 
 def test_no_node_keeps_a_staging_folder(study):

@@ -32,6 +32,7 @@ import yaml
 from conftest import (
     STUDY_MODEL,
     STUDY_TINY,
+    assert_tensorboard_equals_curves,
     assert_trials_equal_single_process_runs,
     moto_s3,
     s3_checkpoints,
@@ -167,5 +168,6 @@ def test_a_logical_gpu_without_cuda_trains_on_the_cpu_and_says_so_once(topology)
 
 def test_the_tables_equal_uninterrupted_single_process_runs(topology, tmp_path):
     assert_trials_equal_single_process_runs(OUT, GRID, tmp_path)
+    assert_tensorboard_equals_curves(OUT, GRID)  # the lost trials' steps before their restore too
     plasticity = read_result(OUT, "plasticity")
     assert len(plasticity) and plasticity.notna().any(axis=None)

@@ -124,6 +124,25 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+def resumed_tensorboard(ft: Finetuner, out_dir: str | os.PathLike) -> TensorBoardLogger:
+    """The run's :class:`TensorBoardLogger` in ``out_dir/tb``, for a run that may have resumed at ``ft.step``.
+
+    Where that folder holds the events of the earlier attempt (one file system), the new events start after
+    the restored step (``purge_step``). Where it holds none (the attempt before ran on a node that was lost, or
+    on another node whose folder of a study on object storage is not this one), the restored curve rows are
+    written again first, from the first one's step on, so that the folder holds every step once; and a copy
+    of the earlier attempt's events merged into it later is purged from that step on."""
+    folder = Path(out_dir) / "tb"
+    if not ft.step:
+        return TensorBoardLogger(out_dir, hparams=ft.cfg.hparams)
+    if any(folder.glob("events.out.tfevents.*")) or not ft.curves:
+        return TensorBoardLogger(out_dir, purge_step=ft.step + 1, hparams=ft.cfg.hparams)
+    tb = TensorBoardLogger(out_dir, purge_step=ft.curves[0]["step"], hparams=ft.cfg.hparams)
+    for row in ft.curves:
+        tb(Event(step=row["step"], metrics=dict(row), checkpoint=False))
+    return tb
+
+
 # ---- the test fault ----------------------------------------------------------------------------------
 
 
@@ -194,8 +213,7 @@ def run(cfg: FinetuneConfig, *, checkpointer: Checkpointer | None = None, report
     if resume:
         checkpointer.restore(ft)
     outputs_dir = outputs_dir or cfg.out_dir
-    tb = TensorBoardLogger(outputs_dir, purge_step=ft.step + 1 if ft.step else None, hparams=cfg.hparams) \
-        if tensorboard and ft.rank == 0 else None
+    tb = resumed_tensorboard(ft, outputs_dir) if tensorboard and ft.rank == 0 else None
     fail_after = injected("fail_after_step", Path(cfg.out_dir).name)
     hold = injected("hold_after_checkpoint", Path(cfg.out_dir).name)
 
