@@ -179,13 +179,20 @@ def hold_run(ft: Finetuner, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    release.touch()
+    _touch(release)
+
+
+def _touch(marker: Path) -> None:
+    """Create the fault marker ``marker``, its folder too (a Ray Train worker 0 on another node than its run's
+    staging folder of a study on object storage does not see that folder)."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
 
 
 def inject_failure(ft: Finetuner, ev: Event) -> None:
     """Mark the run's first attempt as failed (rank 0) and raise :class:`InjectedFailure`."""
     if ft.rank == 0:
-        (Path(ft.cfg.out_dir) / INJECTED_MARKER).touch()
+        _touch(Path(ft.cfg.out_dir) / INJECTED_MARKER)
     raise InjectedFailure(f"injected failure after step {ev.step} (raystudy.faults fail_after_step)")
 
 
