@@ -50,8 +50,10 @@ lint: venv
 # quiet 2-core machine (2026-12-06): `make venv` 101 s, then `make test` 13m41s (ruff, 1297 tests in 820 s);
 # on another (an AMD EPYC, the same day, with the cluster-shape test_topology): `make venv` 131 s, pytest
 # 1,016 s (1,333 tests; the two browser tests skipped without Chromium, ~40 s where it is installed).
-# The same code varies by about 30% between runs and machines of this kind. The CPUs are the limit: every
-# test runs slower beside another.
+# Later the same day on an EPYC 25-55% slower per test (the demo build 290 s against 232 s, test_topology
+# 191 s against 128 s), with test_s3_train (130 s there): pytest 1,318 and 1,405 s (1,340 tests). The same
+# code varies by 30-55% between runs and machines of this kind. The CPUs are the limit: every test runs
+# slower beside another.
 TEST_WORKERS ?= 2
 
 test: lint
