@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -174,6 +175,22 @@ def upload_dir(local: str | os.PathLike, uri: str) -> None:
     create_dir(fs, path)
     pafs.copy_files(str(Path(local).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=fs)
+
+
+@contextlib.contextmanager
+def uploaded_folder(uri: str, name: str = "", prefix: str = "raystudy-") -> Iterator[str]:
+    """A new local temporary folder (named ``name`` where given) whose files are uploaded into ``uri`` when
+    the block ends, also when it raises (:func:`upload_dir`), then removed."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    local = os.path.join(tmp, name) if name else tmp
+    os.makedirs(local, exist_ok=True)
+    try:
+        yield local
+    finally:
+        try:
+            upload_dir(local, uri)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def copy_dir(source: str | os.PathLike, target: str | os.PathLike) -> None:

@@ -39,8 +39,6 @@ import dataclasses
 import logging
 import math
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,7 +61,7 @@ from raystudy.core.finetune.driver import (
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.devices import no_cuda_message, placement_record
 from raystudy.settings import ResourceSettings, problems
-from raystudy.storage import filesystem, join, read_text, upload_dir, write_json_atomic
+from raystudy.storage import filesystem, join, read_text, uploaded_folder, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -206,14 +204,8 @@ def _outputs_folder(run_dir: str, upload_to: str | None) -> Iterator[str]:
     if upload_to is None or os.path.isdir(run_dir):
         yield run_dir
         return
-    tmp = tempfile.mkdtemp(prefix="raystudy-worker-")
-    try:
-        yield tmp
-    finally:
-        try:
-            upload_dir(tmp, upload_to)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    with uploaded_folder(upload_to, prefix="raystudy-worker-") as local:
+        yield local
 
 
 def train_loop_per_worker(config: dict) -> dict | None:

@@ -13,12 +13,10 @@ for :func:`trainable`, and the commands import that one to check a spec without 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from raystudy.storage import copy_dir, exists, is_uri, join, upload_dir
+from raystudy.storage import copy_dir, exists, is_uri, join, upload_dir, uploaded_folder
 from raystudy.study.jobs import finetune_job
 from raystudy.study.points import STUDY_TRIAL_ID
 from raystudy.study.results import trial_dir
@@ -34,16 +32,8 @@ def local_dir_for(target: str) -> Iterator[str]:
         os.makedirs(target, exist_ok=True)
         yield target
         return
-    tmp = tempfile.mkdtemp(prefix="raystudy-")
-    local = os.path.join(tmp, target.rstrip("/").rsplit("/", 1)[-1])
-    os.makedirs(local)
-    try:
+    with uploaded_folder(target, name=target.rstrip("/").rsplit("/", 1)[-1]) as local:
         yield local
-    finally:
-        try:
-            upload_dir(local, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _link_tensorboard(study_dir: str, tid: str, run_dir: str) -> None:
