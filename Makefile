@@ -51,9 +51,9 @@ lint: venv
 # on another (an AMD EPYC, the same day, with the cluster-shape test_topology): `make venv` 131 s, pytest
 # 1,016 s (1,333 tests; the two browser tests skipped without Chromium, ~40 s where it is installed).
 # Later the same day on an EPYC 25-55% slower per test (the demo build 290 s against 232 s, test_topology
-# 191 s against 128 s), with test_s3_train (130 s there): pytest 1,318 and 1,405 s (1,340 tests). The same
-# code varies by 30-55% between runs and machines of this kind. The CPUs are the limit: every test runs
-# slower beside another.
+# 191 s against 128 s): pytest 1,318, 1,405 and 1,498 s with test_s3_train (1,340 tests), and 1,342 s
+# without it (the commit before, run between them). The same code varies by 30-55% between runs and
+# machines of this kind. The CPUs are the limit: every test runs slower beside another.
 TEST_WORKERS ?= 2
 
 test: lint
