@@ -171,10 +171,7 @@ def publish(local: str | os.PathLike, uri: str | None) -> None:
 
 def upload_dir(local: str | os.PathLike, uri: str) -> None:
     """Copy the local folder ``local`` into ``uri`` (kept files there stay; same names are overwritten)."""
-    fs, path = pafs.FileSystem.from_uri(uri)
-    create_dir(fs, path)
-    pafs.copy_files(str(Path(local).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
-                    destination_filesystem=fs)
+    copy_dir(local, uri)
 
 
 @contextlib.contextmanager
@@ -194,7 +191,8 @@ def uploaded_folder(uri: str, name: str = "", prefix: str = "raystudy-") -> Iter
 
 
 def copy_dir(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Copy the folder ``source`` into ``target`` (each local or a URI; kept files there stay)."""
+    """Copy the folder ``source`` into ``target`` (each local or a URI; kept files there stay; same names are
+    overwritten)."""
     src_fs, src = filesystem(source)
     dst_fs, dst = filesystem(target)
     create_dir(dst_fs, dst)

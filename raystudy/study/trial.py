@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from raystudy.storage import copy_dir, exists, is_uri, join, upload_dir, uploaded_folder
+from raystudy.storage import copy_dir, exists, is_uri, join, uploaded_folder
 from raystudy.study.jobs import finetune_job
 from raystudy.study.points import STUDY_TRIAL_ID
 from raystudy.study.results import trial_dir
@@ -54,10 +54,10 @@ def _copy_tensorboard(study_dir: str, tid: str, run_dir: str) -> None:
     itself (:func:`raystudy.distributed.train.run_finetune`): the copy is made from there."""
     target = join(study_dir, "tb", tid)
     src = os.path.join(run_dir, "tb")
-    if (is_uri(study_dir) or not os.path.lexists(target)) and os.path.isdir(src):
-        upload_dir(src, target)
-    elif is_uri(study_dir) and exists(join(trial_dir(study_dir, tid), "tb")):
-        copy_dir(join(trial_dir(study_dir, tid), "tb"), target)
+    if is_uri(study_dir) and not os.path.isdir(src):
+        src = join(trial_dir(study_dir, tid), "tb")
+    if (is_uri(study_dir) or not os.path.lexists(target)) and exists(src):
+        copy_dir(src, target)
 
 
 class TrialFailed(RuntimeError):
