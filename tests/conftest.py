@@ -26,6 +26,12 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # Ray starts its workers at niceness 15: beside a second pytest process (`make test` runs two) they starve
 # behind its driver, and a 12 s test took 141 s. At 0 both processes' Ray workers share the CPUs fairly.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# `make test` runs two pytest processes on two cores: at PyTorch's default (a thread per core) each in-process
+# model and each subprocess it starts runs two OpenMP threads, four or more on two cores, whose spin-waits burn
+# the other process's CPU (4 files of PyTorch tests: 126 -> 81 CPU seconds, 68 -> 54 s). Ray's workers set their
+# own (cpus_per_worker), as on a cluster.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def tiny_vit(**overrides):
@@ -291,23 +297,21 @@ def kill_at_first_checkpoint(ft, ckdir) -> None:
 
 
 #: what each slow test file costs a `make test` run, in seconds: pytest's durations summed over the file's
-#: tests (setup + call + teardown) in a quiet `make test` run's two processes on the 2-core machine
-#: (2026-12-06, 990 s in all), less what later changes took out of the file. The files are collected in the
-#: order of :func:`collection_rank`, slowest first within a group, and `make test` keeps that order
-#: (`--no-loadscope-reorder`: pytest-xdist would otherwise send the files with the most tests first), so that
-#: its two processes end together on short ones. test_docs's 808 s are mostly the demo study's build (606 s
-#: beside the other process, 174 s alone), which test_demo_study, test_figures_trust and others then read. A
-#: file not listed (under 20 s) keeps its alphabetical place in its group, after the listed ones.
+#: tests (setup + call + teardown) in a `make test` run's two processes on a 2-core AMD EPYC (2026-12-07,
+#: 1,246 s in all; test_multinode as merged since, test_fast_step with inductor's kernel cache empty, as on a
+#: fresh machine). The files are collected in the order of :func:`collection_rank`, slowest first within a
+#: group, and `make test` keeps that order (`--no-loadscope-reorder`: pytest-xdist would otherwise send the files
+#: with the most tests first), so that its two processes end together on short ones. test_docs's 371 s are
+#: mostly the demo study's build (~300 s beside the other process, 149 s alone), which test_demo_study,
+#: test_figures_trust and others then read. A file not listed (under 20 s) keeps its alphabetical place in its
+#: group, after the listed ones.
 FILE_SECONDS = {
-    "test_docs.py": 808, "test_multinode.py": 250, "test_study.py": 247, "test_finetune_ray.py": 237,
-    "test_newcomer.py": 225, "test_vtab_demo_study.py": 199, "test_hardening_study.py": 178, "test_analysis.py": 146,
-    "test_expressions_wired.py": 126, "test_distributed_plasticity.py": 90, "test_text_finetune.py": 86,
-    "test_text_plasticity.py": 84, "test_probe.py": 76, "test_cli_plasticity.py": 59, "test_analysis_paper.py": 57,
-    "test_vtab_protocol.py": 54, "test_analysis_browser.py": 42, "test_results_scale.py": 35,
-    "test_actor_memory.py": 34, "test_analysis_compare.py": 34, "test_finetune.py": 32, "test_study_probes.py": 30,
-    "test_data_default.py": 29, "test_peft_methods.py": 29, "test_packaging.py": 28, "test_presets.py": 27,
-    "test_analysis_beyond.py": 23, "test_data_stream.py": 23, "test_fast_step.py": 22, "test_paper_protocol.py": 22,
-    "test_cli_core.py": 20, "test_topology.py": 90, "test_s3_train.py": 80, "test_s3.py": 45,
+    "test_docs.py": 371, "test_topology.py": 167, "test_newcomer.py": 152, "test_multinode.py": 150,
+    "test_finetune_ray.py": 130, "test_vtab_demo_study.py": 129, "test_study.py": 120, "test_hardening_study.py": 82,
+    "test_analysis.py": 81, "test_distributed_plasticity.py": 80, "test_s3.py": 66, "test_expressions_wired.py": 61,
+    "test_analysis_paper.py": 50, "test_fast_step.py": 43, "test_analysis_browser.py": 38, "test_vtab_protocol.py": 35,
+    "test_text_plasticity.py": 32, "test_actor_memory.py": 29, "test_text_finetune.py": 28,
+    "test_analysis_compare.py": 25, "test_probe.py": 24, "test_cli_plasticity.py": 23, "test_analysis_criteria.py": 20,
 }
 
 
@@ -321,7 +325,7 @@ RAY_FILES = frozenset({
     "test_hardening_study.py", "test_expressions_wired.py", "test_distributed_plasticity.py",
     "test_text_finetune.py", "test_text_plasticity.py", "test_probe.py", "test_cli_plasticity.py",
     "test_vtab_protocol.py", "test_actor_memory.py", "test_study_probes.py", "test_data_stream.py",
-    "test_topology.py", "test_s3_train.py", "test_s3.py",
+    "test_topology.py", "test_s3.py",
     "test_demo_study.py", "test_terminal.py",  # (these two read the demo study: beside its build they would wait)
 })
 
