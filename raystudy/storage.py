@@ -174,12 +174,22 @@ def upload_dir(local: str | os.PathLike, uri: str) -> None:
     copy_dir(local, uri)
 
 
+#: the lock file of an :func:`uploaded_folder`, held (``flock``) by the process that uses the folder
+OWNER_LOCK = ".owner"
+
+
 @contextlib.contextmanager
 def uploaded_folder(uri: str, name: str = "", prefix: str = "raystudy-") -> Iterator[str]:
     """A new local temporary folder (named ``name`` where given) whose files are uploaded into ``uri`` when
-    the block ends, also when it raises (:func:`upload_dir`), then removed."""
+    the block ends, also when it raises (:func:`upload_dir`), then removed.
+
+    A process killed in the block (SIGKILL, a Ray actor whose owner died) can neither upload nor remove its
+    folder; the folder's :data:`OWNER_LOCK` then is free, and the next such block on the machine removes it
+    (:func:`remove_abandoned_folders`): what it held never reached ``uri`` and nothing will upload it."""
+    remove_abandoned_folders()
     tmp = tempfile.mkdtemp(prefix=prefix)
-    local = os.path.join(tmp, name) if name else tmp
+    lock = _hold_lock(tmp)
+    local = os.path.join(tmp, name or "files")
     os.makedirs(local, exist_ok=True)
     try:
         yield local
@@ -188,6 +198,43 @@ def uploaded_folder(uri: str, name: str = "", prefix: str = "raystudy-") -> Iter
             upload_dir(local, uri)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            os.close(lock)
+
+
+def _hold_lock(folder: str) -> int:
+    """Lock :data:`OWNER_LOCK` in ``folder`` for this process (the kernel frees it when the process dies);
+    returns its descriptor. The file appears already locked (locked first, then renamed into place)."""
+    import fcntl
+
+    pending = os.path.join(folder, OWNER_LOCK + ".new")
+    fd = os.open(pending, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(pending, os.path.join(folder, OWNER_LOCK))
+    return fd
+
+
+def remove_abandoned_folders() -> list[str]:
+    """Remove this machine's :func:`uploaded_folder` folders whose process died in its block (their
+    :data:`OWNER_LOCK` is free); returns their paths."""
+    import fcntl
+    import glob
+
+    removed = []
+    for lock in glob.glob(os.path.join(tempfile.gettempdir(), "raystudy-*", OWNER_LOCK)):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:  # removed meanwhile by its owner
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its process lives
+            continue
+        else:
+            shutil.rmtree(os.path.dirname(lock), ignore_errors=True)
+            removed.append(os.path.dirname(lock))
+        finally:
+            os.close(fd)
+    return removed
 
 
 def copy_dir(source: str | os.PathLike, target: str | os.PathLike) -> None:
