@@ -1,7 +1,7 @@
 """A Ray cluster of several nodes on this one machine, started as ``cluster/*.yaml`` start theirs: a head of
 ``CPU: 0`` and worker nodes, each a ``ray start --block`` process with its own ports, token authentication on
 (``RAY_AUTH_MODE=token``, one ``~/.ray/auth_token`` in a HOME of the cluster's). Used by
-``tests/test_topology.py`` and ``tests/test_s3_train.py``.
+``tests/test_topology.py`` and ``tests/test_multinode.py``.
 
 Nodes of one machine share its disk, where separate machines would not. With ``private_staging`` each worker
 node runs in a mount namespace of its own (``unshare -m``) in which a private tmpfs covers one staging folder,
@@ -37,8 +37,9 @@ from ray._private.state import actors  # the GCS's actor table, dead actors incl
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 nodes = [{"id": n["NodeID"], "port": n["NodeManagerPort"], "alive": n["Alive"], "resources": n["Resources"]}
          for n in ray.nodes()]
-table = [{"cls": a["ActorClassName"].rsplit(".", 1)[-1], "node": a["Address"]["NodeID"], "state": a["State"]}
-         for a in actors().values()]
+table = [{"cls": a["ActorClassName"].rsplit(".", 1)[-1], "node": a["Address"]["NodeID"], "state": a["State"],
+          "worker": "{NodeID}:{Port}".format(**a["Address"]), "owner": "{NodeID}:{Port}".format(**a["OwnerAddress"])}
+         for a in actors().values()]  # worker and owner: the actor's process and its owner's, as node:port
 print(json.dumps({"nodes": nodes, "actors": table}))
 """
 

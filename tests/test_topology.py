@@ -12,7 +12,7 @@ both nodes hold two; then one worker node is lost (its raylet and every process 
 SIGKILL) and the other's trials released. The lost trials are re-run by Tune on the surviving node from their
 S3 checkpoints, and the final tables equal an uninterrupted single-process run of each trial's own
 ``config.json``. No trial and no plasticity actor ever ran on the head; every trial ran on the CPU and the
-terminal said so once. (Ray Train runs on logical GPUs: ``tests/test_multinode.py``.)
+terminal said so once. (Ray Train on logical GPUs, losing a trial's controller: ``tests/test_multinode.py``.)
 """
 
 from __future__ import annotations
