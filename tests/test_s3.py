@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 import yaml
 from conftest import (
@@ -90,18 +91,20 @@ def s3_study(s3, builtin, tmp_path_factory):
                                 capture_output=True, text=True, timeout=120, cwd=root, env=env)
         second_seconds = time.monotonic() - t0
         first.send_signal(signal.SIGTERM)
-        _, first_err = first.communicate(timeout=120)
+        first_out, first_err = first.communicate(timeout=120)
     finally:
         if first.poll() is None:
             first.kill()
             first.communicate()
     interrupted = read_result(out, "trials", required=False)
+    analysed = fs.get_file_info(f"{BUCKET}/study/analysis").type != pafs.FileType.NotFound
     t0 = time.monotonic()
     resumed = subprocess.run([sys.executable, "-m", "raystudy", "study", "--resume", out], capture_output=True,
                              text=True, timeout=600, cwd=root, env=env)
     return {"out": out, "fs": fs, "root": root, "held_at": held_at, "second": second,
-            "second_seconds": second_seconds, "first_rc": first.returncode, "first_err": first_err,
-            "interrupted": interrupted, "resumed": resumed, "resume_seconds": time.monotonic() - t0}
+            "second_seconds": second_seconds, "first_rc": first.returncode, "first_out": first_out,
+            "first_err": first_err, "interrupted": interrupted, "analysed_when_interrupted": analysed,
+            "resumed": resumed, "resume_seconds": time.monotonic() - t0}
 
 
 def test_a_second_driver_on_an_s3_study_is_refused(s3_study):
@@ -111,9 +114,12 @@ def test_a_second_driver_on_an_s3_study_is_refused(s3_study):
     assert len(err) == 1 and "is in use by another driver" in err[0] and s3_study["out"] in err[0], second.stderr
 
 
-def test_sigterm_stops_the_s3_study_mid_trial(s3_study):
-    assert s3_study["first_rc"] != 0, s3_study["first_err"][-2000:]
+def test_sigterm_stops_the_s3_study_mid_trial_without_analysing(s3_study):
+    """SIGTERM (a scheduler's stop, `kill`): the driver exits with 128 + 15, says so, and analyses nothing."""
+    said = s3_study["first_out"] + s3_study["first_err"]
+    assert s3_study["first_rc"] == 143 and "SIGTERM: stopping" in said, said[-3000:]
     assert "Traceback" not in s3_study["first_err"], s3_study["first_err"][-3000:]
+    assert not s3_study["analysed_when_interrupted"]
     rows = s3_study["interrupted"]
     assert rows is None or HELD not in set(rows.trial_id[rows.status == "ok"])  # the held trial did not finish
 
