@@ -46,14 +46,12 @@ lint: venv
 # Two pytest processes (pytest-xdist), a test file each at a time (--dist loadfile: a file's session fixtures,
 # e.g. its Ray instance, stay in one process), in collection order (--no-loadscope-reorder: tests/conftest.py
 # orders the files, the demo study's build beside the files that start no Ray; it also shares one demo study
-# between the processes). TEST_WORKERS=0 runs everything in this process. Measured from a fresh clone on a
-# quiet 2-core machine (2026-12-06): `make venv` 101 s, then `make test` 13m41s (ruff, 1297 tests in 820 s);
-# on another (an AMD EPYC, the same day, with the cluster-shape test_topology): `make venv` 131 s, pytest
-# 1,016 s (1,333 tests; the two browser tests skipped without Chromium, ~40 s where it is installed).
-# Later the same day on an EPYC 25-55% slower per test (the demo build 290 s against 232 s, test_topology
-# 191 s against 128 s): pytest 1,318, 1,405 and 1,498 s with test_s3_train (1,340 tests), and 1,342 s
-# without it (the commit before, run between them). The same code varies by 30-55% between runs and
-# machines of this kind. The CPUs are the limit: every test runs slower beside another.
+# between the processes). TEST_WORKERS=0 runs everything in this process. The CPUs are the limit (97-99% busy
+# throughout): every test runs slower beside another, and the same code varies by 30-55% between runs and
+# machines of this kind. Measured on a 2-core AMD EPYC (2026-12-07, the same machine for all three): pytest
+# 1,328 and 1,286 s before that day's changes, 1,210 s after them (1,343 tests; one OpenMP thread per test
+# process, test_s3_train folded into test_multinode's cluster scenario, inductor's kernel cache empty as on a
+# fresh machine); earlier, on a faster machine of the same kind, 820-1,016 s.
 TEST_WORKERS ?= 2
 
 test: lint
