@@ -53,6 +53,16 @@ def raylet(node_manager_port: int) -> psutil.Process:
     raise LookupError(f"no raylet with node manager port {node_manager_port}")
 
 
+def lose_node(node_manager_port: int) -> None:
+    """The worker node is lost, as a machine is: its raylet and every process under it killed at once."""
+    node = raylet(node_manager_port)
+    for p in [node, *node.children(recursive=True)]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
 class Cluster:
     """A head of ``CPU: 0`` and worker nodes (:meth:`start`), token authentication on, its HOME and temp dir;
     with ``private_staging``, each worker node's own staging folder (see the module docstring)."""

@@ -20,13 +20,11 @@ the bucket), in the trial's folder and under ``tb/``; no surviving node keeps an
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import yaml
@@ -39,7 +37,7 @@ from conftest import (
     s3_checkpoints,
     user_env,
 )
-from local_cluster import Cluster, raylet
+from local_cluster import Cluster, lose_node
 from safetensors.torch import load, load_file
 
 from raystudy.io import read_result
@@ -75,16 +73,6 @@ def _alive(gcs: dict) -> dict[str, set[str]]:
     return found
 
 
-def _lose(port: int) -> None:
-    """The node is lost: its raylet and everything under it, at once."""
-    node = raylet(port)
-    for p in [node, *node.children(recursive=True)]:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-
-
 @pytest.fixture(scope="module")
 def study(builtin, tmp_path_factory):
     root = tmp_path_factory.mktemp("multinode")
@@ -112,7 +100,7 @@ def study(builtin, tmp_path_factory):
             before = cluster.query()
             port = {n["id"]: n["port"] for n in before["nodes"]}
             lost = port[next(iter(_alive(before)["ImplicitFunc"]))]  # the node of the trial's Tune actor
-            _lose(lost)
+            lose_node(lost)
             stdout, stderr = driver.communicate(timeout=480)
             survivors = [nm for nm in cluster.workers if nm != lost]
             staged = {nm: sorted(p.name for p in cluster.staging_of(nm).iterdir()) for nm in survivors}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from conftest import (
     s3_checkpoints,
     user_env,
 )
-from local_cluster import Cluster, raylet
+from local_cluster import Cluster, lose_node, raylet
 
 from raystudy.io import read_result
 from raystudy.study.points import trial_id
@@ -105,13 +104,7 @@ def topology(builtin, tmp_path_factory):
                         break
                 time.sleep(0.5)
             lost_port = cluster.workers[1]
-            lost = raylet(lost_port)
-            doomed = [lost, *lost.children(recursive=True)]
-            for p in doomed:  # the node is lost: its raylet and everything under it, at once
-                try:
-                    p.send_signal(signal.SIGKILL)
-                except psutil.NoSuchProcess:
-                    pass
+            lose_node(lost_port)
             for tid in GRID:  # the held runs go on (their folders: local staging of the S3 trial folders)
                 for folder in Path(tempfile.gettempdir()).glob(f"raystudy-*/{tid}"):
                     (folder / ".release").touch()
