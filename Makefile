@@ -51,7 +51,8 @@ lint: venv
 # machines of this kind. Measured on a 2-core AMD EPYC (2026-12-07, the same machine for all three): pytest
 # 1,328 and 1,286 s before that day's changes, 1,210 s after them (1,343 tests; one OpenMP thread per test
 # process, test_s3_train folded into test_multinode's cluster scenario, inductor's kernel cache empty as on a
-# fresh machine); earlier, on a faster machine of the same kind, 820-1,016 s.
+# fresh machine), and from a fresh clone `make test` 1,252 s in all (its install, ruff, pytest 1,134 s);
+# earlier, on a faster machine of the same kind, 820-1,016 s.
 TEST_WORKERS ?= 2
 
 test: lint
