@@ -82,9 +82,11 @@ def test_an_add_costs_the_same_at_the_5000th_trial_and_flush_keeps_everything(tm
     every_add_due = _mean_add(tables, trials[n:], clock, TABLE_PERIOD)  # the worst case: a rewrite per add
     print(f"add: {1000 * at_200:.2f} ms at trial 200, {1000 * at_5000:.2f} ms at trial {n}, "
           f"{1000 * every_add_due:.2f} ms when every add rewrites trials.parquet")
-    # flat in the study's size; and even when every add rewrites the 5,000-row trials table, an add stays under
-    # the 0.1 s between two trials at ten per second (54 ms measured on a slow shared 2-core CI machine)
-    assert at_5000 <= 2 * at_200 and at_5000 <= 0.05 and every_add_due <= 0.1
+    # flat in the study's size but for the window's two timed rewrites of the trials table, which at 5,000 rows
+    # cost ~0.4-0.8 ms per add of the window (a slow shared 2-core machine measured 1.29 -> 2.62 ms); and even
+    # when every add rewrites the 5,000-row table, an add stays under the 0.1 s between two trials at ten per
+    # second (54 ms measured on a slow shared 2-core CI machine)
+    assert at_5000 <= 2 * at_200 + 2 * every_add_due / window and at_5000 <= 0.05 and every_add_due <= 0.1
     tables.add(*_trial(n + 10))  # deferred: the clock did not move
     assert len(read_result(tmp_path, "trials")) == n + 10
     tables.flush()
