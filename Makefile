@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo demo-text demo-vtab1k demo-selection test test-fast lint bench constraints clean
+.PHONY: venv demo demo-text demo-vtab1k demo-selection check test e2e lint bench constraints clean
 
 venv: $(STAMP)
 
@@ -43,23 +43,29 @@ demo-selection: venv
 lint: venv
 	$(BIN)/ruff check .
 
-# Two pytest processes (pytest-xdist), a test file each at a time (--dist loadfile: a file's session fixtures,
-# e.g. its Ray instance, stay in one process), in collection order (--no-loadscope-reorder: tests/conftest.py
-# orders the files, the demo study's build beside the files that start no Ray; it also shares one demo study
-# between the processes). TEST_WORKERS=0 runs everything in this process. The CPUs are the limit (97-99% busy
-# throughout): every test runs slower beside another, and the same code varies by 30-55% between runs and
-# machines of this kind. Measured on a 2-core AMD EPYC (2026-12-07, the same machine for all three): pytest
-# 1,328 and 1,286 s before that day's changes, 1,210 s after them (1,343 tests; one OpenMP thread per test
-# process, test_s3_train folded into test_multinode's cluster scenario, inductor's kernel cache empty as on a
-# fresh machine), and from a fresh clone `make test` 1,252 s in all (its install, ruff, pytest 1,134 s);
-# earlier, on a faster machine of the same kind, 820-1,016 s.
+# The suite in tiers, one folder each (tests/conftest.py TIERS says what each may start; a test that starts
+# more fails, naming the rule): tests/shape (the source, read), tests/unit/{foundation,data,core,analysis,study}
+# (one process, no Ray, no subprocess, no study), tests/ray (the session's Ray instance), tests/e2e (the demo
+# study, documented commands, clusters, S3, signals).
+#   make check   ruff, shape and unit tiers: the inner loop, after every change (about three minutes)
+#   make test    every tier: what CI and README run, before a commit that touches Ray, a study or the docs
+#   make e2e     the e2e tier alone
+# `pytest tests/unit/core` (any folder) runs one layer's tests. Two pytest processes (pytest-xdist) share the work
+# test by test (--dist loadgroup); tests that share something costly run in one process, in one group
+# (tests/conftest.py shared_group: the demo study's readers, a file whose tests share a module fixture), and
+# the run starts with the demo study's build, then the costliest tiers, so that the short unit tests end it
+# (conftest.run_order; --no-loadscope-reorder keeps that order). TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
+check: lint
+	$(PYTEST) tests/shape tests/unit
 
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PYTEST)
 
-test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+e2e: venv
+	$(PYTEST) tests/e2e
 
 # cluster/constraints.txt: this environment's versions, which every cluster node installs (cluster/*.yaml)
 constraints: venv

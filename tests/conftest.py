@@ -1,9 +1,16 @@
-"""Shared fixtures: tiny random-init models, miniature stores, one local Ray instance per test session."""
+"""The suite's tiers and what each may start, its shared fixtures, and the environment every test runs in.
+
+A test's tier is its folder: ``tests/shape`` (the source, read), ``tests/unit/<layer>`` (one process, no Ray),
+``tests/ray`` (the session's Ray instance), ``tests/e2e`` (what a user runs: the demo study, docs, clusters, S3,
+signals). :data:`TIERS` says what each may start; a test that starts more fails, naming the rule
+(:func:`pytest_runtest_setup`, :func:`pytest_runtest_call`). Helpers live in ``tests/support/``; fixtures of one
+tier in that tier's ``conftest.py``.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import io
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -33,38 +39,155 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-
-def tiny_vit(**overrides):
-    """A small timm ViT (32 px, 8 px patches -> 17 tokens, d=48, 3 blocks, 4 heads)."""
-    from timm.models.vision_transformer import VisionTransformer
-
-    kw = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=10)
-    kw.update(overrides)
-    return VisionTransformer(**kw)
+TESTS = Path(__file__).resolve().parent
 
 
-def png_bytes(rng: np.random.Generator, h: int = 20, w: int = 24) -> bytes:
-    from PIL import Image
+# ------------------------------------------------------------------------------------------------ the tiers
 
-    buf = io.BytesIO()
-    Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """What the tests of one folder may start; ``rule`` is the sentence a test that starts more fails with."""
+
+    rule: str
+    ray: bool
+    subprocess: bool
 
 
-def make_store(path, *, n_per_split=(40, 10, 20), num_classes=10, seed=0, name="tiny"):
-    """Write a miniature prepared store of random PNGs; returns its path."""
-    from raystudy.data.splits import SPLITS
-    from raystudy.data.store import write_store
+#: The tiers, cheapest first (`make check` runs the first two; `make test` all four).
+TIERS = {
+    "shape": Tier("reads raystudy's source and starts no Ray and no study", ray=False, subprocess=True),
+    "unit": Tier("starts no Ray, no subprocess and no study: one process, the library's own functions",
+                 ray=False, subprocess=False),
+    "ray": Tier("uses the session's Ray instance (the ray_session fixture) and starts no cluster", ray=True,
+                subprocess=True),
+    "e2e": Tier("runs what a user runs: the demo study, documented commands, clusters, S3, signals", ray=True,
+                subprocess=True),
+}
+#: The fixtures that need a tier (what they start): a test that uses one lives in that tier or a later one. (A
+#: cluster or an S3 server is a subprocess, which the unit tier refuses as it starts.)
+FIXTURE_TIERS = {"ray_session": "ray", "demo_study": "e2e"}
 
-    rng = np.random.default_rng(seed)
-    rows, index = [], 0
-    for split, n in zip(SPLITS, n_per_split):
-        for _ in range(n):
-            rows.append({"image": png_bytes(rng), "label": index % num_classes, "split": split, "index": index})
-            index += 1
-    write_store(rows, path, name=name, source="test", classes=[f"c{i}" for i in range(num_classes)])
-    return str(path)
 
+class TierError(Exception):
+    """A test started what its tier does not allow."""
+
+
+def tier_of(item: pytest.Item) -> str:
+    """A test's tier: the first folder of its path under ``tests/``."""
+    parts = item.path.relative_to(TESTS).parts
+    if len(parts) < 2 or parts[0] not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: every test lives in a tier folder, tests/{{{','.join(TIERS)}}}/")
+    return parts[0]
+
+
+def tier_problem(item: pytest.Item, started: str) -> str:
+    """The message of a test of ``item``'s tier that started ``started``, naming the tier's rule."""
+    tier = tier_of(item)
+    return (f"{item.nodeid} {started}: a test of tests/{tier}/ {TIERS[tier].rule} (the rule of tests/conftest.py "
+            f"TIERS[{tier!r}]); a test that needs more belongs in tests/ray/ or tests/e2e/")
+
+
+def _fixture_problem(item: pytest.Item) -> str | None:
+    order = list(TIERS)
+    tier = tier_of(item)
+    for name in item.fixturenames:
+        need = FIXTURE_TIERS.get(name)
+        if need and order.index(need) > order.index(tier):
+            return tier_problem(item, f"uses the fixture {name}, which needs the {need} tier")
+    return None
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
+
+
+@contextlib.contextmanager
+def _refused(item: pytest.Item):
+    """While a test of a tier that allows neither runs: ``ray.init`` (once Ray is imported) and every new
+    process raise :class:`TierError`; Ray started anyway (imported and started inside the test) fails it after."""
+    tier = TIERS[tier_of(item)]
+    patches = []
+    if not tier.ray and "ray" in sys.modules:
+        ray = sys.modules["ray"]
+
+        def refuse_ray(*args, **kwargs):
+            raise TierError(tier_problem(item, "called ray.init"))
+        patches.append((ray, "init", refuse_ray))
+    if not tier.subprocess:
+        def refuse_process(self, args, *rest, **kwargs):
+            raise TierError(tier_problem(item, f"started a subprocess ({str(args)[:80]})"))
+        patches.append((subprocess.Popen, "_execute_child", refuse_process))
+        patches.append((os, "system", lambda command: refuse_process(None, command)))
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    running_before = tier.ray or _ray_running()
+    for obj, name, new in patches:
+        setattr(obj, name, new)
+    try:
+        yield
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+    if not running_before and _ray_running():
+        sys.modules["ray"].shutdown()
+        raise TierError(tier_problem(item, "started Ray"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    problem = _fixture_problem(item)
+    if problem:
+        raise TierError(problem)
+    with _refused(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _refused(item):
+        return (yield)
+
+
+# -------------------------------------------------------------------------------------- order and processes
+
+def shared_group(item: pytest.Item) -> str | None:
+    """What a test shares with others and so runs beside them in one process under ``make test``
+    (pytest-xdist's ``--dist loadgroup``): the demo study (its readers wait for nothing once it is built), or a
+    fixture wider than one test (its file's tests, so that it is built once). ``None``: nothing; the test goes to
+    whichever process is free."""
+    if "demo_study" in item.fixturenames:
+        return "demo_study"
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        if defs and defs[-1].scope in ("module", "class", "package"):
+            return item.nodeid.split("::")[0]
+    return None
+
+
+def run_order(item: pytest.Item) -> tuple[int, int]:
+    """Where a test goes in a run: the demo study's group first (the longest chain: its build, then its readers),
+    then the tiers from the most costly to the cheapest, so that the many short unit tests end the run and the
+    two processes finish together; a file keeps its own order (the sort is stable)."""
+    if shared_group(item) == "demo_study":
+        return 0, 0
+    return 1, -list(TIERS).index(tier_of(item))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): run beside the tests of the same group (pytest-xdist)")
+    for name, tier in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: a test of tests/{name}/, which {tier.rule}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item)))
+        group = shared_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=run_order)
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -92,11 +215,6 @@ def faults():
         os.remove(path)
 
 
-#: the tiny ViT of the end-to-end study tests (timm's vit_tiny_patch16_224 shrunk to 32 px)
-STUDY_MODEL = "vit_tiny_patch16_224"
-STUDY_TINY = {"patch_size": 8, "embed_dim": 48, "depth": 3, "num_heads": 4}
-
-
 @pytest.fixture(scope="session")
 def builtin(tmp_path_factory):
     """The built-in default stores (small) and a weights file of the tiny ViT standing for a pretrained one,
@@ -105,6 +223,7 @@ def builtin(tmp_path_factory):
     from safetensors.torch import save_file
 
     from raystudy.data.synthetic import prepare_default
+    from tests.support.models import STUDY_MODEL, STUDY_TINY
 
     root = tmp_path_factory.mktemp("builtin")
     stores = prepare_default(root / "data", n_train=80, n_test=40, n_train_downstream=60, n_test_downstream=30)
@@ -114,143 +233,9 @@ def builtin(tmp_path_factory):
     return {"data_root": str(root / "data"), "stores": stores, "weights": str(weights)}
 
 
-REPO = Path(__file__).resolve().parents[1]
-
-def user_env() -> dict:
-    """The environment of a user's terminal: no Ray address, progress bars on, this checkout importable."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TQDM_DISABLE", "RAY_AUTH_MODE")}
-    env["PYTHONPATH"] = str(REPO)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 free now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def moto_s3(log_dir: Path, bucket: str):
-    """``(env, filesystem)``: moto's S3 server on a free port of 127.0.0.1 with ``bucket`` made, the
-    environment a client needs to reach it (also set in this process, which reads the study's tables, until
-    the block ends), and a pyarrow file system on it. The server is stopped when the block ends."""
-    import shutil
-
-    import pyarrow.fs as pafs
-
-    port = free_port()
-    server = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or "moto_server"
-    log = open(Path(log_dir) / "moto.log", "w")
-    proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_REGION": "us-east-1"}
-    try:
-        wait_for_port(port, proc, timeout=60)
-        fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", access_key="test", secret_key="test",
-                               region="us-east-1", allow_bucket_creation=True)
-        fs.create_dir(bucket)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield env, fs
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
-    """Until something listens on 127.0.0.1:``port`` (``proc``, e.g. a ``ray start --block``, must live)."""
-    import socket
-    import time
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:2]} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
-
-
-def s3_checkpoints(fs, folder: str) -> list[str]:
-    """The complete checkpoints (``checkpoint_*/.complete``) under ``folder`` (``bucket/study/train/<trial>``)
-    of the pyarrow file system ``fs``; none while the folder does not exist."""
-    import pyarrow.fs as pafs
-
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(folder, recursive=True))
-    except (FileNotFoundError, OSError):
-        return []
-    return sorted(i.path for i in infos if i.base_name == ".complete")
-
-
-def assert_trials_equal_single_process_runs(out: str, trial_ids, scratch: Path) -> None:
-    """Every trial of the study ``out`` (local or a URI) ends as an uninterrupted single-process run of its own
-    ``config.json`` (into ``scratch``) does: the same steps once each, train losses within 1e-6, and the same
-    test and best val accuracies."""
-    import dataclasses
-
-    import pandas as pd
-    import torch
-
-    from raystudy.core.finetune import train_local
-    from raystudy.distributed.train import split_legacy
-    from raystudy.io import read_result
-    from raystudy.storage import join, read_text
-
-    trials = read_result(out, "trials").set_index("trial_id")
-    curves = read_result(out, "curves")
-    for tid in trial_ids:
-        cfg, _ = split_legacy(json.loads(read_text(join(out, "trials", tid, "config.json"))))
-        cfg = dataclasses.replace(cfg, out_dir=str(Path(scratch) / tid))
-        ref, _ = train_local(cfg, tensorboard=False)
-        ref_curves = pd.read_parquet(Path(scratch) / tid / "curves.parquet")
-        got = curves[curves.trial_id == tid].sort_values("step")
-        assert got.step.tolist() == ref_curves.step.tolist()  # every step once: none lost or repeated
-        torch.testing.assert_close(torch.tensor(got.train_loss.values), torch.tensor(ref_curves.train_loss.values),
-                                   rtol=1e-6, atol=0)
-        assert trials.loc[tid, "test_acc"] == ref["test_acc"], tid
-        assert trials.loc[tid, "best_val_acc"] == ref["best_val_acc"], tid
-
-
-def assert_tensorboard_equals_curves(out: str, trial_ids) -> None:
-    """Each trial's TensorBoard events in the study ``out`` (local or a URI), in its folder and under ``tb/``,
-    as TensorBoard shows them: every step of ``curves.parquet`` once, with its train loss."""
-    import tempfile
-
-    import torch
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from raystudy.io import read_result
-    from raystudy.storage import download_dir, join
-
-    curves = read_result(out, "curves")
-    for tid in trial_ids:
-        want = curves[curves.trial_id == tid].sort_values("step")
-        for folder in (join(out, "trials", tid, "tb"), join(out, "tb", tid)):
-            with tempfile.TemporaryDirectory() as tmp:
-                download_dir(folder, tmp)
-                events = EventAccumulator(tmp).Reload().Scalars("train/train_loss")
-            assert [e.step for e in events] == want.step.tolist(), folder
-            torch.testing.assert_close(torch.tensor([e.value for e in events]),
-                                       torch.tensor(want.train_loss.values, dtype=torch.float32), msg=folder)
-
-
 def _build_demo_study(cwd: Path) -> dict:
+    from tests.support.processes import REPO, user_env
+
     (cwd / "experiments").symlink_to(REPO / "experiments", target_is_directory=True)
     (cwd / ".venv").symlink_to(sys.prefix, target_is_directory=True)  # the environment `make` creates
     run = dict(cwd=cwd, env=user_env(), capture_output=True, text=True)
@@ -263,7 +248,8 @@ def demo_study(tmp_path_factory) -> dict:
     """The demo study, run once per test session as a user runs it (``experiments/full_study.py``, what
     ``make demo`` runs, unchanged: the study the pages' example outputs come from) in a fresh working
     directory: ``{"cwd", "returncode", "stdout", "stderr"}``, the study at ``<cwd>/results/demo``.
-    Under pytest-xdist the processes share one run (a file lock; the first builds)."""
+    Under pytest-xdist its readers run in one process (:func:`shared_group`); a file lock keeps it one run all
+    the same when a selection sends them to two."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         return _build_demo_study(tmp_path_factory.mktemp("demo"))
     from filelock import FileLock
@@ -276,66 +262,3 @@ def demo_study(tmp_path_factory) -> dict:
             cwd.mkdir()
             record.write_text(json.dumps(_build_demo_study(cwd)))
     return json.loads(record.read_text())
-
-
-class Killed(Exception):
-    """Raised by :func:`kill_at_first_checkpoint`'s callback: the run stops there like a killed process."""
-
-
-def kill_at_first_checkpoint(ft, ckdir) -> None:
-    """Run the ``Finetuner`` ``ft`` until its first checkpoint, save it as ``ckdir/checkpoint_XXXXXXXX`` (the one
-    layout, which ``train_local(checkpoint_dir=ckdir, resume=True)`` resumes from) and stop there."""
-    from raystudy.core.finetune.checkpoint import save_checkpoint
-
-    def kill(ev):
-        if ev.checkpoint:
-            save_checkpoint(ft, str(ckdir), keep=None)
-            raise Killed
-
-    with pytest.raises(Killed):
-        ft.run(kill, progress=False)
-
-
-#: what each slow test file costs a `make test` run, in seconds: pytest's durations summed over the file's
-#: tests (setup + call + teardown) in a `make test` run's two processes on a 2-core AMD EPYC (2026-12-07,
-#: 1,246 s in all; test_multinode as merged since, test_fast_step with inductor's kernel cache empty, as on a
-#: fresh machine). The files are collected in the order of :func:`collection_rank`, slowest first within a
-#: group, and `make test` keeps that order (`--no-loadscope-reorder`: pytest-xdist would otherwise send the files
-#: with the most tests first), so that its two processes end together on short ones. test_docs's 371 s are
-#: mostly the demo study's build (~300 s beside the other process, 149 s alone), which test_demo_study,
-#: test_figures_trust and others then read. A file not listed (under 20 s) keeps its alphabetical place in its
-#: group, after the listed ones.
-FILE_SECONDS = {
-    "test_docs.py": 371, "test_topology.py": 167, "test_newcomer.py": 152, "test_multinode.py": 150,
-    "test_finetune_ray.py": 130, "test_vtab_demo_study.py": 129, "test_study.py": 120, "test_hardening_study.py": 82,
-    "test_analysis.py": 81, "test_distributed_plasticity.py": 80, "test_s3.py": 66, "test_expressions_wired.py": 61,
-    "test_analysis_paper.py": 50, "test_fast_step.py": 43, "test_analysis_browser.py": 38, "test_vtab_protocol.py": 35,
-    "test_text_plasticity.py": 32, "test_actor_memory.py": 29, "test_text_finetune.py": 28,
-    "test_analysis_compare.py": 25, "test_probe.py": 24, "test_cli_plasticity.py": 23, "test_analysis_criteria.py": 20,
-}
-
-
-#: the files whose time is mostly Ray's (studies, Ray Train and Ray Data runs, clusters of their own): collected
-#: after the files that start none, so that the demo study's build (test_docs, first: a Ray instance of its own
-#: running two trials at a time) runs beside plain PyTorch and analysis work rather than beside more Ray
-#: instances. Beside the demo's build, test_study and test_finetune_ray took 2x their time beside each other
-#: (514 s against 256 s of the two processes), and the build 3.5x its time alone.
-RAY_FILES = frozenset({
-    "test_multinode.py", "test_study.py", "test_finetune_ray.py", "test_newcomer.py", "test_vtab_demo_study.py",
-    "test_hardening_study.py", "test_expressions_wired.py", "test_distributed_plasticity.py",
-    "test_text_finetune.py", "test_text_plasticity.py", "test_probe.py", "test_cli_plasticity.py",
-    "test_vtab_protocol.py", "test_actor_memory.py", "test_study_probes.py", "test_data_stream.py",
-    "test_topology.py", "test_s3.py",
-    "test_demo_study.py", "test_terminal.py",  # (these two read the demo study: beside its build they would wait)
-})
-
-
-def collection_rank(name: str) -> tuple[int, int]:
-    """Where a test file goes in a `make test` run: test_docs (the demo study's build) first, then the files that
-    start no Ray, then the Ray files, each group slowest first."""
-    group = 0 if name == "test_docs.py" else 2 if name in RAY_FILES else 1
-    return group, -FILE_SECONDS.get(name, 0)
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: collection_rank(item.path.name))  # stable: a file keeps its own order

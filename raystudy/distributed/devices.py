@@ -1,7 +1,7 @@
 """The device a Ray worker computes on, from the GPUs Ray gave it.
 
 Ray schedules by the GPUs a node *declares*; CUDA may see none of them: a logical GPU (``ray start
---num-gpus 1`` on a CPU machine, as the suite's gpu.yaml-shaped cluster in ``tests/test_topology.py``
+--num-gpus 1`` on a CPU machine, as the suite's gpu.yaml-shaped cluster in ``tests/e2e/test_topology.py``
 declares), a node whose driver is missing or broken. A worker there computes on the CPU and says why in one
 line (:func:`no_cuda_message`) instead of failing its trial or pass: a trial's summary records it as
 ``device_warning`` (the study's terminal prints the first); a plasticity or probe actor logs it to its

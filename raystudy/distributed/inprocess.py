@@ -17,7 +17,7 @@ reports forwarded to ``on_report``, its outputs written by :func:`~raystudy.core
 A trial that fails (its
 actor or node lost, an error) is re-run by Tune (``FailureConfig(max_failures=trial_retries)``) and resumes
 from the newest checkpoint, as a re-run of the study after a killed driver does; results are exactly those
-of an uninterrupted run (``tests/test_inprocess.py``). The run's outputs are those of
+of an uninterrupted run (``tests/unit/core/test_inprocess.py``). The run's outputs are those of
 :func:`raystudy.distributed.train.run_finetune` (``summary.json`` with ``execution: actor``).
 """
 

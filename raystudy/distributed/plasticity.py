@@ -73,7 +73,7 @@ Ray Data 2.60 restarts a pool actor whose process dies and reruns its lost batch
 (``max_restarts=-1, max_task_retries=-1`` are its defaults for actor pools; per-operator retry arguments
 are deprecated there), and reruns a load task whose process dies; Ray Core reruns a dead gather task. The
 pipeline preserves block order, so a run with a crash writes the same tables, row for row, as one
-without (``tests/test_distributed_plasticity.py`` kills an actor through the ``crash_at_batch`` fault of
+without (``tests/ray/test_distributed_plasticity.py`` kills an actor through the ``crash_at_batch`` fault of
 :mod:`raystudy.faults`).
 """
 
