@@ -178,6 +178,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: a test of tests/{name}/, which {tier.rule}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(getattr(pytest.mark, tier_of(item)))

@@ -112,3 +112,38 @@ def test_the_architecture_page_and_the_makefile_name_the_tiers_as_conftest_defin
     assert check == [f"tests/{t}" for t, tier in TIERS.items() if not tier.ray]
     assert re.search(r"^e2e:.*\n\t\$\(PYTEST\) tests/e2e$", makefile, re.M)
     assert re.search(r"^test: lint\n\t\$\(PYTEST\)$", makefile, re.M)  # every tier: no folder named
+
+
+SHARES_A_MODULE_FIXTURE = '''
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    with open(os.environ["BUILT_LOG"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return os.getpid()
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_reads_the_module_fixture(built, i):
+    assert built == os.getpid()
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_shares_nothing(i):
+    pass
+'''
+
+
+def test_tests_that_share_a_module_fixture_run_in_one_process_that_builds_it_once(tmp_path):
+    _suite(tmp_path, {"tests/unit/core/test_shares.py": SHARES_A_MODULE_FIXTURE})
+    log = tmp_path / "built.log"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2", "--dist",
+                          "loadgroup", "--no-loadscope-reorder", "--rootdir", str(tmp_path), "tests"], cwd=tmp_path,
+                         env={**user_env(), "PYTHONPATH": str(tmp_path), "BUILT_LOG": str(log)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "12 passed" in run.stdout, run.stdout + run.stderr
+    assert len(log.read_text().split()) == 1  # built once, in the one process that ran its six readers
