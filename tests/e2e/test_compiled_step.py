@@ -3,7 +3,11 @@ step."""
 
 from __future__ import annotations
 
+from tests.unit.core import test_fast_step
 from tests.unit.core.test_fast_step import TINY, assert_step_close, one_step
+
+#: the fixture of test_fast_step.py, a fixture of this file too (the same files, built again here)
+store = test_fast_step.store
 
 #: the compiled test's ViT: one block (inductor's compile time grows with the graph; one block has every
 #: kind of kernel three have)

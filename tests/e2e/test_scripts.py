@@ -13,10 +13,14 @@ import yaml
 
 from tests.support.models import STUDY_MODEL
 from tests.support.processes import REPO, user_env
+from tests.unit.study import test_launch_errors
 from tests.unit.study.test_launch_errors import MODEL_FLAGS
 from tests.unit.study.test_paper_protocol import (
     _check_paper_json,
 )
+
+#: the fixture of test_launch_errors.py, a fixture of this file too (the same files, built again here)
+inputs = test_launch_errors.inputs
 
 #: no Ray listens on the discard port: a command that reached ray.init would fail there, not with our line
 NO_RAY = "127.0.0.1:9"

@@ -57,7 +57,8 @@ def test_a_token_cluster_joined_without_the_token_mode_is_one_line_and_writes_no
     assert len(lines) == 1 and proc.stdout == "", (proc.stdout[-2000:], proc.stderr[-3000:])
     assert "RAY_AUTH_MODE=token" in lines[0] and str(home / ".ray" / "auth_token") in lines[0], lines[0]
     assert "InvalidAuthToken" not in proc.stderr and "Traceback" not in proc.stderr
-    assert elapsed < 5, elapsed
+    # seconds, not Ray's ~20-40 s of retries (measured 1-3 s on a quiet machine, 6.7-8.5 s on 2 busy cores)
+    assert elapsed < 15, elapsed
     assert not out.exists()  # no spec.yaml, no lock, no built-in data, no pretrained model
 
 

@@ -12,11 +12,15 @@ from raystudy.core.plasticity import pair_rates_tensor, rates_frame
 from raystudy.data.store import read_split
 from raystudy.data.transforms import transform_batch
 from raystudy.distributed.plasticity import run_plasticity
+from tests.unit.data import test_pairing
 from tests.unit.data.test_pairing import (
     SEQUENTIAL_PAIRS,
     _job,
     _pairs,
 )
+
+#: the fixture of test_pairing.py, a fixture of this file too (the same files, built again here)
+stores = test_pairing.stores
 
 
 def _images(store: str, indices, splits=("train", "val", "test")) -> torch.Tensor:
