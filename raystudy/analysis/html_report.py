@@ -12,6 +12,7 @@ import base64
 import datetime as _dt
 import html
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import pandas as pd
@@ -321,12 +322,12 @@ def report(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,
            alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
            round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
            seeds: list[int] | None = DEFAULT_SEEDS, fixed_run: dict | list | None = DEFAULT_FIXED_RUN,
-           select_by: str | None = None) -> Path:
+           select_by: str | None = None, figures: bool | Collection[str] = True) -> Path:
     """Analyse ``study_dir`` (tables and figures as :func:`raystudy.analysis.analyze`, so calling both is
     redundant) and write the self-contained ``<out_dir>/report.html`` (default
     ``<study_dir>/analysis/report.html``); returns its path (for a URI study directory: the local staged
-    copy, uploaded to ``<study_dir>/analysis/report.html``); ``seeds``, ``fixed_run`` and ``select_by``: as
-    :func:`raystudy.analysis.pipeline.run_analysis`."""
+    copy, uploaded to ``<study_dir>/analysis/report.html``); ``seeds``, ``fixed_run``, ``select_by`` and
+    ``figures``: as :func:`raystudy.analysis.pipeline.run_analysis`."""
     res = run_analysis(study_dir, reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
-                       out_dir=out_dir, seeds=seeds, fixed_run=fixed_run, select_by=select_by)
+                       out_dir=out_dir, seeds=seeds, fixed_run=fixed_run, select_by=select_by, figures=figures)
     return write_report(res)

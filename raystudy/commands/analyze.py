@@ -88,22 +88,30 @@ def register(subparsers) -> None:
                                           "stability, ranking and cost tables plus figures to DIR/analysis/ "
                                           "(or --out).")
     _options(p)
-    p.add_argument("--no-figures", action="store_true", help="tables only")
     p.set_defaults(func=run_analyze)
     r = subparsers.add_parser("report", help="write a self-contained report.html (tables and figures embedded)",
                               description="Analyse the study directory like `raystudy analyze` and write "
                                           "DIR/analysis/report.html (or OUT/report.html), which opens offline; "
                                           "prints its path.")
     _options(r)
+    for q in (p, r):
+        which = q.add_mutually_exclusive_group()
+        which.add_argument("--no-figures", action="store_true",
+                           help="tables only: figures/ keeps what an earlier analysis drew (a note says so)")
+        which.add_argument("--figures", action="append", metavar="PATTERN",
+                           help="draw only the figures whose name matches this shell pattern (e.g. "
+                                "'plasticity_*', 'curves_all_sketch_sgd'); repeat for several; the other files of "
+                                "figures/ stay; default: every figure")
     r.set_defaults(func=run_report)
 
 
-def _analysis(args: argparse.Namespace, *, figures: bool = True):
+def _analysis(args: argparse.Namespace):
     from raystudy.analysis.pipeline import run_analysis  # torch, pandas, matplotlib: --help stays light
 
     # several DIRs without --out: run_analysis's ValueError, one line from the CLI
     res = run_analysis(args.study_dir, reference=args.reference, alternative=args.alternative,
-                       pair_by=args.pair_by, round_to=args.round_to, out_dir=args.out, figures=figures,
+                       pair_by=args.pair_by, round_to=args.round_to, out_dir=args.out,
+                       figures=False if args.no_figures else args.figures or True,
                        seeds=args.seeds, fixed_run=args.fixed_run, select_by=args.select_by)
     for note in res.notes:
         print(f"note: {note}")
@@ -111,7 +119,7 @@ def _analysis(args: argparse.Namespace, *, figures: bool = True):
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    res = _analysis(args, figures=not args.no_figures)
+    res = _analysis(args)
     if res.footnote:
         print(f"note: {res.footnote}")
     where = f"{res.upload_to} (staged in {res.out_dir})" if res.upload_to else str(res.out_dir)

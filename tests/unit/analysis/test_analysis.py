@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -369,34 +370,37 @@ def test_markdown_shows_percent_and_marks_best(study):
 # ---------------------------------------------------------------- degraded paths and errors
 
 def test_without_plasticity_parts_are_omitted_with_a_note(tmp_path):
-    from raystudy.analysis import analyze
+    from raystudy.analysis.pipeline import run_analysis
 
     d = make_study(tmp_path / "s", plasticity=False, bounds=False, curves=False, head=False, memory=False,
                    failures=False, datasets=DATASETS[:2])
     (d / "analysis").mkdir()
     (d / "analysis" / "ranking.csv").write_text("stale\n")  # from an earlier run with plasticity
-    tables = analyze(d)
+    res = run_analysis(d, figures=False)
+    tables = res.tables
     assert "ranking" not in tables and "relative_gain" not in tables
     assert not (d / "analysis" / "ranking.csv").exists()
     notes = (d / "analysis" / "notes.md").read_text()
     assert "No plasticity.parquet" in notes and "no Head trials" in notes and "No curves.parquet" in notes
     assert "excluded" not in (d / "analysis" / "best_lr.md").read_text()
     assert "grad_memory_bytes" not in tables["cost"].columns and "images_per_s" not in tables["cost"].columns
-    figs = sorted(p.name for p in (d / "analysis" / "figures").iterdir())
     names = ("accuracy_distribution", "accuracy_fixed_lr_adamw", "accuracy_fixed_lr_sgd", "accuracy_vs_lr",
              "best_accuracy", "best_accuracy_per_dataset", "accuracy_vs_params")
-    assert figs == sorted(f"{f}.{e}" for f in names for e in ("png", "svg"))
+    assert sorted(res.available_figures) == sorted(names)  # drawn: test_cli_analyze_and_report_write_every_figure
 
 
 def test_plasticity_only_study(tmp_path):
-    from raystudy.analysis import analyze
+    from raystudy.analysis.pipeline import run_analysis
 
     d = make_study(tmp_path / "s", rates=True, datasets=DATASETS[:2])
     (d / "trials.parquet").unlink()
     (d / "curves.parquet").unlink()
-    assert analyze(d) == {}
-    figs = {p.stem for p in (d / "analysis" / "figures").iterdir()}
-    assert figs == {"plasticity_depth", "plasticity_distribution", "plasticity_rate_violins", "bounds"}
+    res = run_analysis(d, figures=["plasticity_depth"])
+    assert res.tables == {}
+    assert set(res.available_figures) == {"plasticity_depth", "plasticity_distribution", "plasticity_rate_violins",
+                                          "bounds"}
+    assert sorted(p.name for p in (d / "analysis" / "figures").iterdir()) == ["plasticity_depth.png",
+                                                                      "plasticity_depth.svg"]
     assert "No trials.parquet" in (d / "analysis" / "notes.md").read_text()
 
 
@@ -406,7 +410,7 @@ def test_uri_study_dir_and_empty_curves(tmp_path):
 
     d = make_study(tmp_path / "s", curves=False, plasticity=False, bounds=False, datasets=DATASETS[:2])
     write_parquet_atomic(d / "curves.parquet", pd.DataFrame(columns=columns("curves")))  # no trial evaluated
-    local = report(d.as_uri())  # file:///...: staged locally, then uploaded next to the tables
+    local = report(d.as_uri(), figures=["relative_gain"])  # file:///...: staged, then uploaded next to the tables
     assert local.name == "report.html" and local.parent != d / "analysis"
     uploaded = d / "analysis" / "report.html"
     assert uploaded.read_text() == local.read_text()
@@ -558,7 +562,8 @@ def test_cli_analyze_out_reference_and_pair_by(tmp_path, capsys):
     seed_pairs = [v for (p, *_), v in n_pairs.items() if p == "dataset_seed"]
     assert len(seed_pairs) == 12 and all(len(datasets) < v <= len(datasets) * len(SEEDS) for v in seed_pairs)
     report_dir = tmp_path / "report"
-    assert main(["report", str(d), "--out", str(report_dir), "--reference", "All", "--pair-by", "dataset"]) == 0
+    assert main(["report", str(d), "--out", str(report_dir), "--reference", "All", "--pair-by", "dataset",
+                 "--no-figures"]) == 0
     assert Path(capsys.readouterr().out.strip().splitlines()[-1]) == report_dir / "report.html"
     assert "Wilcoxon vs All, alternative greater, paired by dataset" in (report_dir / "report.html").read_text()
     assert main(["analyze", str(d), "--reference", "attn"]) == 2  # checked by the analysis (the grammar needs core)
@@ -566,14 +571,17 @@ def test_cli_analyze_out_reference_and_pair_by(tmp_path, capsys):
 
 
 def test_cli_analyze_and_report_write_every_figure(tmp_path, capsys):
+    """Every figure kind once (one dataset, both optimizers); ``analyze --no-figures`` afterwards keeps them and
+    says so, so report.md's links still resolve."""
     from PIL import Image
 
     from raystudy.cli import main
 
-    d = make_study(tmp_path / "s", rates=True, datasets=DATASETS[:2])
+    ds = DATASETS[0]
+    d = make_study(tmp_path / "s", rates=True, datasets=(ds,))
     assert main(["analyze", str(d), "--no-figures", "--alternative", "two-sided"]) == 0
     out = capsys.readouterr().out
-    assert str(d / "analysis" / "wilcoxon.csv") in out
+    assert str(d / "analysis" / "wilcoxon.csv") in out and "Figures not drawn" not in out  # none there yet
     assert "two-sided" in (d / "analysis" / "wilcoxon.md").read_text()
     assert main(["report", str(d)]) == 0
     path = Path(capsys.readouterr().out.strip().splitlines()[-1])
@@ -581,15 +589,22 @@ def test_cli_analyze_and_report_write_every_figure(tmp_path, capsys):
     figs = ["plasticity_depth", "plasticity_distribution", "plasticity_rate_violins", "bounds",
             "accuracy_distribution", "relative_gain", "accuracy_fixed_lr_adamw", "accuracy_fixed_lr_sgd",
             "accuracy_vs_lr", "best_accuracy", "best_accuracy_per_dataset", "accuracy_vs_params"]
-    figs += [f"curves_{ds}_{opt}" for ds in DATASETS[:2] for opt in ("adamw", "sgd")]
-    figs += [f"curves_all_{ds}_{opt}" for ds in DATASETS[:2] for opt in ("adamw", "sgd")]
-    assert sorted(p.name for p in (d / "analysis" / "figures").iterdir()) == sorted(
-        f"{f}.{ext}" for f in figs for ext in ("png", "svg"))
+    figs += [f"curves_{ds}_{opt}" for opt in ("adamw", "sgd")] + [f"curves_all_{ds}_{opt}" for opt in ("adamw", "sgd")]
+    fig_dir = d / "analysis" / "figures"
+    written = sorted(f"{f}.{ext}" for f in figs for ext in ("png", "svg"))
+    assert sorted(p.name for p in fig_dir.iterdir()) == written
     for f in figs:
-        with Image.open(d / "analysis" / "figures" / f"{f}.png") as im:
+        with Image.open(fig_dir / f"{f}.png") as im:
             assert im.size[0] > 600 and im.size[1] > 400, f
             assert len(im.convert("RGB").getcolors(maxcolors=1 << 20)) > 50, f  # not a blank canvas
-        assert (d / "analysis" / "figures" / f"{f}.svg").read_text().rstrip().endswith("</svg>")
+        assert (fig_dir / f"{f}.svg").read_text().rstrip().endswith("</svg>")
+    before = {p.name: p.read_bytes() for p in fig_dir.iterdir()}
+    assert main(["analyze", str(d), "--no-figures"]) == 0  # tables only: the figures stay, the report's links hold
+    out = capsys.readouterr().out
+    assert f"note: Figures not drawn (--no-figures): figures/ keeps the {len(figs)} figure(s) of an earlier" in out
+    assert {p.name: p.read_bytes() for p in fig_dir.iterdir()} == before
+    links = re.findall(r"\]\((figures/[^)]+)\)", (d / "analysis" / "report.md").read_text())
+    assert len(links) == len(figs) and all((d / "analysis" / link).is_file() for link in links)
     _write_trials(d, pd.read_parquet(d / "trials.parquet").drop(columns=["status"]))
     assert main(["analyze", str(d)]) == 2
     err = capsys.readouterr().err

@@ -84,7 +84,7 @@ def test_the_analysis_writes_both_tables_and_figures(tmp_path):
     notes: list[str] = []
     assert change_tables(read_inputs(study), best_lr_table(_trials()), notes) == {} and "No changes.parquet" in notes[0]
     write_result(_changes(), study, "changes")
-    res = run_analysis(study, out_dir=tmp_path / "analysis")
+    res = run_analysis(study, out_dir=tmp_path / "analysis", figures=["change_vs_plasticity", "cka_vs_gain"])
     assert {"change_plasticity", "cka_gain"} <= set(res.tables)
     written = pd.read_csv(tmp_path / "analysis" / "cka_gain.csv")
     assert written["gain"].tolist() == pytest.approx([0.19, 0.23])

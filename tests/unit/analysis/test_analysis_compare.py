@@ -127,7 +127,7 @@ def test_cli_analyze_and_report_take_several_directories(tmp_path, capsys):
     assert set(pd.read_csv(out / "wilcoxon.csv")["reference"]) == {"lora:r=8"}
     assert main(["analyze", str(a), str(b)]) == 2
     assert "need an output folder (--out)" in capsys.readouterr().err
-    assert main(["report", str(a), str(b), "--out", str(out), "--reference", "Head"]) == 0
+    assert main(["report", str(a), str(b), "--out", str(out), "--reference", "Head", "--no-figures"]) == 0
     html = (out / "report.html").read_text()
     assert "study directories" in html and str(a) in html and str(b) in html
     assert "the highest mean test accuracy over seeds" in (out / "report.md").read_text()

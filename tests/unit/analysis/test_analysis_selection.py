@@ -12,9 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from raystudy.analysis import authors_figures as AF
 from raystudy.analysis import figures as F
-from raystudy.analysis import sweep_figures as SF
 from raystudy.analysis.html_report import write_report
 from raystudy.analysis.options import check_subset
 from raystudy.analysis.pipeline import run_analysis
@@ -25,31 +23,6 @@ from tests.unit.analysis.test_analysis import make_study
 FIXED = {"dataset": "sketch", "seed": 42, "lr": 0.01}
 #: the paper's Fig. 54 (apps/plots/ablation_adam.py): Sketch's AdamW run at seed 0, lr 1e-2 / 100
 FIG_54 = {"dataset": "sketch", "seed": 0, "lr": 1e-4, "optimizer": "adamw"}
-
-
-#: the figures the fixed-run tests below do not look at (drawn and checked in tests/unit/analysis/test_analysis.py,
-#: test_analysis_paper.py and test_figures_trust.py): the sweep of every run, the accuracy views,
-#: the relative gain
-UNCHECKED_FIGURES = ((SF, "plot_sweep_curves"), (SF, "plot_accuracy_fixed_lr"), (SF, "plot_accuracy_vs_lr"),
-                     (SF, "plot_best_accuracy"), (SF, "plot_accuracy_vs_params"), (AF, "plot_overall_accuracy"),
-                     (F, "plot_accuracy_distribution"), (F, "plot_relative_gain"))
-
-
-@pytest.fixture
-def curve_figures_only(monkeypatch):
-    """Every figure of :data:`UNCHECKED_FIGURES` drawn as one empty panel (still a PNG and an SVG, so the
-    report embeds it): the curve figures, every figure's name and order, the notes and the report stay the
-    analysis's own. The 14 figures of :func:`_study` took ~60 s per analysis on the busy 2-core machine,
-    ~45 s of it these."""
-    from matplotlib.figure import Figure
-
-    def empty_panel(*args, **_):
-        fig = Figure(figsize=(1, 1))
-        fig.add_subplot()
-        return F.save_figure(fig, next(a for a in args if isinstance(a, Path)))
-
-    for module, name in UNCHECKED_FIGURES:
-        monkeypatch.setattr(module, name, empty_panel)
 
 
 def _study(tmp_path):
@@ -72,7 +45,7 @@ def test_seeds_keep_only_those_seeds_trials_in_the_tables(tmp_path):
     assert any("Seeds 0 only" in n and f"{2 * len(trials) // 3} trial(s)" in n for n in res.notes)
 
 
-def test_fixed_run_figure_draws_exactly_those_runs(tmp_path, monkeypatch, curve_figures_only):
+def test_fixed_run_figure_draws_exactly_those_runs(tmp_path, monkeypatch):
     drawn, real = [], F.plot_curves
 
     def recording(curves, runs, path_stem, **kw):
@@ -81,23 +54,24 @@ def test_fixed_run_figure_draws_exactly_those_runs(tmp_path, monkeypatch, curve_
 
     monkeypatch.setattr(F, "plot_curves", recording)
     path = _study(tmp_path)
-    res = run_analysis(path, fixed_run=FIXED)
+    res = run_analysis(path, fixed_run=FIXED, figures=["curves_fixed_*"])
     trials = pd.read_parquet(path / "trials.parquet")
     want = trials[(trials["dataset"] == "sketch") & (trials["seed"] == 42) & np.isclose(trials["lr"], 0.01)]
     assert set(want["optimizer"]) == {"sgd"} and len(want) == 6  # LN1 ... FC2 and All, one run each
     (fixed,) = [d for d in drawn if d[1] == "fixed run"]
     assert fixed[0].endswith("curves_fixed_sketch_sgd") and fixed[2] == sorted(want["trial_id"])
-    names = [f.name for f in res.figures]
+    names = res.available_figures
     assert names.index("curves_fixed_sketch_sgd") == names.index("curves_sketch_sgd") + 1  # beside the best runs
-    info = res.figures[names.index("curves_fixed_sketch_sgd")]
+    (info,) = res.figures
+    assert info.name == "curves_fixed_sketch_sgd"
     assert all(p.exists() and p.stat().st_size > 0 for p in info.paths)
     assert not any(n.startswith("fixed_run") for n in res.notes)
 
 
-def test_a_missing_fixed_run_is_a_note_in_the_report(tmp_path, curve_figures_only):
+def test_a_missing_fixed_run_is_a_note_in_the_report(tmp_path):
     path = _study(tmp_path)
-    res = run_analysis(path, fixed_run={**FIXED, "seed": 7})
-    assert "curves_fixed_sketch_sgd" not in [f.name for f in res.figures]
+    res = run_analysis(path, fixed_run={**FIXED, "seed": 7}, figures=False)
+    assert not [f for f in res.available_figures if f.startswith("curves_fixed")]
     note = ("fixed_run: no run with curves on sketch at seed 7, lr 0.01: the fixed-run figure (the paper's "
             "Fig. 5, middle and right) is omitted.")
     assert note in res.notes
@@ -105,7 +79,7 @@ def test_a_missing_fixed_run_is_a_note_in_the_report(tmp_path, curve_figures_onl
     assert "no run with curves on sketch at seed 7" in html
 
 
-def test_fixed_runs_of_one_optimizer_each_give_fig_5_and_fig_54(tmp_path, monkeypatch, curve_figures_only):
+def test_fixed_runs_of_one_optimizer_each_give_fig_5_and_fig_54(tmp_path, monkeypatch):
     drawn, real = {}, F.plot_curves
 
     def recording(curves, runs, path_stem, **kw):
@@ -114,19 +88,20 @@ def test_fixed_runs_of_one_optimizer_each_give_fig_5_and_fig_54(tmp_path, monkey
 
     monkeypatch.setattr(F, "plot_curves", recording)
     path = _study(tmp_path)
-    res = run_analysis(path, fixed_run=[{**FIXED, "optimizer": "sgd"}, FIG_54])
+    res = run_analysis(path, fixed_run=[{**FIXED, "optimizer": "sgd"}, FIG_54], figures=["curves_fixed_*"])
     trials = pd.read_parquet(path / "trials.parquet")
     sketch = trials[trials["dataset"] == "sketch"]
     for name, (seed, lr, opt) in (("curves_fixed_sketch_sgd", (42, 0.01, "sgd")),
                                   ("curves_fixed_sketch_adamw", (0, 1e-4, "adamw"))):
         want = sketch[(sketch["seed"] == seed) & np.isclose(sketch["lr"], lr) & (sketch["optimizer"] == opt)]
         assert len(want) == 6 and drawn[name] == sorted(want["trial_id"])  # LN1 ... FC2 and All
-    names = [f.name for f in res.figures]
+    names = res.available_figures
     assert names.index("curves_fixed_sketch_adamw") == names.index("curves_sketch_adamw") + 1
     assert not any(n.startswith("fixed_run") for n in res.notes)
 
     drawn.clear()  # two fixed runs of one dataset and optimizer: each its own figure, named by seed and lr
-    res = run_analysis(path, out_dir=tmp_path / "two", fixed_run=[FIXED, {**FIXED, "seed": 0}, {**FIG_54, "lr": 1.0}])
+    res = run_analysis(path, out_dir=tmp_path / "two", fixed_run=[FIXED, {**FIXED, "seed": 0}, {**FIG_54, "lr": 1.0}],
+                       figures=["curves_fixed_*"])
     assert {"curves_fixed_sketch_sgd_seed42_lr0.01", "curves_fixed_sketch_sgd_seed0_lr0.01"} <= set(drawn)
     assert not [n for n in drawn if n.startswith("curves_fixed_sketch_adamw")]
     assert ("fixed_run: no run with curves on sketch / adamw at seed 0, lr 1: the fixed-run figure (the paper's "
@@ -153,19 +128,28 @@ def test_option_checks_and_the_presets():
     assert load_preset("paper-model-size").analysis_seeds == [0]
 
 
-def test_the_cli_reaches_both_options(tmp_path, capsys, curve_figures_only):
+def test_the_cli_reaches_both_options(tmp_path, capsys):
     from raystudy.cli import main
 
     path = _study(tmp_path)
     out = tmp_path / "cli"
     assert main(["analyze", str(path), "--out", str(out), "--analysis-seeds", "0", "--fixed-run", "sketch,0,0.01",
-                 "--fixed-run", "sketch,0,1e-4,adamw"]) == 0
+                 "--fixed-run", "sketch,0,1e-4,adamw", "--figures", "curves_fixed_*"]) == 0
     want = run_analysis(path, seeds=[0], figures=False, out_dir=tmp_path / "api").tables["lr_grid"]
     got = pd.read_csv(out / "lr_grid.csv")
     assert got["n_trials"].tolist() == want["n_trials"].tolist()
     assert got["mean"].to_numpy() == pytest.approx(want["mean"].to_numpy())
     assert (out / "figures" / "curves_fixed_sketch_sgd.png").exists()  # a seed --analysis-seeds keeps
     assert (out / "figures" / "curves_fixed_sketch_adamw.png").exists()  # the second fixed run, AdamW's alone
+    assert len(list((out / "figures").iterdir())) == 4  # --figures: those two alone, PNG and SVG
+    capsys.readouterr()
+    assert main(["analyze", str(path), "--out", str(out), "--figures", "curves_fixed_*", "--figures", "depth"]) == 2
+    err = capsys.readouterr().err
+    assert "figures: no figure of this study matches 'curves_fixed_*', 'depth'; it has accuracy_distribution" in err
+    assert main(["analyze", str(path), "--out", str(out), "--figures", "curves_sketch_sgd"]) == 0
+    out_text = capsys.readouterr().out
+    assert "note: Figures not drawn (--figures): figures/ keeps the 2 figure(s) of an earlier analysis" in out_text
+    assert len(list((out / "figures").iterdir())) == 6  # the fixed runs' stay beside the one drawn now
     for flag, value, match in (("--analysis-seeds", "0,x", "'0,x': a comma-separated list of integer seeds"),
                                ("--fixed-run", "sketch,42", "'sketch,42': expected DATASET,SEED,LR"),
                                ("--fixed-run", "sketch,0,1e-4,adam", "unknown value 'adam'")):

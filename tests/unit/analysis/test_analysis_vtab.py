@@ -153,7 +153,7 @@ def _dominated(i: int, params: list, acc: list) -> bool:
 
 def test_vtab_frontier_and_matched_budget_tests_over_tasks(tmp_path):
     path, search = _study(tmp_path / "s", final=True)
-    res = run_analysis(path, figures=True)
+    res = run_analysis(path, figures=["vtab_frontier"])
     final = [r for r in pd.read_parquet(path / "trials.parquet").to_dict("records") if r["phase"] == "final"]
     acc = _task_means(final, None)
     means = {c: np.mean([acc[(t, c)] for t in TASKS]) for c in CONFIGS}
@@ -173,7 +173,8 @@ def test_vtab_frontier_and_matched_budget_tests_over_tasks(tmp_path):
         assert r["n_pairs"] == 4 and r["statistic"] == pytest.approx(want.statistic)
         assert r["p_value"] == pytest.approx(want.pvalue)
         assert r["mean_first"] == pytest.approx(np.mean(x), abs=1e-12)
-    assert "vtab_frontier" in [fig.name for fig in res.figures]
+    assert [fig.name for fig in res.figures] == ["vtab_frontier"]
+    assert (res.out_dir / "figures" / "vtab_frontier.png").stat().st_size > 0
 
 
 def test_every_vtab_table_has_its_latex_with_the_csv_numbers(tmp_path):

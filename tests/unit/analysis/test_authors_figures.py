@@ -25,8 +25,9 @@ from matplotlib import cbook
 from matplotlib.container import BarContainer
 
 from raystudy.analysis import authors_figures as AF
+from raystudy.analysis.figure_jobs import _accuracy_figures, _plasticity_figures
 from raystudy.analysis.inputs import read_inputs
-from raystudy.analysis.pipeline import _accuracy_figures, _plasticity_figures, compute_tables
+from raystudy.analysis.pipeline import compute_tables
 from raystudy.analysis.tables import best_lr_table
 from raystudy.io import write_result
 from tests.unit.analysis.test_analysis import make_study

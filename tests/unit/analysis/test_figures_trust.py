@@ -28,8 +28,9 @@ from matplotlib.markers import MarkerStyle
 from matplotlib.patches import Patch
 from matplotlib.text import Text
 
+from raystudy.analysis.figure_jobs import FigureInfo
 from raystudy.analysis.html_report import _figure, toc_entries, unique_labels
-from raystudy.analysis.pipeline import FigureInfo, run_analysis
+from raystudy.analysis.pipeline import run_analysis
 from raystudy.analysis.scope import scope_items
 from raystudy.io import write_result
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch import nn
 
+from raystudy.analysis.figure_jobs import _plasticity_figures
 from raystudy.analysis.inputs import StudyInputs
-from raystudy.analysis.pipeline import _plasticity_figures
 from raystudy.cli import main
 from raystudy.distributed.plasticity import PlasticityJob, actor_spec
 from raystudy.distributed.plasticity_actors import BoundsThread
