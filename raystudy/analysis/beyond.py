@@ -27,6 +27,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from scipy import stats
 
 from raystudy.analysis import figures as F
+from raystudy.analysis.ranks import order_string, tied
 from raystudy.analysis.render import STD_NOTE, Block, Rendered, fmt_count, fmt_lr, fmt_num, fmt_p, pct
 from raystudy.analysis.stats import _match_models, signed_rank_test, smallest_p_note, spearman_p_value, statistic_note
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models, population_std, recorded_counts
@@ -270,16 +271,16 @@ def unit_gains(best_lr: pd.DataFrame, counted: pd.DataFrame) -> pd.DataFrame:
 
 def _order_units(values: pd.Series) -> str:
     """``"MHA@3 > FC1@0 > ..."``: units by decreasing value."""
-    return " > ".join(f"{c}@{b}" for c, b in values.sort_values(ascending=False, kind="stable").index)
+    return order_string(values, label=lambda unit: f"{unit[0]}@{unit[1]}")
 
 
 def _unit_row(p: pd.Series, gain: pd.Series, **keys) -> dict:
     both = pd.concat([p.rename("p"), gain.rename("g")], axis=1, join="inner").dropna()
     row = dict(keys, spearman=np.nan, spearman_p=np.nan, n_units=len(both),
                plasticity_ranking=_order_units(both["p"]), gain_ranking=_order_units(both["g"]))
-    if len(both) >= 3 and both["p"].nunique() > 1 and both["g"].nunique() > 1:
-        row.update(spearman=float(stats.spearmanr(both["p"], both["g"]).statistic),
-                   spearman_p=spearman_p_value(both["p"], both["g"]))
+    p, g = tied(both["p"]), tied(both["g"])  # ties within TIE_RTOL count as ties, as the printed ranking shows
+    if len(both) >= 3 and p.nunique() > 1 and g.nunique() > 1:
+        row.update(spearman=float(stats.spearmanr(p, g).statistic), spearman_p=spearman_p_value(p, g))
     return row
 
 

@@ -12,15 +12,15 @@ each a mean over layers::
     ratio        = pretrained / random_init        (> 1: pretraining made the component more plastic)
 
 The headlines rank the components three ways (mean over layers and datasets, most plastic first): measured,
-random-init, and the paper's :data:`raystudy.vocab.PAPER_RANKING`, with Kendall's tau between each two
-(``scipy.stats.kendalltau`` of the components' positions: 1 the same order, -1 reversed).
+random-init, and the paper's :data:`raystudy.vocab.PAPER_RANKING`, with Kendall's tau-b between each two (on
+the values, ties kept as ties: :mod:`raystudy.analysis.ranks`; 1 the same order, -1 reversed).
 """
 
 from __future__ import annotations
 
 import pandas as pd
-from scipy import stats
 
+from raystudy.analysis.ranks import TIE_RULE, order_string, strict_scores, tau_b, tie_groups
 from raystudy.analysis.render import Block, Rendered, fmt_num, fmt_p
 from raystudy.vocab import COMPONENTS, PAPER_RANKING
 
@@ -85,38 +85,31 @@ def component_ranking(plasticity: pd.DataFrame, mode: str) -> pd.Series:
         ascending=False)
 
 
-def kendall(a: list[str], b: list[str]) -> tuple[float, float]:
-    """Kendall's tau (tau-b) and its p-value between two rankings of components (their common ones), from
-    ``scipy.stats.kendalltau`` of each component's position in ``a`` and in ``b``."""
-    common = [c for c in a if c in b]
-    if len(common) < 2:
-        return float("nan"), float("nan")
-    k = stats.kendalltau([a.index(c) for c in common], [b.index(c) for c in common])
-    return float(k.statistic), float(k.pvalue)
-
-
 def ranking_headlines(plasticity: pd.DataFrame, control: pd.DataFrame | None) -> list[str]:
     """The report's plasticity headlines: the measured ranking (with values), the random-init control's (when
-    measured in the same mode), the paper's, and Kendall's tau between each two."""
+    measured in the same mode), the paper's, and Kendall's tau-b between each two; ties print as ties
+    (:mod:`raystudy.analysis.ranks`)."""
     mode = headline_mode(plasticity)
     measured = component_ranking(plasticity, mode)
-    lines = [f"Plasticity ({mode} mode, mean over layers and datasets): "
-             + " > ".join(f"{c} {fmt_num(v, 2)}" for c, v in measured.items())]
-    rankings = {"measured": list(measured.index)}
+    lines = [f"Plasticity ({mode} mode, mean over layers and datasets): " + order_string(measured, _two)]
+    rankings = {"measured": measured}
     if control is not None and (control["mode"] == mode).any():
         random_init = component_ranking(control, mode)
         lines.append(f"Random-init control ({mode} mode, same pairs, mean over layers and datasets): "
-                     + " > ".join(f"{c} {fmt_num(v, 2)}" for c, v in random_init.items()))
-        rankings["random-init"] = list(random_init.index)
-    rankings["paper"] = list(PAPER_RANKING)
-    lines.append(f"Rankings: measured {' > '.join(rankings['measured'])}; "
-                 + (f"random-init {' > '.join(rankings['random-init'])}; " if "random-init" in rankings else "")
-                 + f"paper {' > '.join(PAPER_RANKING)}")
+                     + order_string(random_init, _two))
+        rankings["random-init"] = random_init
+    rankings["paper"] = strict_scores(PAPER_RANKING)
+    lines.append("Rankings: " + "; ".join(f"{name} {order_string(r)}" for name, r in rankings.items())
+                 + (f" ({TIE_RULE})" if any(len(g) > 1 for r in rankings.values() for g in tie_groups(r)) else ""))
     names = list(rankings)
     taus = []
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            tau, p = kendall(rankings[a], rankings[b])
+            tau, p = tau_b(rankings[a], rankings[b])
             taus.append(f"{a} vs {b} {fmt_num(tau, 2)} (p {fmt_p(p)})")
-    lines.append("Kendall τ between the rankings: " + "; ".join(taus))
+    lines.append("Kendall τ-b between the rankings: " + "; ".join(taus))
     return lines
+
+
+def _two(v: float) -> str:
+    return fmt_num(v, 2)

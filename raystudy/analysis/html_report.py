@@ -28,6 +28,7 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
 )
 from raystudy.analysis.pipeline import AnalysisResult, lr_rules, run_analysis
+from raystudy.analysis.ranks import order_string
 from raystudy.analysis.render import LR_RULES, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
 from raystudy.analysis.selection import SECTION_TITLE as CRITERIA_TITLE
@@ -104,8 +105,7 @@ def _headlines(res: AnalysisResult) -> list[str]:
     if overall is not None:
         for keys, g in overall.groupby([c for c in ("model", "optimizer") if c in overall.columns], sort=True):
             keys = keys if isinstance(keys, tuple) else (keys,)
-            g = g.sort_values("mean", ascending=False)
-            ranking = " > ".join(f"{r.configuration} {pct(r.mean)}" for r in g.itertuples())
+            ranking = order_string(g.set_index("configuration")["mean"], pct)
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
     if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
         lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)

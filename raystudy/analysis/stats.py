@@ -18,6 +18,7 @@ from raystudy.analysis.options import (
     DEFAULT_ROUND,
     check_options,
 )
+from raystudy.analysis.ranks import order_string, tau_b, tied
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models
 from raystudy.core.expressions import canonical, is_configuration
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
@@ -143,11 +144,6 @@ def wilcoxon_table(best_lr: pd.DataFrame, counted: pd.DataFrame, *, reference: s
     return finish(pd.DataFrame(rows, columns=["model"] + cols), cols, n_models(counted))
 
 
-def _order_string(values: pd.Series) -> str:
-    """``"MHA > FC1 > ..."``: components by decreasing value."""
-    return " > ".join(values.sort_values(ascending=False, kind="stable").index)
-
-
 #: Up to this many components the Spearman p-value is exact (all n! pairings), beyond it scipy's t approximation.
 EXACT_SPEARMAN_MAX_N = 8
 
@@ -180,13 +176,12 @@ def _correlate(plast: pd.Series, acc: pd.Series) -> dict:
     both = pd.concat([plast.rename("p"), acc.rename("a")], axis=1, join="inner").dropna()
     both = both.loc[[c for c in COMPONENTS if c in both.index]]
     row = dict(spearman=np.nan, spearman_p=np.nan, kendall=np.nan, kendall_p=np.nan, n_components=len(both),
-               plasticity_ranking=_order_string(both["p"]), accuracy_ranking=_order_string(both["a"]))
-    if len(both) >= 3 and both["p"].nunique() > 1 and both["a"].nunique() > 1:
-        s = stats.spearmanr(both["p"], both["a"])
-        k = stats.kendalltau(both["p"], both["a"])
-        row.update(spearman=float(s.statistic), spearman_p=spearman_p_value(both["p"], both["a"]),
-                   kendall=float(k.statistic),
-                   kendall_p=float(k.pvalue))
+               plasticity_ranking=order_string(both["p"]), accuracy_ranking=order_string(both["a"]))
+    p, a = tied(both["p"]), tied(both["a"])  # ties within TIE_RTOL count as ties, never as an order
+    if len(both) >= 3 and p.nunique() > 1 and a.nunique() > 1:
+        s = stats.spearmanr(p, a)
+        tau, tau_p = tau_b(p, a)
+        row.update(spearman=float(s.statistic), spearman_p=spearman_p_value(p, a), kendall=tau, kendall_p=tau_p)
     return row
 
 
@@ -245,7 +240,8 @@ def ranking_table(plasticity: pd.DataFrame, best_lr: pd.DataFrame, counted: pd.D
     Accuracy: the best-lr mean accuracy of the configuration that trains that component (per optimizer).
     For every dataset x optimizer x mode, ``scipy.stats.spearmanr`` (p-value: exact permutation test,
     :func:`spearman_p_value`) and ``scipy.stats.kendalltau`` (tau-b, exact p-value for small samples without
-    ties) over the components both tables have (NaN below 3 components or for a constant ranking). Rows
+    ties) over the components both tables have, values within :data:`raystudy.analysis.ranks.TIE_RTOL` tied
+    (:mod:`raystudy.analysis.ranks`) (NaN below 3 components or for a constant ranking). Rows
     with ``dataset == "overall"`` correlate the mean over the shared datasets of both quantities. Plasticity
     and trials are matched on model and dataset; when their model names differ and each table holds one
     model, on dataset alone (noted). ``None`` when no dataset is in both tables.
