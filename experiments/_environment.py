@@ -1,5 +1,6 @@
 """What the experiment scripts share before raystudy is imported: this checkout on ``sys.path``, Ray's
-environment defaults, CPU kernels that give the same numbers on every x86-64 CPU (:func:`pin_cpu_kernels`),
+environment defaults, CPU kernels that give the same numbers on every x86-64 CPU
+(:func:`raystudy.cpu_kernels.pin_cpu_kernels`),
 and one line saying how to activate ``.venv`` when the Python running them lacks raystudy's dependencies
 (``python3 experiments/full_study.py`` outside the virtual environment), instead of a traceback ending in
 ``No module named 'pyarrow'``.
@@ -11,7 +12,6 @@ reaches whoever runs a script with whatever ``python3`` their shell finds.
 import importlib
 import importlib.util
 import os
-import platform
 import sys
 
 #: the checkout holding ``raystudy/`` (a fresh clone runs without installing it)
@@ -21,10 +21,6 @@ PYTHON = (3, 11)
 #: dependencies raystudy's commands import only once they run (``--help`` stays light), looked up here so
 #: that a Python without them stops at once rather than minutes into a study
 LATER_DEPENDENCIES = ("torch", "ray", "timm")
-#: one code path per library that every x86-64 CPU with AVX2 runs alike, whatever its vendor and vector width:
-#: PyTorch's own kernels (its AVX-512 ones sum in another order), MKL's GEMM (the CNR branch COMPATIBLE, the only
-#: one MKL honours on non-Intel CPUs: it ignores AVX2 there) and oneDNN's (convolution, GELU)
-PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "DNNL_MAX_CPU_ISA": "AVX2"}
 HINT = ("{prog}: raystudy's dependencies are not installed in this Python ({python}: {problem}): run "
         "`make venv` then `source .venv/bin/activate`, or use `make demo`")
 
@@ -46,40 +42,15 @@ def missing_dependency():
     return None
 
 
-def pin_cpu_kernels(cpuinfo="/proc/cpuinfo"):
-    """Put :data:`PINNED_KERNELS` in the environment of an x86-64 machine (a value already there wins).
-
-    The demo pretrains from a random init (300 AdamW steps at lr 1e-2), which amplifies rounding: an AVX2 AMD
-    and an AVX-512 Intel CPU ended at other weights (plasticity up to 2x apart, trials' test_acc 0.62 vs
-    0.48), and a trial's 50 SGD steps at lr 0.3 move its test_acc by up to 0.02 on their own. The libraries
-    read these variables when torch loads them, and Ray's local workers inherit them from this process.
-    """
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return
-    pins = dict(PINNED_KERNELS)
-    if not _has_avx2(cpuinfo):  # ATen trusts the variable: AVX2 code would stop a CPU without it
-        del pins["ATEN_CPU_CAPABILITY"]
-    for name, value in pins.items():
-        os.environ.setdefault(name, value)
-
-
-def _has_avx2(cpuinfo):
-    """Whether the CPU has AVX2 and FMA (what ATen's avx2 kernels use), per ``cpuinfo``; False if unreadable."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
 def study_main(prog):
     """``raystudy.commands.study.main``, after putting this checkout on ``sys.path``, Ray's defaults and the
-    pinned CPU kernels (:func:`pin_cpu_kernels`) in the environment; exits with status 2 and :data:`HINT` (one
-    line on stderr) when this Python lacks the dependencies."""
+    pinned CPU kernels (:func:`raystudy.cpu_kernels.pin_cpu_kernels`) in the environment; exits with status 2
+    and :data:`HINT` (one line on stderr) when this Python lacks the dependencies."""
     sys.path.insert(0, ROOT)  # run from a fresh clone
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from raystudy.cpu_kernels import pin_cpu_kernels  # the standard library only, like this module
+
     pin_cpu_kernels()
     problem = missing_dependency()
     if problem is not None:

@@ -15,6 +15,7 @@ import sys
 
 import raystudy
 import raystudy.commands
+from raystudy.cpu_kernels import pin_cpu_kernels
 from raystudy.distributed.cluster import quiet_ray_logs  # logging only, no Ray import
 
 
@@ -59,6 +60,11 @@ class _LevelPrefix(logging.Formatter):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``raystudy`` command line. Run from the shell (``argv`` None), it first pins the CPU kernels
+    (:func:`raystudy.cpu_kernels.pin_cpu_kernels`: the same numbers on every x86-64 CPU); called from Python
+    with ``argv``, it leaves the caller's environment alone."""
+    if argv is None:
+        pin_cpu_kernels()
     parser = build_parser()
     args = parser.parse_args(argv)
     args.verbose = bool(getattr(args, "verbose", False) or args.global_verbose)
