@@ -1,7 +1,8 @@
 """The CPU kernels a command run from the shell pins (raystudy/cpu_kernels.py) so that the demos give the same
 numbers on every x86-64 CPU: each library's variable set before torch loads, a user's own value kept, other
 machines left alone; ``raystudy`` from the shell and the experiment scripts pin, ``main([...])`` called from
-Python does not. That the pinned kernels make the numbers independent of the CPU's own: tests/e2e/test_cpu_numbers.py."""
+Python does not. That the pinned kernels make the numbers independent of the CPU's own:
+tests/e2e/test_cpu_numbers.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def clean(monkeypatch):
 
 
 def test_every_x86_64_cpu_gets_the_baseline_kernels(clean):
-    assert pin_cpu_kernels() == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "DNNL_MAX_CPU_ISA": "SSE41"}
+    assert pin_cpu_kernels() == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+                                 "DNNL_MAX_CPU_ISA": "SSE41"}
     assert {k: os.environ[k] for k in NAMES} == PINNED_KERNELS
 
 

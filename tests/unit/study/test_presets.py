@@ -75,6 +75,16 @@ def test_every_preset_loads_validates_and_has_its_grid(path):
         assert spec.plasticity.enabled
 
 
+def test_every_preset_that_pretrains_the_toy_uses_the_one_recipe():
+    """One pretraining recipe (AdamW lr 1e-2, 300 steps): at lr 1e-3 the toy keeps its random-init component
+    order, so a demo pretrained so would show the initialisation's ranking, not pretraining's."""
+    from raystudy.study.spec import TOY_PRETRAINING
+
+    pretraining = {name: load_preset(name).pretrain for name in preset_names() if load_preset(name).pretrain.enabled}
+    assert {"demo", "plasticity-demo", "selection-demo", "vtab1k-demo", "beyond-demo"} <= set(pretraining)
+    assert {name: p for name, p in pretraining.items() if p != TOY_PRETRAINING} == {}
+    assert TOY_PRETRAINING.lr == 1e-2 and TOY_PRETRAINING.steps == 300 and TOY_PRETRAINING.optimizer == "adamw"
+
 
 def test_grid_sizes_of_the_named_presets():
     """The sizes docs/studies.md and the preset comments state (independent of the YAML parsing above)."""
