@@ -161,6 +161,11 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("model", _str), ("dataset", _str), ("mode", _str), ("layer", _int), ("component", _str),
         ("plasticity", _float), ("std", _float), ("ci95", _float), ("n_pairs", _int),
     ]),
+    # the plasticity table of the model at a step of its pretraining (raystudy.study.pretrain_path)
+    "plasticity_pretraining": pa.schema([
+        ("model", _str), ("dataset", _str), ("mode", _str), ("step", _int), ("layer", _int), ("component", _str),
+        ("plasticity", _float), ("std", _float), ("ci95", _float), ("n_pairs", _int),
+    ]),
     # per pair: ||f(x) - f(y)||_F / ||x - y||_F
     "rates": pa.schema([
         ("model", _str), ("dataset", _str), ("mode", _str), ("pair", _int), ("layer", _int),

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from raystudy.data.images import IMAGE_EXTENSIONS, decode_image, image_files, load_image_file
+from raystudy.data.images import IMAGE_EXTENSIONS, image_files, load_image_file
+from raystudy.data.local_images import eval_batch, store_images
 from raystudy.data.modality import modality_of_model
 from raystudy.data.pairing import positions, reuse
-from raystudy.data.store import META_FILE, read_meta, read_split
 from raystudy.distributed.cluster import init_ray
 from raystudy.distributed.job_inputs import check_inputs, out_problem, plasticity_problems
 from raystudy.precision import resolve_precision
@@ -89,39 +89,16 @@ def load_images(path: str | Path, size: int) -> tuple[object, str]:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir() and (path / "dataset.json").exists():
-        return _store_images(path, size)
+        return store_images(path, size)
     if path.is_dir():
         files = list(image_files(path))
         if not files:
             raise ValueError(f"{path}: no image files ({', '.join(IMAGE_EXTENSIONS)})")
-        return _eval_batch((load_image_file(f) for f in files), len(files), size), _derived_name(path.resolve())
+        return eval_batch((load_image_file(f) for f in files), len(files), size), _derived_name(path.resolve())
     if path.suffix not in TENSOR_SUFFIXES:
         raise ValueError(f"{path}: expected an image folder, a prepared store or a tensor file "
                          f"({', '.join(TENSOR_SUFFIXES)})")
     return load_image_tensor(path), _derived_name(path, path.stem)
-
-
-def _store_images(store: Path, size: int) -> tuple[object, str]:
-    """The ``test`` split of a prepared store (``val`` when it has no test rows) and its checked name."""
-    meta = read_meta(store)
-    name = check_path_name(meta["name"], f"{store / META_FILE} 'name'")
-    split = "test" if meta["counts"].get("test") else "val"
-    images = read_split(store, split, columns=["image"]).column("image").to_pylist()
-    pixels = (decode_image(b, source=f"{store} ({split} row {i})") for i, b in enumerate(images))
-    return _eval_batch(pixels, len(images), size), name
-
-
-def _eval_batch(pixels, n: int, size: int):
-    """``n`` decoded ``uint8 (H, W, 3)`` images -> the eval-transformed float32 batch ``(n, 3, size, size)``,
-    transformed one at a time so only one full-size image is held at once."""
-    import torch
-
-    from raystudy.data.transforms import transform_batch  # torch, torchvision: --help stays light
-
-    out = torch.empty(n, 3, size, size, dtype=torch.float32)
-    for i, px in enumerate(pixels):
-        out[i] = transform_batch([torch.from_numpy(px).permute(2, 0, 1)], train=False, size=size)[0]
-    return out
 
 
 def _derived_name(path: Path, name: str | None = None) -> str:

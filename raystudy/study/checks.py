@@ -225,6 +225,12 @@ def _check_pretrain(spec: StudySpec) -> None:
     for name in ("steps", "batch_size"):
         _positive(getattr(t, name), f"pretrain.{name}")
     _learning_rate(t.lr, "pretrain.lr")
+    if t.path_steps is not None:
+        steps = t.path_steps
+        if not steps or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= t.steps for k in steps) \
+                or list(steps) != sorted(set(steps)):
+            raise SpecError(f"pretrain.path_steps: {steps!r}: increasing steps between 0 (the random init) and "
+                            f"pretrain.steps ({t.steps}), e.g. [0, {t.steps // 4}, {t.steps}]")
     if spec.pretrain_store is None and not spec.builtin_data:
         raise SpecError("pretrain_store: pretraining needs a pretraining store")
 

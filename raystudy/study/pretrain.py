@@ -15,6 +15,8 @@ The demo has no downloadable data or checkpoint, so it makes both:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch
 
 from raystudy import storage
 from raystudy.core.finetune.driver import train_local
+from raystudy.core.finetune.outputs import save_safetensors
 from raystudy.data.synthetic import prepare_default
 from raystudy.data.vtab_demo import DEMO_TASKS, prepare_demo_tasks
 from raystudy.study.checks import SpecError
@@ -67,6 +70,9 @@ def pretrain_weights(spec: StudySpec, weights_path: str, *, echo=_echo) -> dict:
     t = spec.pretrain
     run_dir = Path(weights_path).parent / "run"
     cfg, _ = pretrain_job(spec, str(run_dir))
+    inner = [k for k in t.path_steps or [] if 0 < k < t.steps]
+    if inner:  # checkpoint events at every path step (a checkpoint adds a curve row, nothing else)
+        cfg = dataclasses.replace(cfg, checkpoint_period=math.gcd(*inner))
     echo(f"[{spec.name}] pretraining {spec.model} on {cfg.store}: {t.steps} steps, batch {t.batch_size}, "
          f"{t.optimizer} lr {t.lr:g}")
     t0 = time.time()
@@ -75,10 +81,42 @@ def pretrain_weights(spec: StudySpec, weights_path: str, *, echo=_echo) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        summary, _ = train_local(cfg)
+        summary, _ = train_local(cfg, checkpointer=StepWeights(step_weights_dir(weights_path), t.path_steps or []))
     finally:
         torch.set_num_threads(threads)
     storage.write_bytes_atomic(weights_path, (run_dir / "final_model.safetensors").read_bytes())
     echo(f"[{spec.name}] pretrained in {time.time() - t0:.0f}s: val acc {summary['best_val_acc']:.3f}, "
          f"test acc {summary['test_acc']:.3f} -> {weights_path}")
     return summary
+
+
+def step_weights_dir(weights_path: str | os.PathLike) -> Path:
+    """Where the pretraining writes its model at each of ``pretrain.path_steps``: ``<weights dir>/steps/``."""
+    return Path(weights_path).parent / "steps"
+
+
+def step_weights_path(weights_path: str | os.PathLike, step: int, steps: int) -> Path:
+    """The weights of the pretraining at ``step`` of ``steps``: the pretrained model itself at the last step."""
+    return Path(weights_path) if step == steps else step_weights_dir(weights_path) / f"step-{step:06d}.safetensors"
+
+
+class StepWeights:
+    """A checkpointer of the pretraining that writes the whole model (``.safetensors``, timm's names) at each
+    step of ``steps`` below the last one: step 0, the random init, when the run starts (:meth:`restore`), the
+    others at their checkpoint events (:meth:`save`); it resumes nothing and keeps no optimizer state."""
+
+    def __init__(self, folder: str | os.PathLike, steps: list[int]):
+        self.folder, self.steps = Path(folder), set(steps)
+
+    def restore(self, ft) -> None:
+        if 0 in self.steps:
+            self._write(ft, 0)
+        return None
+
+    def save(self, ft) -> None:
+        if ft.step in self.steps:
+            self._write(ft, ft.step)
+        return None
+
+    def _write(self, ft, step: int) -> None:
+        save_safetensors(ft.merged_model().state_dict(), self.folder / f"step-{step:06d}.safetensors")

@@ -148,6 +148,10 @@ class PretrainSpec:
     warmup_steps: int = 30
     seed: int = 0
     augment: bool = True  # the demo turns it off: decoding + augmentation dominate a tiny model's step on CPU
+    #: steps (0: the random init, ``steps``: the pretrained model) at which the plasticity of every dataset is
+    #: measured along the pretraining (``plasticity_pretraining.parquet``, :mod:`raystudy.study.pretrain_path`);
+    #: None: not measured
+    path_steps: list[int] | None = None
 
 
 #: The one recipe every demo pretrains its toy ViT with (from a random init on the built-in ``pretrain`` store;
@@ -155,7 +159,7 @@ class PretrainSpec:
 #: has this one): AdamW at lr 1e-2 for 300 steps reaches the paper's component order but for LN1/LN2, while at
 #: lr 1e-3 the toy keeps its random-init order (demo.yaml's header gives the measurements).
 TOY_PRETRAINING = PretrainSpec(enabled=True, steps=300, batch_size=64, lr=1e-2, optimizer="adamw", warmup_steps=30,
-                               seed=0, augment=False)
+                               seed=0, augment=False, path_steps=[0, 30, 75, 150, 300])
 
 
 @dataclass

@@ -76,6 +76,7 @@ from raystudy.study.persist import (
 )
 from raystudy.study.preflight import configuration_problems
 from raystudy.study.pretrain import prepare_builtin_data, pretrain_weights
+from raystudy.study.pretrain_path import measure_path, path_done
 from raystudy.study.probes import probe_todo, run_probes
 from raystudy.study.progress import Echo, Progress, fmt_seconds
 from raystudy.study.progress import echo as _echo
@@ -304,6 +305,8 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
     problems = configuration_problems(spec)  # a layer or block the model lacks: refused before any trial
     if problems:
         raise SpecError("\n".join(problems))
+    if spec.pretrain.enabled and spec.pretrain.path_steps and spec.plasticity.enabled and not path_done(spec):
+        measure_path(spec, echo)
     write_spec(spec)
     return spec
 

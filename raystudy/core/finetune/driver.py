@@ -319,17 +319,21 @@ def finish_run(cfg: FinetuneConfig, summary: dict, record: dict | None, *, confi
 
 
 def train_local(cfg: FinetuneConfig, *, checkpoint_dir: str | os.PathLike | None = None,
-                resume: bool = False, tensorboard: bool = True, write: bool = True) -> tuple[dict, Finetuner]:
+                resume: bool = False, tensorboard: bool = True, write: bool = True,
+                checkpointer: Checkpointer | None = None) -> tuple[dict, Finetuner]:
     """The plain single-process run (no Ray, world size 1): run ``cfg`` and, with ``write``, write its outputs
     into ``cfg.out_dir``.
 
     With ``checkpoint_dir``, checkpoints are written to ``checkpoint_dir/checkpoint_XXXXXXXX``
     (:class:`~raystudy.core.finetune.checkpoint.DirectoryCheckpointer`, all kept) and ``resume=True``
-    continues from the newest complete one (older layouts there upgraded first). Returns
+    continues from the newest complete one (older layouts there upgraded first). Another ``checkpointer`` (its
+    ``restore`` called at the start, its ``save`` at the checkpoint events) replaces that folder's. Returns
     ``(summary, finetuner)``.
     """
-    checkpointer = DirectoryCheckpointer(checkpoint_dir) if checkpoint_dir else NoCheckpoints()
-    summary, ft = run(cfg, checkpointer=checkpointer, resume=resume, tensorboard=tensorboard, write_weights=write)
+    if checkpointer is None:
+        checkpointer = DirectoryCheckpointer(checkpoint_dir) if checkpoint_dir else NoCheckpoints()
+    summary, ft = run(cfg, checkpointer=checkpointer, resume=resume or checkpoint_dir is None,
+                      tensorboard=tensorboard, write_weights=write)
     if write:
         finish_run(cfg, summary, run_record(summary, ft), config=cfg.to_dict())
     return summary, ft
