@@ -19,6 +19,7 @@ from raystudy.analysis import authors_figures as AF
 from raystudy.analysis import beyond as B
 from raystudy.analysis import change as CH
 from raystudy.analysis import figures as F
+from raystudy.analysis import pretraining as P
 from raystudy.analysis import selection_figures as SelF
 from raystudy.analysis import sweep_figures as SF
 from raystudy.analysis import vtab as V
@@ -66,6 +67,8 @@ def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
                          "raystudy's statistic: every pair's rate of each component, pooled over layers, a panel "
                          "per dataset (violin, quartiles, median); the paper's boxes of per-layer means are the "
                          "figure above.", lambda s: F.plot_rate_distribution(rates, s)))
+    if inputs.pretraining is not None and len(inputs.pretraining):
+        jobs.append(P.figure_job(P.pretraining_table(inputs.pretraining)))
     if inputs.bounds is not None:
         b = inputs.bounds
         authors = " The authors' formulas (their Fig. 7's theory.py), not the paper's." \

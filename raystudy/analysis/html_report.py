@@ -28,6 +28,7 @@ from raystudy.analysis.options import (
     DEFAULT_SEEDS,
 )
 from raystudy.analysis.pipeline import AnalysisResult, lr_rules, run_analysis
+from raystudy.analysis.pretraining import path_headlines
 from raystudy.analysis.ranks import order_string
 from raystudy.analysis.render import LR_RULES, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
@@ -109,6 +110,8 @@ def _headlines(res: AnalysisResult) -> list[str]:
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
     if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
         lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
+    if "plasticity_pretraining" in res.tables:  # where the ranking comes from: its path along the pretraining
+        lines += path_headlines(res.tables["plasticity_pretraining"])
     return lines + [f"Thesis check: {s}" for s in thesis_sentences(res.tables.get("ranking"))]
 
 

@@ -81,6 +81,7 @@ class StudyInputs:
     control: pd.DataFrame | None = None
     bounds: pd.DataFrame | None = None
     rates: pd.DataFrame | None = None
+    pretraining: pd.DataFrame | None = None  # plasticity along the pretraining (plasticity_pretraining.parquet)
     notes: list[str] = field(default_factory=list)
 
     def path(self, table: str) -> str:
@@ -278,6 +279,7 @@ def _read_optional(inputs: StudyInputs) -> None:
             inputs.notes.append("No curves.parquet: the gradient-norm and validation-loss figures are omitted.")
     if inputs.bounds is None:
         inputs.notes.append("No bounds.parquet: the bounds figure is omitted.")
+    inputs.pretraining = read_result(inputs.study_dir, "plasticity_pretraining", required=False)  # demos only
 
 
 def read_inputs(study_dir: str | os.PathLike) -> StudyInputs:
@@ -373,7 +375,7 @@ def read_studies(study_dirs) -> StudyInputs:
                 df = df[[not m for m in masks[id(p)]]]
             frames.append(_tag(df, storage.absolute_path(p.study_dir)))
         setattr(merged, name, _concat(frames))
-    for name in ("curves", "plasticity", "control", "bounds", "rates"):
+    for name in ("curves", "plasticity", "control", "bounds", "rates", "pretraining"):
         df = _concat([getattr(p, name) for p in parts])
         setattr(merged, name, None if df is None else df.drop_duplicates(ignore_index=True))
     merged.notes = [f"{p.study_dir}: {n}" for p in parts for n in p.notes]

@@ -20,6 +20,7 @@ from raystudy import storage
 from raystudy.analysis import beyond as B
 from raystudy.analysis import change as CH
 from raystudy.analysis import control as C
+from raystudy.analysis import pretraining as P
 from raystudy.analysis import render as R
 from raystudy.analysis import selection as S
 from raystudy.analysis import vtab as V
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 TABLE_FORMATS = (".csv", ".md", ".tex")
 #: Every table the analysis can write, in report order.
 TABLES = ("best_lr", "lr_grid", "overall", "relative_gain", "optimizers", "wilcoxon", "stability", "ranking",
-          *B.TABLES, *S.TABLES, *CH.TABLES, *V.TABLES, *C.TABLES, "cost")
+          *B.TABLES, *S.TABLES, *CH.TABLES, *V.TABLES, *C.TABLES, *P.TABLES, "cost")
 
 
 @dataclass
@@ -186,7 +187,8 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
     check_options(reference, alternative, pair_by, round_to, select_by)
     canonical_reference(reference)
     notes = notes if notes is not None else []
-    control = C.control_tables(inputs, notes)  # the plasticity measurement's own: also without trials
+    # the plasticity measurement's own: also without trials
+    control = {**C.control_tables(inputs, notes), **P.pretraining_tables(inputs, notes)}
     if inputs.trials is None:
         return control
     ok = inputs.counted
@@ -232,6 +234,8 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
             r = getattr(V, f"render_{name}")(df)
         elif name in C.TABLES:
             r = getattr(C, f"render_{name}")(df)
+        elif name in P.TABLES:
+            r = getattr(P, f"render_{name}")(df)
         else:
             r = getattr(R, f"render_{name}")(df)
         if footnote and name != "cost":
