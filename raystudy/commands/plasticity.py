@@ -62,6 +62,10 @@ def register(sub) -> None:
     local.add_argument("--y", help="downstream-side images (folder, .pt/.npy tensor or store)")
     local.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     local.add_argument("--dataset", default=None, help="dataset name for the tables (default: y's name)")
+    local.add_argument("--checkpoint", action="append", type=_checkpoint, metavar="STEP=FILE",
+                       help="a weights file of the model at a step of its pretraining (repeat: 0=init.safetensors "
+                            "--checkpoint 1000=step1000.safetensors ...): measures each instead of --weights and "
+                            "writes plasticity_pretraining.parquet and the path of the ranking along the steps")
     ray = p.add_argument_group("prepared stores (Ray pipeline)")
     add_flags(ray, PlasticityRun, ["pretrain", "downstream"])
     add_flags(ray, PlasticitySettings, ["pretrain_split", "seq_len", "text_rows", "radius", "bounds", "workers",
@@ -125,7 +129,18 @@ def paired(x, y, pairs: int | None, seed: int, pairing: str = "random", batch_si
     return x[torch.from_numpy(px)], y[torch.from_numpy(py)]
 
 
+def _checkpoint(text: str) -> tuple[int, str]:
+    """``STEP=FILE`` of ``--checkpoint``."""
+    step, sep, path = text.partition("=")
+    if not sep or not step.strip().isdigit() or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected STEP=FILE, e.g. 1000=checkpoints/step1000.safetensors")
+    return int(step), path
+
+
 def run(args) -> int:
+    if args.checkpoint and (args.pretrain or args.downstream or args.weights or args.pretrained):
+        raise ValueError("--checkpoint measures local images (--x, --y) with each step's weights file: "
+                         "not with --weights, --pretrained or stores")
     if args.pretrain or args.downstream:
         return run_pipeline(args)
     if not (args.x and args.y):
@@ -137,7 +152,45 @@ def run(args) -> int:
     if args.radius is not None or args.pretrain_split != "test":
         raise ValueError("--radius and --pretrain-split apply to stores (--pretrain-store/--downstream); for the "
                          "bounds of local images use `raystudy bounds --images PATH --radius R`")
-    return run_local(args)
+    return run_checkpoints(args) if args.checkpoint else run_local(args)
+
+
+def run_checkpoints(args) -> int:
+    """``--checkpoint STEP=FILE ...``: the plasticity of the model at each step on the same pairs,
+    ``plasticity_pretraining.parquet`` (:func:`raystudy.study.pretrain_path.path_table`), its analysis table
+    printed and its path figure (:func:`raystudy.analysis.pretraining.plot_pretraining_path`)."""
+    import torch
+
+    from raystudy.analysis.pretraining import plot_pretraining_path, pretraining_table
+    from raystudy.io import write_result  # pandas: --help stays light
+    from raystudy.study.pretrain_path import TABLE, path_rates, path_table
+
+    files = dict(sorted(args.checkpoint))
+    if len(files) != len(args.checkpoint):
+        raise ValueError("--checkpoint: each step once")
+    for step, path in files.items():
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--checkpoint {step}={path}: no such file")
+    dataset = check_path_name(args.dataset, "--dataset") if args.dataset else None
+    check_inputs([out_problem(args.out_dir)])
+    first = build_measured_model(argparse.Namespace(**{**vars(args), "weights": files[min(files)]}))
+    size = first.patch_embed.img_size[0]
+    x, _ = load_images(args.x, size)
+    y, y_name = load_images(args.y, size)
+    x, y = paired(x, y, args.pairs, args.seed, args.pairing, args.batch_size)
+    kwargs = dict(args.model_kwargs or {}, img_size=size)
+    with torch.no_grad():
+        rates = path_rates(files, x, y, model=args.model, model_kwargs=kwargs, batch_size=args.batch_size,
+                           seed=args.seed, mode=args.mode, mha_input=args.mha_input, gated_fc1=args.gated_fc1)
+    rates = rates.assign(model=args.model, dataset=dataset or y_name, mode=args.mode)
+    table = path_table(rates)
+    out = Path(args.out_dir)
+    write_result(table, out, TABLE)
+    summary = pretraining_table(table)
+    figs = plot_pretraining_path(summary, out / "plasticity_pretraining_path")
+    print(summary.drop(columns=["model", "mode"]).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    print(f"\nwrote {out / (TABLE + '.parquet')} and {len(figs)} figure files in {out}")
+    return 0
 
 
 def build_measured_model(args):

@@ -76,3 +76,32 @@ def test_each_steps_table_equals_the_plasticity_command_on_its_weights(pretraine
             ["layer", "component"])["plasticity"]
         pd.testing.assert_series_equal(got.sort_index(), want.sort_index(), rtol=1e-6, check_names=False)
     capsys.readouterr()
+
+
+def test_the_plasticity_command_takes_a_series_of_checkpoints(pretrained, tmp_path, capsys):
+    """``raystudy plasticity --checkpoint STEP=FILE ...`` on a user's own pretraining: the study's table of the
+    same steps and pairs, and the path figure."""
+    from raystudy.cli import main
+    from raystudy.study.pretrain import step_weights_path
+    from raystudy.study.pretrain_path import measure_path
+
+    spec, weights, _ = pretrained
+    study = measure_path(spec, echo=lambda _: None)
+    out = tmp_path / "series"
+    args = ["plasticity", "--model", spec.model, "--model-kwargs", json.dumps(spec.model_kwargs), "--img-size",
+            str(spec.img_size), "--x", spec.pretrain_store_path(), "--y", spec.dataset_stores()["shift-noise"],
+            "--pairs", "24", "--batch-size", "8", "--seed", str(spec.plasticity.seed), "--out", str(out),
+            "--device", "cpu", "--dataset", "shift-noise"]
+    for step in PATH:
+        args += ["--checkpoint", f"{step}={step_weights_path(weights, step, STEPS)}"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    got = pd.read_parquet(out / "plasticity_pretraining.parquet")
+    want = study[study["dataset"] == "shift-noise"]
+    keys = ["step", "layer", "component"]
+    pd.testing.assert_series_equal(got.set_index(keys)["plasticity"].sort_index(),
+                                   want.set_index(keys)["plasticity"].sort_index(), rtol=1e-6, check_names=False)
+    assert (out / "plasticity_pretraining_path.png").is_file() and "tau_init" in printed
+    with pytest.raises(SystemExit):
+        main([*args, "--checkpoint", "bad"])
+    assert "expected STEP=FILE" in capsys.readouterr().err
