@@ -395,8 +395,9 @@ class PlasticitySettings:
                         help="seed of the random pairing (and of the random init without weights)",
                         roles={"plasticity"})
     control: str = setting("random_init", choices=CONTROLS,
-                           help="random_init: also measure the same architecture at its library's own seeded "
-                                "init on the same pairs (rows weights=random_init); none: the model only")
+                           help="random_init: also measure, on the same pairs, the same architecture at its "
+                                "library's own seeded init (rows weights=random_init) and its random-init blocks fed "
+                                "the model's own embeddings (rows weights=random_blocks); none: the model only")
     control_seed: int = setting(0, check="non_negative_int", help="torch seed of the control's random init",
                                 roles={"plasticity"})
     workers: int = setting(1, check="positive_int", help="actors in the pool, each holding the model once")

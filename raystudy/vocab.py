@@ -222,11 +222,19 @@ CHANGE_MEASURES: tuple[str, ...] = ("weight_change", "cka")
 RENAMED_COLUMNS: dict[str, dict[str, str]] = {"trials": {"component": "configuration"}, "curves": {"lr": "lr_now"}}
 
 #: Which weights a plasticity / rates row was measured with: the model's own (``pretrained``: its weights
-#: file, or whatever the job measured before the control existed) or the same architecture at its library's
-#: own seeded initialisation (``random_init``: timm's / Hugging Face's init, no weights loaded), the control.
-WEIGHTS: tuple[str, ...] = ("pretrained", "random_init")
-PRETRAINED, RANDOM_INIT = WEIGHTS
-#: The control a plasticity measurement runs beside the model: ``random_init`` (the default) or ``none``.
+#: file, or whatever the job measured before the control existed); the same architecture at its library's
+#: own seeded initialisation (``random_init``: timm's / Hugging Face's init, no weights loaded), the whole-model
+#: control; or that random init with the measured model's embedding stage copied in (``random_blocks``: the
+#: state-dict entries of the adapter's ``embedding_names()``, everything else the same seeded init), the
+#: component control: random-init blocks fed the model's own embeddings, so that each component sees the
+#: inputs the pretrained one sees. pretrained / random_blocks is the component weights' own effect,
+#: random_blocks / random_init the effect of the inputs (the embedding's).
+WEIGHTS: tuple[str, ...] = ("pretrained", "random_init", "random_blocks")
+PRETRAINED, RANDOM_INIT, RANDOM_BLOCKS = WEIGHTS
+#: The weights a control measures beside the model, each on the same pairs under the same ``control_seed``.
+CONTROL_WEIGHTS: tuple[str, ...] = WEIGHTS[1:]
+#: The control a plasticity measurement runs beside the model: ``random_init`` (the default: every
+#: :data:`CONTROL_WEIGHTS`) or ``none``.
 CONTROLS: tuple[str, ...] = (RANDOM_INIT, "none")
 #: The paper's ranking of the components by plasticity, most plastic first.
 PAPER_RANKING: tuple[str, ...] = ("MHA", "FC1", "FC2", "LN2", "LN1")
@@ -267,10 +275,11 @@ def pretrained_rows(df):
 
 
 def control_rows(df):
-    """The ``random_init`` rows of a plasticity or rates frame (the control); ``None`` when it has none."""
+    """The control rows of a plasticity or rates frame (``weights`` one of :data:`CONTROL_WEIGHTS`: the
+    random init and the component control); ``None`` when it has no random-init rows."""
     if df is None or "weights" not in df.columns or not (df["weights"] == RANDOM_INIT).any():
         return None
-    return df[df["weights"] == RANDOM_INIT].reset_index(drop=True)
+    return df[df["weights"].isin(CONTROL_WEIGHTS)].reset_index(drop=True)
 
 
 def did_you_mean(name: object, choices) -> str:

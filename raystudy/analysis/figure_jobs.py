@@ -53,7 +53,8 @@ def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
         depth = p if inputs.control is None else pd.concat([p, inputs.control], ignore_index=True)
         jobs.append(("plasticity_depth", "Plasticity across depth",
                      "Mean rate ||f(x) − f(y)||_F / ||x − y||_F per layer and component with its 95% interval; "
-                     "dashed: the random-init control on the same pairs; the dotted line marks plasticity 1.",
+                     "dashed: the random-init control on the same pairs; dash-dotted: the component control "
+                     "(random-init blocks fed the model's own embeddings); the dotted line marks plasticity 1.",
                      lambda s: F.plot_plasticity_depth(depth, s)))
         jobs.append(("plasticity_distribution", "Plasticity per layer, box over layers and datasets (the paper's "
                      "Fig. 2, left, and Fig. 4)",

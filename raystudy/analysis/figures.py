@@ -34,7 +34,7 @@ from raystudy.analysis.style import (
     configuration_styles,
     styled,
 )
-from raystudy.vocab import RANDOM_INIT, TRIALS_CONFIGURATIONS, pretrained_rows
+from raystudy.vocab import RANDOM_BLOCKS, RANDOM_INIT, TRIALS_CONFIGURATIONS, pretrained_rows
 
 #: The name the colours had before the vocabulary was unified (kept for user code).
 COMPONENT_COLORS = CONFIGURATION_COLORS
@@ -44,6 +44,10 @@ FACET_KEYS: tuple[str, ...] = ("model", "dataset", "mode", "optimizer")
 
 #: A log axis is used when the plotted values span more than this ratio.
 LOG_RATIO = 100.0
+
+#: How the depth figure draws each control (:data:`raystudy.vocab.CONTROL_WEIGHTS`): line style, legend label.
+CONTROL_LINES: dict[str, tuple[str, str]] = {RANDOM_INIT: ("--", "random init"),
+                                             RANDOM_BLOCKS: ("-.", "random blocks, the model's embeddings")}
 
 #: Below this many values a group is drawn as its points, not as a violin (a density of a few points misleads).
 MIN_VIOLIN_POINTS = 5
@@ -171,15 +175,18 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
     dataset, mode`` split panels when they vary). x: layer (0-based), y: plasticity = mean rate
     ``||f(x) - f(y)||_F / ||x - y||_F`` over pairs; band: ``plasticity +- ci95``. One line per component in
     COMPONENTS order; a dotted line marks plasticity 1 (above: the component amplifies input differences).
-    Rows with ``weights = random_init`` (the random-init control) are drawn beside them as dashed lines of
-    the same colour. The y axis is logarithmic when the values span more than :data:`LOG_RATIO`.
+    The controls' rows are drawn beside them in the same colour, each control in its line style
+    (:data:`CONTROL_LINES`): ``weights = random_init`` (the random-init control) dashed, ``weights =
+    random_blocks`` (the component control: random-init blocks fed the model's embeddings) dash-dotted. The y
+    axis is logarithmic when the values span more than :data:`LOG_RATIO`.
     """
     _require(plasticity, ["layer", "component", "plasticity", "ci95"], "plasticity")
     panels, constant = _facets(plasticity)
     fig, axes = _grid(len(panels))
     log = _needs_log(plasticity["plasticity"].to_numpy())
     for ax, (name, rows) in zip(axes, panels):
-        control = rows[rows["weights"] == RANDOM_INIT] if "weights" in rows.columns else rows.iloc[:0]
+        controls = {w: rows[rows["weights"] == w] if "weights" in rows.columns else rows.iloc[:0]
+                    for w in CONTROL_LINES}
         rows = pretrained_rows(rows)
         for comp in _ordered(rows["component"].unique()):
             r = rows[rows["component"] == comp].groupby("layer", as_index=False)[["plasticity", "ci95"]].mean()
@@ -189,7 +196,8 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
             ci = np.nan_to_num(ci, nan=0.0)
             lo = np.maximum(y - ci, y * 1e-3) if log else y - ci
             ax.fill_between(x, lo, y + ci, color=_color(comp), alpha=0.2, lw=0)
-        _draw_control(ax, control)
+        for weights, control in controls.items():
+            _draw_control(ax, control, *CONTROL_LINES[weights])
         ax.axhline(1.0, color="black", lw=0.8, ls=":", zorder=0)
         if log:
             ax.set_yscale("log")
@@ -204,16 +212,16 @@ def plot_plasticity_depth(plasticity: pd.DataFrame, path_stem: str | Path, *, ti
     return save_figure(fig, path_stem)
 
 
-def _draw_control(ax, control: pd.DataFrame) -> None:
-    """The random-init control's plasticity across depth: one dashed line per component (its colour, no
-    band), one legend entry for all of them."""
+def _draw_control(ax, control: pd.DataFrame, ls: str, label: str) -> None:
+    """One control's plasticity across depth: one line of style ``ls`` per component (its colour, no band),
+    one legend entry ``label`` for all of them."""
     for comp in _ordered(control["component"].unique()):
         r = control[control["component"] == comp].groupby("layer", as_index=False)["plasticity"].mean()
         r = r.sort_values("layer")
-        ax.plot(r["layer"].to_numpy(), r["plasticity"].to_numpy(float), color=_color(comp), ls="--", lw=1.2,
+        ax.plot(r["layer"].to_numpy(), r["plasticity"].to_numpy(float), color=_color(comp), ls=ls, lw=1.2,
                 alpha=0.8)
     if len(control):
-        ax.plot([], [], color="0.4", ls="--", lw=1.2, label="random init")
+        ax.plot([], [], color="0.4", ls=ls, lw=1.2, label=label)
 
 
 def _finite_groups(groups: list[tuple[str, np.ndarray]], log: bool) -> list[tuple[str, np.ndarray]]:

@@ -38,7 +38,7 @@ from raystudy.analysis.selection_figures import FIGURE_PREFIX as CRITERIA_FIGURE
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.style import CONFIGURATION_COLORS, configuration_styles
 from raystudy.analysis.vtab import lr_rule_text
-from raystudy.vocab import LINEAR_PROBE
+from raystudy.vocab import LINEAR_PROBE, RANDOM_BLOCKS
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1d2733;
@@ -108,7 +108,7 @@ def _headlines(res: AnalysisResult) -> list[str]:
             keys = keys if isinstance(keys, tuple) else (keys,)
             ranking = order_string(g.set_index("configuration")["mean"], pct)
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
-    if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
+    if res.inputs.plasticity is not None:  # measured, the controls' and the paper's ranking, Kendall's tau
         lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
     if "plasticity_pretraining" in res.tables:  # where the ranking comes from: its path along the pretraining
         lines += path_headlines(res.tables["plasticity_pretraining"])
@@ -147,8 +147,12 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
         c = inp.control
         if c is not None:
             seeds = _join(sorted({int(v) for v in c["init_seed"].dropna()})) if "init_seed" in c.columns else "–"
+            blocks = c[c["weights"] == RANDOM_BLOCKS]
             items.append(("random-init control", f"the same architecture at its library's own init (seed {seeds}) "
                                                  f"on the same pairs: {c['dataset'].nunique()} dataset(s)"))
+            items.append(("component control", f"the random-init blocks fed the model's own embeddings (seed {seeds}) "
+                                                f"on the same pairs: {blocks['dataset'].nunique()} dataset(s)"
+                          if len(blocks) else "not measured (plasticity.parquet predates it)"))
     o = res.options
     paper_rule, _ = lr_rules(o.get("select_by"))
     if "best_lr" in res.tables:

@@ -20,8 +20,9 @@ val-chosen lr on train + val) are kept apart in ``final``, so every table of the
 Weights (:data:`raystudy.vocab.WEIGHTS`): ``plasticity`` and ``rates`` hold the rows measured with the
 model's own weights (``pretrained``; a table without the column predates the control and is all
 ``pretrained``), so every table and figure about the measurement reads those; ``control`` holds the
-random-init control's plasticity rows (``None`` without a control), read by :mod:`raystudy.analysis.control`
-and the depth figure.
+controls' plasticity rows, ``weights`` telling them apart (``random_init``, and ``random_blocks`` where the
+table has the component control; ``None`` without a control), read by :mod:`raystudy.analysis.control` and
+the depth figure.
 
 Several study directories (:func:`read_studies`): their tables concatenated, column ``study`` naming each
 row's directory; a trial id, or a key (model, dataset, configuration, optimizer, lr, seed, phase), in two of

@@ -35,7 +35,7 @@ from raystudy.setting_flags import add_bf16_flag, add_flags, from_args
 from raystudy.settings import HubWeights, ModelSettings, PlasticityRun, PlasticitySettings
 from raystudy.storage import check_path_name
 from raystudy.terminal import progress_bar
-from raystudy.vocab import COMPONENTS, PRETRAINED, RANDOM_INIT, pretrained_rows
+from raystudy.vocab import COMPONENTS, CONTROL_WEIGHTS, PRETRAINED, RANDOM_INIT, control_rows, pretrained_rows
 
 log = logging.getLogger(__name__)
 
@@ -202,16 +202,18 @@ def build_measured_model(args):
 
 def measured_models(args, control: str | None = None) -> dict:
     """``{weights: model}``: :func:`build_measured_model`'s model (``pretrained``) and, with ``--control
-    random_init``, its random-init control seeded with ``--control-seed``
-    (:func:`raystudy.core.models.build_control_model`), both in eval mode."""
-    from raystudy.core.models import build_control_model, build_seeded_model  # torch: --help stays light
+    random_init``, its controls seeded with ``--control-seed`` (:func:`raystudy.core.models.build_controls`:
+    ``random_init``, the random init, and ``random_blocks``, its blocks fed the model's embeddings), all in
+    eval mode."""
+    from raystudy.core.models import build_controls, build_seeded_model  # torch: --help stays light
 
-    models = {PRETRAINED: build_seeded_model(args.model, seed=args.seed, weights=args.weights,
-                                             pretrained=args.pretrained, model_kwargs=args.model_kwargs,
-                                             img_size=args.img_size).eval()}
+    measured = build_seeded_model(args.model, seed=args.seed, weights=args.weights, pretrained=args.pretrained,
+                                  model_kwargs=args.model_kwargs, img_size=args.img_size).eval()
+    models = {PRETRAINED: measured}
     if (control or args.control) == RANDOM_INIT:
-        models[RANDOM_INIT] = build_control_model(args.model, seed=args.control_seed, model_kwargs=args.model_kwargs,
-                                                  img_size=args.img_size).eval()
+        models.update({w: c.eval() for w, c in build_controls(args.model, measured, seed=args.control_seed,
+                                                               model_kwargs=args.model_kwargs,
+                                                               img_size=args.img_size).items()})
     return models
 
 
@@ -241,7 +243,7 @@ def local_rates(models: dict, x, y, args, device, dataset: str):
     rates.insert(0, "dataset", dataset)
     rates.insert(0, "model", args.model)
     table = summarize(rates)
-    table["init_seed"] = table["weights"].map({RANDOM_INIT: args.control_seed}).astype("Int64")
+    table["init_seed"] = table["weights"].map(dict.fromkeys(CONTROL_WEIGHTS, args.control_seed)).astype("Int64")
     table["precision"] = precision
     return rates, table
 
@@ -273,15 +275,21 @@ def run_local(args) -> int:
 
 
 def print_table(table) -> None:
-    """Plasticity per component (rows) and layer (columns) of one dataset's table; with the control, its
-    per-component mean (``random_init``) and the ratio of the two means."""
-    control = table[table["weights"] == RANDOM_INIT] if "weights" in table.columns else table.iloc[:0]
+    """Plasticity per component (rows) and layer (columns) of one dataset's table, with its mean over layers;
+    with the control, the columns of :func:`raystudy.analysis.control.plasticity_control_table` after it: each
+    control's mean over layers (``random_init``, ``random_blocks``) and the ratios of the means (``ratio``,
+    ``weights_ratio``, ``inputs_ratio``)."""
+    from raystudy.analysis.control import VALUE_COLUMNS, plasticity_control_table  # pandas, scipy: --help stays light
+
+    control = control_rows(table)
     table = pretrained_rows(table)
     wide = table.pivot_table(index="component", columns="layer", values="plasticity").reindex(list(COMPONENTS))
     wide["mean"] = wide.mean(axis=1)
-    if len(control):
-        wide[RANDOM_INIT] = control.groupby("component")["plasticity"].mean().reindex(list(COMPONENTS))
-        wide["ratio"] = wide["mean"] / wide[RANDOM_INIT]
+    if control is not None:
+        t = plasticity_control_table(table, control).set_index("component")
+        for column in VALUE_COLUMNS[1:]:
+            if t[column].notna().any():
+                wide[column] = t[column]
     print(wide.to_string(float_format=lambda v: f"{v:.4f}"))
 
 

@@ -490,6 +490,16 @@ def embedding_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return _named(model, list(get_adapter(model).embedding_names()))
 
 
+def embedding_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The embedding stage's state-dict entries ``{name: tensor}``: the parameters of
+    :func:`embedding_parameters` and the buffers beside them (a BERT's ``position_ids``, a rotary
+    embedding's tables), every entry that is, or belongs to a module at, one of the adapter's
+    ``embedding_names()``."""
+    names = get_adapter(model).embedding_names()
+    dotted = tuple(f"{n}." for n in names)
+    return {k: v for k, v in model.state_dict().items() if k in names or k.startswith(dotted)}
+
+
 def head_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The classifier's parameters ``(name, parameter)``: trainable in every configuration."""
     prefixes = tuple(get_adapter(model).head_modules())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -12,11 +13,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from raystudy.core.components import get_adapter
+from raystudy.core.components import embedding_state, get_adapter
 from raystudy.core.hf import build_hf_model
 from raystudy.core.tensors import torch_load_reason
 from raystudy.data.modality import modality_of_model
 from raystudy.data.store import IMAGE_KIND, TEXT_KIND
+from raystudy.vocab import RANDOM_BLOCKS, RANDOM_INIT
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +328,29 @@ def build_control_model(model: str, *, seed: int, model_kwargs: dict | None = No
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _library(name).control(name, img_size=img_size, **kwargs)
+
+
+def build_controls(model: str, measured: nn.Module, *, seed: int, model_kwargs: dict | None = None,
+                   img_size: int | None = None) -> dict[str, nn.Module]:
+    """The controls of a plasticity measurement of ``measured`` (the model ``model``), by their weights
+    (:data:`raystudy.vocab.CONTROL_WEIGHTS`): ``random_init``, :func:`build_control_model` under ``seed``;
+    ``random_blocks``, that model with ``measured``'s embedding stage copied in (:func:`component_control`)."""
+    random_init = build_control_model(model, seed=seed, model_kwargs=model_kwargs, img_size=img_size)
+    return {RANDOM_INIT: random_init, RANDOM_BLOCKS: component_control(random_init, measured)}
+
+
+def component_control(control: nn.Module, measured: nn.Module) -> nn.Module:
+    """The component control: a copy of ``control`` (a random init of ``measured``'s architecture) holding
+    ``measured``'s embedding-stage state-dict entries (:func:`raystudy.core.components.embedding_state`:
+    patch embedding, class/register tokens, position embedding; a text model's token and position
+    embeddings), every other entry ``control``'s. Its blocks are the random init's, fed the measured model's
+    own embeddings. ``control`` is left as it was; an entry of another name or shape is a ``RuntimeError``."""
+    out = copy.deepcopy(control)
+    unexpected = out.load_state_dict(embedding_state(measured), strict=False).unexpected_keys
+    if unexpected:
+        raise RuntimeError(f"component control: {type(measured).__name__}'s embedding entries {unexpected} are "
+                           f"not in {type(control).__name__}")
+    return out
 
 
 def _control_timm(name: str, *, img_size, **kwargs) -> nn.Module:

@@ -114,7 +114,7 @@ from raystudy.data.rows import (
 from raystudy.data.store import Store
 from raystudy.data.text_rows import TextRows
 from raystudy.distributed.cluster import init_ray
-from raystudy.distributed.plasticity_actors import BoundsThread, RateActor, load_buckets
+from raystudy.distributed.plasticity_actors import BoundsThread, RateActor, load_buckets, rates_column
 from raystudy.distributed.plasticity_output import (
     RatesWriter,
     write_figures,
@@ -125,7 +125,7 @@ from raystudy.setting_roles import absolute_paths
 from raystudy.settings import ModelSettings, PlasticityRun, PlasticitySettings, problems
 from raystudy.storage import absolute_path
 from raystudy.terminal import progress_bar
-from raystudy.vocab import PRETRAINED, RANDOM_INIT
+from raystudy.vocab import CONTROL_WEIGHTS, PRETRAINED, RANDOM_INIT
 
 log = logging.getLogger(__name__)
 
@@ -381,27 +381,28 @@ class RateReducer:
     def __init__(self, job: PlasticityJob, plan: PairPlan, writer: RatesWriter, bounds: BoundsThread, stage: Path):
         self.job, self.names, self.writer, self.bounds, self.stage = job, plan.names, writer, bounds, stage
         self.moments = [StreamingMoments() for _ in plan.down]
-        #: the random-init control's moments, per dataset (empty without a control)
-        self.control = [StreamingMoments() for _ in plan.down] if job.control == RANDOM_INIT else []
+        #: each control's moments per dataset, by weights (:data:`~raystudy.vocab.CONTROL_WEIGHTS`; empty without)
+        self.control = ({w: [StreamingMoments() for _ in plan.down] for w in CONTROL_WEIGHTS}
+                        if job.control == RANDOM_INIT else {})
         self.stats = TokenStats()
         self.timing: dict[str, float] = {}
 
     def add(self, out: dict) -> int:
         """Reduce one batch of actor output (columns of :class:`RateActor`); returns its pair count."""
         rates = np.asarray(out["rates"], dtype=np.float32)
-        control = np.asarray(out["control_rates"], dtype=np.float32) if self.control else None
-        finite = np.isfinite(rates).reshape(len(rates), -1).all(axis=1)
-        if control is not None:
-            finite &= np.isfinite(control).reshape(len(control), -1).all(axis=1)
+        controls = {w: np.asarray(out[rates_column(w)], dtype=np.float32) for w in self.control}
+        finite = np.ones(len(rates), dtype=bool)
+        for r in (rates, *controls.values()):
+            finite &= np.isfinite(r).reshape(len(r), -1).all(axis=1)
         for d in np.unique(out["dataset"]):
             sel = out["dataset"] == d
             if not finite[sel].all():
                 raise FloatingPointError(f"{self.names[d]}: non-finite rates for pair(s) "
                                          f"{out['pair'][sel & ~finite][:10].tolist()}")
-            if control is not None:  # written before the model's rows complete the dataset below
+            for weights, control in controls.items():  # written before the model's rows complete the dataset
                 self.writer.add(self.job.model, self.names[d], self.job.mode, out["pair"][sel], control[sel],
-                                weights=RANDOM_INIT)
-                self.control[int(d)].update(control[sel])
+                                weights=weights)
+                self.control[weights][int(d)].update(control[sel])
             self._add_dataset(int(d), sel, rates, out)
         return len(rates)
 
@@ -468,11 +469,10 @@ def plasticity_frame(job: PlasticityJob, plan: PairPlan, reducer: RateReducer) -
     """``plasticity.parquet``: every dataset's moments as :func:`raystudy.core.plasticity.summarize` rows, with
     the ``precision`` the rates were measured in (:meth:`PlasticityJob.resolved_precision`)."""
     tables = []
-    controls = reducer.control or [None] * len(reducer.moments)
-    for name, m, c in zip(plan.names, reducer.moments, controls):
-        for weights, moments, seed in ((PRETRAINED, m, None), (RANDOM_INIT, c, job.control_seed)):
-            if moments is None:
-                continue
+    for d, name in enumerate(plan.names):
+        runs = [(PRETRAINED, reducer.moments[d], None),
+                *((w, per[d], job.control_seed) for w, per in reducer.control.items())]
+        for weights, moments, seed in runs:
             table = moments.frame()
             table.insert(0, "mode", job.mode)
             table.insert(0, "dataset", name)

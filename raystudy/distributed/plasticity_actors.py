@@ -27,11 +27,11 @@ import torch
 from raystudy import faults
 from raystudy.core.bounds import token_radius, token_sigma, upper_bounds
 from raystudy.core.components import get_adapter
-from raystudy.core.models import build_control_model, build_seeded_model
+from raystudy.core.models import build_controls, build_seeded_model
 from raystudy.core.plasticity import pair_rates_tensor
 from raystudy.data.modality import Modality
 from raystudy.distributed.devices import worker_device
-from raystudy.vocab import RANDOM_INIT
+from raystudy.vocab import PRETRAINED, RANDOM_INIT
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +67,29 @@ def build_model_of(spec: dict):
                               model_kwargs=spec["model_kwargs"])
 
 
-def build_control_of(spec: dict):
-    """The job's random-init control (``spec["control"] == "random_init"``), identical in every process;
-    else ``None``."""
+def build_controls_of(spec: dict, measured) -> dict:
+    """The job's controls of the model ``measured`` (``spec["control"] == "random_init"``), identical in every
+    process: ``{weights: model}`` of :func:`~raystudy.core.models.build_controls` (the random init and the
+    component control); ``{}`` without a control."""
     if spec.get("control", "none") != RANDOM_INIT:
-        return None
-    return build_control_model(spec["model"], seed=spec["control_seed"], model_kwargs=spec["model_kwargs"])
+        return {}
+    return build_controls(spec["model"], measured, seed=spec["control_seed"], model_kwargs=spec["model_kwargs"])
+
+
+def rates_column(weights: str) -> str:
+    """The actor output column holding the rates of ``weights`` (:data:`raystudy.vocab.WEIGHTS`): ``rates``
+    for the model, ``<weights>_rates`` for a control."""
+    return "rates" if weights == PRETRAINED else f"{weights}_rates"
 
 
 class RateActor:
-    """Holds the model (and its random-init control, when the job has one) once on its device; maps batches
-    of pairs to per-pair rates.
+    """Holds the model (and its controls, when the job has them) once on its device; maps batches of pairs to
+    per-pair rates.
 
     Input columns ``dataset, pair (n,)``, ``x, y (n, 3, S, S)``; output ``dataset, pair (n,)``,
-    ``rates (n, L, 5)`` float32, the control's ``control_rates (n, L, 5)`` on the same pairs (with a control)
-    and, for the pairs of dataset ``spec["stats_dataset"]``, the token
+    ``rates (n, L, 5)`` float32, each control's rates on the same pairs (with a control: ``random_init_rates``
+    and ``random_blocks_rates``, :func:`rates_column`) and, for the pairs of dataset ``spec["stats_dataset"]``,
+    the token
     statistics of the embedded pretraining image: ``radius (n,)`` = ``sqrt(mean_i ||x_i||^2)``,
     ``sigma (n,)`` = minimum over tokens of ``sqrt(var(x_i) + eps)``, ``tokens (n,)`` = sequence length
     (NaN, NaN, 0 for the other pairs).
@@ -92,9 +100,9 @@ class RateActor:
         self.device, warning = worker_device(spec["gpus"], spec["threads"] or max(1, int(spec["cpus"])))
         if warning:
             log.warning("plasticity actor: %s", warning)
-        self.model = build_model_of(spec).to(self.device).eval()
-        control = build_control_of(spec)
-        self.control = None if control is None else control.to(self.device).eval()
+        model = build_model_of(spec)
+        self.controls = {w: c.to(self.device).eval() for w, c in build_controls_of(spec, model).items()}
+        self.model = model.to(self.device).eval()
         self.amp = torch.bfloat16 if spec["precision"] == "bf16" else None  # norms stay float32 under it
         self.calls = 0
 
@@ -125,8 +133,8 @@ class RateActor:
         out = {"dataset": np.asarray(batch["dataset"], dtype=np.int64),
                "pair": np.asarray(batch["pair"], dtype=np.int64), "rates": self._rates(self.model, x, y),
                **self._token_stats(x, want)}
-        if self.control is not None:
-            out["control_rates"] = self._rates(self.control, x, y)
+        for weights, control in self.controls.items():
+            out[rates_column(weights)] = self._rates(control, x, y)
         return out
 
     def _rates(self, model, x, y) -> np.ndarray:

@@ -16,23 +16,25 @@ from raystudy.study.progress import Echo, fmt_seconds
 from raystudy.study.progress import echo as _echo
 from raystudy.study.spec import StudySpec
 from raystudy.study.trial import local_dir_for
-from raystudy.vocab import RANDOM_INIT
+from raystudy.vocab import CONTROL_WEIGHTS, RANDOM_INIT
 
 
 def plasticity_todo(spec: StudySpec) -> list[str]:
     """The spec's datasets without rows in ``plasticity.parquet`` (all of them when plasticity is off: []);
-    with the control on (``plasticity.control``), also those measured without it (no ``random_init`` rows):
-    the model and its control are measured on the same pairs, in one job. Rows measured in another
-    precision than the study's plasticity job resolves to (a table without the column: fp32) do not count."""
+    with the control on (``plasticity.control``), also those measured without one of its weights (no
+    ``random_init`` rows, or no ``random_blocks`` rows: measured before the component control existed): the
+    model and its controls are measured on the same pairs, in one job. Rows measured in another precision
+    than the study's plasticity job resolves to (a table without the column: fp32) do not count."""
     if not spec.plasticity.enabled:
         return []
     have = read_result(spec.out, "plasticity", required=False)
     if have is not None:
         precision = plasticity_job(spec, list(spec.datasets), None, spec.out).resolved_precision()
         have = have[have["precision"] == precision]
-    if have is not None and spec.plasticity.control == RANDOM_INIT:
-        have = have[have["weights"] == RANDOM_INIT]
     measured = set() if have is None else set(have["dataset"])
+    if have is not None and spec.plasticity.control == RANDOM_INIT:
+        weights = have.groupby("dataset")["weights"].agg(set)
+        measured = {d for d, w in weights.items() if set(CONTROL_WEIGHTS) <= w}
     return [d for d in spec.datasets if d not in measured]
 
 

@@ -511,7 +511,8 @@ class Study:
     ``configuration``, ``optimizer``, ``seed``, ``status`` and its base learning rate ``lr`` (``lr_now``: the
     schedule's value at that step); ``plasticity``, ``rates``, ``bounds``: the
     plasticity measurement with the model's own weights (``None`` when the study has none); ``control``: the
-    random-init control's plasticity rows (``weights = random_init``; ``None`` without one); ``spec``: the
+    controls' plasticity rows (``weights = random_init``, and ``random_blocks``: the component control, where
+    measured; ``None`` without a control); ``spec``: the
     stored ``spec.yaml`` as a dict;
     ``changes``: what finetuning changed, one row per (trial, layer, component, measure), with the same
     trial columns as ``curves`` (``None`` when no trial recorded any).

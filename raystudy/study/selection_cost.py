@@ -23,8 +23,9 @@ strategy                        FLOPs of its scoring                           l
   estimate below does not see.
 * A criterion is scored once per cache key (:func:`raystudy.study.jobs.criterion_path`): per (dataset,
   seed, train split), so a final fit's train + val scores again; every lr and budget shares it.
-  Plasticity is measured once per dataset (its ``random_init`` control, if on, as much again: not a cost of
-  the selection); ``2 F x pairs`` leaves out the linear components' differences and the norms.
+  Plasticity is measured once per dataset (its two controls, ``random_init`` and ``random_blocks``, if on,
+  as much again each: not a cost of the selection); ``2 F x pairs`` leaves out the linear components'
+  differences and the norms.
 * **Wall time**: measured when the cached scores exist (their ``seconds``, on the device that scored them),
   else estimated as ``FLOPs / (peak x MFU)`` on one GPU: a criterion in float32 (``criterion_scores`` runs
   it so; TF32 off, PyTorch's default), plasticity in the study's precision; the MFU of the cost model.
@@ -50,7 +51,7 @@ from raystudy.study.cost import (
 from raystudy.study.final import final_cells
 from raystudy.study.jobs import criterion_path, finetune_config
 from raystudy.study.points import SEARCH, grid_point
-from raystudy.vocab import CRITERIA, PHASES
+from raystudy.vocab import CONTROL_WEIGHTS, CRITERIA, PHASES
 
 #: what each selection strategy needs: labels (a loss), a backward pass, and which data
 NEEDS: dict[str, dict] = {
@@ -151,8 +152,8 @@ def selection_cost(spec, rate, forwards: dict[str, int | None], *, gpu_result: s
         notes.append("fisher: per-sample gradients, the FLOPs of batched ones in batch-1 passes; its wall time "
                      "estimated from FLOPs at the MFU is a lower bound (measured once its scores are cached)")
     if "auto" in out and spec.plasticity.control != "none":
-        notes.append(f"auto: plasticity's {spec.plasticity.control} control is measured as well (as much again); "
-                     "not a cost of the selection, not counted")
+        notes.append(f"auto: plasticity's controls ({', '.join(CONTROL_WEIGHTS)}) are measured as well (as much "
+                     "again each); not a cost of the selection, not counted")
     return {"strategies": out, "scoring_precision": scoring.precision, "scoring_peak_tflops": scoring.peak_tflops,
             "scoring_mfu": scoring.mfu, "scoring_mfu_source": scoring.mfu_source, "notes": notes}
 

@@ -59,24 +59,28 @@ def test_the_demos_pretraining_puts_mha_above_the_layernorms(demo):
         assert p["FC1"] > p["FC2"] > max(p["LN1"], p["LN2"]), (dataset, p)
 
 
-def test_the_demo_measures_the_random_init_control_beside_every_plasticity(demo):
+def test_the_demo_measures_both_controls_beside_every_plasticity(demo):
     plast = pd.read_parquet(demo / "plasticity.parquet")
     keys = ["dataset", "layer", "component"]
-    both = plast.groupby(keys)["weights"].agg(lambda w: tuple(sorted(w)))
-    assert len(both) == 2 * 4 * 5 and (both == ("pretrained", "random_init")).all()
+    every = plast.groupby(keys)["weights"].agg(lambda w: tuple(sorted(w)))
+    assert len(every) == 2 * 4 * 5 and (every == ("pretrained", "random_blocks", "random_init")).all()
     control = pd.read_csv(demo / "analysis" / "plasticity_control.csv")
-    pretrained = plast[plast["weights"] == "pretrained"].groupby(["dataset", "component"])["plasticity"].mean()
-    random_init = plast[plast["weights"] == "random_init"].groupby(["dataset", "component"])["plasticity"].mean()
+    means = {w: plast[plast["weights"] == w].groupby(["dataset", "component"])["plasticity"].mean()
+             for w in ("pretrained", "random_init", "random_blocks")}
     for r in control.itertuples():
-        assert r.pretrained == pytest.approx(pretrained[(r.dataset, r.component)])
-        assert r.random_init == pytest.approx(random_init[(r.dataset, r.component)])
+        for w in means:
+            assert getattr(r, w) == pytest.approx(means[w][(r.dataset, r.component)]), w
+        assert r.weights_ratio == pytest.approx(r.pretrained / r.random_blocks)
+        assert r.inputs_ratio == pytest.approx(r.random_blocks / r.random_init)
     # the pretraining moved MHA up and LN1 down against the same architecture at its random init
     mha, ln1 = control[control["component"] == "MHA"], control[control["component"] == "LN1"]
     assert (mha["ratio"] > 10).all() and (ln1["ratio"] < 0.5).all()
     report = (demo / "analysis" / "report.md").read_text()
     rankings = next(ln for ln in report.splitlines() if ln.startswith("- Rankings: measured "))
-    assert "; random-init " in rankings and rankings.endswith("; paper MHA > FC1 > FC2 > LN2 > LN1")
-    assert "- Kendall τ between the rankings: measured vs random-init " in report
+    assert "; random-init " in rankings and "; random-blocks " in rankings
+    assert rankings.endswith("; paper MHA > FC1 > FC2 > LN2 > LN1")
+    assert "- Kendall τ-b between the rankings: measured vs random-init " in report
+    assert " measured vs random-blocks " in report
 
 
 def test_the_scope_section_reads_as_docs_analysis_shows(demo):

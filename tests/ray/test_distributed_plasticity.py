@@ -52,7 +52,7 @@ def setup(tmp_path_factory):
     pre = _store(root / "pre", name="pretrain", seed=1, counts=(6, 45, 0))
     down_a = _store(root / "down_a", name="alpha", seed=2, counts=(5, 3, 40))
     down_b = _store(root / "down_b", name="beta", seed=3, counts=(4, 0, 20))  # 20 < PAIRS rows: reuse
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # not the controls' seed 0: the model and its random init differ
     model = tiny_vit().eval()
     weights = root / "tiny.pt"
     torch.save(model.state_dict(), weights)
@@ -76,6 +76,16 @@ def _control_model():
 
     torch.manual_seed(0)
     return timm.create_model(TIMM_NAME, **TINY).eval()
+
+
+def _component_control(model):
+    """The component control of ``model``, built here: :func:`_control_model` with ``model``'s embedding tensors
+    (patch projection, class token, position embedding, by name) copied in."""
+    control = _control_model()
+    with torch.no_grad():
+        for name in ("patch_embed.proj.weight", "patch_embed.proj.bias", "cls_token", "pos_embed"):
+            control.get_parameter(name).copy_(model.get_parameter(name))
+    return control
 
 
 def _reference(setup, mode, model=None, amp_dtype=None):
@@ -220,13 +230,18 @@ def test_pipeline_equals_core_on_the_same_pairs(ray_session, setup, workers, bat
     ref_rates, ref_plast, pre_images = _reference(setup, mode)
 
     # plasticity.parquet: the streamed reduction equals summarize() of the core rates, for the model
-    # (weights pretrained) and for its random-init control on the same pairs (weights random_init)
+    # (weights pretrained) and for its controls on the same pairs: the random init (weights random_init) and
+    # the random init with the model's embedding (weights random_blocks)
     plast = got["plasticity"]
     assert list(plast.columns[:9]) == ["model", "dataset", "mode", "layer", "component", "plasticity", "std",
                                        "ci95", "n_pairs"]
-    assert len(got["rates"]) == 2 * len(ref_rates) == 2 * 2 * PAIRS * 3 * 5
-    for weights, (ref_r, ref_p) in (("pretrained", (ref_rates, ref_plast)),
-                                    ("random_init", _reference(setup, mode, _control_model())[:2])):
+    assert len(got["rates"]) == 3 * len(ref_rates) == 3 * 2 * PAIRS * 3 * 5
+    controls = {w: _reference(setup, mode, m)[:2] for w, m in (("random_init", _control_model()),
+                                                               ("random_blocks", _component_control(setup["model"])))}
+    for a, b in (("pretrained", "random_blocks"), ("random_init", "random_blocks")):  # three measurements
+        assert not np.allclose(plast[plast["weights"] == a]["plasticity"], plast[plast["weights"] == b]["plasticity"],
+                               rtol=1e-3), (a, b)
+    for weights, (ref_r, ref_p) in (("pretrained", (ref_rates, ref_plast)), *controls.items()):
         sub = plast[plast["weights"] == weights].reset_index(drop=True)
         pd.testing.assert_frame_equal(sub[["model", "dataset", "mode", "layer", "component", "n_pairs"]],
                                       ref_p[["model", "dataset", "mode", "layer", "component", "n_pairs"]])

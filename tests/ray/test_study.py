@@ -220,11 +220,14 @@ def test_grid_study_plasticity_analysis_and_progress(grid_study):
     out = grid_study["out"]
     plast = read_result(out, "plasticity")
     assert set(plast.dataset) == {"color"} and set(plast.component) == {"LN1", "MHA", "LN2", "FC1", "FC2"}
-    # the model and its random-init control (on by default), each per layer and component
-    assert plast.groupby("weights").size().to_dict() == {"pretrained": 3 * 5, "random_init": 3 * 5}
+    # the model and its controls (on by default: the random init and the component control), each per layer and
+    # component
+    assert plast.groupby("weights").size().to_dict() == {"pretrained": 3 * 5, "random_blocks": 3 * 5,
+                                                         "random_init": 3 * 5}
     assert (plast.n_pairs == 32).all()
     assert len(read_result(out, "bounds")) == 3 * 5
     assert read_result(out, "rates").groupby("weights").size().to_dict() == {"pretrained": 32 * 3 * 5,
+                                                                             "random_blocks": 32 * 3 * 5,
                                                                              "random_init": 32 * 3 * 5}
     assert (Path(out) / "analysis" / "plasticity_control.csv").is_file()
     assert Path(grid_study["outcome"].report).is_file()

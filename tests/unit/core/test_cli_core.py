@@ -59,7 +59,7 @@ def seeded_pairs(x, y, n, seed):
 def check_against_reference(out, model, x, y, *, mode, dataset):
     """rates.parquet and plasticity.parquet in ``out`` equal the reference on pairs ``(x[i], y[i])``."""
     rates, table = pd.read_parquet(out / "rates.parquet"), pd.read_parquet(out / "plasticity.parquet")
-    assert set(rates["weights"]) == set(table["weights"]) == {"pretrained", "random_init"}  # the control beside
+    assert set(rates["weights"]) == set(table["weights"]) == {"pretrained", "random_init", "random_blocks"}  # controls
     rates = rates[rates["weights"] == "pretrained"].drop(columns="weights")
     assert set(table["precision"]) == {"fp32"}  # a CPU run's auto
     table = table[table["weights"] == "pretrained"].drop(columns=["weights", "init_seed", "precision"])
