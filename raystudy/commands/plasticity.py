@@ -161,9 +161,9 @@ def run_checkpoints(args) -> int:
     printed and its path figure (:func:`raystudy.analysis.pretraining.plot_pretraining_path`)."""
     import torch
 
-    from raystudy.analysis.pretraining import plot_pretraining_path, pretraining_table
+    from raystudy.analysis.pretraining import plot_pretraining_path, pretraining_table  # matplotlib: --help stays light
     from raystudy.io import write_result  # pandas: --help stays light
-    from raystudy.study.pretrain_path import TABLE, path_rates, path_table
+    from raystudy.study.pretrain_path import TABLE, path_rates, path_table  # torch: --help stays light
 
     files = dict(sorted(args.checkpoint))
     if len(files) != len(args.checkpoint):

@@ -559,7 +559,8 @@ def test_modality_flags_read_only_in_the_modality_module():
 
 # ------------------------------------------------------------------------------ layers
 
-FOUNDATION = ("vocab", "storage", "io", "faults", "settings", "setting_roles", "setting_flags", "precision", "terminal")
+FOUNDATION = ("vocab", "storage", "io", "faults", "settings", "setting_roles", "setting_flags", "precision", "terminal",
+              "cpu_kernels")
 #: The one core module the analysis may import: the configuration-expression grammar, to read the expressions
 #: in trials tables (it loads torch: docs/architecture.md, "Layers").
 ANALYSIS_MAY_IMPORT = ("raystudy.core.expressions",)
