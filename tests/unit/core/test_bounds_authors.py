@@ -1,11 +1,12 @@
 """`raystudy bounds --bounds authors` against a literal transcription of the authors' Fig. 7 code.
 
 The authors compute Fig. 7's bounds in ``apps/plots/theory.py`` (github.com/ambroiseodt/vit-plasticity,
-branch ``dev``, commit 435c142): ``norm_ub`` (L111-138), ``linear_ub`` (L141-170) and ``attention_ub``
-(L173-214), on their own ViT module. Below, those three functions are copied line by line; only the model
-they build (``build_model(config=model_config, ...)``) is passed in instead, and the sizes they look up by
-model name (``n_heads``, ``emb_dim``, ``seq_len``: L186-188) are arguments. The model passed in has their
-parameter names and layouts (:class:`AuthorsBlock`), loaded with the tiny timm ViT's weights.
+branch ``dev``, at the one commit the tests cite, :data:`tests.support.authors.COMMIT`): ``norm_ub``
+(L111-138), ``linear_ub`` (L141-170) and ``attention_ub`` (L173-214), on their own ViT module. Below, those
+three functions are copied line by line; only the model they build (``build_model(config=model_config,
+...)``) is passed in instead, and the sizes they look up by model name (``n_heads``, ``emb_dim``,
+``seq_len``: L186-188) are arguments. The model passed in has their parameter names and layouts
+(:class:`AuthorsBlock`), loaded with the tiny timm ViT's weights.
 
 The paper's formulas (the default, ``bounds: paper``) keep their own tests (tests/unit/core/test_core.py,
 tests/ray/test_cli_plasticity.py); here they are checked to differ from the authors' where the formulas do.

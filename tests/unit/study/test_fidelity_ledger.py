@@ -1,8 +1,9 @@
 """docs/fidelity.md, the ledger of the paper presets against the authors' code, checked line by line.
 
 * The authors' values: ``tests/data/authors_protocol.yaml`` holds each value copied from their files
-  (branch ``dev``) with its ``file:line`` and the line's text; :func:`read_value` reads the value back from
-  that text, so a value that does not say what its line says fails here, offline.
+  (branch ``dev``, the commit :data:`tests.support.authors.COMMIT`) with its ``file:line`` and the line's
+  text; :func:`read_value` reads the value back from that text, so a value that does not say what its line
+  says fails here, offline.
 * What matches: each line of the ledger's "What matches" table names a check of :data:`MATCHES`, which
   resolves the presets (per dataset, through the job each grid point runs) and compares them with the
   authors' values; the table and :data:`MATCHES` name the same checks.
@@ -31,11 +32,12 @@ import torch
 import yaml
 
 from raystudy.study.spec import load_preset, preset_names
+from tests.support.authors import COMMIT, PROTOCOL
 from tests.support.processes import REPO
 
 ROOT = REPO
 LEDGER = ROOT / "docs" / "fidelity.md"
-DATA = yaml.safe_load((REPO / "tests" / "data" / "authors_protocol.yaml").read_text())
+DATA = PROTOCOL
 EFFECTS = ("none", "curves only", "figure only", "numbers")
 #: the presets that finetune as the authors did, and the authors' config file of each of their datasets
 FINETUNING = ("paper", "paper-low-data", "paper-model-size")
@@ -97,6 +99,22 @@ def test_every_source_names_a_file_and_its_lines():
         else:
             assert m[3] is None, f"{key}: one line quoted for {m[0]}"
     assert re.fullmatch(r"[0-9a-f]{40}", DATA["commit"]) and DATA["branch"] == "dev"
+
+
+#: a citation of a commit of the authors' repository: ``commit <hex>`` or ``vit-plasticity/blob/<hex>``
+COMMIT_CITATION = re.compile(r"(?:\bcommit:?\s+`{0,2}|vit-plasticity/(?:blob|tree)/)([0-9a-f]{7,40})\b")
+
+
+def test_one_commit_of_the_authors_is_cited():
+    """The ledger names the commit of ``tests/data/authors_protocol.yaml`` (:data:`tests.support.authors.COMMIT`),
+    and every test or data file that cites a commit of the authors' repository cites that one."""
+    assert f"`{COMMIT}`" in LEDGER.read_text()
+    cited: dict[str, list[str]] = {}
+    for path in [*(ROOT / "tests").rglob("*.py"), *(ROOT / "tests" / "data").glob("*.yaml")]:
+        for found in COMMIT_CITATION.findall(path.read_text()):
+            cited.setdefault(found, []).append(str(path.relative_to(ROOT)))
+    assert COMMIT in cited, cited
+    assert {h: p for h, p in cited.items() if not COMMIT.startswith(h)} == {}
 
 
 # ---------------------------------------------------------------------------------------------------------
