@@ -32,6 +32,7 @@ from raystudy.data.sources import prepare, prepare_candidates
 from raystudy.data.store import read_meta, write_store
 from raystudy.study.checks import dataset_store_problem
 from raystudy.study.spec import StudySpec, load_preset
+from tests.support.authors import VAL_ROWS, draw_pin
 from tests.support.stores import png_bytes
 from tests.unit.data.test_authors_splits import (
     authors_cifar10_c,
@@ -109,6 +110,16 @@ def test_authors_rows_are_torch_random_split_after_manual_seed():
     authors_rows(100, 3)
     assert torch.equal(torch.random.get_rng_state(), state)  # torch's global generator is left alone
     assert not np.array_equal(authors_rows(1001, 0)[1], per_seed_rows(1001, 0)[1])
+
+
+def test_authors_rows_are_the_pinned_draws():
+    """Against pinned draws, not the installed torch (which would agree with itself): every pool the paper
+    presets split, at seeds 0, 42 and 3407 (:data:`tests.support.authors.VAL_ROWS`)."""
+    for (n, seed), pin in VAL_ROWS.items():
+        train, val = authors_rows(n, seed)
+        assert len(train) == int(0.8 * n) and draw_pin(train, val) == pin, (n, seed)
+    for n, seed in ((1000, 42), (8000, 3407), (50000, 0)):  # the authors' own lines draw the same
+        assert draw_pin(*authors_random_split(n, seed)) == VAL_ROWS[n, seed]
 
 
 @pytest.mark.parametrize("source", ["cifar10", "cifar100"])
