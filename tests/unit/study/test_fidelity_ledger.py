@@ -761,3 +761,29 @@ def test_the_differences_are_what_the_authors_files_say():
     assert authors("gpt2.pretrain_side") == "wikitext" and gpt2.pretrain_store == "agnews"
     dinov3 = load_preset("plasticity-dinov3")  # DINOv3's model
     assert authors("dinov3_sh.7b.model_size") == "vit7b16" and dinov3.model == "vit_small_patch16_dinov3"
+
+
+def source_line(key: str) -> int:
+    """The (first) line number of the authors' value ``key``."""
+    return int(re.search(r":(\d+)", DATA["values"][key]["source"])[1])
+
+
+def test_the_probe_draws_its_rows_after_its_model():
+    """The ledger's "probe's training rows": both scripts seed torch's global generator on entering their
+    ``Utility`` (``set_seed``: ``torch.manual_seed``); ``train.py`` then builds its loaders (``random_split``)
+    and only then its model, so its val rows are ``authors_rows(n, seed)``; ``linear_probing.py`` builds its
+    model first, whose construction draws from that generator (a layer's initialisation: here one
+    ``nn.Linear``), so its rows are a later draw than ``authors_rows(n, 42)``."""
+    from raystudy.core.finetune.data import authors_rows
+
+    assert authors("utility.set_seed") == "set_seed(self.seed)"
+    assert authors("config.manual_seed") == "torch.manual_seed(seed=seed)"
+    assert source_line("train.seeded") < source_line("train.train_loader") < source_line("train.build_model")
+    assert source_line("probe.seeded") < source_line("probe.build_model") < source_line("probe.train_loader")
+    assert authors("probe_yaml.seed") == 42
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(42)
+        torch.nn.Linear(8, 8)  # what any model construction does before the probe's loaders are built
+        theirs = torch.utils.data.random_split(range(1000), [800, 200])
+    train, val = authors_rows(1000, 42)
+    assert list(theirs[0].indices) != train.tolist() and sorted(theirs[1].indices) != sorted(val.tolist())
