@@ -787,3 +787,31 @@ def test_the_probe_draws_its_rows_after_its_model():
         theirs = torch.utils.data.random_split(range(1000), [800, 200])
     train, val = authors_rows(1000, 42)
     assert list(theirs[0].indices) != train.tolist() and sorted(theirs[1].indices) != sorted(val.tolist())
+
+
+def test_vit_l_and_h_pairs_start_over_where_their_batches_of_32_end():
+    """The ledger's "ViT-L/16 and ViT-H/14 pairs": ``analysis.sh``'s 32 x 400 for both, restarted loaders; the
+    preset's batch of 64 restarts clipart's 9,768 test images elsewhere (and only those of the paper's test
+    splits), ``plasticity.batch_size: 32`` restarts them where theirs do."""
+    from raystudy.data.pairing import sequential_positions
+
+    b, steps = authors("analysis_sh.large.batch_size"), authors("analysis_sh.large.n_steps")
+    assert (b, steps) == (authors("analysis_sh.huge.batch_size"), authors("analysis_sh.huge.n_steps")) == (32, 400)
+    assert (authors("analysis_sh.large.model_name"), authors("analysis_sh.huge.model_name")) == ("large", "huge")
+    assert authors("data.make_iterable") == "repeat(dataloader)"
+    preset = load_preset("plasticity-paper")
+    assert b * steps == preset.plasticity.pairs and preset.plasticity.batch_size == 64
+    larger = preset.with_overrides({"plasticity.batch_size": 32})
+    larger.validate(check_files=False)
+    clipart = 48_837 - int(0.8 * 48_837)
+    assert clipart == 9_768
+    for n in (10_000, 2_000, 6_149, 3_669, clipart):
+        theirs = authors_loader_positions(n, b, steps)
+        assert sequential_positions(50_000, n, b * steps, larger.plasticity.batch_size)[1].tolist() == theirs
+        ours = sequential_positions(50_000, n, b * steps, preset.plasticity.batch_size)[1]
+        differ = int((ours != np.asarray(theirs)).sum())
+        assert differ == (3_072 if n == clipart else 0), n
+        if n == clipart:
+            assert (ours[9_728], theirs[9_728], theirs[9_760]) == (0, 9_728, 0)
+    pre = sequential_positions(50_000, 14_000, b * steps, 64)[0]
+    assert pre.tolist() == list(range(12_800))  # the ImageNet side never starts over
