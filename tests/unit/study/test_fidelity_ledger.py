@@ -753,7 +753,7 @@ def test_the_differences_are_what_the_authors_files_say():
                f"{authors('finetuning_ld_sh.cifar10c-motion_blur.corruption')}-severity-5")
     assert authors("data.cifar10_c_branch") not in ld_name and authors("data.cifar10ld_c_branch") in ld_name
     assert authors("data.cifar10ld_c_import") == "vitef.data.images.cifar10_c"
-    size = load_preset("paper-model-size")  # where ViT-L's epoch ends, its logged loss
+    size = load_preset("paper-model-size")  # where ViT-L's epoch ends
     assert (authors("model_size_sh.batch_size"), authors("model_size_sh.grad_acc_steps")) == (128, 4)
     assert size.drop_last and size.micro_batch_size * 4 == size.batch_size
     assert authors("model_size_sh.huge.model_name") == "huge" and "huge" not in size.model  # ViT-H/14
@@ -815,3 +815,37 @@ def test_vit_l_and_h_pairs_start_over_where_their_batches_of_32_end():
             assert (ours[9_728], theirs[9_728], theirs[9_760]) == (0, 9_728, 0)
     pre = sequential_positions(50_000, 14_000, b * steps, 64)[0]
     assert pre.tolist() == list(range(12_800))  # the ImageNet side never starts over
+
+
+def test_the_logged_training_loss_of_micro_batches():
+    """The ledger's "logged training loss of an update made of micro-batches": the authors' ``train.py``
+    loop, transcribed, logs the last micro-batch's loss; raystudy's step logs the mean over the update's
+    images (the mean of its micro-batches' losses), on a linear model with speckle noise's 4 micro-batches."""
+    from raystudy.core.finetune.step import train_step
+
+    speckle = "finetuning_sh.cifar10c-speckle_noise"
+    grad_acc, micro = authors(f"{speckle}.grad_acc_steps"), authors(f"{speckle}.batch_size")
+    assert (grad_acc, micro) == (authors("model_size_sh.grad_acc_steps"), authors("model_size_sh.batch_size"))
+    protocol = load_preset("paper").protocol("cifar10c-speckle_noise")
+    assert (protocol.micro_batch_size, load_preset("paper").batch_size) == (micro, micro * grad_acc)
+    assert authors("train.loss_scaled") == "loss / config.grad_acc_steps" and authors("train.accumulate") == "continue"
+    assert authors("train.logged_loss") == "loss.item() * config.grad_acc_steps"
+
+    torch.manual_seed(0)
+    model, b = torch.nn.Linear(6, 3), 4  # micro-batches of 4 stand for their 128
+    batches = [(torch.randn(b, 6) * (1 + k), torch.randint(0, 3, (b,))) for k in range(grad_acc)]
+    with torch.no_grad():
+        per_micro = [float(torch.nn.functional.cross_entropy(model(x), y)) for x, y in batches]
+    logged = None
+    for acc_step, (x, y) in enumerate(batches, start=1):  # train.py's loop over one update
+        loss = torch.nn.functional.cross_entropy(model(x), y) / grad_acc
+        if acc_step % grad_acc != 0:
+            continue
+        logged = loss.item() * grad_acc
+    assert logged == pytest.approx(per_micro[-1], rel=1e-6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    ours = train_step(model, opt, sched, batches, share=b * grad_acc, trainable=list(model.parameters()),
+                      group=list(model.parameters()))
+    assert ours.loss == pytest.approx(sum(per_micro) / grad_acc, rel=1e-6)
+    assert abs(ours.loss - logged) > 0.05
