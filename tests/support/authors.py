@@ -25,7 +25,7 @@ COMMIT: str = PROTOCOL["commit"]
 #: The authors' val rows, pinned where torch draws them: ``(n, seed) -> (first 4, last 4, digest)`` of the
 #: permutation that ``random_split(range(n), [int(0.8 n), n - int(0.8 n)])`` draws right after
 #: ``torch.manual_seed(seed)`` (its first ``int(0.8 n)`` positions are the train rows, the rest the val rows;
-#: :func:`draw_pin`). Computed with torch 2.13.0 (CPU build) and 2.14.1, which draw the same
+#: :func:`rows_pin`). Computed with torch 2.13.0 (CPU build) and 2.14.1, which draw the same
 #: (docs/fidelity.md), so that a torch whose ``randperm`` draws otherwise fails here, where a comparison with
 #: the installed torch's own ``random_split`` would agree with itself. The pools the paper presets split, at
 #: the seeds 0, 42 and 3407: 999 (Pets low-data, 27 x 37), 1,000 (CIFAR-100 and CIFAR-10-C low-data), 3,450
@@ -59,8 +59,9 @@ VAL_ROWS: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...], str]] = 
 }
 
 
-def draw_pin(train, val) -> tuple[tuple[int, ...], tuple[int, ...], str]:
-    """A split's pin as :data:`VAL_ROWS` holds it: the first 4 and last 4 positions of ``train`` then ``val``,
-    and the first 16 hex digits of the sha256 of all of them as little-endian int64."""
-    perm = np.concatenate([np.asarray(train, dtype="<i8"), np.asarray(val, dtype="<i8")])
-    return tuple(perm[:4].tolist()), tuple(perm[-4:].tolist()), hashlib.sha256(perm.tobytes()).hexdigest()[:16]
+def rows_pin(*parts) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """A sequence of rows pinned, as :data:`VAL_ROWS` holds a split (``rows_pin(train, val)``): the first 4
+    and last 4 of ``parts`` one after the other, and the first 16 hex digits of the sha256 of all of them as
+    little-endian int64."""
+    rows = np.concatenate([np.asarray(p, dtype="<i8") for p in parts])
+    return tuple(rows[:4].tolist()), tuple(rows[-4:].tolist()), hashlib.sha256(rows.tobytes()).hexdigest()[:16]

@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from raystudy.study.spec import load_preset, preset_names
-from tests.support.authors import COMMIT, PROTOCOL, VAL_ROWS, draw_pin
+from tests.support.authors import COMMIT, PROTOCOL, VAL_ROWS, rows_pin
 from tests.support.processes import REPO
 
 ROOT = REPO
@@ -415,7 +415,7 @@ def check_val_split():
         train, val = authors_rows(n, seed=seed)
         assert (train.tolist(), val.tolist()) == (list(theirs[0].indices), list(theirs[1].indices))
     # and the pinned draws, which a torch that draws otherwise does not give (the line above would agree)
-    assert all(draw_pin(*authors_rows(n, seed)) == pin for (n, seed), pin in VAL_ROWS.items())
+    assert all(rows_pin(*authors_rows(n, seed)) == pin for (n, seed), pin in VAL_ROWS.items())
     assert list(OFFICIAL_VAL_SOURCES) == authors("data.predefined_val")
 
 
