@@ -10,8 +10,7 @@ The paper fixes ``r = 19.4`` (measured by the authors on CIFAR-10): ``--radius 1
 computes the bounds at 19.4 and keeps the radius measured on STORE in the column ``radius_measured``
 beside ``radius``. ``--bounds authors`` computes the formulas of the authors' Fig. 7 (their
 ``apps/plots/theory.py``) instead of the paper's, ``--bounds both`` the rows of each; the column ``bounds``
-records which. Formulas and
-assumptions: :mod:`raystudy.core.bounds`.
+records which. Formulas and assumptions: :mod:`raystudy.core.bounds`.
 """
 
 from __future__ import annotations
