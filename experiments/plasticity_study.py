@@ -4,7 +4,8 @@
     python experiments/plasticity_study.py              # = raystudy study --preset plasticity-demo
     python experiments/plasticity_study.py --preset paper --address auto --set data_root=/mnt/shared/data
     python experiments/plasticity_study.py --preset paper --model vit_large_patch16_224.orig_in21k \\
-        --weights weights/vit_large_patch16_224.orig_in21k.safetensors --out results/plasticity-paper-l16
+        --set plasticity.batch_size=32 --weights weights/vit_large_patch16_224.orig_in21k.safetensors \\
+        --out results/plasticity-paper-l16
 
 The presets are the study presets ``plasticity-demo`` and ``plasticity-paper`` (``raystudy/presets/``;
 ``--preset demo`` here means ``plasticity-demo``), study specs with ``configurations: []``: the bounds

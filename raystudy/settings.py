@@ -39,7 +39,7 @@ from raystudy import vocab
 from raystudy.setting_roles import roles_metadata
 from raystudy.vocab import (
     ACCURACIES,
-    BOUNDS_FORMULAS,
+    BOUNDS_CHOICES,
     CONTROLS,
     DATA_PATHS,
     GATED_FC1,
@@ -387,9 +387,10 @@ class PlasticitySettings:
     radius: float | None = setting(None, check="optional_positive",
                                    help="fixed token radius r of the bounds (the paper's 19.4); None: measured",
                                    roles={"plasticity"})
-    bounds: str = setting("paper", choices=BOUNDS_FORMULAS,
-                          help="the bounds' formulas: the paper's (Section 4) or those of the authors' Fig. 7 "
-                               "(apps/plots/theory.py: max(gamma), per-head column slices, the whole W2)",
+    bounds: str = setting("paper", choices=BOUNDS_CHOICES,
+                          help="the bounds' formulas: the paper's (Section 4), those of the authors' Fig. 7 "
+                               "(apps/plots/theory.py: max(gamma), per-head column slices, the whole W2), or "
+                               "both (the rows of each)",
                           roles={"plasticity"})
     seed: int = setting(0, check="non_negative_int",
                         help="seed of the random pairing (and of the random init without weights)",

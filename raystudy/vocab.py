@@ -151,6 +151,9 @@ GATED_FC1: tuple[str, ...] = ("stacked", "up")
 #: W_Q/W_K/W_V per head, max|gamma|/sigma, FC2 on the lifted tokens W_2[:, :d]) or those the authors' Fig. 7
 #: computes (``apps/plots/theory.py``: columns per head, max(gamma), the whole W_2); the first is the default
 BOUNDS_FORMULAS: tuple[str, ...] = ("paper", "authors")
+#: the values of ``plasticity.bounds`` (``--bounds``): one of the formulas, or ``both``: the rows of each, told
+#: apart by the bounds table's column ``bounds`` (the paper's formulas and what the authors' Fig. 7 plots)
+BOUNDS_CHOICES: tuple[str, ...] = (*BOUNDS_FORMULAS, "both")
 
 _str, _int, _float = pa.string(), pa.int64(), pa.float64()
 
@@ -245,6 +248,14 @@ PAPER_RANKING: tuple[str, ...] = ("MHA", "FC1", "FC2", "LN2", "LN1")
 DEFAULTED_COLUMNS: dict[str, dict[str, str]] = {"plasticity": {"weights": PRETRAINED, "precision": PRECISIONS[0]},
                                                 "rates": {"weights": PRETRAINED},
                                                 "bounds": {"bounds": BOUNDS_FORMULAS[0]}}
+
+
+def bounds_formulas(choice: str) -> tuple[str, ...]:
+    """The formulas a ``plasticity.bounds`` value computes, in :data:`BOUNDS_FORMULAS` order (``both``: all);
+    ``ValueError`` naming the choices for another value."""
+    if choice not in BOUNDS_CHOICES:
+        raise ValueError(f"unknown bounds formulas {choice!r}; choose one of {list(BOUNDS_CHOICES)}")
+    return BOUNDS_FORMULAS if choice == BOUNDS_CHOICES[-1] else (choice,)
 
 
 def columns(table: str) -> list[str]:

@@ -72,11 +72,14 @@ def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
         jobs.append(P.figure_job(P.pretraining_table(inputs.pretraining)))
     if inputs.bounds is not None:
         b = inputs.bounds
-        authors = " The authors' formulas (their Fig. 7's theory.py), not the paper's." \
-            if "bounds" in b.columns and (b["bounds"] == BOUNDS_FORMULAS[1]).any() else ""
+        formulas = set(F.bounds_of(b))
+        which = {BOUNDS_FORMULAS[0]: "",
+                 BOUNDS_FORMULAS[1]: " The authors' formulas (their Fig. 7's theory.py), not the paper's."}
+        both = (" A panel for each formulas: the paper's (Section 4) and the authors' (their Fig. 7's theory.py, "
+                "what the published figure plots), from the same weights.")
         jobs.append(("bounds", "Upper bounds and measured plasticity",
-                     "Theoretical upper bounds (dashed) next to the measured plasticity (solid), log scale." + authors,
-                     lambda s: F.plot_bounds(b, p, s)))
+                     "Theoretical upper bounds (dashed) next to the measured plasticity (solid), log scale."
+                     + (both if len(formulas) > 1 else which[formulas.pop()]), lambda s: F.plot_bounds(b, p, s)))
     return jobs
 
 

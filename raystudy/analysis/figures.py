@@ -34,7 +34,7 @@ from raystudy.analysis.style import (
     configuration_styles,
     styled,
 )
-from raystudy.vocab import RANDOM_BLOCKS, RANDOM_INIT, TRIALS_CONFIGURATIONS, pretrained_rows
+from raystudy.vocab import BOUNDS_FORMULAS, RANDOM_BLOCKS, RANDOM_INIT, TRIALS_CONFIGURATIONS, pretrained_rows
 
 #: The name the colours had before the vocabulary was unified (kept for user code).
 COMPONENT_COLORS = CONFIGURATION_COLORS
@@ -316,9 +316,11 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
                 title: str = "") -> list[Path]:
     """Theoretical upper bounds (dashed) next to the measured plasticity (solid) across depth, log scale.
 
-    ``bounds`` follows ``bounds.parquet`` (``model, layer, component, bound``); ``plasticity`` (optional)
-    follows ``plasticity.parquet`` and is averaged over datasets, in ``embedding`` mode when present (the
-    mode the bounds are stated for). One panel per model; non-finite or non-positive bounds are skipped.
+    ``bounds`` follows ``bounds.parquet`` (``model, layer, component, bound``, and ``bounds``: which formulas,
+    the paper's where absent); ``plasticity`` (optional) follows ``plasticity.parquet`` and is averaged over
+    datasets, in ``embedding`` mode when present (the mode the bounds are stated for). One panel per model
+    and formulas (:data:`BOUNDS_TITLES` names the formulas where a table holds several); non-finite or
+    non-positive bounds are skipped.
     """
     _require(bounds, ["model", "layer", "component", "bound"], "bounds")
     if plasticity is not None:
@@ -326,17 +328,21 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
         if "mode" in plasticity.columns and (plasticity["mode"] == "embedding").any():
             plasticity = plasticity[plasticity["mode"] == "embedding"]
     models = sorted(bounds["model"].astype(str).unique())
-    fig, axes = _grid(len(models), width=6.0, height=4.2)
+    formulas = bounds_of(bounds)
+    shown = [f for f in BOUNDS_FORMULAS if (formulas == f).any()]
+    panels = [(m, f) for m in models for f in shown if ((bounds["model"].astype(str) == m) & (formulas == f)).any()]
+    fig, axes = _grid(len(panels), width=6.0, height=4.2)
     drawn: set[tuple[str, str]] = set()
-    for ax, model in zip(axes, models):
+    for ax, (model, formula) in zip(axes, panels):
         p = None
         if plasticity is not None:
             p = plasticity[plasticity["model"].astype(str) == model]
             if p.empty and plasticity["model"].nunique() == 1 and len(models) == 1:
                 p = plasticity  # one model each side under different names
-        drawn |= _bounds_panel(ax, bounds[bounds["model"].astype(str) == model], p)
-        if len(models) > 1:
-            ax.set_title(model)
+        drawn |= _bounds_panel(ax, bounds[(bounds["model"].astype(str) == model) & (formulas == formula)], p)
+        names = ([model] if len(models) > 1 else []) + ([BOUNDS_TITLES[formula]] if len(shown) > 1 else [])
+        if names:
+            ax.set_title(" · ".join(names))
     comps = [c for c in _ordered(bounds["component"].unique()) if any(d[0] == c for d in drawn)]
     handles = [Line2D([], [], color=_color(c), marker=MARKERS[c], lw=1.8, ms=4, label=c) for c in comps]
     kinds = {k for _, k in drawn}
@@ -346,6 +352,17 @@ def plot_bounds(bounds: pd.DataFrame, plasticity: pd.DataFrame | None, path_stem
         fig.legend(handles=handles, loc="outside right center", frameon=False, title="component")
     _title(fig, title or "Upper bounds and measured plasticity", models[0] if len(models) == 1 else "")
     return save_figure(fig, path_stem)
+
+
+#: a panel's title for each formulas of the bounds (:data:`raystudy.vocab.BOUNDS_FORMULAS`)
+BOUNDS_TITLES = {"paper": "the paper's formulas (Section 4)", "authors": "the authors' formulas (their Fig. 7)"}
+
+
+def bounds_of(bounds: pd.DataFrame) -> pd.Series:
+    """The formulas of each row of a bounds table: its column ``bounds``, the paper's where it has none."""
+    if "bounds" in bounds.columns:
+        return bounds["bounds"].astype(str)
+    return pd.Series(BOUNDS_FORMULAS[0], index=bounds.index)
 
 
 def _bounds_panel(ax, b: pd.DataFrame, p: pd.DataFrame | None) -> set[tuple[str, str]]:

@@ -39,6 +39,7 @@ import pandas as pd
 from raystudy import storage
 from raystudy.io import TableError, read_result, table_path
 from raystudy.vocab import (
+    BOUNDS_FORMULAS,
     COMPONENTS,
     FINAL_STATUSES,
     LINEAR_PROBE,
@@ -242,6 +243,8 @@ def validate_bounds(df: pd.DataFrame, path: str) -> pd.DataFrame:
     _not_empty(df, path)
     df = df.reset_index(drop=True).copy()
     _known(df, "component", COMPONENTS, path)
+    if "bounds" in df.columns:  # which formulas (a table written before the column reads as the paper's)
+        _known(df, "bounds", BOUNDS_FORMULAS, path)
     for c in ("layer", "bound"):
         df[c] = _numeric(df, c, path)
     _no_nulls(df, ["model", "layer"], path)

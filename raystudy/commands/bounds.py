@@ -9,8 +9,8 @@ the windows of ``--seq-len`` tokens of a text store (``--images STORE``: its tes
 The paper fixes ``r = 19.4`` (measured by the authors on CIFAR-10): ``--radius 19.4 --images STORE``
 computes the bounds at 19.4 and keeps the radius measured on STORE in the column ``radius_measured``
 beside ``radius``. ``--bounds authors`` computes the formulas of the authors' Fig. 7 (their
-``apps/plots/theory.py``) instead of the paper's; the column ``bounds`` records which. Formulas and
-assumptions: :mod:`raystudy.core.bounds`.
+``apps/plots/theory.py``) instead of the paper's, ``--bounds both`` the rows of each; the column ``bounds``
+records which. Formulas and assumptions: :mod:`raystudy.core.bounds`.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def run(args) -> int:
     if measured is not None:
         table["radius_measured"] = measured
     path = write_result(table, Path(args.out_dir), "bounds")
-    wide = table.pivot_table(index="component", columns="layer", values="bound", sort=False)
+    index = ["bounds", "component"] if table["bounds"].nunique() > 1 else "component"  # --bounds both: each
+    wide = table.pivot_table(index=index, columns="layer", values="bound", sort=False)
     print(wide.to_string(float_format=lambda v: f"{v:.4g}"))
     print(f"\nwrote {path}")
     return 0

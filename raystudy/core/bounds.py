@@ -39,7 +39,8 @@ The authors' formulas (``bounds="authors"``)
     but unused.
 
 The bounds table has columns ``layer, component, bound`` plus ``bound_hidden``, ``radius``, ``seq_len``,
-``sigma`` (the values they were computed with) and ``bounds`` (which formulas: ``BOUNDS_FORMULAS``).
+``sigma`` (the values they were computed with) and ``bounds`` (which formulas: ``BOUNDS_FORMULAS``; ``bounds="both"``
+gives the rows of each).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import torch
 from torch import nn
 
 from raystudy.core.components import get_adapter
-from raystudy.vocab import BOUNDS_FORMULAS, COMPONENTS
+from raystudy.vocab import BOUNDS_FORMULAS, COMPONENTS, bounds_formulas
 
 PAPER, AUTHORS = BOUNDS_FORMULAS
 
@@ -158,14 +159,14 @@ def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float 
         seq_len: sequence length ``n`` (e.g. 197 for ViT-B/16 at 224 px).
         sigma: per-token standard-deviation lower bound for the LayerNorm bounds (measure it with
             :func:`measure_sigma`); ``None`` reports the paper's LayerNorm bounds as NaN.
-        bounds: which formulas (``BOUNDS_FORMULAS``): ``paper`` (Section 4) or ``authors`` (their Fig. 7's
-            ``apps/plots/theory.py``); see the module docstring.
+        bounds: which formulas (``BOUNDS_CHOICES``): ``paper`` (Section 4), ``authors`` (their Fig. 7's
+            ``apps/plots/theory.py``; see the module docstring) or ``both`` (the rows of each, the paper's
+            first).
 
     Returns:
         DataFrame ``layer, component, bound, bound_hidden, radius, seq_len, sigma, bounds``.
     """
-    if bounds not in BOUNDS_FORMULAS:
-        raise ValueError(f"unknown bounds formulas {bounds!r}; choose one of {list(BOUNDS_FORMULAS)}")
+    formulas = bounds_formulas(bounds)
     if radius <= 0 or seq_len <= 0:
         raise ValueError(f"radius and seq_len must be positive, got radius={radius}, seq_len={seq_len}")
     if sigma is not None and sigma <= 0:
@@ -176,14 +177,14 @@ def upper_bounds(model: nn.Module, *, radius: float, seq_len: int, sigma: float 
         warnings.warn(f"{comp} bound assumptions do not hold for {type(model).__name__} ({why}); reporting NaN",
                       stacklevel=2)
     rows = []
-    for layer, b in enumerate(adapter.blocks()):
-        values = _block_bounds(b, radius=radius, seq_len=seq_len, sigma=sigma, skip=skip, bounds=bounds)
-        rows += [(layer, comp, bound, hidden) for comp, (bound, hidden) in zip(COMPONENTS, values)]
-    df = pd.DataFrame(rows, columns=["layer", "component", "bound", "bound_hidden"])
-    df["radius"] = float(radius)
-    df["seq_len"] = int(seq_len)
-    df["sigma"] = np.nan if sigma is None else float(sigma)
-    df["bounds"] = bounds
+    for formula in formulas:
+        for layer, b in enumerate(adapter.blocks()):
+            values = _block_bounds(b, radius=radius, seq_len=seq_len, sigma=sigma, skip=skip, bounds=formula)
+            rows += [(layer, comp, bound, hidden, formula) for comp, (bound, hidden) in zip(COMPONENTS, values)]
+    df = pd.DataFrame(rows, columns=["layer", "component", "bound", "bound_hidden", "bounds"])
+    df.insert(4, "radius", float(radius))
+    df.insert(5, "seq_len", int(seq_len))
+    df.insert(6, "sigma", np.nan if sigma is None else float(sigma))
     return df
 
 

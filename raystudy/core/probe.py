@@ -19,7 +19,11 @@ one pass of the authors' train ``DataLoader(batch_size=512, shuffle=True, drop_l
 order: a permutation of the ``n`` rows, its first ``floor(n / N) N`` (Flowers102's 1,020 rows: 512; Pets'
 2,944: 2,560; a CIFAR-10-C block's 6,400: 6,144). The permutation is seeded by the probe's ``seed`` (theirs
 comes from torch's global generator: the same count, other rows). Their ``seed`` is the config's 42, here the
-caller's. Their train split is the 80% part of a seeded 80/20 train/val split: a store's ``train`` split.
+caller's. The probe fits a store's ``train`` split. Theirs is the 80% part of ``random_split`` drawn from
+torch's global generator after ``set_seed(42)`` and after every draw of their model's construction
+(``linear_probing.py`` builds the model, its layers randomly initialised before the pretrained weights load,
+before its loaders), so not :func:`raystudy.core.finetune.data.authors_rows` ``(n, 42)``: the same size, other
+rows (Flowers102: its official train split, the same rows; docs/fidelity.md).
 
 Features are returned in float32; the model runs in float32 (``precision="fp32"``, the default on a CPU)
 or under bf16 autocast (``"bf16"``, the default on CUDA, as finetuning:

@@ -65,7 +65,8 @@ folds them into a :class:`raystudy.core.bounds.TokenStats`, and a :class:`Bounds
 with them while the other datasets stream (``bounds.parquet``). A fixed ``radius`` (the paper's
 ``r = 19.4``, measured by the authors on CIFAR-10) replaces the measured one in the bounds; the table
 keeps both: ``radius`` (the one the bounds used) and ``radius_measured`` (on the pretraining images).
-``bounds`` picks the formulas (the paper's, or the authors' Fig. 7's) and is recorded in the column ``bounds``.
+``bounds`` picks the formulas (the paper's, the authors' Fig. 7's, or both) and is recorded in the column
+``bounds``.
 
 Failures
 --------
@@ -176,8 +177,9 @@ class PlasticityJob(PlasticityRun, ModelSettings, PlasticitySettings):
         seed: seed of the ``random`` pairing (and of the random init when ``weights`` is ``None``).
         radius: a fixed token radius ``r`` for the bounds (the paper's 19.4); ``None``: the radius measured
             on the pretraining images. ``bounds.parquet`` holds both (``radius``, ``radius_measured``).
-        bounds: the bounds' formulas, ``paper`` (Section 4) or ``authors`` (their Fig. 7's ``theory.py``;
-            :mod:`raystudy.core.bounds`), recorded in ``bounds.parquet``'s column ``bounds``.
+        bounds: the bounds' formulas, ``paper`` (Section 4), ``authors`` (their Fig. 7's ``theory.py``;
+            :mod:`raystudy.core.bounds`) or ``both`` (the rows of each), recorded in ``bounds.parquet``'s
+            column ``bounds``.
         img_size: evaluation transform size; ``None`` takes the model's input size.
         precision: the forward passes' precision: ``fp32``, ``bf16`` (autocast; norms stay float32) or
             ``auto`` (bf16 when the actors have GPUs); :meth:`resolved_precision`.

@@ -1,11 +1,12 @@
 """`raystudy bounds --bounds authors` against a literal transcription of the authors' Fig. 7 code.
 
 The authors compute Fig. 7's bounds in ``apps/plots/theory.py`` (github.com/ambroiseodt/vit-plasticity,
-branch ``dev``, commit 435c142): ``norm_ub`` (L111-138), ``linear_ub`` (L141-170) and ``attention_ub``
-(L173-214), on their own ViT module. Below, those three functions are copied line by line; only the model
-they build (``build_model(config=model_config, ...)``) is passed in instead, and the sizes they look up by
-model name (``n_heads``, ``emb_dim``, ``seq_len``: L186-188) are arguments. The model passed in has their
-parameter names and layouts (:class:`AuthorsBlock`), loaded with the tiny timm ViT's weights.
+branch ``dev``, at the one commit the tests cite, :data:`tests.support.authors.COMMIT`): ``norm_ub``
+(L111-138), ``linear_ub`` (L141-170) and ``attention_ub`` (L173-214), on their own ViT module. Below, those
+three functions are copied line by line; only the model they build (``build_model(config=model_config,
+...)``) is passed in instead, and the sizes they look up by model name (``n_heads``, ``emb_dim``,
+``seq_len``: L186-188) are arguments. The model passed in has their parameter names and layouts
+(:class:`AuthorsBlock`), loaded with the tiny timm ViT's weights.
 
 The paper's formulas (the default, ``bounds: paper``) keep their own tests (tests/unit/core/test_core.py,
 tests/ray/test_cli_plasticity.py); here they are checked to differ from the authors' where the formulas do.
@@ -224,6 +225,9 @@ def test_authors_bounds_are_theory_py_s_on_the_same_weights(tmp_path, weights):
     gamma = model.blocks[0].norm1.weight.detach()
     assert a[(0, "LN1")] == pytest.approx(float(gamma.max())) and float(gamma.max()) < 0.71
     assert p[(0, "LN1")] == pytest.approx(2.0 / 0.3)
+    # --bounds both: the rows of each, the paper's first, told apart by the column bounds
+    both = _bounds(tmp_path, "both", *given, "--bounds", "both")
+    pd.testing.assert_frame_equal(both, pd.concat([paper, got], ignore_index=True))
 
 
 def test_authors_bounds_with_measured_radius_and_no_sigma(tmp_path, weights):
@@ -278,3 +282,48 @@ def test_unknown_formulas_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bounds", *MODEL, "--radius", "2", "--bounds", "theory", "--out", str(tmp_path / "x")])
     assert "invalid choice: 'theory'" in capsys.readouterr().err
+
+
+def test_plasticity_paper_computes_and_draws_both_formulas(tmp_path, weights, monkeypatch):
+    """``plasticity-paper``'s bounds are both formulas (``bounds: both``): its job hands them to the bounds
+    thread, which computes the paper's rows (numpy's SVDs, tests/unit/core/test_cli_core.py) and theory.py's
+    (the transcription above) from the same weights, and its analysis draws one bounds figure with a panel
+    for each, whose dashed lines are that formulas' values."""
+    from matplotlib.figure import Figure
+
+    from raystudy.analysis.figures import BOUNDS_TITLES
+    from raystudy.io import write_result
+    from raystudy.study.jobs import plasticity_job
+    from raystudy.study.spec import load_preset
+    from tests.unit.core.test_cli_core import numpy_bounds
+
+    model, path = weights
+    preset = load_preset("plasticity-paper")
+    assert preset.plasticity.bounds == "both"
+    spec = preset.with_overrides({"model": "vit_tiny_patch16_224", "model_kwargs": TINY, "weights": path,
+                                  "img_size": 32})
+    job = plasticity_job(spec, "cifar10", str(tmp_path), str(tmp_path / "out"))
+    assert job.bounds == "both"
+    thread = BoundsThread(actor_spec(job))
+    thread.start()
+    thread.submit(19.4, SEQ_LEN, 0.3)
+    got = thread.result()
+    assert got["bounds"].tolist() == ["paper"] * 15 + ["authors"] * 15
+    paper, authors = (got[got["bounds"] == f] for f in BOUNDS_FORMULAS)
+    pd.testing.assert_series_equal(_keyed(paper), _keyed(numpy_bounds(model, 19.4, SEQ_LEN, 0.3)), rtol=1e-5)
+    pd.testing.assert_series_equal(_keyed(authors), _keyed(authors_table(model, 19.4, SEQ_LEN)), rtol=RTOL)
+
+    got.insert(0, "model", job.model)
+    write_result(got, tmp_path / "study", "bounds")
+    inputs = StudyInputs(study_dir=str(tmp_path / "study"), bounds=read_result(tmp_path / "study", "bounds"))
+    (job_,) = [j for j in _plasticity_figures(inputs) if j[0] == "bounds"]
+    assert "the paper's (Section 4) and the authors' (their Fig. 7's theory.py" in job_[2]
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    job_[3](tmp_path / "bounds")
+    axes = [ax for ax in figures[0].axes if ax.get_visible() and ax.lines]
+    assert [ax.get_title() for ax in axes] == [BOUNDS_TITLES[f] for f in BOUNDS_FORMULAS]
+    for ax, table in zip(axes, (paper, authors)):
+        dashed = {tuple(np.round(line.get_ydata(), 6)) for line in ax.lines if line.get_linestyle() == "--"}
+        assert dashed == {tuple(np.round(table[table["component"] == c].sort_values("layer")["bound"], 6))
+                          for c in COMPONENTS}

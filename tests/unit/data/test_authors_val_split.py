@@ -18,6 +18,7 @@ import json
 import pickle
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from raystudy.data.sources import prepare, prepare_candidates
 from raystudy.data.store import read_meta, write_store
 from raystudy.study.checks import dataset_store_problem
 from raystudy.study.spec import StudySpec, load_preset
+from tests.support.authors import VAL_ROWS, rows_pin
 from tests.support.stores import png_bytes
 from tests.unit.data.test_authors_splits import (
     authors_cifar10_c,
@@ -109,6 +111,16 @@ def test_authors_rows_are_torch_random_split_after_manual_seed():
     authors_rows(100, 3)
     assert torch.equal(torch.random.get_rng_state(), state)  # torch's global generator is left alone
     assert not np.array_equal(authors_rows(1001, 0)[1], per_seed_rows(1001, 0)[1])
+
+
+def test_authors_rows_are_the_pinned_draws():
+    """Against pinned draws, not the installed torch (which would agree with itself): every pool the paper
+    presets split, at seeds 0, 42 and 3407 (:data:`tests.support.authors.VAL_ROWS`)."""
+    for (n, seed), pin in VAL_ROWS.items():
+        train, val = authors_rows(n, seed)
+        assert len(train) == int(0.8 * n) and rows_pin(train, val) == pin, (n, seed)
+    for n, seed in ((1000, 42), (8000, 3407), (50000, 0)):  # the authors' own lines draw the same
+        assert rows_pin(*authors_random_split(n, seed)) == VAL_ROWS[n, seed]
 
 
 @pytest.mark.parametrize("source", ["cifar10", "cifar100"])
@@ -252,6 +264,54 @@ def test_data_rows_of_a_store_with_its_own_val(tmp_path, capsys):
     got = _cli_rows(tmp_path / "own", tmp_path / "rows.csv", "--val-split", "authors", "--seed", "42")
     assert got == {"train": list(range(10)), "val": [10, 11, 12, 13], "test": [14, 15, 16, 17]}
     assert "(val_split authors (its val split is the source's own: kept, fixed), seed 42)" in capsys.readouterr().out
+
+
+#: the test rows of a CIFAR-10-C severity-5 store prepared with ``--split-rule authors``, in the order its
+#: evaluation iterates them: :func:`tests.support.authors.rows_pin` of their stable indices (the row in the
+#: .npy file: 40,000 + ``np.sort`` of the last 2,000 of ``deterministic_split``'s permutation)
+CIFAR10C_TEST_ROWS = ((40001, 40004, 40005, 40009), (49986, 49987, 49988, 49997), "82a7e650c0b4037f")
+
+
+def evaluated_rows(cfg: FinetuneConfig, monkeypatch) -> list[int]:
+    """The stable indices of the test rows a run of ``cfg`` evaluates, in the order its evaluation reads them
+    (:meth:`Finetuner._eval_batches`, one worker), recorded where each batch is read."""
+    from raystudy.core.finetune import Finetuner
+    from raystudy.core.finetune.data import CachedSplitData, SplitData
+
+    read: list[int] = []
+    for kind in (SplitData, CachedSplitData):
+        def batch(self, rows, *a, _read=kind.batch, **k):
+            read.extend(self.indices[np.asarray(rows)].tolist())
+            return _read(self, rows, *a, **k)
+        monkeypatch.setattr(kind, "batch", batch)
+    for _ in Finetuner(cfg)._eval_batches("test"):
+        pass
+    return read
+
+
+@pytest.mark.parametrize("data_path", ["decode", "cache"])
+def test_the_evaluation_reads_the_test_rows_in_the_authors_order(cifar10c_source, tmp_path, monkeypatch,
+                                                                 data_path):
+    """A per-batch accuracy averages the accuracies of consecutive batches, so it depends on the test rows'
+    order. The evaluation reads CIFAR-10-C's test rows as the authors' test loader does (``cifar10_c.py``:
+    ``np.sort`` of the last 2,000 of ``deterministic_split``), image for image, on both data paths, and in
+    the pinned order; every worker count reads contiguous shares that, in rank order, are that order."""
+    from raystudy.core.finetune import Finetuner
+
+    prepare("cifar10c", cifar10c_source.parent, tmp_path / "store", corruption="motion_blur", severity=5,
+            split_rule="authors")
+    cfg = _cfg(tmp_path / "store", tmp_path, data_path=data_path, val_split="authors", eval_batch_size=512,
+               cache_dir=str(tmp_path / "cache"))
+    read = evaluated_rows(cfg, monkeypatch)
+    assert rows_pin(read) == CIFAR10C_TEST_ROWS and len(read) == 2000
+    data, targets = authors_cifar10_c(cifar10c_source, "motion_blur", 5, False)
+    rows = _rows(tmp_path / "store")
+    assert [rows[i][1] for i in read] == targets.tolist()
+    assert np.array_equal(np.stack([_decode(rows[i][2]) for i in read]), data)
+    assert read == run_indices(tmp_path / "store", "authors", 0)["test"].tolist()  # what `data rows` lists
+    for world in (2, 3, 7):
+        shares = [Finetuner._eval_rows(SimpleNamespace(world_size=world, rank=r), len(read)) for r in range(world)]
+        assert np.concatenate(shares).tolist() == list(range(len(read))), world
 
 
 # ----------------------------------------------------------------------------- refusals and presets

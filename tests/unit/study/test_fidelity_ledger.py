@@ -1,8 +1,9 @@
 """docs/fidelity.md, the ledger of the paper presets against the authors' code, checked line by line.
 
 * The authors' values: ``tests/data/authors_protocol.yaml`` holds each value copied from their files
-  (branch ``dev``) with its ``file:line`` and the line's text; :func:`read_value` reads the value back from
-  that text, so a value that does not say what its line says fails here, offline.
+  (branch ``dev``, the commit :data:`tests.support.authors.COMMIT`) with its ``file:line`` and the line's
+  text; :func:`read_value` reads the value back from that text, so a value that does not say what its line
+  says fails here, offline.
 * What matches: each line of the ledger's "What matches" table names a check of :data:`MATCHES`, which
   resolves the presets (per dataset, through the job each grid point runs) and compares them with the
   authors' values; the table and :data:`MATCHES` name the same checks.
@@ -31,11 +32,12 @@ import torch
 import yaml
 
 from raystudy.study.spec import load_preset, preset_names
+from tests.support.authors import COMMIT, PROTOCOL, VAL_ROWS, rows_pin
 from tests.support.processes import REPO
 
 ROOT = REPO
 LEDGER = ROOT / "docs" / "fidelity.md"
-DATA = yaml.safe_load((REPO / "tests" / "data" / "authors_protocol.yaml").read_text())
+DATA = PROTOCOL
 EFFECTS = ("none", "curves only", "figure only", "numbers")
 #: the presets that finetune as the authors did, and the authors' config file of each of their datasets
 FINETUNING = ("paper", "paper-low-data", "paper-model-size")
@@ -97,6 +99,22 @@ def test_every_source_names_a_file_and_its_lines():
         else:
             assert m[3] is None, f"{key}: one line quoted for {m[0]}"
     assert re.fullmatch(r"[0-9a-f]{40}", DATA["commit"]) and DATA["branch"] == "dev"
+
+
+#: a citation of a commit of the authors' repository: ``commit <hex>`` or ``vit-plasticity/blob/<hex>``
+COMMIT_CITATION = re.compile(r"(?:\bcommit:?\s+`{0,2}|vit-plasticity/(?:blob|tree)/)([0-9a-f]{7,40})\b")
+
+
+def test_one_commit_of_the_authors_is_cited():
+    """The ledger names the commit of ``tests/data/authors_protocol.yaml`` (:data:`tests.support.authors.COMMIT`),
+    and every test or data file that cites a commit of the authors' repository cites that one."""
+    assert f"`{COMMIT}`" in LEDGER.read_text()
+    cited: dict[str, list[str]] = {}
+    for path in [*(ROOT / "tests").rglob("*.py"), *(ROOT / "tests" / "data").glob("*.yaml")]:
+        for found in COMMIT_CITATION.findall(path.read_text()):
+            cited.setdefault(found, []).append(str(path.relative_to(ROOT)))
+    assert COMMIT in cited, cited
+    assert {h: p for h, p in cited.items() if not COMMIT.startswith(h)} == {}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,6 +414,8 @@ def check_val_split():
         theirs = torch.utils.data.random_split(range(n), [int(0.8 * n), n - int(0.8 * n)])
         train, val = authors_rows(n, seed=seed)
         assert (train.tolist(), val.tolist()) == (list(theirs[0].indices), list(theirs[1].indices))
+    # and the pinned draws, which a torch that draws otherwise does not give (the line above would agree)
+    assert all(rows_pin(*authors_rows(n, seed)) == pin for (n, seed), pin in VAL_ROWS.items())
     assert list(OFFICIAL_VAL_SOURCES) == authors("data.predefined_val")
 
 
@@ -733,7 +753,7 @@ def test_the_differences_are_what_the_authors_files_say():
                f"{authors('finetuning_ld_sh.cifar10c-motion_blur.corruption')}-severity-5")
     assert authors("data.cifar10_c_branch") not in ld_name and authors("data.cifar10ld_c_branch") in ld_name
     assert authors("data.cifar10ld_c_import") == "vitef.data.images.cifar10_c"
-    size = load_preset("paper-model-size")  # where ViT-L's epoch ends, its logged loss
+    size = load_preset("paper-model-size")  # where ViT-L's epoch ends
     assert (authors("model_size_sh.batch_size"), authors("model_size_sh.grad_acc_steps")) == (128, 4)
     assert size.drop_last and size.micro_batch_size * 4 == size.batch_size
     assert authors("model_size_sh.huge.model_name") == "huge" and "huge" not in size.model  # ViT-H/14
@@ -741,3 +761,91 @@ def test_the_differences_are_what_the_authors_files_say():
     assert authors("gpt2.pretrain_side") == "wikitext" and gpt2.pretrain_store == "agnews"
     dinov3 = load_preset("plasticity-dinov3")  # DINOv3's model
     assert authors("dinov3_sh.7b.model_size") == "vit7b16" and dinov3.model == "vit_small_patch16_dinov3"
+
+
+def source_line(key: str) -> int:
+    """The (first) line number of the authors' value ``key``."""
+    return int(re.search(r":(\d+)", DATA["values"][key]["source"])[1])
+
+
+def test_the_probe_draws_its_rows_after_its_model():
+    """The ledger's "probe's training rows": both scripts seed torch's global generator on entering their
+    ``Utility`` (``set_seed``: ``torch.manual_seed``); ``train.py`` then builds its loaders (``random_split``)
+    and only then its model, so its val rows are ``authors_rows(n, seed)``; ``linear_probing.py`` builds its
+    model first, whose construction draws from that generator (a layer's initialisation: here one
+    ``nn.Linear``), so its rows are a later draw than ``authors_rows(n, 42)``."""
+    from raystudy.core.finetune.data import authors_rows
+
+    assert authors("utility.set_seed") == "set_seed(self.seed)"
+    assert authors("config.manual_seed") == "torch.manual_seed(seed=seed)"
+    assert source_line("train.seeded") < source_line("train.train_loader") < source_line("train.build_model")
+    assert source_line("probe.seeded") < source_line("probe.build_model") < source_line("probe.train_loader")
+    assert authors("probe_yaml.seed") == 42
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(42)
+        torch.nn.Linear(8, 8)  # what any model construction does before the probe's loaders are built
+        theirs = torch.utils.data.random_split(range(1000), [800, 200])
+    train, val = authors_rows(1000, 42)
+    assert list(theirs[0].indices) != train.tolist() and sorted(theirs[1].indices) != sorted(val.tolist())
+
+
+def test_vit_l_and_h_pairs_start_over_where_their_batches_of_32_end():
+    """The ledger's "ViT-L/16 and ViT-H/14 pairs": ``analysis.sh``'s 32 x 400 for both, restarted loaders; the
+    preset's batch of 64 restarts clipart's 9,768 test images elsewhere (and only those of the paper's test
+    splits), ``plasticity.batch_size: 32`` restarts them where theirs do."""
+    from raystudy.data.pairing import sequential_positions
+
+    b, steps = authors("analysis_sh.large.batch_size"), authors("analysis_sh.large.n_steps")
+    assert (b, steps) == (authors("analysis_sh.huge.batch_size"), authors("analysis_sh.huge.n_steps")) == (32, 400)
+    assert (authors("analysis_sh.large.model_name"), authors("analysis_sh.huge.model_name")) == ("large", "huge")
+    assert authors("data.make_iterable") == "repeat(dataloader)"
+    preset = load_preset("plasticity-paper")
+    assert b * steps == preset.plasticity.pairs and preset.plasticity.batch_size == 64
+    larger = preset.with_overrides({"plasticity.batch_size": 32})
+    larger.validate(check_files=False)
+    clipart = 48_837 - int(0.8 * 48_837)
+    assert clipart == 9_768
+    for n in (10_000, 2_000, 6_149, 3_669, clipart):
+        theirs = authors_loader_positions(n, b, steps)
+        assert sequential_positions(50_000, n, b * steps, larger.plasticity.batch_size)[1].tolist() == theirs
+        ours = sequential_positions(50_000, n, b * steps, preset.plasticity.batch_size)[1]
+        differ = int((ours != np.asarray(theirs)).sum())
+        assert differ == (3_072 if n == clipart else 0), n
+        if n == clipart:
+            assert (ours[9_728], theirs[9_728], theirs[9_760]) == (0, 9_728, 0)
+    pre = sequential_positions(50_000, 14_000, b * steps, 64)[0]
+    assert pre.tolist() == list(range(12_800))  # the ImageNet side never starts over
+
+
+def test_the_logged_training_loss_of_micro_batches():
+    """The ledger's "logged training loss of an update made of micro-batches": the authors' ``train.py``
+    loop, transcribed, logs the last micro-batch's loss; raystudy's step logs the mean over the update's
+    images (the mean of its micro-batches' losses), on a linear model with speckle noise's 4 micro-batches."""
+    from raystudy.core.finetune.step import train_step
+
+    speckle = "finetuning_sh.cifar10c-speckle_noise"
+    grad_acc, micro = authors(f"{speckle}.grad_acc_steps"), authors(f"{speckle}.batch_size")
+    assert (grad_acc, micro) == (authors("model_size_sh.grad_acc_steps"), authors("model_size_sh.batch_size"))
+    protocol = load_preset("paper").protocol("cifar10c-speckle_noise")
+    assert (protocol.micro_batch_size, load_preset("paper").batch_size) == (micro, micro * grad_acc)
+    assert authors("train.loss_scaled") == "loss / config.grad_acc_steps" and authors("train.accumulate") == "continue"
+    assert authors("train.logged_loss") == "loss.item() * config.grad_acc_steps"
+
+    torch.manual_seed(0)
+    model, b = torch.nn.Linear(6, 3), 4  # micro-batches of 4 stand for their 128
+    batches = [(torch.randn(b, 6) * (1 + k), torch.randint(0, 3, (b,))) for k in range(grad_acc)]
+    with torch.no_grad():
+        per_micro = [float(torch.nn.functional.cross_entropy(model(x), y)) for x, y in batches]
+    logged = None
+    for acc_step, (x, y) in enumerate(batches, start=1):  # train.py's loop over one update
+        loss = torch.nn.functional.cross_entropy(model(x), y) / grad_acc
+        if acc_step % grad_acc != 0:
+            continue
+        logged = loss.item() * grad_acc
+    assert logged == pytest.approx(per_micro[-1], rel=1e-6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    ours = train_step(model, opt, sched, batches, share=b * grad_acc, trainable=list(model.parameters()),
+                      group=list(model.parameters()))
+    assert ours.loss == pytest.approx(sum(per_micro) / grad_acc, rel=1e-6)
+    assert abs(ours.loss - logged) > 0.05
