@@ -174,8 +174,10 @@ def _accuracy_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], note
              lambda s: F.plot_accuracy_distribution(ok, s))]
     jobs += _fixed_lr_figures(ok)
     jobs.append(("accuracy_vs_lr", "Test accuracy against the learning rate",
-                 "Mean over seeds per configuration and learning rate, ± std over seeds (ddof 0, band); x: an lr "
-                 "with a diverged run; dashed: the linear probe.", lambda s: SF.plot_accuracy_vs_lr(ok, s, probes)))
+                 "Mean over seeds per configuration and learning rate, ± std over seeds (ddof 0, band, in a panel "
+                 f"of at most {SF.MAX_BANDS} lines: more bands hide one another); beyond {SF.MAX_LINES} "
+                 "configurations a panel per family (one budget's criteria together); x: an lr with a diverged run; "
+                 "dashed: the linear probe.", lambda s: SF.plot_accuracy_vs_lr(ok, s, probes)))
     best = tables["best_lr"]
     if best["configuration"].isin(PAPER_RANKING).any():
         jobs.append(("best_accuracy", "Best accuracy, mean over datasets (the paper's Fig. 19)",

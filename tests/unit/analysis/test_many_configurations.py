@@ -5,7 +5,9 @@ objects.
 
 What is checked: in every figure each configuration has its own colour, the same in every figure, and any two
 configurations' colours are at least :data:`MIN_DELTA_E` apart (CIE76 delta E in CIELAB, computed here from
-sRGB by the CIE formulas); the vocabulary's documented colours are unchanged.
+sRGB by the CIE formulas); the vocabulary's documented colours are unchanged; the accuracy-against-lr figure
+holds at most :data:`MAX_LINES` lines per panel and draws bands only where a panel has at most
+:data:`MAX_BANDS` lines.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from matplotlib.collections import PathCollection
+from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.colors import to_hex, to_rgb
 from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
@@ -23,12 +25,14 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from raystudy.analysis.pipeline import run_analysis
-from tests.support.study_tables import SELECTION_CONFIGS, selection_study
+from tests.support.study_tables import SELECTION_CONFIGS, SELECTION_TASKS, selection_study
 
 #: The smallest CIE76 delta E between two configurations' colours in one figure: the Okabe-Ito blue and sky
 #: blue of the vocabulary are 26.4 apart; the colours the demo's report repeated were 17.5 (auto:20% #31A354,
 #: grad:20% #2CA02C) and 12.2 apart (rgn:20% #8C564B, taylor:1%:weights #843C39).
 MIN_DELTA_E = 25.0
+#: Lines per panel of the accuracy-against-lr figure, and the most lines a panel draws with their bands.
+MAX_LINES, MAX_BANDS = 8, 4
 #: The documented colours of the vocabulary's configurations (docs: raystudy/analysis/style.py's docstring).
 VOCABULARY_COLOURS = {"LN1": "#0072B2", "MHA": "#D55E00", "LN2": "#009E73", "FC1": "#E69F00", "FC2": "#CC79A7",
                       "All": "#000000", "Emb": "#56B4E9", "Head": "#555555", "LP": "#F0E442"}
@@ -139,3 +143,20 @@ def test_the_vocabularys_colours_stay_and_expressions_keep_away_from_them():
     more = configuration_styles(many + ["auto:25%", "auto:30%"])
     assert len(set(more.values())) == 22
 
+
+def test_accuracy_against_lr_reads_at_thirteen_configurations(drawn):
+    _, figures = drawn
+    fig = figures["accuracy_vs_lr"]
+    panels = [ax for ax in fig.axes if ax.get_xlabel() == "learning rate"]
+    per_panel = [[ln.get_label() for ln in ax.lines if ln.get_label() in SELECTION_CONFIGS] for ax in panels]
+    bands = [[c for c in ax.collections if isinstance(c, PolyCollection)] for ax in panels]
+    assert all(0 < len(lines) <= MAX_LINES for lines in per_panel), per_panel
+    assert all(not b or len(lines) <= MAX_BANDS for lines, b in zip(per_panel, bands))
+    assert sum(len(b) for b in bands) == sum(len(lines) for lines in per_panel if len(lines) <= MAX_BANDS)
+    # every configuration on every task, once: a panel per (task, budget), the budget's criteria together
+    drawn_once = sorted((ax.get_title(), c) for ax, lines in zip(panels, per_panel) for c in lines)
+    assert len(drawn_once) == len(set(drawn_once)) == len(SELECTION_TASKS) * len(SELECTION_CONFIGS)
+    for ax, lines in zip(panels, per_panel):
+        budgets = {c.split(":", 1)[1] for c in lines}
+        assert len(budgets) == 1 and next(iter(budgets)).split(":")[0] in ax.get_title(), (ax.get_title(), lines)
+    assert len(panels) == len(SELECTION_TASKS) * 2
