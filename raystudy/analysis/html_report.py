@@ -19,6 +19,7 @@ import pandas as pd
 
 from raystudy import __version__, storage
 from raystudy.analysis.control import ranking_headlines
+from raystudy.analysis.inputs import FINAL
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
     DEFAULT_FIXED_RUN,
@@ -29,13 +30,14 @@ from raystudy.analysis.options import (
 )
 from raystudy.analysis.pipeline import AnalysisResult, lr_rules, run_analysis
 from raystudy.analysis.ranks import order_string
-from raystudy.analysis.render import LR_RULES, md_escape, pct
+from raystudy.analysis.render import LR_RULES, PHASE_TEXT, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
 from raystudy.analysis.selection import SECTION_TITLE as CRITERIA_TITLE
 from raystudy.analysis.selection import TABLES as CRITERIA_TABLES
 from raystudy.analysis.selection_figures import FIGURE_PREFIX as CRITERIA_FIGURES
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.style import CONFIGURATION_COLORS, configuration_styles
+from raystudy.analysis.tables import phase_of
 from raystudy.analysis.vtab import lr_rule_text
 from raystudy.vocab import LINEAR_PROBE
 
@@ -97,16 +99,27 @@ def _join(values) -> str:
     return ", ".join(str(v) for v in values)
 
 
+def _phase(res: AnalysisResult) -> str:
+    """The phase the report answers from, as the headline says it (:data:`~raystudy.analysis.render.PHASE_TEXT`;
+    the lr search's with its lr rule)."""
+    if phase_of(res.inputs.final) == FINAL:
+        return PHASE_TEXT[FINAL]
+    rule = LR_RULES[lr_rules(res.options.get("select_by"))[0]]
+    return f"the lr search (the grid's trials, trained on train; test accuracy at each dataset's lr with {rule})"
+
+
 def _headlines(res: AnalysisResult) -> list[str]:
-    """One line per optimizer ranking the configurations by overall accuracy; the plasticity rankings
-    (:func:`raystudy.analysis.control.ranking_headlines`)."""
+    """One line per optimizer ranking the configurations by overall accuracy, from the phase every table that
+    reports an accuracy reads (:func:`raystudy.analysis.tables.reported_accuracies`: the final fit where the
+    study has one), which it names; the plasticity rankings (:func:`raystudy.analysis.control.ranking_headlines`)."""
     lines = []
     overall = res.tables.get("overall")
     if overall is not None:
         for keys, g in overall.groupby([c for c in ("model", "optimizer") if c in overall.columns], sort=True):
             keys = keys if isinstance(keys, tuple) else (keys,)
             ranking = order_string(g.set_index("configuration")["mean"], pct)
-            lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
+            lines.append(f"{' · '.join(map(str, keys))}: {ranking} — test accuracy (%), mean over datasets, from "
+                         f"{_phase(res)}")
     if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
         lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
     return lines + [f"Thesis check: {s}" for s in thesis_sentences(res.tables.get("ranking"))]
@@ -135,8 +148,11 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
             n_fit = 0 if inp.probes is None else len(inp.probes)
             items.append(("linear probes", f"{n_probes} ({n_fit} counted), one per dataset; not trials"))
         if inp.final is not None:
-            items.append(("final fits", f"{len(inp.final)} counted final-phase row(s) (train800val200 at the "
-                                        "val-chosen lr): read by the VTAB-1k table only"))
+            items.append(("final fits", f"{len(inp.final)} counted final-phase row(s) (retrained on train + val, "
+                                        "VTAB-1k's train800val200, at the val-chosen lr): read by the headlines and "
+                                        "every table and figure that reports a configuration's accuracy; the lr "
+                                        "search's own (best lr, lr grid, stability, the accuracy-against-lr "
+                                        "figures) read the search trials"))
     if inp.plasticity is not None:
         p = inp.plasticity
         items += [("plasticity", f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "

@@ -44,7 +44,7 @@ from raystudy.analysis.render import (
     pm,
 )
 from raystudy.analysis.stats import signed_rank_test, smallest_p_note, statistic_note
-from raystudy.analysis.tables import OVERALL, _with_model, population_std
+from raystudy.analysis.tables import OVERALL, _with_model, phase_rows, population_std
 from raystudy.core.expressions import Budgeted, ExpressionError, parse
 from raystudy.vocab import COMPONENTS, CRITERIA
 
@@ -149,12 +149,14 @@ def with_budgets(df: pd.DataFrame) -> pd.DataFrame:
 
 def cell_accuracies(best_lr: pd.DataFrame, counted: pd.DataFrame, probes, final, rules: tuple[str, str],
                     ) -> tuple[pd.DataFrame, str]:
-    """``(per-dataset accuracies, lr_rule)`` as the study's other tables take them: a VTAB-1k study's
-    per task as its ``vtab`` table (:func:`raystudy.analysis.vtab.task_accuracies`: the final rows, else the
-    search trials at the lr of ``rules[1]``), any other study's from ``best_lr`` (``rules[0]``: the lr of the
-    highest mean test accuracy over seeds by default; the TEST mean and std over seeds at that lr).
-    Columns ``model, dataset, optimizer, configuration, mean, std, n_seeds, lr``."""
-    if V.is_vtab(counted):
+    """``(per-dataset accuracies, lr_rule)`` as the study's other tables take them: a study with a final fit
+    from its final rows (:func:`raystudy.analysis.vtab.task_accuracies`, lr_rule ``final``, as the headline and
+    every table that reports an accuracy: :func:`raystudy.analysis.tables.reported_accuracies`); a VTAB-1k
+    study without one per task as its ``vtab`` table (the search trials at the lr of ``rules[1]``), any other
+    study's from ``best_lr`` (``rules[0]``: the lr of the highest mean test accuracy over seeds by default; the
+    TEST mean and std over seeds at that lr). Columns ``model, dataset, optimizer, configuration, mean, std,
+    n_seeds, lr``."""
+    if V.is_vtab(counted) or (final is not None and len(final)):
         per, rule = V.task_accuracies(counted, probes, final, rules[1], [])  # its notes: the vtab table's
         return per, rule
     return _with_model(best_lr, counted), rules[0]
@@ -394,8 +396,8 @@ def study_root(inputs) -> str:
 def selection_tables(best_lr: pd.DataFrame, inputs, rules: tuple[str, str], notes: list[str]) -> dict:
     """``criteria`` and ``criteria_overlap`` of a study with criterion budgets (:func:`has_criteria`);
     ``rules``: the lr rules of the paper's tables and of VTAB-1k's (:func:`cell_accuracies`)."""
-    counted = inputs.counted
-    per, rule = cell_accuracies(best_lr, counted, inputs.probes, inputs.final, rules)
+    per, rule = cell_accuracies(best_lr, inputs.counted, inputs.probes, inputs.final, rules)
+    counted = phase_rows(inputs.final, inputs.counted)  # the final fit scores its selections on train + val
     tables = {"criteria": criteria_table(per, counted, rule)}
     if not any(c in counted.columns for c in COST_COLUMNS):
         notes.append("Selection criteria: trials.parquet records no scoring cost (selection_seconds, "

@@ -1,0 +1,130 @@
+"""The selection study's report says one thing (#45 item 3): its headline and every section answer from one
+phase (the final fit where the study has one) and say which; a headline answers the study's question (each
+criterion against plasticity, Wilcoxon p and Holm p); the summary's tests line lists the tests the report
+holds; the scope section says how many test examples each accuracy rests on.
+
+Synthetic studies (tests/support/study_tables.py: the selection preset's shape; test_analysis_criteria's
+six-dataset study, whose p-values differ), no Ray; every expected number computed here from the rows (numpy,
+scipy.stats.wilcoxon, Holm by a hand loop)."""
+
+from __future__ import annotations
+
+import html as html_text
+import re
+
+import numpy as np
+import pytest
+
+from raystudy.analysis.figure_jobs import figure_jobs
+from raystudy.analysis.html_report import _headlines, build_html
+from raystudy.analysis.pipeline import run_analysis
+from tests.support.study_tables import (
+    SELECTION_CONFIGS,
+    SELECTION_LRS,
+    SELECTION_TASKS,
+    selection_rows,
+    selection_study,
+)
+
+FINAL_WORDS = "from the final fit (each configuration retrained on train + val at the lr chosen on validation"
+
+
+def _final_means(rows) -> dict[str, dict[str, float]]:
+    """configuration -> task -> mean over seeds of the final rows' test accuracy."""
+    return {c: {t: float(np.mean([r["test_acc"] for r in rows if r["phase"] == "final" and r["configuration"] == c
+                                  and r["dataset"] == t])) for t in SELECTION_TASKS} for c in SELECTION_CONFIGS}
+
+
+def _search_means(rows) -> dict[str, float]:
+    """configuration -> mean over tasks of the search's test accuracy at the lr of the highest mean test
+    accuracy over seeds (the paper's rule; ties: the smaller lr)."""
+    out = {}
+    for c in SELECTION_CONFIGS:
+        per = []
+        for t in SELECTION_TASKS:
+            by_lr = {lr: np.mean([r["test_acc"] for r in rows if r["phase"] == "search" and r["configuration"] == c
+                                  and r["dataset"] == t and r["lr"] == lr]) for lr in SELECTION_LRS}
+            per.append(by_lr[max(SELECTION_LRS, key=lambda lr: (by_lr[lr], -lr))])
+        out[c] = float(np.mean(per))
+    return out
+
+
+def _ranking(line: str) -> dict[str, float]:
+    """``{configuration: value}`` of a headline ``"sgd: a 70.1 > b 69.0 = c 69.0 — ..."``, in its order."""
+    body = line.split(": ", 1)[1].split(" — ")[0]
+    items = [x.rsplit(" ", 1) for x in re.split(r" > | = ", body)]
+    return {name: float(value) for name, value in items}
+
+
+def _assert_ranks(ranked: dict[str, float], means: dict[str, float]) -> None:
+    """The headline ranks every configuration by ``means`` (fractions), most first, each printed to 0.1 point."""
+    assert set(ranked) == set(means)
+    order = list(ranked)
+    assert all(means[a] >= means[b] - 1e-12 for a, b in zip(order, order[1:]))
+    assert all(ranked[c] == pytest.approx(100 * means[c], abs=0.05 + 1e-9) for c in means)
+
+
+def _against(line: str, c: str, ref: str) -> list[float]:
+    """``[accuracy, ref − accuracy, p, Holm p]`` of criterion ``c`` in a criteria headline."""
+    found = re.search(rf"\b{c} ([\d.]+) \({ref} − {c} ([+-][\d.]+) points, p ([\d.]+), Holm p ([\d.]+)\)", line)
+    return [float(x) for x in found.groups()]
+
+
+@pytest.fixture(scope="module")
+def selection(tmp_path_factory):
+    """``(rows, analysis result)`` of the selection preset's shape with its final fit."""
+    study = selection_study(tmp_path_factory.mktemp("selection") / "study")
+    return selection_rows(), run_analysis(study, figures=False)
+
+
+def test_the_headline_and_every_section_answer_from_the_final_fit(selection, tmp_path):
+    rows, res = selection
+    final = _final_means(rows)
+    overall = {c: float(np.mean(list(final[c].values()))) for c in SELECTION_CONFIGS}
+    search = _search_means(rows)
+    # the study's data make the demo's contradiction: the search ranks magnitude first, the final fit auto
+    assert search["magnitude:20%"] > search["auto:20%"] and overall["auto:20%"] > overall["magnitude:20%"]
+    line = next(h for h in _headlines(res) if h.startswith("sgd: "))
+    assert FINAL_WORDS in line
+    _assert_ranks(_ranking(line), overall)
+    # the criteria section reads the same numbers
+    crit = res.tables["criteria"]
+    o = crit[crit["dataset"] == "overall"].set_index("configuration")
+    assert all(o.loc[c, "mean"] == pytest.approx(overall[c], abs=1e-12) for c in SELECTION_CONFIGS)
+    assert set(crit["lr_rule"]) == {"final"}
+    # every table that reports an accuracy: the final fit; the lr search's own: the search
+    t = res.tables["overall"].set_index("configuration")
+    f = res.tables["frontier"]
+    f = f[f["dataset"] == "overall"].set_index("configuration")
+    v = res.tables["vtab"].set_index("configuration")
+    for c in SELECTION_CONFIGS:
+        assert t.loc[c, "mean"] == pytest.approx(overall[c], abs=1e-12)
+        assert f.loc[c, "mean"] == pytest.approx(overall[c], abs=1e-12)
+        assert v.loc[c, "mean_tasks"] == pytest.approx(overall[c], abs=1e-12)
+    best = res.tables["best_lr"].groupby("configuration")["mean"].mean()
+    assert all(best[c] == pytest.approx(search[c], abs=1e-12) for c in SELECTION_CONFIGS)
+    for name, r in res.rendered.items():  # and each table says which
+        search_table = name in ("best_lr", "lr_grid", "stability", "cost")
+        phase = "Phase: the lr search" if search_table else "Phase: the final fit"
+        assert r.footnotes[-1].startswith(phase), (name, r.footnotes[-1])
+    captions = {name: caption for name, _t, caption, _d in figure_jobs(res.inputs, res.tables, [])}
+    for name, caption in captions.items():
+        search_figure = name.startswith(("accuracy_distribution", "accuracy_fixed_lr", "accuracy_vs_lr"))
+        assert ("Phase: the lr search" if search_figure else "Phase: the final fit") in caption, name
+    assert {"best_accuracy_per_dataset", "accuracy_vs_params", "frontier_overall", "vtab_frontier"} <= set(captions)
+    html = build_html(res)
+    assert "read by the VTAB-1k table only" not in html and "read by the headlines and every table" in html
+    assert f"<li>{html_text.escape(line)}</li>" in html
+
+    bare = run_analysis(selection_study(tmp_path / "bare", final=False), figures=False)
+    line = next(h for h in _headlines(bare) if h.startswith("sgd: "))
+    assert "from the lr search (the grid's trials, trained on train; test accuracy at each dataset's lr with the " \
+           "highest mean test accuracy over seeds" in line
+    _assert_ranks(_ranking(line), search)
+    assert not any("Phase:" in n for r in bare.rendered.values() for n in r.footnotes)
+
+
+def _criteria_line(lines: list[str], heading: str) -> str:
+    return next(h for h in lines if h.startswith(f"Selection criteria, {heading}: "))
+
+
