@@ -34,6 +34,7 @@ from raystudy.analysis.render import LR_RULES, PHASE_TEXT, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
 from raystudy.analysis.selection import SECTION_TITLE as CRITERIA_TITLE
 from raystudy.analysis.selection import TABLES as CRITERIA_TABLES
+from raystudy.analysis.selection import criteria_headlines
 from raystudy.analysis.selection_figures import FIGURE_PREFIX as CRITERIA_FIGURES
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.style import CONFIGURATION_COLORS, configuration_styles
@@ -111,7 +112,9 @@ def _phase(res: AnalysisResult) -> str:
 def _headlines(res: AnalysisResult) -> list[str]:
     """One line per optimizer ranking the configurations by overall accuracy, from the phase every table that
     reports an accuracy reads (:func:`raystudy.analysis.tables.reported_accuracies`: the final fit where the
-    study has one), which it names; the plasticity rankings (:func:`raystudy.analysis.control.ranking_headlines`)."""
+    study has one), which it names; the selection criteria against plasticity, as their section tests them
+    (:func:`raystudy.analysis.selection.criteria_headlines`); the plasticity rankings
+    (:func:`raystudy.analysis.control.ranking_headlines`)."""
     lines = []
     overall = res.tables.get("overall")
     if overall is not None:
@@ -120,6 +123,7 @@ def _headlines(res: AnalysisResult) -> list[str]:
             ranking = order_string(g.set_index("configuration")["mean"], pct)
             lines.append(f"{' · '.join(map(str, keys))}: {ranking} — test accuracy (%), mean over datasets, from "
                          f"{_phase(res)}")
+    lines += criteria_headlines(res.tables.get("criteria"))
     if res.inputs.plasticity is not None:  # measured, random-init and the paper's ranking, Kendall's tau
         lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
     return lines + [f"Thesis check: {s}" for s in thesis_sentences(res.tables.get("ranking"))]

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from raystudy.analysis.stats import smallest_wilcoxon_p
 from raystudy.analysis.tables import OVERALL
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE
 
@@ -24,15 +25,6 @@ if TYPE_CHECKING:
 ALPHA = 0.05
 #: the section's title in the HTML and the Markdown report
 SCOPE_TITLE = "What this study can show"
-
-
-def smallest_wilcoxon_p(n_pairs: int, alternative: str) -> float:
-    """The smallest p-value ``scipy.stats.wilcoxon`` returns on ``n_pairs`` paired differences: all of one sign
-    (the alternative's) with distinct magnitudes. Exactly ``2**-n`` one-sided, ``2 * 2**-n`` two-sided."""
-    if n_pairs < 1:
-        return math.nan
-    sign = -1.0 if alternative == "less" else 1.0
-    return float(stats.wilcoxon(sign * np.arange(1.0, n_pairs + 1), alternative=alternative).pvalue)
 
 
 def pairs_needed(alternative: str, alpha: float = ALPHA) -> int:

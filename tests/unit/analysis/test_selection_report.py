@@ -14,6 +14,7 @@ import re
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from raystudy.analysis.figure_jobs import figure_jobs
 from raystudy.analysis.html_report import _headlines, build_html
@@ -25,6 +26,7 @@ from tests.support.study_tables import (
     selection_rows,
     selection_study,
 )
+from tests.unit.analysis.test_analysis_criteria import CRITERIA, DATASETS, _best, _holm_by_hand, _rows, _write
 
 FINAL_WORDS = "from the final fit (each configuration retrained on train + val at the lr chosen on validation"
 
@@ -126,5 +128,54 @@ def test_the_headline_and_every_section_answer_from_the_final_fit(selection, tmp
 
 def _criteria_line(lines: list[str], heading: str) -> str:
     return next(h for h in lines if h.startswith(f"Selection criteria, {heading}: "))
+
+
+@pytest.mark.parametrize("budget", ["1%", "5%"])
+def test_a_headline_answers_the_selection_question(tmp_path, budget):
+    """Six datasets (test_analysis_criteria's study): p-values that differ, and Holm that changes them."""
+    rows = _rows()
+    res = run_analysis(_write(tmp_path / "s", rows), figures=False)
+    line = _criteria_line(_headlines(res), f"sgd · units · {budget}")
+    means = {c: [_best(rows, c, budget, ds)[0] for ds in DATASETS] for c in CRITERIA}
+    others = [c for c in CRITERIA if c != "auto"]
+    p = {c: stats.wilcoxon(means["auto"], means[c], alternative="two-sided").pvalue for c in others}
+    holm = dict(zip(others, _holm_by_hand([p[c] for c in others])))
+    auto = float(re.match(rf"Selection criteria, sgd · units · {budget}: auto \(plasticity\) ([\d.]+) against ",
+                          line).group(1))
+    assert auto == pytest.approx(100 * np.mean(means["auto"]), abs=0.05 + 1e-9)  # printed to 0.1
+    for c in others:
+        got = _against(line, c, "auto")
+        want = [100 * np.mean(means[c]), 100 * (np.mean(means["auto"]) - np.mean(means[c])), p[c], holm[c]]
+        assert got == pytest.approx(want, abs=0.05 + 1e-9), c
+        assert got[2:] == pytest.approx(want[2:], abs=5e-4 + 1e-12), c  # p-values printed to 0.001
+    assert f"paired over {len(DATASETS)} datasets, Holm over the {len(others)} criteria" in line
+    assert "from the lr search" in line
+    differ = [c for c in others if holm[c] < 0.05]
+    assert line.endswith(f"; {', '.join(differ)} differ(s) from auto at 0.05 after Holm." if differ else
+                         "; no criterion differs from auto at 0.05 after Holm.")
+    assert len({round(v, 9) for v in p.values()}) > 1 and any(holm[c] > p[c] for c in others)  # Holm matters
+
+
+def test_the_selection_headline_reads_the_final_fit(selection):
+    rows, res = selection
+    final = _final_means(rows)
+    line = _criteria_line(_headlines(res), "sgd · units · 20%")
+    units = [c for c in SELECTION_CONFIGS if c.endswith("20%")]
+    auto = [final["auto:20%"][t] for t in SELECTION_TASKS]
+    p = {c: stats.wilcoxon(auto, [final[c][t] for t in SELECTION_TASKS], alternative="two-sided").pvalue
+         for c in units[1:]}
+    holm = dict(zip(p, _holm_by_hand(list(p.values()))))
+    assert p["magnitude:20%"] == pytest.approx(0.25) and holm["magnitude:20%"] == 1.0  # 3 tasks: 2 * 2**-3
+    for c in units[1:]:
+        mine = [final[c][t] for t in SELECTION_TASKS]
+        got = _against(line, c.split(":")[0], "auto")
+        assert got == pytest.approx([100 * np.mean(mine), 100 * (np.mean(auto) - np.mean(mine)), p[c], holm[c]],
+                                    abs=0.05 + 1e-9), c
+    assert "magnitude" in line and ", p 0.250, Holm p 1.000)" in line
+    assert FINAL_WORDS in line and line.endswith("no criterion differs from auto at 0.05 after Holm (the smallest "
+                                                 "two-sided p-value 3 pairs allow is 0.25).")
+    weights = _criteria_line(_headlines(res), "sgd · weights · 1%")
+    assert weights.startswith("Selection criteria, sgd · weights · 1%: random (the control: plasticity scores no "
+                              "single weight) ")
 
 
