@@ -172,17 +172,40 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
         items.append(("best lr", f"the learning rate with {LR_RULES[paper_rule]}"))
     if "vtab" in res.tables:
         items.append(("VTAB-1k table", lr_rule_text(res.tables["vtab"]["lr_rule"].iloc[0])))
-    if "wilcoxon" in res.tables:
-        items.append(("tests", f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, paired by "
-                               f"{o['pair_by'].replace('_', ' and ')}"
-                               + (f", on values rounded to {o['round_to']} decimal(s) of a percent"
-                                  if o["round_to"] is not None else "")))
-    else:
-        items.append(("tests", f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)"))
-    if "criteria" in res.tables:
-        items.append(("selection tests", "Wilcoxon of plasticity (auto) against each selection criterion at each "
-                                         "budget, Holm-corrected: section 'Selection criteria at matched budgets'"))
+    items.append(("tests", tests_held(res)))
     return items
+
+
+def tests_held(res: AnalysisResult) -> str:
+    """The summary's line of the tests the report holds, each with what it pairs and where it is; ``none``
+    (and why the Wilcoxon tests against the reference are missing) when it holds none."""
+    o, t = res.options, res.tables
+    held = []
+    if "wilcoxon" in t:
+        held.append(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, paired by "
+                    f"{o['pair_by'].replace('_', ' and ')}"
+                    + (f", on values rounded to {o['round_to']} decimal(s) of a percent" if o["round_to"] is not None
+                       else "") + " (table wilcoxon)")
+    if "criteria" in t:
+        held.append("Wilcoxon signed-rank of plasticity (auto) against each selection criterion (random at the "
+                    "weights granularity), two-sided, paired over datasets, Holm-corrected across each budget's "
+                    f"criteria (section '{CRITERIA_TITLE}')")
+    for name, over in (("matched_budget", "datasets"), ("vtab_matched_budget", "VTAB-1k tasks")):
+        if name in t:
+            held.append(f"Wilcoxon signed-rank at matched budgets, two-sided, paired over {over}, uncorrected "
+                        f"(table {name})")
+    if "ranking" in t:
+        held.append("Spearman and Kendall correlations of the components' plasticity and accuracy rankings "
+                    "(table ranking, the thesis check)")
+    if "unit_gain" in t:
+        held.append("Spearman correlation of a unit's plasticity and the accuracy gain of training it alone "
+                    "(table unit_gain)")
+    if res.inputs.plasticity is not None:
+        held.append("Kendall τ-b between the plasticity rankings (headlines)")
+    missing = "" if "wilcoxon" in t else f"the Wilcoxon tests against {o['reference']} were omitted (see the notes)"
+    if not held:
+        return f"none: {missing}"
+    return "; ".join(held) + (f"; {missing}" if missing else "")
 
 
 def _summary(res: AnalysisResult) -> str:

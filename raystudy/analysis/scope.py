@@ -126,27 +126,49 @@ def _seeds(res: AnalysisResult) -> str | None:
     return f"{len(seeds)} ({', '.join(map(str, seeds))}): each accuracy is the mean of {len(seeds)} runs"
 
 
-def _tests(res: AnalysisResult) -> str | None:
-    o, w = res.options, res.tables.get("wilcoxon")
-    counted = res.inputs.counted
-    if counted is None or counted.empty:
-        return None
-    if w is not None and len(w):
-        n = int(pd.to_numeric(w["n_pairs"]).max())
-    else:
-        by = ["dataset", "seed"] if o.get("pair_by") == "dataset_seed" else ["dataset"]
-        n = int(counted[by].drop_duplicates().shape[0])
-    alt = o.get("alternative", "greater")
-    low = smallest_wilcoxon_p(n, alt)
-    need = pairs_needed(alt)
+def _power(label: str, paired: str, n: int, alt: str, m: int = 1) -> str:
+    """What ``n`` pairs (of ``paired``) allow a Wilcoxon test of alternative ``alt``: the smallest p-value, and
+    the pairs a significant one needs; with ``m`` tests Holm-corrected together, the smallest corrected p."""
+    low, need = smallest_wilcoxon_p(n, alt), pairs_needed(alt)
     side = "two-sided" if alt == "two-sided" else "one-sided"
-    text = (f"Wilcoxon signed-rank against {o.get('reference')}: {n} pair(s) per test "
-            f"(paired by {str(o.get('pair_by', 'dataset')).replace('_', ' and ')}); the smallest p-value {n} "
-            f"pair(s) can reach is {low:.3g} ({side})")
+    text = (f"{label}: {n} pair(s) per test (paired by {paired}); the smallest p-value {n} pair(s) can reach is "
+            f"{low:.3g} ({side})")
+    if m > 1:
+        text += f", {min(1.0, m * low):.3g} after Holm over {m} tests"
     if not low < ALPHA:
         text += (f", so no difference can be significant at {ALPHA:g} here: that needs at least {need} pairs "
                  f"(p {smallest_wilcoxon_p(need, alt):.3g})")
     return text
+
+
+def _criteria_power(c: pd.DataFrame) -> list[str]:
+    """The power of the criteria section's tests (its ``overall`` rows), per granularity and budget."""
+    o = c[(c["dataset"] == OVERALL) & c["n_pairs"].notna()]
+    out = []
+    for (gran, budget), g in o.groupby(["granularity", "budget"], sort=False):
+        ref = g["reference"].dropna().iloc[0]
+        out.append(_power(f"Wilcoxon signed-rank of {ref} against each criterion at {budget} of {gran}", "dataset",
+                          int(g["n_pairs"].max()), "two-sided", len(g)))
+    return out
+
+
+def _tests(res: AnalysisResult) -> str | None:
+    """The power of every test family the report holds (the Wilcoxon tests against the reference, the selection
+    criteria's); ``None`` without counted trials."""
+    o, w, c = res.options, res.tables.get("wilcoxon"), res.tables.get("criteria")
+    counted = res.inputs.counted
+    if counted is None or counted.empty:
+        return None
+    parts = []
+    if w is not None and len(w):
+        parts.append(_power(f"Wilcoxon signed-rank against {o.get('reference')}",
+                            str(o.get("pair_by", "dataset")).replace("_", " and "),
+                            int(pd.to_numeric(w["n_pairs"]).max()), o.get("alternative", "greater")))
+    if c is not None and len(c):
+        parts += _criteria_power(c)
+    if not parts:
+        return f"none held: no {o.get('reference')} trials to test against (see the notes)"
+    return "; ".join(parts)
 
 
 #: the paper's tables a study may lack without a note, and what each needs

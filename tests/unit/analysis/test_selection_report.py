@@ -17,8 +17,9 @@ import pytest
 from scipy import stats
 
 from raystudy.analysis.figure_jobs import figure_jobs
-from raystudy.analysis.html_report import _headlines, build_html
+from raystudy.analysis.html_report import _headlines, build_html, summary_items
 from raystudy.analysis.pipeline import run_analysis
+from raystudy.analysis.scope import scope_items
 from tests.support.study_tables import (
     SELECTION_CONFIGS,
     SELECTION_LRS,
@@ -177,5 +178,28 @@ def test_the_selection_headline_reads_the_final_fit(selection):
     weights = _criteria_line(_headlines(res), "sgd · weights · 1%")
     assert weights.startswith("Selection criteria, sgd · weights · 1%: random (the control: plasticity scores no "
                               "single weight) ")
+
+
+def test_the_summary_lists_the_tests_the_report_holds(selection):
+    _, res = selection
+    assert "wilcoxon" not in res.tables  # no MHA: the paper's tests against MHA are not held
+    line = dict(summary_items(res))["tests"]
+    assert not line.startswith("none")
+    assert ("Wilcoxon signed-rank of plasticity (auto) against each selection criterion (random at the weights "
+            "granularity), two-sided, paired over datasets, Holm-corrected across each budget's criteria (section "
+            "'Selection criteria at matched budgets')") in line
+    with_p = {n for n, t in res.tables.items() if any(c == "p_value" or c.endswith("_p") for c in t.columns)}
+    assert with_p == {"criteria", "matched_budget", "vtab_matched_budget"}
+    assert all(f"table {n}" in line for n in with_p - {"criteria"})
+    assert "the Wilcoxon tests against MHA were omitted" in line
+    # the scope section speaks of the same tests: 3 tasks, two-sided: 2 * 2**-3; Holm over 6 criteria: 1
+    scope = dict(scope_items(res))["tests"]
+    assert "against MHA" not in scope
+    assert ("Wilcoxon signed-rank of auto against each criterion at 20% of units: 3 pair(s) per test (paired by "
+            f"dataset); the smallest p-value 3 pair(s) can reach is {2 * 2 ** -3:.3g} (two-sided), 1 after Holm "
+            "over 6 tests") in scope
+    assert "random against each criterion at 1% of weights" in scope
+    html = build_html(res)
+    assert "<dt>tests</dt><dd>Wilcoxon signed-rank of plasticity (auto)" in html and "selection tests" not in html
 
 
