@@ -15,7 +15,7 @@ import pandas as pd
 from scipy import stats
 
 from raystudy.analysis.stats import smallest_wilcoxon_p
-from raystudy.analysis.tables import OVERALL
+from raystudy.analysis.tables import OVERALL, phase_rows
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE
 
 if TYPE_CHECKING:
@@ -171,6 +171,34 @@ def _tests(res: AnalysisResult) -> str | None:
     return "; ".join(parts)
 
 
+#: the column of ``trials.parquet`` that counts the test examples behind a run's ``test_acc``
+TEST_EXAMPLES = "test_examples"
+
+
+def _count(values: pd.Series) -> str:
+    """``500`` or, where runs saw different splits, ``480-500``."""
+    lo, hi = int(values.min()), int(values.max())
+    return f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
+
+
+def _test_examples(res: AnalysisResult) -> str | None:
+    """How many test examples each accuracy rests on, per dataset, and the step one example makes, ``100 / n``
+    percentage points; read from the rows the report answers from (the final fit's where the study has one)."""
+    counted = res.inputs.counted
+    if counted is None or counted.empty:
+        return None
+    rows = phase_rows(res.inputs.final, counted)
+    if TEST_EXAMPLES not in rows.columns or pd.to_numeric(rows[TEST_EXAMPLES], errors="coerce").isna().all():
+        return ("not recorded: trials.parquet has no test_examples column (a study run before raystudy recorded "
+                "it), so the step one test example makes (100 / n points for a test split of n) is unknown here")
+    n = rows.assign(n=pd.to_numeric(rows[TEST_EXAMPLES], errors="coerce")).dropna(subset=["n"])
+    per = [(ds, g["n"]) for ds, g in n.groupby("dataset", sort=True)]
+    steps = ", ".join(f"{ds} {_count(v)} (one example = {100 / v.max():.2g}"
+                      + (f"-{100 / v.min():.2g}" if v.min() != v.max() else "") + " points)" for ds, v in per)
+    return (f"{steps}: a run's accuracy is its correct test examples / n (per sample), so it moves in steps of "
+            "100 / n percentage points, and a mean over seeds in steps of that divided by the seeds")
+
+
 #: the paper's tables a study may lack without a note, and what each needs
 NEEDS = {"optimizers": "The optimizer comparison needs at least two optimizers"}
 
@@ -185,8 +213,10 @@ def _omitted(res: AnalysisResult) -> str:
 
 
 def scope_items(res: AnalysisResult) -> list[tuple[str, str]]:
-    """The section "What this study can show" as (label, plain text) pairs: model scale, seeds, the Wilcoxon
-    tests' pairs and the smallest p-value they can reach, what was omitted and why, and the thesis check."""
-    items = [("model scale", _scale(res)), ("seeds", _seeds(res)), ("tests", _tests(res)),
+    """The section "What this study can show" as (label, plain text) pairs: model scale, seeds, the test
+    examples behind each accuracy and the step one makes, the Wilcoxon tests' pairs and the smallest p-value
+    they can reach, what was omitted and why, and the thesis check."""
+    items = [("model scale", _scale(res)), ("seeds", _seeds(res)), ("test examples", _test_examples(res)),
+             ("tests", _tests(res)),
              ("omitted", _omitted(res)), ("thesis check", _thesis(res))]
     return [(k, v) for k, v in items if v]

@@ -13,6 +13,7 @@ import html as html_text
 import re
 
 import numpy as np
+import pandas as pd
 import pytest
 from scipy import stats
 
@@ -20,10 +21,12 @@ from raystudy.analysis.figure_jobs import figure_jobs
 from raystudy.analysis.html_report import _headlines, build_html, summary_items
 from raystudy.analysis.pipeline import run_analysis
 from raystudy.analysis.scope import scope_items
+from raystudy.io import write_result
 from tests.support.study_tables import (
     SELECTION_CONFIGS,
     SELECTION_LRS,
     SELECTION_TASKS,
+    SELECTION_TEST_EXAMPLES,
     selection_rows,
     selection_study,
 )
@@ -203,3 +206,21 @@ def test_the_summary_lists_the_tests_the_report_holds(selection):
     assert "<dt>tests</dt><dd>Wilcoxon signed-rank of plasticity (auto)" in html and "selection tests" not in html
 
 
+def test_the_scope_says_how_many_test_examples_each_accuracy_rests_on(selection, tmp_path):
+    rows, res = selection
+    line = dict(scope_items(res))["test examples"]
+    for task, n in SELECTION_TEST_EXAMPLES.items():
+        step = {500: "0.2", 400: "0.25", 250: "0.4"}[n]  # 100 / n percentage points
+        assert f"{task} {n} (one example = {step} points)" in line
+        assert all(abs(r["test_acc"] * n - round(r["test_acc"] * n)) < 1e-9 for r in rows if r["dataset"] == task)
+    assert "steps of 100 / n percentage points" in line
+    old = run_analysis(selection_study(tmp_path / "old", test_examples=False), figures=False)
+    assert dict(scope_items(old))["test examples"].startswith("not recorded: trials.parquet has no test_examples")
+    # a study whose runs saw different test splits of one dataset (a final fit on another split): a range
+    mixed = pd.DataFrame([dict(r, test_examples=r["test_examples"] - (20 if r["phase"] == "final" and r["seed"] else 0))
+                          for r in rows])
+    for c in ("trainable_params", "best_val_step", "steps", "batch_size"):
+        mixed[c] = mixed[c].astype("Int64")
+    write_result(mixed, tmp_path / "mixed", "trials")
+    ranged = dict(scope_items(run_analysis(tmp_path / "mixed", figures=False)))["test examples"]
+    assert "cifar 480-500 (one example = 0.2-0.21 points)" in ranged
