@@ -208,7 +208,7 @@ SCHEMAS: dict[str, pa.Schema] = {
 TRIAL_COUNT_EXTRAS: tuple[str, ...] = (
     "steps_completed", "diverged_step", "workers", "num_classes", "num_restores", "restored_from_step",
     "worker_failures", "trial_restarts", "checkpoints_skipped", "grad_memory_bytes", "optimizer_memory_bytes",
-    "grad_memory_bytes_analytic", "optimizer_memory_bytes_analytic", "selection_entries",
+    "grad_memory_bytes_analytic", "optimizer_memory_bytes_analytic", "selection_entries", "test_examples",
 )
 
 #: The columns of one run's own ``curves.parquet`` (a trial directory: no ``trial_id`` yet, two extras).

@@ -33,6 +33,8 @@ from raystudy.vocab import CHANGE_MEASURES, COMPONENTS, LINEAR_PROBE, check_name
 
 #: The tables of this module, in report order.
 TABLES = ("change_plasticity", "cka_gain")
+#: The figures of this module.
+FIGURES = ("change_vs_plasticity", "cka_vs_gain")
 WEIGHT_CHANGE, CKA = (check_name(m, CHANGE_MEASURES, "measure") for m in ("weight_change", "cka"))
 
 
@@ -241,14 +243,14 @@ def figure_jobs(tables: dict[str, pd.DataFrame]) -> list[tuple]:
     jobs = []
     t = tables.get("change_plasticity")
     if t is not None and np.isfinite(t["plasticity"]).any():
-        jobs.append(("change_vs_plasticity", "Weight change against plasticity",
+        jobs.append((FIGURES[0], "Weight change against plasticity",
                      "Mean relative weight change of each trained component (best-lr trials, over blocks and "
                      "seeds) against its plasticity on the dataset; a panel per configuration, the single-"
                      "component configurations together.",
                      lambda s: plot_change_plasticity(t, s)))
     g = tables.get("cka_gain")
     if g is not None:
-        jobs.append(("cka_vs_gain", "Representation change against the accuracy gain",
+        jobs.append((FIGURES[1], "Representation change against the accuracy gain",
                      "Each best-lr trial's accuracy gain over the reference against its blocks' mean linear CKA "
                      "to the pretrained model (left) and its last block's (right).",
                      lambda s: plot_cka_gain(g, s)))

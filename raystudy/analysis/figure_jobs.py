@@ -23,8 +23,10 @@ from raystudy.analysis import pretraining as P
 from raystudy.analysis import selection_figures as SelF
 from raystudy.analysis import sweep_figures as SF
 from raystudy.analysis import vtab as V
-from raystudy.analysis.inputs import StudyInputs
+from raystudy.analysis.inputs import FINAL, SEARCH, StudyInputs
 from raystudy.analysis.options import DEFAULT_FIXED_RUN, fixed_run_list
+from raystudy.analysis.render import phase_note
+from raystudy.analysis.tables import phase_of, reported_accuracies
 from raystudy.terminal import progress_bar
 from raystudy.vocab import BOUNDS_FORMULAS, PAPER_RANKING
 
@@ -181,9 +183,11 @@ def _accuracy_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], note
              lambda s: F.plot_accuracy_distribution(ok, s))]
     jobs += _fixed_lr_figures(ok)
     jobs.append(("accuracy_vs_lr", "Test accuracy against the learning rate",
-                 "Mean over seeds per configuration and learning rate, ± std over seeds (ddof 0, band); x: an lr "
-                 "with a diverged run; dashed: the linear probe.", lambda s: SF.plot_accuracy_vs_lr(ok, s, probes)))
-    best = tables["best_lr"]
+                 "Mean over seeds per configuration and learning rate, ± std over seeds (ddof 0, band, in a panel "
+                 f"of at most {SF.MAX_BANDS} lines: more bands hide one another); beyond {SF.MAX_LINES} "
+                 "configurations a panel per family (one budget's criteria together); x: an lr with a diverged run; "
+                 "dashed: the linear probe.", lambda s: SF.plot_accuracy_vs_lr(ok, s, probes)))
+    best = reported_accuracies(tables["best_lr"], ok, inputs.final, probes)[0]  # the final fit where there is one
     if best["configuration"].isin(PAPER_RANKING).any():
         jobs.append(("best_accuracy", "Best accuracy, mean over datasets (the paper's Fig. 19)",
                      "The authors' statistic (apps/plots/finetuning.py, get_best_performance): per component, "
@@ -232,12 +236,27 @@ def _trial_figures(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: 
     return jobs
 
 
+#: The figures (name prefixes) of the lr search's trials themselves: in a study with a final fit they read the
+#: search trials, every other accuracy figure the final fit (:func:`~raystudy.analysis.tables.reported_accuracies`).
+SEARCH_FIGURES = ("accuracy_distribution", "accuracy_fixed_lr", "accuracy_vs_lr", "curves", *CH.FIGURES)
+
+
+def _with_phases(jobs: list[FigureJob], inputs: StudyInputs) -> list[FigureJob]:
+    """The trial figures ``jobs`` with, in a study with a final fit, each caption ending in its phase
+    (:func:`~raystudy.analysis.render.phase_note`)."""
+    if phase_of(inputs.final) != FINAL:
+        return jobs
+    return [(name, title, f"{caption} {phase_note(SEARCH if name.startswith(SEARCH_FIGURES) else FINAL)}", draw)
+            for name, title, caption, draw in jobs]
+
+
 def figure_jobs(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: list[str],
                 fixed_run: dict | list | None = DEFAULT_FIXED_RUN) -> list[FigureJob]:
     """Every figure the inputs allow, not drawn yet (the notes of what is omitted are added here); ``fixed_run``
     adds the curves of one dataset's runs at one seed and lr (:data:`raystudy.analysis.options.FIXED_RUN_KEYS`,
-    perhaps of one optimizer), or of each of a list of such runs."""
-    return _plasticity_figures(inputs) + _trial_figures(inputs, tables, notes, fixed_run)
+    perhaps of one optimizer), or of each of a list of such runs. In a study with a final fit each caption says
+    which phase the figure reads (:func:`_with_phases`)."""
+    return _plasticity_figures(inputs) + _with_phases(_trial_figures(inputs, tables, notes, fixed_run), inputs)
 
 
 def chosen_figures(jobs: list[FigureJob], figures: bool | Collection[str]) -> list[FigureJob]:

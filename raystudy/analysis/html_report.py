@@ -19,6 +19,7 @@ import pandas as pd
 
 from raystudy import __version__, storage
 from raystudy.analysis.control import ranking_headlines
+from raystudy.analysis.inputs import FINAL
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
     DEFAULT_FIXED_RUN,
@@ -30,13 +31,15 @@ from raystudy.analysis.options import (
 from raystudy.analysis.pipeline import AnalysisResult, lr_rules, run_analysis
 from raystudy.analysis.pretraining import path_headlines
 from raystudy.analysis.ranks import order_string
-from raystudy.analysis.render import LR_RULES, md_escape, pct
+from raystudy.analysis.render import LR_RULES, PHASE_TEXT, md_escape, pct
 from raystudy.analysis.scope import SCOPE_TITLE, scope_items, thesis_sentences
 from raystudy.analysis.selection import SECTION_TITLE as CRITERIA_TITLE
 from raystudy.analysis.selection import TABLES as CRITERIA_TABLES
+from raystudy.analysis.selection import criteria_headlines
 from raystudy.analysis.selection_figures import FIGURE_PREFIX as CRITERIA_FIGURES
 from raystudy.analysis.stats import configuration_order
 from raystudy.analysis.style import CONFIGURATION_COLORS, configuration_styles
+from raystudy.analysis.tables import phase_of
 from raystudy.analysis.vtab import lr_rule_text
 from raystudy.vocab import LINEAR_PROBE, RANDOM_BLOCKS
 
@@ -98,8 +101,20 @@ def _join(values) -> str:
     return ", ".join(str(v) for v in values)
 
 
+def _phase(res: AnalysisResult) -> str:
+    """The phase the report answers from, as the headline says it (:data:`~raystudy.analysis.render.PHASE_TEXT`;
+    the lr search's with its lr rule)."""
+    if phase_of(res.inputs.final) == FINAL:
+        return PHASE_TEXT[FINAL]
+    rule = LR_RULES[lr_rules(res.options.get("select_by"))[0]]
+    return f"the lr search (the grid's trials, trained on train; test accuracy at each dataset's lr with {rule})"
+
+
 def _headlines(res: AnalysisResult) -> list[str]:
-    """One line per optimizer ranking the configurations by overall accuracy; the plasticity rankings
+    """One line per optimizer ranking the configurations by overall accuracy, from the phase every table that
+    reports an accuracy reads (:func:`raystudy.analysis.tables.reported_accuracies`: the final fit where the
+    study has one), which it names; the selection criteria against plasticity, as their section tests them
+    (:func:`raystudy.analysis.selection.criteria_headlines`); the plasticity rankings
     (:func:`raystudy.analysis.control.ranking_headlines`)."""
     lines = []
     overall = res.tables.get("overall")
@@ -107,7 +122,9 @@ def _headlines(res: AnalysisResult) -> list[str]:
         for keys, g in overall.groupby([c for c in ("model", "optimizer") if c in overall.columns], sort=True):
             keys = keys if isinstance(keys, tuple) else (keys,)
             ranking = order_string(g.set_index("configuration")["mean"], pct)
-            lines.append(f"{' · '.join(map(str, keys))}: {ranking} (best-lr test accuracy %, mean over datasets)")
+            lines.append(f"{' · '.join(map(str, keys))}: {ranking} — test accuracy (%), mean over datasets, from "
+                         f"{_phase(res)}")
+    lines += criteria_headlines(res.tables.get("criteria"))
     if res.inputs.plasticity is not None:  # measured, the controls' and the paper's ranking, Kendall's tau
         lines += ranking_headlines(res.inputs.plasticity, res.inputs.control)
     if "plasticity_pretraining" in res.tables:  # where the ranking comes from: its path along the pretraining
@@ -138,8 +155,11 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
             n_fit = 0 if inp.probes is None else len(inp.probes)
             items.append(("linear probes", f"{n_probes} ({n_fit} counted), one per dataset; not trials"))
         if inp.final is not None:
-            items.append(("final fits", f"{len(inp.final)} counted final-phase row(s) (train800val200 at the "
-                                        "val-chosen lr): read by the VTAB-1k table only"))
+            items.append(("final fits", f"{len(inp.final)} counted final-phase row(s) (retrained on train + val, "
+                                        "VTAB-1k's train800val200, at the val-chosen lr): read by the headlines and "
+                                        "every table and figure that reports a configuration's accuracy; the lr "
+                                        "search's own (best lr, lr grid, stability, the accuracy-against-lr "
+                                        "figures) read the search trials"))
     if inp.plasticity is not None:
         p = inp.plasticity
         items += [("plasticity", f"{p['model'].nunique()} model(s), {p['dataset'].nunique()} dataset(s), "
@@ -159,17 +179,40 @@ def summary_items(res: AnalysisResult) -> list[tuple[str, str]]:
         items.append(("best lr", f"the learning rate with {LR_RULES[paper_rule]}"))
     if "vtab" in res.tables:
         items.append(("VTAB-1k table", lr_rule_text(res.tables["vtab"]["lr_rule"].iloc[0])))
-    if "wilcoxon" in res.tables:
-        items.append(("tests", f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, paired by "
-                               f"{o['pair_by'].replace('_', ' and ')}"
-                               + (f", on values rounded to {o['round_to']} decimal(s) of a percent"
-                                  if o["round_to"] is not None else "")))
-    else:
-        items.append(("tests", f"none: the Wilcoxon tests against {o['reference']} were omitted (see the notes)"))
-    if "criteria" in res.tables:
-        items.append(("selection tests", "Wilcoxon of plasticity (auto) against each selection criterion at each "
-                                         "budget, Holm-corrected: section 'Selection criteria at matched budgets'"))
+    items.append(("tests", tests_held(res)))
     return items
+
+
+def tests_held(res: AnalysisResult) -> str:
+    """The summary's line of the tests the report holds, each with what it pairs and where it is; ``none``
+    (and why the Wilcoxon tests against the reference are missing) when it holds none."""
+    o, t = res.options, res.tables
+    held = []
+    if "wilcoxon" in t:
+        held.append(f"Wilcoxon vs {o['reference']}, alternative {o['alternative']}, paired by "
+                    f"{o['pair_by'].replace('_', ' and ')}"
+                    + (f", on values rounded to {o['round_to']} decimal(s) of a percent" if o["round_to"] is not None
+                       else "") + " (table wilcoxon)")
+    if "criteria" in t:
+        held.append("Wilcoxon signed-rank of plasticity (auto) against each selection criterion (random at the "
+                    "weights granularity), two-sided, paired over datasets, Holm-corrected across each budget's "
+                    f"criteria (section '{CRITERIA_TITLE}')")
+    for name, over in (("matched_budget", "datasets"), ("vtab_matched_budget", "VTAB-1k tasks")):
+        if name in t:
+            held.append(f"Wilcoxon signed-rank at matched budgets, two-sided, paired over {over}, uncorrected "
+                        f"(table {name})")
+    if "ranking" in t:
+        held.append("Spearman and Kendall correlations of the components' plasticity and accuracy rankings "
+                    "(table ranking, the thesis check)")
+    if "unit_gain" in t:
+        held.append("Spearman correlation of a unit's plasticity and the accuracy gain of training it alone "
+                    "(table unit_gain)")
+    if res.inputs.plasticity is not None:
+        held.append("Kendall τ-b between the plasticity rankings (headlines)")
+    missing = "" if "wilcoxon" in t else f"the Wilcoxon tests against {o['reference']} were omitted (see the notes)"
+    if not held:
+        return f"none: {missing}"
+    return "; ".join(held) + (f"; {missing}" if missing else "")
 
 
 def _summary(res: AnalysisResult) -> str:

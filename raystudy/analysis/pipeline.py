@@ -25,7 +25,7 @@ from raystudy.analysis import render as R
 from raystudy.analysis import selection as S
 from raystudy.analysis import vtab as V
 from raystudy.analysis.figure_jobs import FigureInfo, chosen_figures, draw_figures, figure_jobs, kept_figures_note
-from raystudy.analysis.inputs import StudyInputs, only_seeds, read_studies
+from raystudy.analysis.inputs import FINAL, SEARCH, StudyInputs, only_seeds, read_studies
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
     DEFAULT_FIXED_RUN,
@@ -50,7 +50,9 @@ from raystudy.analysis.tables import (
     lr_grid_table,
     optimizer_table,
     overall_table,
+    phase_of,
     relative_gain_table,
+    reported_accuracies,
     shared_subset,
     stability_table,
 )
@@ -127,17 +129,21 @@ def _spread_notes(counted: pd.DataFrame, notes: list[str]) -> None:
 
 def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], select_by: str = DEFAULT_SELECT_BY,
                      **options) -> dict:
-    """The tables built on the counted trials' accuracies (every one but ``cost``); omitted ones noted."""
+    """The tables built on the counted trials' accuracies (every one but ``cost``); omitted ones noted. The lr
+    search's own (``best_lr``, ``lr_grid``, ``stability``) read the search trials, every other one the
+    accuracies the report answers from (:func:`~raystudy.analysis.tables.reported_accuracies`: the final fit
+    where the study has one)."""
     tables = {"best_lr": best_lr_table(ok, inputs.probes, select_by), "lr_grid": lr_grid_table(ok)}
-    tables["overall"] = overall_table(tables["best_lr"], tables["lr_grid"], ok)
-    gain = relative_gain_table(tables["best_lr"], ok)
+    reported, rows, _phase = reported_accuracies(tables["best_lr"], ok, inputs.final, inputs.probes, notes)
+    tables["overall"] = overall_table(reported, tables["lr_grid"], ok)
+    gain = relative_gain_table(reported, ok)
     _gain_notes(gain, inputs, notes)
     if gain is not None:
         tables["relative_gain"] = gain
     optimizers = optimizer_table(ok)
     if optimizers is not None:
         tables["optimizers"] = optimizers
-    wilcoxon = wilcoxon_table(tables["best_lr"], ok, probes=inputs.probes, **options)
+    wilcoxon = wilcoxon_table(reported, rows, probes=inputs.probes, **options)
     if len(wilcoxon):
         tables["wilcoxon"] = wilcoxon
     else:
@@ -146,12 +152,12 @@ def _accuracy_tables(ok: pd.DataFrame, inputs: StudyInputs, notes: list[str], se
     tables["stability"] = stability_table(ok)
     _spread_notes(ok, notes)
     if inputs.plasticity is not None:
-        ranking = ranking_table(inputs.plasticity, tables["best_lr"], ok, notes)
+        ranking = ranking_table(inputs.plasticity, reported, ok, notes)
         if ranking is not None:
             tables["ranking"] = ranking
     _subset_notes(tables, ok, notes)
     if B.has_expressions(ok):  # configuration expressions: frontier, matched budgets, unit gains
-        tables.update(B.beyond_tables(tables["best_lr"], ok, inputs.plasticity, notes))
+        tables.update(B.beyond_tables(reported, rows, inputs.plasticity, notes))
     return tables
 
 
@@ -209,6 +215,20 @@ def compute_tables(inputs: StudyInputs, *, reference: str = DEFAULT_REFERENCE,
     return {k: tables[k] for k in TABLES if k in tables}
 
 
+#: The tables of the lr search itself (and of its trials' changes and cost): in a study with a final fit they read
+#: the search trials, every other accuracy table the final fit (:func:`~raystudy.analysis.tables.reported_accuracies`).
+SEARCH_TABLES = ("best_lr", "lr_grid", "stability", "optimizers", *CH.TABLES, "cost")
+#: Tables without accuracies (the plasticity measurement): no phase.
+PHASELESS_TABLES = C.TABLES
+
+
+def _phase_footnote(name: str, inputs: StudyInputs) -> str | None:
+    """The phase note of table ``name`` in a study with a final fit (:func:`~raystudy.analysis.render.phase_note`)."""
+    if phase_of(inputs.final) != FINAL or name in PHASELESS_TABLES:
+        return None
+    return R.phase_note(SEARCH if name in SEARCH_TABLES else FINAL)
+
+
 def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, reference: str, alternative: str,
                   pair_by: str, footnote: str, round_to: int | None = None,
                   select_by: str | None = None) -> dict[str, R.Rendered]:
@@ -240,6 +260,9 @@ def render_tables(tables: dict[str, pd.DataFrame], inputs: StudyInputs, *, refer
             r = getattr(R, f"render_{name}")(df)
         if footnote and name != "cost":
             r.footnotes.append(footnote)
+        phase = _phase_footnote(name, inputs)
+        if phase:
+            r.footnotes.append(phase)
         out[name] = r
     return out
 

@@ -284,6 +284,23 @@ LR_RULES = {"test": "the highest mean test accuracy over seeds (the paper's rule
                    "val": "the highest mean best-validation accuracy over seeds (validation only: test never chooses)"}
 
 
+#: The phase a table's or figure's accuracies come from (:data:`raystudy.vocab.PHASES`), as the report says it.
+PHASE_TEXT = {"search": "the lr search (the grid's trials, trained on train; test accuracy at each dataset's "
+                        "chosen lr)",
+              "final": "the final fit (each configuration retrained on train + val at the lr chosen on validation; "
+                       "test accuracy)"}
+
+
+def phase_note(phase: str) -> str:
+    """The sentence that ends a table's footnotes or a figure's caption in a study with a final fit: which phase
+    its accuracies come from (:data:`PHASE_TEXT`), ``phase`` the study's answer phase or the lr search."""
+    if phase == "final":
+        return (f"Phase: {PHASE_TEXT['final']}, as the headline and every table and figure that reports a "
+                "configuration's accuracy; the lr search's own tables and figures read the search trials.")
+    return (f"Phase: {PHASE_TEXT['search']}; the headline and the tables and figures that report a configuration's "
+            "accuracy read the final fit.")
+
+
 def render_best_lr(t: pd.DataFrame, select_by: str = "test") -> Rendered:
     blocks = _wide(t, _best_lr_cell, bold=best_component(t))
     return Rendered("best_lr", "Best learning rate per dataset and configuration",

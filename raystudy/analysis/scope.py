@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from raystudy.analysis.tables import OVERALL
+from raystudy.analysis.stats import smallest_wilcoxon_p
+from raystudy.analysis.tables import OVERALL, phase_rows
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE
 
 if TYPE_CHECKING:
@@ -24,15 +25,6 @@ if TYPE_CHECKING:
 ALPHA = 0.05
 #: the section's title in the HTML and the Markdown report
 SCOPE_TITLE = "What this study can show"
-
-
-def smallest_wilcoxon_p(n_pairs: int, alternative: str) -> float:
-    """The smallest p-value ``scipy.stats.wilcoxon`` returns on ``n_pairs`` paired differences: all of one sign
-    (the alternative's) with distinct magnitudes. Exactly ``2**-n`` one-sided, ``2 * 2**-n`` two-sided."""
-    if n_pairs < 1:
-        return math.nan
-    sign = -1.0 if alternative == "less" else 1.0
-    return float(stats.wilcoxon(sign * np.arange(1.0, n_pairs + 1), alternative=alternative).pvalue)
 
 
 def pairs_needed(alternative: str, alpha: float = ALPHA) -> int:
@@ -134,27 +126,77 @@ def _seeds(res: AnalysisResult) -> str | None:
     return f"{len(seeds)} ({', '.join(map(str, seeds))}): each accuracy is the mean of {len(seeds)} runs"
 
 
-def _tests(res: AnalysisResult) -> str | None:
-    o, w = res.options, res.tables.get("wilcoxon")
-    counted = res.inputs.counted
-    if counted is None or counted.empty:
-        return None
-    if w is not None and len(w):
-        n = int(pd.to_numeric(w["n_pairs"]).max())
-    else:
-        by = ["dataset", "seed"] if o.get("pair_by") == "dataset_seed" else ["dataset"]
-        n = int(counted[by].drop_duplicates().shape[0])
-    alt = o.get("alternative", "greater")
-    low = smallest_wilcoxon_p(n, alt)
-    need = pairs_needed(alt)
+def _power(label: str, paired: str, n: int, alt: str, m: int = 1) -> str:
+    """What ``n`` pairs (of ``paired``) allow a Wilcoxon test of alternative ``alt``: the smallest p-value, and
+    the pairs a significant one needs; with ``m`` tests Holm-corrected together, the smallest corrected p."""
+    low, need = smallest_wilcoxon_p(n, alt), pairs_needed(alt)
     side = "two-sided" if alt == "two-sided" else "one-sided"
-    text = (f"Wilcoxon signed-rank against {o.get('reference')}: {n} pair(s) per test "
-            f"(paired by {str(o.get('pair_by', 'dataset')).replace('_', ' and ')}); the smallest p-value {n} "
-            f"pair(s) can reach is {low:.3g} ({side})")
+    text = (f"{label}: {n} pair(s) per test (paired by {paired}); the smallest p-value {n} pair(s) can reach is "
+            f"{low:.3g} ({side})")
+    if m > 1:
+        text += f", {min(1.0, m * low):.3g} after Holm over {m} tests"
     if not low < ALPHA:
         text += (f", so no difference can be significant at {ALPHA:g} here: that needs at least {need} pairs "
                  f"(p {smallest_wilcoxon_p(need, alt):.3g})")
     return text
+
+
+def _criteria_power(c: pd.DataFrame) -> list[str]:
+    """The power of the criteria section's tests (its ``overall`` rows), per granularity and budget."""
+    o = c[(c["dataset"] == OVERALL) & c["n_pairs"].notna()]
+    out = []
+    for (gran, budget), g in o.groupby(["granularity", "budget"], sort=False):
+        ref = g["reference"].dropna().iloc[0]
+        out.append(_power(f"Wilcoxon signed-rank of {ref} against each criterion at {budget} of {gran}", "dataset",
+                          int(g["n_pairs"].max()), "two-sided", len(g)))
+    return out
+
+
+def _tests(res: AnalysisResult) -> str | None:
+    """The power of every test family the report holds (the Wilcoxon tests against the reference, the selection
+    criteria's); ``None`` without counted trials."""
+    o, w, c = res.options, res.tables.get("wilcoxon"), res.tables.get("criteria")
+    counted = res.inputs.counted
+    if counted is None or counted.empty:
+        return None
+    parts = []
+    if w is not None and len(w):
+        parts.append(_power(f"Wilcoxon signed-rank against {o.get('reference')}",
+                            str(o.get("pair_by", "dataset")).replace("_", " and "),
+                            int(pd.to_numeric(w["n_pairs"]).max()), o.get("alternative", "greater")))
+    if c is not None and len(c):
+        parts += _criteria_power(c)
+    if not parts:
+        return f"none held: no {o.get('reference')} trials to test against (see the notes)"
+    return "; ".join(parts)
+
+
+#: the column of ``trials.parquet`` that counts the test examples behind a run's ``test_acc``
+TEST_EXAMPLES = "test_examples"
+
+
+def _count(values: pd.Series) -> str:
+    """``500`` or, where runs saw different splits, ``480-500``."""
+    lo, hi = int(values.min()), int(values.max())
+    return f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
+
+
+def _test_examples(res: AnalysisResult) -> str | None:
+    """How many test examples each accuracy rests on, per dataset, and the step one example makes, ``100 / n``
+    percentage points; read from the rows the report answers from (the final fit's where the study has one)."""
+    counted = res.inputs.counted
+    if counted is None or counted.empty:
+        return None
+    rows = phase_rows(res.inputs.final, counted)
+    if TEST_EXAMPLES not in rows.columns or pd.to_numeric(rows[TEST_EXAMPLES], errors="coerce").isna().all():
+        return ("not recorded: trials.parquet has no test_examples column (a study run before raystudy recorded "
+                "it), so the step one test example makes (100 / n points for a test split of n) is unknown here")
+    n = rows.assign(n=pd.to_numeric(rows[TEST_EXAMPLES], errors="coerce")).dropna(subset=["n"])
+    per = [(ds, g["n"]) for ds, g in n.groupby("dataset", sort=True)]
+    steps = ", ".join(f"{ds} {_count(v)} (one example = {100 / v.max():.2g}"
+                      + (f"-{100 / v.min():.2g}" if v.min() != v.max() else "") + " points)" for ds, v in per)
+    return (f"{steps}: a run's accuracy is its correct test examples / n (per sample), so it moves in steps of "
+            "100 / n percentage points, and a mean over seeds in steps of that divided by the seeds")
 
 
 #: the paper's tables a study may lack without a note, and what each needs
@@ -171,8 +213,10 @@ def _omitted(res: AnalysisResult) -> str:
 
 
 def scope_items(res: AnalysisResult) -> list[tuple[str, str]]:
-    """The section "What this study can show" as (label, plain text) pairs: model scale, seeds, the Wilcoxon
-    tests' pairs and the smallest p-value they can reach, what was omitted and why, and the thesis check."""
-    items = [("model scale", _scale(res)), ("seeds", _seeds(res)), ("tests", _tests(res)),
+    """The section "What this study can show" as (label, plain text) pairs: model scale, seeds, the test
+    examples behind each accuracy and the step one makes, the Wilcoxon tests' pairs and the smallest p-value
+    they can reach, what was omitted and why, and the thesis check."""
+    items = [("model scale", _scale(res)), ("seeds", _seeds(res)), ("test examples", _test_examples(res)),
+             ("tests", _tests(res)),
              ("omitted", _omitted(res)), ("thesis check", _thesis(res))]
     return [(k, v) for k, v in items if v]

@@ -34,6 +34,7 @@ import pandas as pd
 from raystudy.analysis import vtab as V
 from raystudy.analysis.render import (
     LR_RULES,
+    PHASE_TEXT,
     STD_NOTE,
     Block,
     Rendered,
@@ -41,10 +42,11 @@ from raystudy.analysis.render import (
     fmt_duration,
     fmt_num,
     fmt_p,
+    pct,
     pm,
 )
-from raystudy.analysis.stats import signed_rank_test, smallest_p_note, statistic_note
-from raystudy.analysis.tables import OVERALL, _with_model, population_std
+from raystudy.analysis.stats import signed_rank_test, smallest_p_note, smallest_wilcoxon_p, statistic_note
+from raystudy.analysis.tables import OVERALL, _with_model, phase_rows, population_std
 from raystudy.core.expressions import Budgeted, ExpressionError, parse
 from raystudy.vocab import COMPONENTS, CRITERIA
 
@@ -149,12 +151,14 @@ def with_budgets(df: pd.DataFrame) -> pd.DataFrame:
 
 def cell_accuracies(best_lr: pd.DataFrame, counted: pd.DataFrame, probes, final, rules: tuple[str, str],
                     ) -> tuple[pd.DataFrame, str]:
-    """``(per-dataset accuracies, lr_rule)`` as the study's other tables take them: a VTAB-1k study's
-    per task as its ``vtab`` table (:func:`raystudy.analysis.vtab.task_accuracies`: the final rows, else the
-    search trials at the lr of ``rules[1]``), any other study's from ``best_lr`` (``rules[0]``: the lr of the
-    highest mean test accuracy over seeds by default; the TEST mean and std over seeds at that lr).
-    Columns ``model, dataset, optimizer, configuration, mean, std, n_seeds, lr``."""
-    if V.is_vtab(counted):
+    """``(per-dataset accuracies, lr_rule)`` as the study's other tables take them: a study with a final fit
+    from its final rows (:func:`raystudy.analysis.vtab.task_accuracies`, lr_rule ``final``, as the headline and
+    every table that reports an accuracy: :func:`raystudy.analysis.tables.reported_accuracies`); a VTAB-1k
+    study without one per task as its ``vtab`` table (the search trials at the lr of ``rules[1]``), any other
+    study's from ``best_lr`` (``rules[0]``: the lr of the highest mean test accuracy over seeds by default; the
+    TEST mean and std over seeds at that lr). Columns ``model, dataset, optimizer, configuration, mean, std,
+    n_seeds, lr``."""
+    if V.is_vtab(counted) or (final is not None and len(final)):
         per, rule = V.task_accuracies(counted, probes, final, rules[1], [])  # its notes: the vtab table's
         return per, rule
     return _with_model(best_lr, counted), rules[0]
@@ -394,8 +398,8 @@ def study_root(inputs) -> str:
 def selection_tables(best_lr: pd.DataFrame, inputs, rules: tuple[str, str], notes: list[str]) -> dict:
     """``criteria`` and ``criteria_overlap`` of a study with criterion budgets (:func:`has_criteria`);
     ``rules``: the lr rules of the paper's tables and of VTAB-1k's (:func:`cell_accuracies`)."""
-    counted = inputs.counted
-    per, rule = cell_accuracies(best_lr, counted, inputs.probes, inputs.final, rules)
+    per, rule = cell_accuracies(best_lr, inputs.counted, inputs.probes, inputs.final, rules)
+    counted = phase_rows(inputs.final, inputs.counted)  # the final fit scores its selections on train + val
     tables = {"criteria": criteria_table(per, counted, rule)}
     if not any(c in counted.columns for c in COST_COLUMNS):
         notes.append("Selection criteria: trials.parquet records no scoring cost (selection_seconds, "
@@ -413,6 +417,58 @@ def selection_tables(best_lr: pd.DataFrame, inputs, rules: tuple[str, str], note
     if overlap is not None:
         tables["criteria_overlap"] = overlap
     return tables
+
+
+def phase_text(lr_rule: str) -> str:
+    """Where the criteria table's accuracies come from, by its ``lr_rule``: the final fit, or the lr search at
+    the lr of a rule (:data:`~raystudy.analysis.render.PHASE_TEXT`, :data:`~raystudy.analysis.render.LR_RULES`)."""
+    if lr_rule == V.FINAL:
+        return PHASE_TEXT[V.FINAL]
+    return f"the lr search (the grid's trials, trained on train; test accuracy at the lr with {LR_RULES[lr_rule]})"
+
+
+def _against(g: pd.DataFrame, criterion: str, ref: str) -> str:
+    """``magnitude 71.3 (auto − magnitude +3.9 points, p 0.250, Holm p 1.000)`` of one overall row."""
+    r = g.loc[criterion]
+    return (f"{criterion} {pct(r['mean'])} ({ref} − {criterion} {100 * (g.loc[ref, 'mean'] - r['mean']):+.1f} points, "
+            f"p {fmt_p(r['p_value'])}, Holm p {fmt_p(r['p_holm'])})")
+
+
+def _verdict(differ: list[str], ref: str, n: int, alpha: float) -> str:
+    """Which criteria differ from ``ref`` at ``alpha`` after Holm; none: and why, when ``n`` pairs cannot."""
+    if differ:
+        return f"{', '.join(differ)} differ(s) from {ref} at {alpha:g} after Holm"
+    low = smallest_wilcoxon_p(n, ALTERNATIVE)
+    return f"no criterion differs from {ref} at {alpha:g} after Holm" + (
+        f" (the smallest {ALTERNATIVE} p-value {n} pairs allow is {low:.3g})" if not low < alpha else "")
+
+
+def criteria_headlines(t: pd.DataFrame | None, alpha: float = 0.05) -> list[str]:
+    """The selection study's answer, one line per (model,) optimizer, granularity and budget of the ``criteria``
+    table (:func:`criteria_table`): the reference's accuracy (``auto``; ``random`` at the weights granularity),
+    then every other criterion's with the difference, the Wilcoxon p-value and the Holm-corrected one, as the
+    section tests them (over datasets, :data:`ALTERNATIVE`), the phase, and which criteria differ at ``alpha``
+    after Holm (none: the smallest p-value the pairs allow, when that is the reason)."""
+    if t is None or not len(t):
+        return []
+    o = t[t["dataset"] == OVERALL]
+    keys = [k for k in ("model", "optimizer", "granularity", "budget") if k in o.columns]
+    lines = []
+    for vals, g in o.groupby(keys, sort=False):
+        g = g.set_index("criterion")
+        refs = g["reference"].dropna()
+        if refs.empty:
+            continue
+        ref = refs.iloc[0]
+        others = [c for c in CRITERION_ORDER if c in g.index and c != ref]
+        n = int(pd.to_numeric(g["n_pairs"]).max())
+        verdict = _verdict([c for c in others if g.loc[c, "p_holm"] < alpha], ref, n, alpha)
+        what = "plasticity" if ref == REFERENCE else "the control: plasticity scores no single weight"
+        lines.append(f"Selection criteria, {' · '.join(map(str, vals))}: {ref} ({what}) {pct(g.loc[ref, 'mean'])} "
+                     f"against {'; '.join(_against(g, c, ref) for c in others)}: Wilcoxon signed-rank, "
+                     f"{ALTERNATIVE}, paired over {n} datasets, Holm over the {len(others)} criteria; accuracy (%) "
+                     f"mean over datasets from {phase_text(t['lr_rule'].iloc[0])}; {verdict}.")
+    return lines
 
 
 def _cost_cell(r: pd.Series) -> str:

@@ -15,9 +15,15 @@ import numpy as np
 import pandas as pd
 
 from raystudy.analysis import figures as F
-from raystudy.analysis.selection import CRITERION_ORDER, REFERENCE, seed_selections, study_root, unit_frequency
+from raystudy.analysis.selection import (
+    CRITERION_ORDER,
+    REFERENCE,
+    seed_selections,
+    study_root,
+    unit_frequency,
+)
 from raystudy.analysis.style import FONT, styled
-from raystudy.analysis.tables import OVERALL
+from raystudy.analysis.tables import OVERALL, phase_rows
 from raystudy.vocab import COMPONENTS
 
 #: The colour map of the selection frequency (sequential, colour-blind safe, light = never chosen).
@@ -88,9 +94,10 @@ def plot_unit_frequency(freq: pd.DataFrame, path_stem: str | Path, *, title: str
 
 
 def figure_jobs(inputs, slug) -> list[tuple]:
-    """``(name, title, caption, draw)`` per (model,) budget with units (the counted trials' selections,
+    """``(name, title, caption, draw)`` per (model,) budget with units (the selections of the trials of the phase
+    the report answers from, :func:`~raystudy.analysis.tables.phase_rows`:
     :func:`~raystudy.analysis.selection.seed_selections`), for the analysis pipeline."""
-    freq = unit_frequency(seed_selections(inputs.counted, study_root(inputs)))
+    freq = unit_frequency(seed_selections(phase_rows(inputs.final, inputs.counted), study_root(inputs)))
     many = freq["model"].nunique() > 1
     jobs = []
     for (model, budget), rows in freq.groupby(["model", "budget"], sort=False):

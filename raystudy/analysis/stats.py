@@ -5,6 +5,7 @@ Both use :mod:`scipy.stats`; these functions only assemble the paired samples.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -79,6 +80,15 @@ def smallest_p_note(alternative: str, n_pairs) -> str:
     reach = ", ".join(f"{min(1.0, 2.0 ** ((1 if two else 0) - n)):.3g} for n = {n}" for n in ns)
     return (f"With n pairs the smallest attainable {'two' if two else 'one'}-sided exact p-value is "
             f"{'2^(1-n)' if two else '2^-n'}" + (f": {reach} here." if reach else "."))
+
+
+def smallest_wilcoxon_p(n_pairs: int, alternative: str) -> float:
+    """The smallest p-value ``scipy.stats.wilcoxon`` returns on ``n_pairs`` paired differences: all of one sign
+    (the alternative's) with distinct magnitudes. Exactly ``2**-n`` one-sided, ``2 * 2**-n`` two-sided."""
+    if n_pairs < 1:
+        return math.nan
+    sign = -1.0 if alternative == "less" else 1.0
+    return float(stats.wilcoxon(sign * np.arange(1.0, n_pairs + 1), alternative=alternative).pvalue)
 
 
 def canonical_reference(reference: str) -> str:

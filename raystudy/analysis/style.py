@@ -47,11 +47,16 @@ MARKERS: dict[str, str] = {
 }
 assert set(MARKERS) == set(CONFIGURATION_COLORS) and len(set(MARKERS.values())) == len(MARKERS)
 
-#: Colours and markers of the configurations outside the vocabulary (expressions: ``MHA+FC1``, ``auto:10%``,
-#: ``lora:r=8``, ...), none of them a colour above; see :func:`configuration_styles`.
+#: Colours of the configurations outside the vocabulary (expressions: ``MHA+FC1``, ``auto:10%``, ``lora:r=8``,
+#: ...), see :func:`configuration_styles`. Chosen once, greedily: each the sRGB colour (of a 21-step grid, CIELAB
+#: lightness 32-70 and chroma 30-80: visible on white, not neon) farthest from the vocabulary's nine colours and
+#: the ones chosen before it; every one is at least 29 CIE76 delta E from every other colour here and from
+#: :data:`CONFIGURATION_COLORS` (the closest pair of the whole palette is the Okabe-Ito blue and sky blue, 26.4),
+#: where the colours of tab10 and tab20b they replace came as close as 4.6 to each other (#1F77B4, #3182BD: two
+#: blues) and 2.9 to the vocabulary's (#1F77B4 and LN1's #0072B2).
 EXTRA_COLORS: tuple[str, ...] = (
-    "#1F77B4", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#BCBD22", "#17BECF",
-    "#393B79", "#637939", "#8C6D31", "#843C39", "#7B4173", "#3182BD", "#E6550D", "#31A354",
+    "#6633B3", "#F22659", "#4DA600", "#66660D", "#D99973", "#FF73F2", "#8C3333", "#B399FF", "#990073", "#664080",
+    "#00660D", "#99B373", "#FF4DA6", "#0073F2", "#A6000D", "#0D5940", "#734000", "#FF8080", "#008C99", "#99A626",
 )
 EXTRA_MARKERS: tuple[str, ...] = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p")
 
@@ -84,9 +89,10 @@ def configuration_styles(names) -> dict[str, tuple[str, str]]:
 
     The vocabulary's configurations keep :data:`CONFIGURATION_COLORS` and :data:`MARKERS`. Every other one
     (in sorted order) takes the colour of :data:`EXTRA_COLORS` its name hashes to, or the next one no other
-    configuration of the figure has (distinct colours up to 16 of them), and a marker that makes its
-    (colour, marker) pair unique (up to 192). The hash makes a configuration's style the same in every figure
-    that shows it, unless two of them hashed alike and one figure shows only one of the two.
+    configuration of the figure has (distinct colours, every two at least 29 delta E apart, up to 20 of them),
+    and a marker that makes its (colour, marker) pair unique (up to 240). The hash makes a configuration's
+    style the same in every figure that shows it, unless two of them hashed alike and one figure shows only
+    one of the two.
     """
     names = list(dict.fromkeys(map(str, names)))
     styles = {n: (CONFIGURATION_COLORS[n], MARKERS[n]) for n in names if n in CONFIGURATION_COLORS}

@@ -33,9 +33,10 @@ from raystudy.analysis.figures import (
     grouped_bars,
     save_figure,
 )
+from raystudy.analysis.selection import _budget_sort, budget_of
 from raystudy.analysis.style import configuration_styles, styled
 from raystudy.analysis.tables import population_std
-from raystudy.vocab import LINEAR_PROBE
+from raystudy.vocab import LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 #: Line style of the k-th seed of a sweep (cycled).
 SEED_STYLES = ("-", "--", ":", "-.")
@@ -208,42 +209,95 @@ def lr_ticks(ax, lrs) -> None:
         ax.set_xlim(grid[0] / 3, grid[0] * 3)
 
 
-def _lr_lines(ax, rows: pd.DataFrame) -> None:
-    """Mean over seeds (line) +- std (band, ddof 0) against lr per configuration; ``x`` where runs diverged."""
-    configs = _ordered(rows["configuration"].unique())
+#: The most configurations one panel of the accuracy-against-lr figure draws (the vocabulary's eight
+#: finetuning configurations fit one): more are split over panels, one per family (:func:`lr_groups`).
+MAX_LINES = 8
+#: The most lines of a panel drawn with their band (± std over seeds): more bands hide one another.
+MAX_BANDS = 4
+
+
+def _lr_family(config: str) -> tuple:
+    """The sort key and label of ``config``'s family: the vocabulary's configurations, one budget of a
+    granularity (``20% of units``: the criteria at a matched budget), or every other expression."""
+    if config in TRIALS_CONFIGURATIONS:
+        return (0,), ""
+    key = budget_of(config)
+    if key is None:
+        return (2,), "other configurations"
+    _, budget, granularity = key
+    return (1, granularity != "units", _budget_sort(budget)), f"{budget} of {granularity}"
+
+
+def lr_groups(configs: list[str]) -> list[tuple[str, list[str]]]:
+    """``[(label, configurations)]`` of the accuracy-against-lr panels: all in one (label ``""``) up to
+    :data:`MAX_LINES`; beyond, one per family (:func:`_lr_family`), each cut in chunks of at most MAX_LINES
+    (labelled ``1/2``, ``2/2``)."""
+    if len(configs) <= MAX_LINES:
+        return [("", list(configs))]
+    families: dict[tuple, tuple[str, list[str]]] = {}
+    for c in configs:
+        key, label = _lr_family(c)
+        families.setdefault(key, (label, []))[1].append(c)
+    out = []
+    for key in sorted(families):
+        label, members = families[key]
+        chunks = [members[i:i + MAX_LINES] for i in range(0, len(members), MAX_LINES)]
+        out += [(f"{label or 'configurations'}{f' {k + 1}/{len(chunks)}' if len(chunks) > 1 else ''}", chunk)
+                for k, chunk in enumerate(chunks)]
+    return out
+
+
+def _lr_lines(ax, rows: pd.DataFrame, configs: list[str], styles: dict[str, tuple[str, str]]) -> None:
+    """Mean over seeds (line) against lr per configuration of ``configs``, ± std (band, ddof 0) when they are
+    at most :data:`MAX_BANDS`; ``x`` where runs diverged. ``styles``: the figure's (colour, marker) of each."""
     for config in configs:
         r = rows[rows["configuration"] == config].assign(div=lambda d: _is_diverged(d).astype(int))
+        if r.empty:
+            continue
         g = r.groupby("lr")
         m = g["test_acc"].mean() * 100
         sd = g["test_acc"].agg(population_std) * 100
-        ax.plot(m.index, m.to_numpy(), color=_color(config, configs), marker=_marker(config, configs), ms=4,
-                lw=1.6, label=config)
-        ax.fill_between(m.index, m - sd, m + sd, color=_color(config, configs), alpha=0.15, lw=0)
+        color, marker = styles[config]
+        ax.plot(m.index, m.to_numpy(), color=color, marker=marker, ms=4, lw=1.6, label=config)
+        if len(configs) <= MAX_BANDS:
+            ax.fill_between(m.index, m - sd, m + sd, color=color, alpha=0.15, lw=0)
         hit = (g["div"].sum() > 0).to_numpy()
         if hit.any():
             ax.scatter(m.index[hit], m.to_numpy()[hit], **DIVERGED_STYLE)
 
 
+def _probe_line(ax, rows: pd.DataFrame, probes: pd.DataFrame | None) -> None:
+    """The linear probe of the panel's dataset (and model), dashed: it has no lr."""
+    if probes is None or not len(probes):
+        return
+    lp = probes[probes["dataset"] == rows["dataset"].iloc[0]]
+    if "model" in lp.columns:
+        lp = lp[lp["model"] == rows["model"].iloc[0]]
+    if len(lp):
+        ax.axhline(100 * lp["test_acc"].mean(), color=_color(LINEAR_PROBE), ls="--", lw=1.4, label=LINEAR_PROBE)
+
+
 @styled
 def plot_accuracy_vs_lr(counted: pd.DataFrame, path_stem: str | Path, probes: pd.DataFrame | None = None, *,
                         title: str = "") -> list[Path]:
-    """Test accuracy against the learning rate per configuration, one panel per (model, optimizer, dataset).
+    """Test accuracy against the learning rate per configuration, one panel per (model, optimizer, dataset)
+    and, beyond :data:`MAX_LINES` configurations, per family of them (:func:`lr_groups`: the criteria of one
+    budget together), a row of panels per (model, optimizer, dataset).
 
-    Line: mean over seeds at each lr; band: +- the std over seeds (ddof 0); black ``x``: an lr whose seeds
-    include a diverged run. The linear probe (``probes``, no lr) is a dashed horizontal line. Log lr axis.
+    Line: mean over seeds at each lr; band: +- the std over seeds (ddof 0) in a panel of at most
+    :data:`MAX_BANDS` lines; black ``x``: an lr whose seeds include a diverged run. The linear probe
+    (``probes``, no lr) is a dashed horizontal line. Log lr axis.
     """
     _require(counted, ["dataset", "configuration", "lr", "test_acc"], "trials")
-    panels, constant = _facets(counted, ("model", "optimizer", "dataset"))
-    fig, axes = _grid(len(panels), width=4.4, height=3.3, max_cols=4)
-    for ax, (name, rows) in zip(axes, panels):
-        _lr_lines(ax, rows)
-        if probes is not None and len(probes):
-            lp = probes[probes["dataset"] == rows["dataset"].iloc[0]]
-            if "model" in lp.columns:
-                lp = lp[lp["model"] == rows["model"].iloc[0]]
-            if len(lp):
-                ax.axhline(100 * lp["test_acc"].mean(), color=_color(LINEAR_PROBE), ls="--", lw=1.4,
-                           label=LINEAR_PROBE)
+    facets, constant = _facets(counted, ("model", "optimizer", "dataset"))
+    configs = _ordered(counted["configuration"].unique())
+    styles, groups = configuration_styles(configs), lr_groups(configs)
+    panels = [(" · ".join(p for p in (name, label) if p), rows, members) for name, rows in facets
+              for label, members in groups]
+    fig, axes = _grid(len(panels), width=4.4, height=3.3, max_cols=len(groups) if 1 < len(groups) <= 4 else 4)
+    for ax, (name, rows, members) in zip(axes, panels):
+        _lr_lines(ax, rows, members, styles)
+        _probe_line(ax, rows, probes)
         lr_ticks(ax, rows["lr"])
         ax.set_xlabel("learning rate")
         ax.set_ylabel("test accuracy (%)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from raystudy.analysis.inputs import FINAL, SEARCH
 from raystudy.vocab import COMPONENTS, LINEAR_PROBE, TRIALS_CONFIGURATIONS
 
 #: Key of a learning-rate sweep: one (model, dataset, optimizer, configuration).
@@ -116,6 +117,50 @@ def best_lr_table(counted: pd.DataFrame, probes: pd.DataFrame | None = None,
         best = pd.concat([best, lp.astype(best.dtypes.to_dict())], ignore_index=True)
     return finish(best, ["dataset", "optimizer", "configuration", "lr", "mean", "std", "n_seeds", "n_diverged"],
                   n_models(counted))
+
+
+def final_fit_table(final: pd.DataFrame, probes: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The ``best_lr`` table's shape read from the final fit's rows (``phase: final``, one lr per sweep, the one
+    the search chose on validation): per sweep ``lr`` (the lr it was retrained at), ``mean`` and ``std`` (ddof
+    0) over seeds of the test accuracy, ``n_seeds``, ``n_diverged``; ``LP`` rows (:func:`probe_rows`) added."""
+    g = final.assign(n_diverged=_diverged(final)).groupby(SWEEP, sort=False)
+    out = g["test_acc"].agg(mean="mean", std=population_std, n_seeds="count")
+    out = out.join(g["lr"].median()).join(g["n_diverged"].sum()).reset_index()
+    lp = probe_rows(probes, final)
+    if len(lp):
+        out = pd.concat([out, lp.astype(out.dtypes.to_dict())], ignore_index=True)
+    return finish(out, ["dataset", "optimizer", "configuration", "lr", "mean", "std", "n_seeds", "n_diverged"],
+                  n_models(final))
+
+
+def phase_of(final: pd.DataFrame | None) -> str:
+    """The phase a study's report answers from: :data:`~raystudy.analysis.inputs.FINAL` when it has counted
+    final-fit rows, else :data:`~raystudy.analysis.inputs.SEARCH`."""
+    return FINAL if final is not None and len(final) else SEARCH
+
+
+def phase_rows(final: pd.DataFrame | None, counted: pd.DataFrame) -> pd.DataFrame:
+    """The trials of the phase the report answers from (:func:`phase_of`): ``final``'s, else ``counted``."""
+    return final if phase_of(final) == FINAL else counted
+
+
+def reported_accuracies(best_lr: pd.DataFrame, counted: pd.DataFrame, final: pd.DataFrame | None,
+                        probes: pd.DataFrame | None = None, notes: list[str] | None = None,
+                        ) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """``(per-dataset accuracies, the trials behind them, phase)`` that every table, figure and headline
+    reporting a configuration's accuracy reads, so that the report answers from one phase: the final fit where
+    the study has one (:func:`final_fit_table`, its rows, :data:`~raystudy.analysis.inputs.FINAL`), else the lr
+    search (``best_lr``, ``counted``, :data:`~raystudy.analysis.inputs.SEARCH`). The lr search's own tables
+    (``best_lr``, ``lr_grid``, ``stability``) read the search. A configuration searched but not refit is left
+    out of the final fit's (noted)."""
+    if phase_of(final) == SEARCH:
+        return best_lr, counted, SEARCH
+    missing = sorted(set(zip(counted["optimizer"], counted["configuration"]))
+                     - set(zip(final["optimizer"], final["configuration"])))
+    if missing and notes is not None:
+        notes.append(f"Final fit: no final-phase rows of {', '.join(f'{c} ({o})' for o, c in missing)}: left out of "
+                     "every table and figure that reads the final fit (the lr search's tables keep them).")
+    return final_fit_table(final, probes), final, FINAL
 
 
 def best_component(best_lr: pd.DataFrame) -> pd.Series:

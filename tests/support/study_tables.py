@@ -242,3 +242,73 @@ def configuration_study(path: Path, configurations: set[str], *, relabel=None, c
         plasticity["plasticity"] = 1.0
     write_result(plasticity, path, "plasticity")
     return path
+
+
+# ---------------------------------------------------------------- the selection preset's shape
+
+#: The selection-demo preset's grid (raystudy/presets/selection-demo.yaml): three VTAB-1k tasks, 13 budgeted
+#: configurations (7 criteria at 20% of units, 6 at 1% of weights), two lrs, two seeds, a final fit.
+SELECTION_TASKS = ("cifar", "patch_camelyon", "dsprites_ori")
+SELECTION_CONFIGS = ("auto:20%", "random:20%", "rgn:20%", "grad:20%", "taylor:20%", "fisher:20%", "magnitude:20%",
+                     "random:1%:weights", "rgn:1%:weights", "grad:1%:weights", "taylor:1%:weights",
+                     "fisher:1%:weights", "magnitude:1%:weights")
+SELECTION_LRS = (0.03, 0.3)
+SELECTION_SEEDS = (0, 1)
+#: test examples per task (the demo's miniature splits): an accuracy moves in steps of 1/n
+SELECTION_TEST_EXAMPLES = {"cifar": 500, "patch_camelyon": 400, "dsprites_ori": 250}
+#: per configuration: (search level, final level), so that the search ranks magnitude:20% above auto:20% and the
+#: final fit ranks auto:20% above it, as the demo's report did (issue #45)
+SELECTION_LEVELS = {c: (0.60 + 0.004 * (i % 7), 0.62 + 0.003 * ((5 * i) % 7)) for i, c in enumerate(SELECTION_CONFIGS)}
+SELECTION_LEVELS["auto:20%"] = (0.640, 0.700)
+SELECTION_LEVELS["magnitude:20%"] = (0.655, 0.660)
+
+
+def _selection_units(config: str, ti: int, seed: int) -> str | None:
+    """A 20%-of-units selection (two big units and every LayerNorm of a 4-block model); None at :weights."""
+    if config.endswith(":weights"):
+        return None
+    k = SELECTION_CONFIGS.index(config) + ti + (seed if config.startswith("random") else 0)
+    big = sorted({(("MHA", "FC1", "FC2")[k % 3], k % 4), (("FC1", "FC2", "MHA")[(k + 1) % 3], (k + 2) % 4)},
+                 key=lambda u: (u[1], u[0]))
+    terms = [f"{c}@{b}" for c, b in big] + ["LN1@0-3", "LN2@0-3"]
+    return "+".join(terms)
+
+
+def selection_rows(final: bool = True, test_examples: bool = True) -> list[dict]:
+    """trials.parquet rows of the selection preset's grid: search rows (val chooses the other lr than test on
+    odd configurations), and with ``final`` one final row per (task, configuration, seed) at the search's
+    first lr. Every accuracy is a multiple of 1/n of its task's test examples."""
+    rows = []
+    for (ti, task), (ci, config), (li, lr), seed in itertools.product(
+            enumerate(SELECTION_TASKS), enumerate(SELECTION_CONFIGS), enumerate(SELECTION_LRS), SELECTION_SEEDS):
+        n = SELECTION_TEST_EXAMPLES[task]
+        search, fit = SELECTION_LEVELS[config]
+        acc = round((search + 0.05 * ti + 0.01 * li + 0.004 * seed - 0.002 * ((ci + ti) % 3)) * n) / n
+        common = dict(dataset=task, model="vit_tiny_patch16_224", configuration=config, optimizer="sgd", seed=seed,
+                      steps=30, batch_size=32, trainable_params=42_713 + 650, status="ok", best_val_step=20,
+                      final_val_loss=1.0, wall_seconds=2.0, units=_selection_units(config, ti, seed),
+                      **({"test_examples": n} if test_examples else {}))
+        val = acc + (0.02 if (li == 0) == (ci % 2 == 0) else -0.02)
+        rows.append(dict(common, trial_id=f"{task}-{config}-{lr:g}-s{seed}", lr=lr, best_val_acc=val, test_acc=acc,
+                         phase="search"))
+        if final and li == 0:
+            f = round((fit + 0.05 * ti + 0.003 * seed + 0.002 * ((ci * (ti + 2)) % 4)) * n) / n
+            rows.append(dict(common, trial_id=f"{task}-{config}-s{seed}-final", lr=lr, best_val_acc=np.nan,
+                             test_acc=f, phase="final"))
+    return rows
+
+
+def selection_study(path: Path, *, final: bool = True, curves: bool = False, test_examples: bool = True) -> Path:
+    """A study directory of the selection preset's shape (:func:`selection_rows`), with per-run curves when asked."""
+    path.mkdir(parents=True, exist_ok=True)
+    rows = selection_rows(final, test_examples)
+    df = pd.DataFrame(rows)
+    for c in ("trainable_params", "best_val_step", "steps", "batch_size"):
+        df[c] = df[c].astype("Int64")
+    write_result(df, path, "trials")
+    if curves:
+        write_result(pd.DataFrame([dict(trial_id=r["trial_id"], step=step, lr_now=r["lr"], train_loss=2.0 / (1 + step),
+                                        grad_norm=1.0 + r["lr"] / (1 + step), val_loss=2.0 - r["test_acc"],
+                                        val_acc=r["test_acc"]) for r in rows if r["phase"] == "search"
+                                   for step in (0, 10, 20)]), path, "curves")
+    return path

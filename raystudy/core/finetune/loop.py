@@ -389,6 +389,7 @@ class Finetuner:
             compile=self.cfg.compile, units=self.trained.chosen, checkpoints_skipped=len(self.skipped_checkpoints),
             checkpoint_warnings=list(self.skipped_checkpoints), **self.memory,
             selection_entries=count_entries(self.trained.masks) if self.trained.masks else None,
+            test_examples=len(self._eval_data["test"]) if "test" in self._eval_data else None,
         )
 
     # ---- data ---------------------------------------------------------------------------------------

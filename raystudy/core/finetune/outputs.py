@@ -38,6 +38,7 @@ RESULT_DEFAULTS: dict = {
     # unusable checkpoints a resume moved aside: how many (a trials.parquet column) and why (summary.json)
     "checkpoints_skipped": None, "checkpoint_warnings": None,
     "selection_entries": None,  # a :weights budget: the entries its mask trains (the head's not counted)
+    "test_examples": None,  # the test split's rows test_acc counts: one example moves it by 1 / test_examples
 }
 #: The hyperparameters of a run in its TensorBoard HParams record, and the metrics recorded with them.
 HPARAM_KEYS = ("configuration", "optimizer", "lr", "seed", "steps", "batch_size", "model", "model_kwargs")

@@ -202,8 +202,9 @@ def test_the_units_figure_and_its_frequencies(tmp_path):
     section = html[html.index('id="criteria"'):html.index('id="tables"')]
     assert "Selection criteria at matched budgets" in section and 'data-table="criteria"' in section
     assert 'data-figure="criteria_units_5pct"' in section and 'data-table="criteria_overlap"' in section
-    summary = html[:html.index('id="criteria"')]  # the summary points at the section's tests
-    assert "selection tests" in summary and "section &#x27;Selection criteria at matched budgets&#x27;" in summary
+    summary = html[:html.index('id="criteria"')]  # the summary's tests line points at the section's tests
+    assert "<dt>tests</dt><dd>Wilcoxon signed-rank of plasticity (auto) against each selection criterion" in summary
+    assert "section &#x27;Selection criteria at matched budgets&#x27;" in summary
 
 
 def test_two_studies_auto_and_rgn_compare_in_one_table(tmp_path):

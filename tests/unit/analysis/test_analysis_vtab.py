@@ -121,7 +121,7 @@ def test_vtab_table_from_search_rows_chosen_on_validation(tmp_path):
     assert got.loc["MHA", "mean_groups"] == pytest.approx(_expected(acc_test, "MHA")["mean_groups"], abs=1e-12)
 
 
-def test_vtab_table_reads_the_final_rows_and_every_other_table_the_search_rows(tmp_path):
+def test_vtab_table_reads_the_final_rows_and_the_lr_search_tables_the_search_rows(tmp_path):
     path, search = _study(tmp_path / "s", final=True)
     res = run_analysis(path, figures=False)
     final = [r for r in pd.read_parquet(path / "trials.parquet").to_dict("records") if r["phase"] == "final"]
@@ -139,10 +139,20 @@ def test_vtab_table_reads_the_final_rows_and_every_other_table_the_search_rows(t
         assert "VTAB-1k table" in text and "the highest mean test accuracy over seeds (the paper" in text
         assert "VTAB-1k: accuracy per task" in text and "trained on train800val200 at the lr chosen" in text
     assert 'data-table="vtab"' in html and 'colspan="2">Natural</th>' in html
-    # every other table reads the search rows alone: as in the study without final rows
+    # the lr search's own tables read the search rows alone: as in the study without final rows; the tables that
+    # report an accuracy read the final fit, as the vtab table (#45: one phase in the whole report)
     bare = run_analysis(_study(tmp_path / "bare", final=False)[0], figures=False)
-    for name in ("best_lr", "lr_grid", "overall", "stability", "frontier"):
+    for name in ("best_lr", "lr_grid", "stability"):
         pd.testing.assert_frame_equal(res.tables[name], bare.tables[name])
+    overall, frontier = (res.tables[n].set_index("configuration") for n in ("overall", "frontier"))
+    frontier = frontier[frontier["dataset"] == "overall"]
+    for config in CONFIGS:
+        means = [acc[(t, config)] for t in TASKS]
+        assert overall.loc[config, "mean"] == pytest.approx(np.mean(means), abs=1e-12)
+        assert overall.loc[config, "std"] == pytest.approx(np.std(means), abs=1e-12)
+        assert frontier.loc[config, "mean"] == pytest.approx(np.mean(means), abs=1e-12)
+        assert overall.loc[config, "lr_grid_mean"] == bare.tables["overall"].set_index("configuration").loc[
+            config, "lr_grid_mean"]  # the lr grid's columns: the search
     assert len(res.inputs.counted) == len(search) and len(res.inputs.final) == len(final)
 
 

@@ -71,7 +71,8 @@ def test_the_summary_and_the_bold_notes_name_what_the_tables_hold(tmp_path):
     composite = run_analysis(configuration_study(tmp_path / "a", {"Head", "MHA+FC1", "auto:10%"}), figures=False)
     assert "wilcoxon" not in composite.tables  # no MHA trials: nothing to test against
     html = Path(write_report(composite)).read_text()
-    assert "<dt>tests</dt><dd>none: the Wilcoxon tests against MHA were omitted (see the notes)</dd>" in html
+    assert ("<dt>tests</dt><dd>Kendall τ-b between the plasticity rankings (headlines); the Wilcoxon tests against "
+            "MHA were omitted (see the notes)</dd>") in html  # the tests it holds: the headlines' (#45)
     assert "Wilcoxon vs MHA" not in html
     assert "Bold:" not in _notes_of(composite)
     some = run_analysis(configuration_study(tmp_path / "b", {"Head", "MHA", "LN1", "FC1"},

@@ -20,9 +20,9 @@ from raystudy.analysis.scope import (
     pairs_needed,
     scope_items,
     smallest_kendall_p,
-    smallest_wilcoxon_p,
     thesis_sentences,
 )
+from raystudy.analysis.stats import smallest_wilcoxon_p
 from raystudy.io import write_result
 
 COMPONENTS = ("LN1", "MHA", "LN2", "FC1", "FC2")

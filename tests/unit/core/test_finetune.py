@@ -560,6 +560,16 @@ def test_best_validation_state_and_its_test_accuracy(store, tmp_path):
     assert len(set(val_acc.values())) > 1 or summary["best_val_step"] == 2  # (ties resolve to the first)
 
 
+def test_the_summary_counts_the_test_examples(store, tmp_path):
+    """``test_examples``: the rows of the test split behind ``test_acc`` (one example moves it by 1/n), counted
+    here from the store's own Parquet shards; a per-sample test accuracy is a multiple of 1/n."""
+    summary, _ = train_local(tiny_cfg(store, tmp_path, steps=2), tensorboard=False, write=False)
+    splits = pd.concat([pd.read_parquet(p, columns=["split"]) for p in sorted(Path(store).rglob("*.parquet"))])
+    n = int((splits["split"] == "test").sum())
+    assert n == 12 and summary["test_examples"] == n
+    assert summary["test_acc"] * n == pytest.approx(round(summary["test_acc"] * n), abs=1e-9)
+
+
 def test_cli_builds_the_config(store, tmp_path, capsys):
     from raystudy.cli import build_parser
     from raystudy.commands.finetune import config_from_args
