@@ -106,7 +106,8 @@ def test_every_spec_field_reaches_a_job_or_is_the_studys_own():
     spec_fields = {f.name for f in dataclasses.fields(StudySpec)}
     assert spec_fields == set(FINETUNE) | set(RESOURCES) | STUDY_ONLY
     assert {f.name for f in dataclasses.fields(PlasticitySpec)} == set(PLASTICITY) | {"enabled"}
-    assert {f.name for f in dataclasses.fields(PretrainSpec)} == set(PRETRAIN) | {"enabled"}
+    # path_steps: the study measures plasticity at those steps (study/pretrain_path.py), the run only writes them
+    assert {f.name for f in dataclasses.fields(PretrainSpec)} == set(PRETRAIN) | {"enabled", "path_steps"}
     assert {f.name for f in dataclasses.fields(ProbeSpec)} == set(PROBE) | {"enabled"}
     # the maps hold what they must: the protocol, the renamed resources, the per-dataset protocol
     assert {"steps", "model", "precision", "resize"} <= set(FINETUNE) and "lr" not in FINETUNE  # lr: the grid's
