@@ -64,6 +64,7 @@ from raystudy.study.health import (
     storage_errors,
 )
 from raystudy.study.hparams import write_study_hparams
+from raystudy.study.jobs import set_aside_unreadable_cache
 from raystudy.study.lock import StudyLock
 from raystudy.study.measure import measure_plasticity, plasticity_todo
 from raystudy.study.persist import (
@@ -310,7 +311,10 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
 
 def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> StudyPlan:
     """What is left to do, decided from the study directory alone; finished trials the tables missed (a
-    killed driver) are picked up from their directories first."""
+    killed driver) are picked up from their directories first, and unreadable files of the criteria cache are
+    moved aside, each named once here (:func:`raystudy.study.jobs.set_aside_unreadable_cache`), for the
+    trials to compute them again."""
+    set_aside_unreadable_cache(spec.out)
     if tables.repaired:
         rebuilt = tables.rebuild(list(spec.datasets), spec.model, spec.model_kwargs)
         for path, moved in tables.repaired:
