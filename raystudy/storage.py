@@ -322,6 +322,16 @@ def create_dir(fs: pafs.FileSystem, path: str) -> None:
         raise FolderError(f"cannot create the folder {why}") from None
 
 
+def file_problem(path: str | None) -> str | None:
+    """Why a file cannot be written at ``path`` (a folder there, or :func:`folder_problem` of the folder it
+    goes into), or None; remote URIs are not checked."""
+    if path is None or is_uri(path):
+        return None
+    if os.path.isdir(path):
+        return f"{path} is a folder, not a file"
+    return folder_problem(os.path.dirname(os.path.abspath(path)))
+
+
 def folder_problem(path: str | None) -> str | None:
     """Why a folder a launch writes cannot be created or written (an existing file on the way, no write
     permission), or None; remote URIs are not checked."""

@@ -254,6 +254,18 @@ def test_data_rows_of_a_store_with_its_own_val(tmp_path, capsys):
     assert "(val_split authors (its val split is the source's own: kept, fixed), seed 42)" in capsys.readouterr().out
 
 
+def test_data_rows_refuses_a_folder_as_out_in_one_line(pool_store, tmp_path, capsys):
+    folder = tmp_path / "existing"
+    folder.mkdir()
+    (folder / "kept.txt").write_text("mine")
+    assert main(["data", "rows", str(pool_store), "--out", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"raystudy data: error: --out: {folder} is a folder, not a file (--out is the CSV file to write)\n"
+    assert out == ""
+    assert [p.name for p in folder.iterdir()] == ["kept.txt"] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "existing"]  # nothing written beside it either (no temporary file left)
+
+
 # ----------------------------------------------------------------------------- refusals and presets
 
 
