@@ -66,9 +66,17 @@ def read_bytes(path: str | os.PathLike) -> bytes | None:
 
 
 def read_text(path: str | os.PathLike) -> str | None:
-    """The file's text (UTF-8), or ``None`` when it does not exist."""
+    """The file's text (UTF-8), or ``None`` when it does not exist; ``ValueError`` naming the file, the line
+    and the byte when it is not UTF-8 text."""
     data = read_bytes(path)
-    return None if data is None else data.decode("utf-8")
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} on line {line}); save it as UTF-8"
+                         ) from None
 
 
 @contextlib.contextmanager

@@ -557,7 +557,10 @@ def load_preset(name_or_path: str) -> StudySpec:
 
 
 def load_spec_file(path: str | Path) -> StudySpec:
-    data = load_yaml(Path(path).read_text(), str(path)) or {}
+    text = storage.read_text(path)  # UTF-8 whatever the locale; a file that is not: an error naming it
+    if text is None:
+        raise SpecError(f"preset: file not found: {path}")
+    data = load_yaml(text, str(path)) or {}
     return StudySpec.from_dict(data, where=str(path))
 
 
