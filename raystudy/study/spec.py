@@ -50,6 +50,7 @@ import copy
 import dataclasses
 import logging
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -297,9 +298,9 @@ class StudySpec(ModelSettings, ProtocolSettings):
         data = self.to_dict()
         items = overrides.items() if isinstance(overrides, dict) else (_split_override(o) for o in overrides)
         for key, value in items:
-            if isinstance(value, str) and not isinstance(overrides, dict):
-                value = _parse_value(value)
             parts = key.split(".")
+            if isinstance(value, str) and not isinstance(overrides, dict):
+                value = _parse_value(key, value, mapping=_is_free_mapping(parts))
             target = _override_target(data, key, StudySpec.SECTIONS)
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
@@ -328,6 +329,9 @@ class StudySpec(ModelSettings, ProtocolSettings):
         if isinstance(self.betas, list):
             self.betas = tuple(self.betas)
         self._normalize_datasets()
+        if not isinstance(self.model_kwargs, dict | None):
+            raise SpecError(f"model_kwargs: expected a mapping of timm.create_model arguments, e.g. {{depth: 3}}, "
+                            f"not {self.model_kwargs!r}")
         self.model_kwargs = dict(self.model_kwargs or {})
 
     def _normalize_datasets(self) -> None:
@@ -562,6 +566,15 @@ def load_spec_file(path: str | Path) -> StudySpec:
         raise SpecError(f"preset: file not found: {path}")
     data = load_yaml(text, str(path)) or {}
     return StudySpec.from_dict(data, where=str(path))
+
+
+def _is_free_mapping(parts: list[str]) -> bool:
+    """Whether the field a ``--set`` key names (``parts``: ``model_kwargs``, ``pretrain.model_kwargs``) is a
+    free-form mapping (typed ``dict``, such as ``model_kwargs``), whose value must be a mapping."""
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in StudySpec.SECTIONS):
+        return False  # a dataset's entry: its overrides are no free-form mapping
+    cls = StudySpec.SECTIONS[parts[0]] if len(parts) == 2 else StudySpec
+    return typing.get_type_hints(cls).get(parts[-1]) is dict
 
 
 def _section_name(spec: StudySpec, section: Any) -> str:
