@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from raystudy.analysis.tables import (
     shared_subset,
     stability_table,
 )
+from raystudy.faults import injected
 from raystudy.vocab import LINEAR_PROBE
 
 log = logging.getLogger(__name__)
@@ -341,6 +343,7 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     problem = storage.folder_problem(target)  # a file on the way, no permission: refused before any table
     if problem:
         raise ValueError(f"out_dir (--out): {problem}")
+    _test_hold()
     out, uri = storage.staged(target, prefix="raystudy-analysis-")
     res = AnalysisResult(", ".join(dirs), out, inputs, notes=list(inputs.notes), upload_to=uri,
                          options={**options, "seeds": seeds, "fixed_run": fixed_run})
@@ -365,6 +368,14 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     for n in res.notes:
         log.debug("%s", n)
     return res
+
+
+def _test_hold() -> None:
+    """The test fault ``hold_analysis`` (:mod:`raystudy.faults`): create the file it names, then wait 120 s."""
+    marker = injected("hold_analysis")
+    if marker:
+        Path(marker).touch()
+        time.sleep(120)
 
 
 def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,

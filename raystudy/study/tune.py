@@ -83,6 +83,7 @@ from raystudy.study.progress import echo as _echo
 from raystudy.study.results import TABLE_PERIOD, ResultTables
 from raystudy.study.signals import (
     Interrupted,
+    analysis_interrupted,
     sigint_noticed,
     sigterm_exits,
 )
@@ -418,7 +419,9 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
             from raystudy.analysis.html_report import report  # scipy: only for a spec that asks
 
             t0 = time.monotonic()
-            outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,
+            # ours again (ray.init installed its own), saying how to redo the analysis alone
+            with sigterm_exits(echo, line=f"[{spec.name}] {analysis_interrupted([spec.out])}"):
+                outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,
                                             round_to=spec.analysis_round, select_by=spec.analysis_select_by))
             outcome.analysis_dir = join(spec.out, "analysis")
             echo(f"[{spec.name}] analysis written in {fmt_seconds(time.monotonic() - t0)}")
