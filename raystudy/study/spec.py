@@ -50,7 +50,6 @@ import copy
 import dataclasses
 import logging
 import math
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -92,6 +91,7 @@ from raystudy.study.spec_values import (
     _split_override,
     _sub,
     _to_int,
+    is_free_mapping,
     is_missing,
     load_yaml,
     per_dataset_fields,
@@ -300,7 +300,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         for key, value in items:
             parts = key.split(".")
             if isinstance(value, str) and not isinstance(overrides, dict):
-                value = _parse_value(key, value, mapping=_is_free_mapping(parts))
+                value = _parse_value(key, value, mapping=is_free_mapping(StudySpec, parts))
             target = _override_target(data, key, StudySpec.SECTIONS)
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
@@ -566,15 +566,6 @@ def load_spec_file(path: str | Path) -> StudySpec:
         raise SpecError(f"preset: file not found: {path}")
     data = load_yaml(text, str(path)) or {}
     return StudySpec.from_dict(data, where=str(path))
-
-
-def _is_free_mapping(parts: list[str]) -> bool:
-    """Whether the field a ``--set`` key names (``parts``: ``model_kwargs``, ``pretrain.model_kwargs``) is a
-    free-form mapping (typed ``dict``, such as ``model_kwargs``), whose value must be a mapping."""
-    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in StudySpec.SECTIONS):
-        return False  # a dataset's entry: its overrides are no free-form mapping
-    cls = StudySpec.SECTIONS[parts[0]] if len(parts) == 2 else StudySpec
-    return typing.get_type_hints(cls).get(parts[-1]) is dict
 
 
 def _section_name(spec: StudySpec, section: Any) -> str:

@@ -5,6 +5,7 @@ error names the field (``datasets.<name>.<field>``) as :class:`~raystudy.study.c
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -174,6 +175,17 @@ def _split_override(text: str) -> tuple[str, str]:
         raise SpecError(f"--set {text!r}: expected key=value")
     key, value = text.split("=", 1)
     return key.strip(), value.strip()
+
+
+def is_free_mapping(spec_cls: type, parts: list[str]) -> bool:
+    """Whether the field of ``spec_cls`` (a :class:`~raystudy.study.spec.StudySpec`) that a ``--set`` key names
+    (``parts``: ``model_kwargs``, ``pretrain.model_kwargs``) is a free-form mapping (typed ``dict``), whose value
+    must be a mapping."""
+    sections = spec_cls.SECTIONS
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in sections):
+        return False  # a dataset's entry: its overrides are no free-form mapping
+    cls = sections[parts[0]] if len(parts) == 2 else spec_cls
+    return typing.get_type_hints(cls).get(parts[-1]) is dict
 
 
 def _parse_value(key: str, text: str, *, mapping: bool = False) -> Any:

@@ -307,7 +307,7 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
     if problems:
         raise SpecError("\n".join(problems))
     if spec.analysis:  # its folder a link out of the study: refused now, not after the trials
-        from raystudy.analysis.pipeline import study_analysis_dir  # pandas, matplotlib: only for a spec that asks
+        from raystudy.analysis.pipeline import study_analysis_dir  # scipy: only for a spec that asks
 
         study_analysis_dir(spec.out)
     write_spec(spec)
