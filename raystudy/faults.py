@@ -9,8 +9,10 @@ without touching the disk. The file is read at each call, so one Ray session ser
 Kinds in use: ``fail_after_step`` (a finetuning run, keyed by its output folder's name: the first attempt
 raises after that step's checkpoint), ``hold_after_checkpoint`` (a finetuning run, keyed by its folder's name:
 the first attempt waits after its first checkpoint until its folder holds ``.release`` or that many seconds
-pass, so that a test can act on a run known to be mid-way) and ``crash_at_batch`` (the plasticity pipeline:
-the first actor to reach that batch kills its own process).
+pass, so that a test can act on a run known to be mid-way), ``crash_at_batch`` (the plasticity pipeline:
+the first actor to reach that batch kills its own process) and ``hold_analysis`` (an analysis, a path: it
+creates that file once it has read its study's tables, then waits 120 s, so that a test can signal an
+analysis known to be under way).
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING
 from typing import Any
 
-from raystudy.settings import base_type, default_of
+from raystudy.settings import CHECKS, base_type, default_of
 
 
 def _json_object(text: str) -> dict:
@@ -23,6 +24,28 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def checked(kind: type, check: str | None = None) -> Callable[[str], Any]:
+    """An argparse ``type``: the text as ``kind`` (``int``, or ``float``: finite, never NaN or infinite) that
+    holds the settings check ``check`` (:data:`raystudy.settings.CHECKS`), else an argparse error saying
+    what the value must be (one line, exit status 2)."""
+    holds, why = CHECKS[check] if check else ((lambda v: True), "")
+    what = "an integer" if kind is int else "a finite number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        if not holds(value):  # a given value is never None: the check's "None or" does not apply
+            raise argparse.ArgumentTypeError(f"{text!r}: {why.replace('None or ', '')}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
 
 
 def _fmt_default(value: Any) -> str:
@@ -97,8 +120,10 @@ def _flag_kwargs(f: dataclasses.Field, kind: Any, default: Any, unset: bool) -> 
         kwargs.setdefault("metavar", "JSON")
     elif origin is list:
         kwargs["nargs"] = "+"
-    elif kind in (int, float):
-        kwargs["type"] = kind
+    elif kind is float:
+        kwargs["type"] = checked(float)  # NaN or infinity is no setting's value
+    elif kind is int:
+        kwargs["type"] = int
     return kwargs
 
 

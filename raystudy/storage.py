@@ -66,9 +66,17 @@ def read_bytes(path: str | os.PathLike) -> bytes | None:
 
 
 def read_text(path: str | os.PathLike) -> str | None:
-    """The file's text (UTF-8), or ``None`` when it does not exist."""
+    """The file's text (UTF-8), or ``None`` when it does not exist; ``ValueError`` naming the file, the line
+    and the byte when it is not UTF-8 text."""
     data = read_bytes(path)
-    return None if data is None else data.decode("utf-8")
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} on line {line}); save it as UTF-8"
+                         ) from None
 
 
 @contextlib.contextmanager
@@ -320,6 +328,16 @@ def create_dir(fs: pafs.FileSystem, path: str) -> None:
         if why is None:  # e.g. a full disk, which the study reports as such
             raise
         raise FolderError(f"cannot create the folder {why}") from None
+
+
+def file_problem(path: str | None) -> str | None:
+    """Why a file cannot be written at ``path`` (a folder there, or :func:`folder_problem` of the folder it
+    goes into), or None; remote URIs are not checked."""
+    if path is None or is_uri(path):
+        return None
+    if os.path.isdir(path):
+        return f"{path} is a folder, not a file"
+    return folder_problem(os.path.dirname(os.path.abspath(path)))
 
 
 def folder_problem(path: str | None) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,7 @@ from raystudy.analysis.tables import (
     shared_subset,
     stability_table,
 )
+from raystudy.faults import injected
 from raystudy.vocab import LINEAR_PROBE
 
 log = logging.getLogger(__name__)
@@ -318,13 +320,26 @@ def study_dirs(study_dir) -> list[str]:
 
 
 def _out_dir(dirs: list[str], out_dir) -> str:
-    """``out_dir``, or ``<study_dir>/analysis`` for one study; several studies need one."""
+    """``out_dir``, or ``<study_dir>/analysis`` for one study (:func:`study_analysis_dir`); several studies
+    need one."""
     if out_dir is not None:
         return str(out_dir)
     if len(dirs) > 1:
         raise ValueError(f"out_dir: {len(dirs)} study directories analysed together need an output folder "
                          f"(--out): {', '.join(dirs)}")
-    return storage.join(dirs[0], "analysis")
+    return study_analysis_dir(dirs[0])
+
+
+def study_analysis_dir(study_dir: str) -> str:
+    """``<study_dir>/analysis``, where a study's analysis goes unless ``--out`` says otherwise. ``ValueError``
+    when it or its ``figures/`` is a symbolic link: the analysis would write its files, and clear those of an
+    earlier analysis, outside the study directory; given as ``--out``, a link is written through."""
+    target = storage.join(study_dir, "analysis")
+    for path in (target, storage.join(target, "figures")):
+        if not storage.is_uri(path) and os.path.islink(path):
+            raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}): the analysis writes only inside "
+                             f"the study directory; remove the link, or give --out {target} to write through it")
+    return target
 
 
 def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAULT_REFERENCE,
@@ -355,6 +370,7 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     problem = storage.folder_problem(target)  # a file on the way, no permission: refused before any table
     if problem:
         raise ValueError(f"out_dir (--out): {problem}")
+    _test_hold()
     out, uri = storage.staged(target, prefix="raystudy-analysis-")
     res = AnalysisResult(", ".join(dirs), out, inputs, notes=list(inputs.notes), upload_to=uri,
                          options={**options, "seeds": seeds, "fixed_run": fixed_run})
@@ -379,6 +395,14 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     for n in res.notes:
         log.debug("%s", n)
     return res
+
+
+def _test_hold() -> None:
+    """The test fault ``hold_analysis`` (:mod:`raystudy.faults`): create the file it names, then wait 120 s."""
+    marker = injected("hold_analysis")
+    if marker:
+        Path(marker).touch()
+        time.sleep(120)
 
 
 def analyze(study_dir: str | os.PathLike, *, reference: str = DEFAULT_REFERENCE,

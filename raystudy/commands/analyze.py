@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from raystudy.analysis.options import (
     DEFAULT_ALTERNATIVE,
@@ -16,6 +17,7 @@ from raystudy.analysis.options import (
     FIXED_RUN_OPTIONAL,
     check_subset,
 )
+from raystudy.study.signals import analysis_interrupted, sigterm_exits
 from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, TRIALS_CONFIGURATIONS
 
 
@@ -118,8 +120,17 @@ def _analysis(args: argparse.Namespace):
     return res
 
 
+def _sigterm_said(args: argparse.Namespace):
+    """SIGTERM during the analysis: one line saying it was interrupted and how to redo it, exit status 143."""
+    def to_stderr(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    return sigterm_exits(to_stderr, line=f"raystudy {args.command}: {analysis_interrupted(args.study_dir, args.out)}")
+
+
 def run_analyze(args: argparse.Namespace) -> int:
-    res = _analysis(args)
+    with _sigterm_said(args):
+        res = _analysis(args)
     if res.footnote:
         print(f"note: {res.footnote}")
     where = f"{res.upload_to} (staged in {res.out_dir})" if res.upload_to else str(res.out_dir)
@@ -132,8 +143,9 @@ def run_analyze(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from raystudy.analysis.html_report import write_report  # pandas, matplotlib: --help stays light
 
-    res = _analysis(args)
-    path = write_report(res)
+    with _sigterm_said(args):
+        res = _analysis(args)
+        path = write_report(res)
     if res.upload_to:
         print(f"note: uploaded to {res.upload_to}/report.html")
     print(path)

@@ -21,7 +21,7 @@ from pathlib import Path
 from raystudy.commands.plasticity import add_model_args, build_measured_model, load_images
 from raystudy.data.modality import modality_of_model, resolve_modality
 from raystudy.data.store import IMAGE_KIND, TEXT_KIND, Store
-from raystudy.setting_flags import add_flags
+from raystudy.setting_flags import add_flags, checked
 from raystudy.settings import PlasticitySettings
 
 
@@ -30,10 +30,12 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--images", metavar="PATH", help="images to measure r and sigma on (folder, .pt/.npy, or store)")
-    p.add_argument("--radius", type=float, help="token radius r (instead of measuring it)")
-    p.add_argument("--seq-len", type=int, help="sequence length n (default: measured, else the model's)")
-    p.add_argument("--sigma", type=float, help="LayerNorm per-token std lower bound (instead of measuring it)")
-    p.add_argument("--max-windows", type=int, default=1024, metavar="N",
+    p.add_argument("--radius", type=checked(float, "positive"), help="token radius r (instead of measuring it)")
+    p.add_argument("--seq-len", type=checked(int, "positive_int"),
+                   help="sequence length n (default: measured, else the model's)")
+    p.add_argument("--sigma", type=checked(float, "positive"),
+                   help="LayerNorm per-token std lower bound (instead of measuring it)")
+    p.add_argument("--max-windows", type=checked(int, "positive_int"), default=1024, metavar="N",
                    help="text models: token windows of --images to measure on (default: %(default)s)")
     add_flags(p, PlasticitySettings, ["bounds"])
     p.set_defaults(func=run)

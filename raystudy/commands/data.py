@@ -16,7 +16,7 @@ from raystudy.data.sources import prepare, prepare_vtab1k
 from raystudy.data.store import Store, read_meta, verify_store
 from raystudy.data.synthetic import DEFAULT_NAMES, prepare_default
 from raystudy.data.text import prepare_text
-from raystudy.storage import absolute_path, write_text_atomic
+from raystudy.storage import absolute_path, file_problem, write_text_atomic
 from raystudy.vocab import (
     BAD_IMAGE_POLICIES,
     DATA_PATHS,
@@ -234,6 +234,9 @@ def cmd_rows(args: argparse.Namespace) -> int:
     from raystudy.core.finetune.data import applied_val_split, run_indices  # torch: --help stays light
 
     store, out = Store.open(absolute_path(args.store)), absolute_path(args.out)
+    problem = file_problem(out)  # a folder there, no permission: one line before any row is read
+    if problem:
+        raise ValueError(f"--out: {problem} (--out is the CSV file to write)")
     rows = run_indices(store, args.val_split, args.seed)
     lines = ["split,index"] + [f"{split},{int(i)}" for split, indices in rows.items() for i in indices]
     write_text_atomic(out, "\n".join(lines) + "\n")

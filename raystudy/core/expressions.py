@@ -520,13 +520,17 @@ def _resolve_weights(model, tree: Budgeted, masks, seed: int, include_layerscale
                     budget, touched)
 
 
-def _resolve_budget(model, tree: Budgeted, plasticity, scores, seed: int, include_layerscale: bool) -> Resolved:
-    """First-fit packing of the units into the budget, in plasticity, criterion or seeded random order."""
+def _resolve_budget(model, tree: Budgeted, plasticity, scores, seed: int, include_layerscale: bool,
+                    random_stand_in: bool = False) -> Resolved:
+    """First-fit packing of the units into the budget, in plasticity, criterion or seeded random order (the
+    last whatever the strategy with ``random_stand_in``)."""
     per_unit = unit_parameters(model, include_layerscale=include_layerscale)
     sizes = {u: sum(p.numel() for _, p in ps) for u, ps in per_unit.items()}
     total = sum(p.numel() for _, p in trainable_parameters(model, "All"))
     budget = tree.budget.parameters(total)
-    if tree.strategy == "auto":
+    if random_stand_in:
+        order = random_order(list(per_unit), seed)
+    elif tree.strategy == "auto":
         if plasticity is None:
             raise ValueError(f"configuration {str(tree)!r} needs the dataset's plasticity table")
         order = plasticity_order(list(per_unit), plasticity)
@@ -558,7 +562,8 @@ def _target_position(tree: Adapter, target: str) -> int:
 
 
 def resolve(model, expr: str | Expression, *, plasticity=None, scores: dict[Unit, float] | None = None,
-            masks: dict | None = None, seed: int = 0, include_layerscale: bool = False) -> Resolved:
+            masks: dict | None = None, seed: int = 0, include_layerscale: bool = False,
+            random_stand_in: bool = False) -> Resolved:
     """The parameters ``expr`` trains on ``model`` (head excluded; the caller adds it).
 
     ``plasticity``: the dataset's plasticity table, needed by ``auto:B`` (see :func:`plasticity_order`);
@@ -566,7 +571,9 @@ def resolve(model, expr: str | Expression, *, plasticity=None, scores: dict[Unit
     (:func:`raystudy.core.criteria.unit_scores`; see :func:`~raystudy.core.budgets.score_order`);
     ``masks``: ``{name: bool mask}`` of ``<criterion>:B:weights`` (the top entries of its element scores);
     ``seed``: the order of ``random:B``, the entries of ``random:B:weights`` and the initialisation of an
-    adapter's random factors.
+    adapter's random factors. ``random_stand_in``: a budget's units packed in ``random:B``'s order whatever its
+    strategy (a count before the plasticity or the scores exist: the same budget, the same units' sizes), its
+    errors naming the expression as given.
     **An adapter modifies ``model`` in place**: it wraps the target layers
     (:func:`raystudy.core.peft_methods.apply_method`), so their weights are named ``...qkv.base_layer.weight``
     from then on; the returned parameters are the adapters' (``lora_A`` / ``lora_B``, ``ia3_l``, ...). A
@@ -577,7 +584,7 @@ def resolve(model, expr: str | Expression, *, plasticity=None, scores: dict[Unit
     if isinstance(tree, Budgeted) and tree.weights:
         return _resolve_weights(model, tree, masks, seed, include_layerscale)
     if isinstance(tree, Budgeted):
-        return _resolve_budget(model, tree, plasticity, scores, seed, include_layerscale)
+        return _resolve_budget(model, tree, plasticity, scores, seed, include_layerscale, random_stand_in)
     if isinstance(tree, Adapter):
         try:
             params = apply_method(model, tree.method, tree.rank, tree.targets, seed=seed)

@@ -231,6 +231,15 @@ def authors_order_problem(meta: dict) -> str | None:
     return None
 
 
+def _order_problem(recorded) -> str | None:
+    """Why a recorded ``splits.authors_order`` is no list of integers (its first bad entry), or None."""
+    if not isinstance(recorded, list):
+        shown = repr(recorded)
+        return f"{shown if len(shown) <= 60 else shown[:57] + '...'} is a {type(recorded).__name__}, not a list"
+    bad = next((k for k, i in enumerate(recorded) if type(i) is not int), None)
+    return None if bad is None else f"entry {bad} is {recorded[bad]!r}, not an integer"
+
+
 def authors_order(meta: dict, indices: np.ndarray) -> np.ndarray:
     """Positions into ``indices`` (the stable indices of a store's train and val rows, pooled) that put them in
     the order of the authors' training set: ``dataset.json``'s ``splits.authors_order`` where recorded (an
@@ -245,6 +254,10 @@ def authors_order(meta: dict, indices: np.ndarray) -> np.ndarray:
     recorded = (meta.get("splits") or {}).get("authors_order")
     if recorded is None:
         return np.argsort(indices, kind="stable")
+    problem = _order_problem(recorded)
+    if problem:
+        raise ValueError(f"dataset.json splits.authors_order: {problem}; expected a list of integer stable "
+                         "indices (prepare the store again)")
     recorded = np.asarray(recorded, dtype=np.int64)
     if len(recorded) != len(indices) or not np.array_equal(np.sort(recorded), np.sort(indices)):
         raise ValueError(f"dataset.json splits.authors_order lists {len(recorded)} indices, not the store's "

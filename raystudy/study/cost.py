@@ -229,20 +229,20 @@ def counted_selection(spec, dataset: str, configuration: str, seed: int, plastic
         every = "+".join(COMPONENTS)
         return every, (f"{configuration}: a mask trains single entries but their gradients are of whole tensors; "
                        f"its FLOPs are estimated as {every}'s (every tensor it may touch)")
-    note, table = "", None
+    note, table, stand_in = "", None, f"random:{tree.budget}"
     if tree.strategy not in ("auto", "random"):  # a criterion: its scores are computed by the trial itself
-        tree = Budgeted("random", tree.budget)
-        note = (f"{configuration}: its units are scored by each trial; its FLOPs are estimated as {tree}'s at "
+        note = (f"{configuration}: its units are scored by each trial; its FLOPs are estimated as {stand_in}'s at "
                 "each trial's seed (same budget, random order)")
     elif tree.strategy == "auto":
         if plasticity is not None:  # the model's own plasticity, not its random-init control's (as a trial reads it)
             table = pretrained_rows(plasticity)
             table = table[(table["dataset"] == dataset) & (table["mode"] == spec.plasticity.mode)]
         if table is None or table.empty:
-            table, tree = None, Budgeted("random", tree.budget)
+            table = None
             note = (f"{configuration}: no plasticity table yet (measured at launch); its FLOPs are estimated as "
-                    f"{tree}'s at each trial's seed (same budget, random order)")
-    chosen = resolve(spec_meta_model(spec), tree, plasticity=table, seed=seed,
+                    f"{stand_in}'s at each trial's seed (same budget, random order)")
+    # packed in random order where the plasticity or the scores are not there yet; errors name the configuration
+    chosen = resolve(spec_meta_model(spec), tree, plasticity=table, seed=seed, random_stand_in=bool(note),
                      include_layerscale=spec.include_layerscale).chosen
     return chosen, note
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from raystudy.core.expressions import Budgeted, normalise, resolve
 from raystudy.core.finetune.config import FinetuneConfig
-from raystudy.core.finetune.masks import mask_metadata, read_masks, write_masks
+from raystudy.core.finetune.masks import mask_metadata, write_masks
 from raystudy.core.finetune.outputs import CRITERIA_FOLDER
 from raystudy.core.finetune.selection import criterion_masks, criterion_scores
 from raystudy.core.models import build_model
@@ -44,10 +45,12 @@ from raystudy.settings import (
     ResourceSettings,
     values,
 )
-from raystudy.storage import join, read_bytes, write_parquet_atomic
+from raystudy.storage import filesystem, join, move_aside, read_bytes, write_parquet_atomic
 from raystudy.study.points import phase_of
 from raystudy.study.spec import StudySpec
 from raystudy.vocab import CRITERIA, PHASES, pretrained_rows
+
+log = logging.getLogger(__name__)
 
 
 def train_resources(spec: StudySpec):
@@ -151,12 +154,11 @@ def criterion_table(spec: StudySpec, cfg, dataset: str, criterion: str, *, score
     ``--dry-run`` reports as measured (:mod:`raystudy.study.selection_cost`). ``None`` when not cached and
     ``score`` is false."""
     import pandas as pd  # heavy: only for a criterion's budget
-    import pyarrow.parquet as pq
 
     path, key = criterion_path(spec, cfg, dataset, criterion)
-    cached = read_bytes(path)
+    cached = cached_entry(path)
     if cached is not None:
-        return pq.read_table(io.BytesIO(cached)).to_pandas()
+        return cached
     if not score:
         return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -205,7 +207,7 @@ def weights_mask(spec: StudySpec, cfg, dataset: str, tree: Budgeted, *, score: b
     element scores not kept, but re-derivable from the same settings; ``random``'s: drawn from ``cfg.seed``
     on the meta-device model). ``None`` when not cached and ``score`` is false."""
     path = mask_path(spec, cfg, dataset, tree)
-    cached = read_masks(path)
+    cached = cached_entry(path)
     if cached is not None or not score:
         return cached
     t0 = time.perf_counter()
@@ -216,6 +218,68 @@ def weights_mask(spec: StudySpec, cfg, dataset: str, tree: Budgeted, *, score: b
     masks = {n: m for n, m in masks.items() if bool(m.any())}  # the tensors it touches
     write_masks(path, masks, metadata={"seconds": repr(time.perf_counter() - t0)})
     return masks
+
+
+def _unit_scores(data: bytes):
+    """A criterion's cached unit scores (:func:`criterion_table`) as a DataFrame; ``ValueError`` when the bytes
+    are no such table."""
+    import pyarrow.parquet as pq  # a criterion's budget only
+
+    rows = pq.read_table(io.BytesIO(data)).to_pandas()
+    missing = sorted({"component", "layer", "score"} - set(rows.columns))
+    if missing:
+        raise ValueError(f"no column(s) {missing}")
+    return rows
+
+
+def _masks(data: bytes) -> dict:
+    """A ``:weights`` budget's cached masks (:func:`weights_mask`): ``{name: bool tensor}``."""
+    from safetensors.torch import load
+
+    return load(data)
+
+
+#: how each kind of file of the criteria cache is decoded, by suffix
+CACHE_DECODERS = {".parquet": _unit_scores, ".safetensors": _masks}
+
+
+def cached_entry(path: str, *, set_aside: bool = True):
+    """The file of the criteria cache at ``path`` decoded (:data:`CACHE_DECODERS`: a criterion's unit scores, a
+    ``:weights`` budget's masks), or ``None`` when there is none. A file that does not decode (a torn copy,
+    another program's file) counts as none, so that it is computed again: moved aside (``<file>.corrupt-<n>``,
+    kept, never read again) with one warning naming it; ``set_aside=False`` (a dry run) leaves it in place."""
+    data = read_bytes(path)
+    if data is None:
+        return None
+    try:
+        return CACHE_DECODERS[path[path.rfind("."):]](data)
+    except Exception as e:  # pyarrow's, safetensors' and our own errors alike: the file is unusable
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        if not set_aside:
+            log.warning("criteria cache %s is unreadable (%s); it will be computed again", path, why)
+            return None
+        try:
+            aside = move_aside(path, "corrupt")
+        except OSError:  # another trial moved it first, and named it
+            return None
+        log.warning("criteria cache %s is unreadable (%s): moved aside to %s and computed again", path, why, aside)
+        return None
+
+
+def set_aside_unreadable_cache(out: str) -> list[str]:
+    """Every file of the study's criteria cache (``<out>/criteria``) that does not decode, moved aside by
+    :func:`cached_entry` (each named once, by the driver, before a launch: a trial's warning goes to its
+    worker's log); returns their paths."""
+    import pyarrow.fs as pafs  # the study directory may be a URI
+
+    fs, root = filesystem(join(out, CRITERIA_FOLDER))
+    if fs.get_file_info(root).type != pafs.FileType.Directory:
+        return []
+    prefix = join(out, CRITERIA_FOLDER)
+    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(root, recursive=True))
+                   if i.type == pafs.FileType.File and i.path.endswith(tuple(CACHE_DECODERS)))
+    paths = [join(prefix, f[len(root):]) for f in files]
+    return [p for p in paths if cached_entry(p) is None]
 
 
 def selection_seconds(spec: StudySpec, cfg, dataset: str) -> float | None:

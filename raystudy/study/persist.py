@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import Any
 
 from raystudy.data.modality import absolute_model
 from raystudy.storage import exists, is_uri, join, read_text, write_text_atomic
 from raystudy.study.checks import SpecError, pretrained_weights_path
-from raystudy.study.spec import StudySpec, load_spec_file
+from raystudy.study.spec import StudySpec
 from raystudy.study.spec_values import load_yaml
 
 SPEC_FILE = "spec.yaml"
@@ -44,10 +45,32 @@ def resolve_paths(spec: StudySpec) -> StudySpec:
 
 
 def stored_spec(study_dir: str, cls: type[StudySpec] = StudySpec) -> StudySpec | None:
-    """The spec a study directory was created with (read as a ``cls``), or ``None`` for a new directory."""
+    """The spec a study directory was created with (read as a ``cls``), or ``None`` for a new directory; its
+    paths inside the directory it was stored from are read as inside ``study_dir`` (:func:`rerooted`)."""
     path = join(study_dir, SPEC_FILE)
     text = read_text(path)
-    return None if text is None else cls.from_dict(load_yaml(text, path) or {}, where=path)
+    if text is None:
+        return None
+    here = study_dir if is_uri(study_dir) else os.path.abspath(study_dir)
+    return cls.from_dict(rerooted(load_yaml(text, path) or {}, here), where=path)
+
+
+def rerooted(data: Any, study_dir: str, stored_out: str | None = None) -> Any:
+    """A stored spec's mapping ``data`` read in ``study_dir``: every string that is its ``out`` (``stored_out``:
+    where the study was when the spec was written) or a path under it (the built-in data, the pretrained
+    weights, a cache inside the study) moved under ``study_dir``, so that a copied or moved study reads its
+    own files, not the original's; paths outside the study are kept."""
+    old = stored_out if stored_out is not None else (data.get("out") if isinstance(data, dict) else None)
+    if not isinstance(old, str) or not old or old.rstrip("/") == study_dir.rstrip("/"):
+        return data
+    old, new = old.rstrip("/"), study_dir.rstrip("/")
+    if isinstance(data, dict):
+        return {k: rerooted(v, new, old) for k, v in data.items()}
+    if isinstance(data, list):
+        return [rerooted(v, new, old) for v in data]
+    if isinstance(data, str) and (data.rstrip("/") == old or data.startswith(old + "/")):
+        return new + data.rstrip("/")[len(old):]
+    return data
 
 
 def load_study_spec(study_dir: str, *, what: str | None = "--resume") -> StudySpec:
@@ -55,7 +78,7 @@ def load_study_spec(study_dir: str, *, what: str | None = "--resume") -> StudySp
     path = join(study_dir, SPEC_FILE)
     if not exists(path):
         raise SpecError(f"{what + ': ' if what else ''}{study_dir} holds no study ({SPEC_FILE} not found)")
-    spec = stored_spec(study_dir) if is_uri(path) else load_spec_file(path)
+    spec = stored_spec(study_dir)
     # the directory given, not the `out` stored in it: a copied or moved study continues where it is now
     return spec.with_overrides({"out": study_dir if is_uri(study_dir) else os.path.abspath(study_dir)})
 

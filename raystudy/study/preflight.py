@@ -132,14 +132,13 @@ def configuration_problems(spec: StudySpec) -> list[str]:
     for configuration in spec.configurations:
         tree = normalise(configuration)
         weights = isinstance(tree, Budgeted) and tree.weights
-        if isinstance(tree, Budgeted) and tree.strategy != "random":  # auto, a criterion: scored at launch
-            tree = Budgeted("random", tree.budget)
         model = copy.deepcopy(net) if isinstance(tree, Adapter) else net  # an adapter wraps layers in place
         try:
             if weights:
-                element_budget(model, normalise(configuration), spec.include_layerscale)
-            else:
-                resolve(model, tree, seed=spec.seeds[0], include_layerscale=spec.include_layerscale)
+                element_budget(model, tree, spec.include_layerscale)
+            else:  # auto, a criterion: scored at launch, packed here in random:B's order
+                resolve(model, tree, seed=spec.seeds[0], include_layerscale=spec.include_layerscale,
+                        random_stand_in=isinstance(tree, Budgeted))
         except (ValueError, TypeError, KeyError) as e:  # ExpressionError, TargetError are ValueErrors
             problems.append(f"configurations: {configuration!r} does not resolve on {spec.model}: {e}")
     return problems

@@ -33,12 +33,10 @@ strategy                        FLOPs of its scoring                           l
 
 from __future__ import annotations
 
-import io
 from collections import defaultdict
 
 from raystudy.core.expressions import Budgeted, normalise
 from raystudy.precision import resolve_precision
-from raystudy.storage import read_bytes
 from raystudy.study.cost import (
     DEFAULT_MFU,
     Throughput,
@@ -49,7 +47,7 @@ from raystudy.study.cost import (
     trial_cells,
 )
 from raystudy.study.final import final_cells
-from raystudy.study.jobs import criterion_path, finetune_config
+from raystudy.study.jobs import cached_entry, criterion_path, finetune_config
 from raystudy.study.points import SEARCH, grid_point
 from raystudy.vocab import CONTROL_WEIGHTS, CRITERIA, PHASES
 
@@ -96,15 +94,12 @@ def pass_flops(spec, strategy: str, forward: int) -> int:
 def measured_seconds(spec, dataset: str, strategy: str, seed: int, phase: str) -> float | None:
     """The ``seconds`` of a criterion's cached scores for ``(seed, phase)`` on ``dataset``, or ``None`` when
     they are not cached (or were cached before the column was written)."""
-    import pyarrow.parquet as pq  # the cached scores: only when a criterion is priced
-
     point = grid_point(dataset, f"{strategy}:1%", next(iter(spec.optimizers)), 1.0, seed, phase)
     path, _ = criterion_path(spec, finetune_config(spec, point, ""), dataset, strategy)
-    data = read_bytes(path)
-    if data is None:
+    rows = cached_entry(path, set_aside=False)  # a dry run moves nothing
+    if rows is None or "seconds" not in rows.columns or not len(rows):
         return None
-    table = pq.read_table(io.BytesIO(data))
-    return float(table.column("seconds")[0].as_py()) if "seconds" in table.column_names and len(table) else None
+    return float(rows["seconds"].iloc[0])
 
 
 def add_selection(spec, estimate: dict, *, gpus: float | None = None, mfu: float | None = None,

@@ -3,9 +3,10 @@ abort, and never an exit status that says the study succeeded."""
 
 from __future__ import annotations
 
+import shlex
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from raystudy.study.progress import Echo
@@ -18,12 +19,14 @@ class Terminated(SystemExit):
 
 
 @contextmanager
-def sigterm_exits(echo: Echo = _echo, prefix: str = "study") -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` (exit status 143) in the main thread.
+def sigterm_exits(echo: Echo = _echo, prefix: str = "study", line: str | None = None) -> Iterator[None]:
+    """While the block runs, SIGTERM prints ``line`` (default: ``[prefix] SIGTERM: stopping (run the same
+    command again to resume)``) and raises :class:`Terminated` (exit status 143) in the main thread.
 
     Ray's own handler (installed by ``ray.init``) kills the local Ray processes from inside the signal
     handler and exits; the driver then aborts half-way, without releasing what it holds.
     """
+    line = line or f"[{prefix}] SIGTERM: stopping (run the same command again to resume)"
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -33,7 +36,7 @@ def sigterm_exits(echo: Echo = _echo, prefix: str = "study") -> Iterator[None]:
     def handler(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         received.append(signum)
-        echo(f"[{prefix}] SIGTERM: stopping (run the same command again to resume)")
+        echo(line)
         raise Terminated(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -46,6 +49,14 @@ def sigterm_exits(echo: Echo = _echo, prefix: str = "study") -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def analysis_interrupted(study_dirs: Sequence[str], out: str | None = None) -> str:
+    """What SIGTERM during the analysis of ``study_dirs`` (written to ``out``, if given) says: it was
+    interrupted, the studies' results are kept, and the commands that redo it."""
+    args = " ".join(shlex.quote(str(d)) for d in study_dirs) + (f" --out {shlex.quote(str(out))}" if out else "")
+    return (f"SIGTERM: the analysis was interrupted; the study's results are kept; redo it with "
+            f"`raystudy analyze {args}` (or `raystudy report {args}`)")
 
 
 class Interrupted(KeyboardInterrupt):

@@ -91,6 +91,7 @@ from raystudy.study.spec_values import (
     _split_override,
     _sub,
     _to_int,
+    is_free_mapping,
     is_missing,
     load_yaml,
     per_dataset_fields,
@@ -309,9 +310,9 @@ class StudySpec(ModelSettings, ProtocolSettings):
         data = self.to_dict()
         items = overrides.items() if isinstance(overrides, dict) else (_split_override(o) for o in overrides)
         for key, value in items:
-            if isinstance(value, str) and not isinstance(overrides, dict):
-                value = _parse_value(value)
             parts = key.split(".")
+            if isinstance(value, str) and not isinstance(overrides, dict):
+                value = _parse_value(key, value, mapping=is_free_mapping(StudySpec, parts))
             target = _override_target(data, key, StudySpec.SECTIONS)
             if parts == ["datasets"] and isinstance(value, list | tuple | str):
                 value = _select_datasets(data["datasets"], value)
@@ -340,6 +341,9 @@ class StudySpec(ModelSettings, ProtocolSettings):
         if isinstance(self.betas, list):
             self.betas = tuple(self.betas)
         self._normalize_datasets()
+        if not isinstance(self.model_kwargs, dict | None):
+            raise SpecError(f"model_kwargs: expected a mapping of timm.create_model arguments, e.g. {{depth: 3}}, "
+                            f"not {self.model_kwargs!r}")
         self.model_kwargs = dict(self.model_kwargs or {})
 
     def _normalize_datasets(self) -> None:
@@ -569,7 +573,10 @@ def load_preset(name_or_path: str) -> StudySpec:
 
 
 def load_spec_file(path: str | Path) -> StudySpec:
-    data = load_yaml(Path(path).read_text(), str(path)) or {}
+    text = storage.read_text(path)  # UTF-8 whatever the locale; a file that is not: an error naming it
+    if text is None:
+        raise SpecError(f"preset: file not found: {path}")
+    data = load_yaml(text, str(path)) or {}
     return StudySpec.from_dict(data, where=str(path))
 
 

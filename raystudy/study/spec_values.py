@@ -5,6 +5,7 @@ error names the field (``datasets.<name>.<field>``) as :class:`~raystudy.study.c
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -176,11 +177,45 @@ def _split_override(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def _parse_value(text: str) -> Any:
+def is_free_mapping(spec_cls: type, parts: list[str]) -> bool:
+    """Whether the field of ``spec_cls`` (a :class:`~raystudy.study.spec.StudySpec`) that a ``--set`` key names
+    (``parts``: ``model_kwargs``, ``pretrain.model_kwargs``) is a free-form mapping (typed ``dict``), whose value
+    must be a mapping."""
+    sections = spec_cls.SECTIONS
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in sections):
+        return False  # a dataset's entry: its overrides are no free-form mapping
+    cls = sections[parts[0]] if len(parts) == 2 else spec_cls
+    return typing.get_type_hints(cls).get(parts[-1]) is dict
+
+
+def _parse_value(key: str, text: str, *, mapping: bool = False) -> Any:
+    """The value of ``--set key=text``: ``text`` read as YAML, else the text itself (a path, a name). A text
+    with a YAML tag the safe loader refuses (``!!python/object:...``) is refused, naming ``--set key``; so is
+    a value that is no mapping where ``mapping`` (a free-form mapping such as ``model_kwargs``)."""
+    must = f"the value must be a mapping, e.g. {key.rsplit('.', 1)[-1]}={{name: value}}"
     try:
-        return load_yaml(text, "--set")
+        value = load_yaml(text, "--set")
     except SpecError:
-        return text
+        tag = _yaml_tag(text)
+        if tag is not None:
+            raise SpecError(f"--set {key}: YAML tags such as {tag} are refused; "
+                            f"{must if mapping else 'give a plain value'}") from None
+        value = text
+    if mapping and value is not None and not isinstance(value, dict):
+        raise SpecError(f"--set {key}: {must}, not {text!r}")
+    return value
+
+
+def _yaml_tag(text: str) -> str | None:
+    """The first YAML tag in ``text`` (``!!python/object:os.system``, ``!custom``), or None."""
+    try:
+        for token in yaml.scan(text, Loader=yaml.SafeLoader):
+            if isinstance(token, yaml.TagToken):
+                handle, suffix = token.value
+                return f"{handle or ''}{suffix}"
+    except yaml.YAMLError:
+        return None
+    return None
 
 
 #: the largest spec text read (the paper's preset is ~10 KB; parsing tens of megabytes takes minutes)

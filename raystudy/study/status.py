@@ -1,7 +1,9 @@
 """A study's progress read from its directory alone (``raystudy status DIR``): no Ray, no driver needed.
 
-A trial is *final* (``ok``, ``diverged``, ``failed``) once its ``trials/<id>/summary.json`` is written or, without
-one, once ``trials.parquet`` holds its row (the driver's row of a trial that failed before its run wrote a summary),
+A trial is *final* (``ok``, ``diverged``, ``failed``) once ``trials.parquet`` holds it as done (``ok`` or
+``diverged``: the record a launch goes by, whatever its summary holds), once its ``trials/<id>/summary.json`` is
+written or, without one, once ``trials.parquet`` holds its row (the driver's row of a trial that failed before its
+run wrote a summary),
 *running* while its folder exists without one and the study's driver holds ``study.lock``; without a live driver the
 same trial is *resumable* when its run left a complete checkpoint (``train/<id>/checkpoint_*/.complete``: ``--resume``
 continues it from there) and *unfinished* otherwise (``--resume`` starts it again); it is *pending* before either
@@ -27,7 +29,7 @@ from raystudy.study.lock import LOCK_FILE, describe, holder_alive
 from raystudy.study.persist import load_study_spec
 from raystudy.study.progress import fmt_seconds
 from raystudy.study.results import read_trial_summary, trial_dir
-from raystudy.vocab import STATUSES
+from raystudy.vocab import FINAL_STATUSES, STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,17 @@ def _table_rows(study_dir: str) -> dict[str, dict]:
             for r in df.to_dict("records") if r.get("status") in STATUSES}
 
 
+def _record(study_dir: str, tid: str, row: dict | None, running: bool) -> dict | None:
+    """What says how trial ``tid`` ended, or None while it has not: its ``trials.parquet`` row when that says
+    it is done (``ok``, ``diverged``: the record a launch goes by, which never runs the trial again, whatever
+    its ``summary.json`` holds), else its summary, else a row without a summary (the driver's record of a
+    trial that failed early) unless the trial is running again."""
+    if row is not None and row.get("status") in FINAL_STATUSES:
+        return row
+    summary = read_trial_summary(study_dir, tid)
+    return row if summary is None and not running else summary
+
+
 def study_status(study_dir: str | os.PathLike) -> StudyStatus:
     """The state of every grid trial of the study in ``study_dir`` (see the module docstring)."""
     study_dir = str(study_dir)
@@ -114,9 +127,7 @@ def study_status(study_dir: str | os.PathLike) -> StudyStatus:
     walls, failed = [], []
     for point in spec.grid():
         tid = point["trial_id"]
-        summary = read_trial_summary(study_dir, tid)
-        if summary is None and not (live and tid in started) and tid in rows:
-            summary = rows[tid]  # a row without a summary: the driver's record of a trial that failed early
+        summary = _record(study_dir, tid, rows.get(tid), live and tid in started)
         if summary is not None:
             state = summary.get("status", "failed")
             status.trials[state if state in status.trials else "failed"].append(tid)

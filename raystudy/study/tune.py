@@ -64,6 +64,7 @@ from raystudy.study.health import (
     storage_errors,
 )
 from raystudy.study.hparams import write_study_hparams
+from raystudy.study.jobs import set_aside_unreadable_cache
 from raystudy.study.lock import StudyLock
 from raystudy.study.measure import measure_plasticity, plasticity_todo
 from raystudy.study.persist import (
@@ -83,6 +84,7 @@ from raystudy.study.progress import echo as _echo
 from raystudy.study.results import TABLE_PERIOD, ResultTables
 from raystudy.study.signals import (
     Interrupted,
+    analysis_interrupted,
     sigint_noticed,
     sigterm_exits,
 )
@@ -305,6 +307,10 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
     problems = configuration_problems(spec)  # a layer or block the model lacks: refused before any trial
     if problems:
         raise SpecError("\n".join(problems))
+    if spec.analysis:  # its folder a link out of the study: refused now, not after the trials
+        from raystudy.analysis.pipeline import study_analysis_dir  # scipy: only for a spec that asks
+
+        study_analysis_dir(spec.out)
     if spec.pretrain.enabled and spec.pretrain.path_steps and spec.plasticity.enabled and not path_done(spec):
         measure_path(spec, echo)
     write_spec(spec)
@@ -313,7 +319,10 @@ def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
 
 def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> StudyPlan:
     """What is left to do, decided from the study directory alone; finished trials the tables missed (a
-    killed driver) are picked up from their directories first."""
+    killed driver) are picked up from their directories first, and unreadable files of the criteria cache are
+    moved aside, each named once here (:func:`raystudy.study.jobs.set_aside_unreadable_cache`), for the
+    trials to compute them again."""
+    set_aside_unreadable_cache(spec.out)
     if tables.repaired:
         rebuilt = tables.rebuild(list(spec.datasets), spec.model, spec.model_kwargs)
         for path, moved in tables.repaired:
@@ -413,7 +422,9 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
             from raystudy.analysis.html_report import report  # scipy: only for a spec that asks
 
             t0 = time.monotonic()
-            outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,
+            # ours again (ray.init installed its own), saying how to redo the analysis alone
+            with sigterm_exits(echo, line=f"[{spec.name}] {analysis_interrupted([spec.out])}"):
+                outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,
                                             round_to=spec.analysis_round, select_by=spec.analysis_select_by))
             outcome.analysis_dir = join(spec.out, "analysis")
             echo(f"[{spec.name}] analysis written in {fmt_seconds(time.monotonic() - t0)}")

@@ -103,3 +103,51 @@ def test_an_interrupted_study_exits_non_zero_without_analysing(builtin, tmp_path
     assert "Traceback" not in stderr, stderr[-3000:]
     assert not (tmp_path / "study" / "analysis").exists() and not (tmp_path / "study" / "report.html").exists()
 
+
+
+def _terminated_in_the_analysis(argv: list[str], cwd, faults) -> tuple[int, str, str]:
+    """Run ``python -m raystudy ARGV`` held in its analysis (the ``hold_analysis`` fault), send it SIGTERM once
+    the analysis is under way: ``(exit status, stdout, stderr)``."""
+    held = faults.parent / "held"
+    faults.write_text(json.dumps({"hold_analysis": str(held)}))
+    env = {**os.environ, "RAYSTUDY_FAULTS": str(faults), "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "raystudy", *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not held.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, stdout, stderr
+
+
+def test_sigterm_in_raystudy_analyze_says_how_to_redo_it(tmp_path):
+    from tests.support.study_tables import make_study
+
+    study = make_study(tmp_path / "s", datasets=("sketch",), plasticity=False, bounds=False, curves=False)
+    before = (study / "trials.parquet").read_bytes()
+    status, stdout, stderr = _terminated_in_the_analysis(["analyze", str(study)], tmp_path, tmp_path / "faults.json")
+    assert status == 143, (stdout[-3000:], stderr[-3000:])
+    assert stderr == (f"raystudy analyze: SIGTERM: the analysis was interrupted; the study's results are kept; redo "
+                      f"it with `raystudy analyze {study}` (or `raystudy report {study}`)\n"), stderr[-3000:]
+    assert (study / "trials.parquet").read_bytes() == before
+
+
+def test_sigterm_in_a_studys_analysis_keeps_its_results_and_says_how_to_redo_it(builtin, tmp_path):
+    spec = spec_file(builtin, tmp_path, steps=2, eval_period=2, warmup_steps=1, cpus_per_worker=0.5, analysis=True)
+    status, stdout, stderr = _terminated_in_the_analysis(["study", "--preset", spec], tmp_path,
+                                                         tmp_path / "faults.json")
+    study = tmp_path / "study"
+    assert status == 143, (stdout[-3000:], stderr[-3000:])
+    said = (f"[pre] SIGTERM: the analysis was interrupted; the study's results are kept; redo it with "
+            f"`raystudy analyze {study}` (or `raystudy report {study}`)")
+    assert stdout.splitlines()[-1] == said and "Traceback" not in stderr, (stdout[-3000:], stderr[-3000:])
+    import pandas as pd
+
+    trials = pd.read_parquet(study / "trials.parquet")
+    assert trials["status"].tolist() == ["ok"] and not (study / "study.lock").exists()

@@ -124,6 +124,13 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+def session_hparams(ft: Finetuner) -> dict:
+    """What a run's HParams session adds to :func:`~raystudy.core.finetune.outputs.run_hparams`: its ``dataset``
+    (the store's name, as ``dataset.json`` gives it), then ``cfg.hparams`` (a study trial's: the dataset's name
+    in the study, and its phase)."""
+    return {"dataset": str(ft.meta.get("name") or Path(ft.cfg.store).name), **ft.cfg.hparams}
+
+
 def resumed_tensorboard(ft: Finetuner, out_dir: str | os.PathLike) -> TensorBoardLogger:
     """The run's :class:`TensorBoardLogger` in ``out_dir/tb``, for a run that may have resumed at ``ft.step``.
 
@@ -132,12 +139,12 @@ def resumed_tensorboard(ft: Finetuner, out_dir: str | os.PathLike) -> TensorBoar
     on another node whose folder of a study on object storage is not this one), the restored curve rows are
     written again first, from the first one's step on, so that the folder holds every step once; and a copy
     of the earlier attempt's events merged into it later is purged from that step on."""
-    folder = Path(out_dir) / "tb"
+    folder, hparams = Path(out_dir) / "tb", session_hparams(ft)
     if not ft.step:
-        return TensorBoardLogger(out_dir, hparams=ft.cfg.hparams)
+        return TensorBoardLogger(out_dir, hparams=hparams)
     if any(folder.glob("events.out.tfevents.*")) or not ft.curves:
-        return TensorBoardLogger(out_dir, purge_step=ft.step + 1, hparams=ft.cfg.hparams)
-    tb = TensorBoardLogger(out_dir, purge_step=ft.curves[0]["step"], hparams=ft.cfg.hparams)
+        return TensorBoardLogger(out_dir, purge_step=ft.step + 1, hparams=hparams)
+    tb = TensorBoardLogger(out_dir, purge_step=ft.curves[0]["step"], hparams=hparams)
     for row in ft.curves:
         tb(Event(step=row["step"], metrics=dict(row), checkpoint=False))
     return tb

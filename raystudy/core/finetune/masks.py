@@ -76,13 +76,18 @@ def write_masks(path: str, masks: dict[str, torch.Tensor], metadata: dict[str, s
 
 
 def mask_metadata(path: str) -> dict[str, str]:
-    """The header metadata :func:`write_masks` stored at ``path`` (``{}`` when none or no file): a
-    safetensors file starts with its header's length (8 bytes, little-endian), then the header's JSON."""
+    """The header metadata :func:`write_masks` stored at ``path`` (``{}`` when none, no file, or a file that is
+    no safetensors file): a safetensors file starts with its header's length (8 bytes, little-endian), then
+    the header's JSON."""
     data = read_bytes(path)
     if data is None or len(data) < 8:
         return {}
     size = int.from_bytes(data[:8], "little")
-    return dict(json.loads(data[8:8 + size]).get("__metadata__") or {})
+    try:
+        header = json.loads(data[8:8 + size])
+        return dict(header.get("__metadata__") or {})
+    except (ValueError, AttributeError, TypeError):  # undecodable JSON, or JSON that is no header
+        return {}
 
 
 def read_masks(path: str) -> dict[str, torch.Tensor] | None:

@@ -611,6 +611,31 @@ def test_cli_analyze_and_report_write_every_figure(tmp_path, capsys):
     assert "trials.parquet" in err and "status" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("link", ["analysis", "analysis/figures"])
+def test_an_analysis_folder_that_links_out_of_the_study_is_refused(tmp_path, capsys, link):
+    """A symbolic link where the analysis goes by default would take its files (and the clearing of an earlier
+    analysis's) out of the study directory: refused in one line naming it; --out writes through it when asked."""
+    from raystudy.cli import main
+
+    d = make_study(tmp_path / "s", datasets=DATASETS[:1], plasticity=False, bounds=False, curves=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "overall.csv").write_text("someone else's\n")
+    if link == "analysis/figures":
+        (d / "analysis").mkdir()  # a real analysis/ above the link
+    (d / link).symlink_to(elsewhere, target_is_directory=True)
+    said = (f"raystudy {{cmd}}: error: {d / link} is a symbolic link (to {elsewhere}): the analysis writes only "
+            f"inside the study directory; remove the link, or give --out {d / 'analysis'} to write through it\n")
+    for cmd in ("analyze", "report"):
+        assert main([cmd, str(d), "--no-figures"]) == 2
+        assert capsys.readouterr().err == said.format(cmd=cmd)
+    assert [p.name for p in elsewhere.iterdir()] == ["overall.csv"]
+    assert (elsewhere / "overall.csv").read_text() == "someone else's\n"
+    if link == "analysis":  # asked for: written through the link
+        assert main(["analyze", str(d), "--no-figures", "--out", str(d / "analysis")]) == 0
+        assert (elsewhere / "overall.csv").read_text() != "someone else's\n"
+
+
 #: The documented palette (Okabe-Ito): one colour per configuration, written out here, not imported.
 PALETTE = {"LN1": "#0072b2", "MHA": "#d55e00", "LN2": "#009e73", "FC1": "#e69f00", "FC2": "#cc79a7",
            "Emb": "#56b4e9", "All": "#000000", "Head": "#555555", "LP": "#f0e442"}

@@ -190,6 +190,25 @@ def test_bounds_cli_with_given_radius_seq_len_and_sigma(tmp_path, weights):
     check_bounds(tmp_path / "b" / "bounds.parquet", model, 2.5, 20, 0.4)
 
 
+@pytest.mark.parametrize("flag, value, said", [
+    ("--radius", "nan", "'nan' is not a finite number"),
+    ("--radius", "inf", "'inf' is not a finite number"),
+    ("--radius", "0", "'0': must be a positive number"),
+    ("--radius", "-19.4", "'-19.4': must be a positive number"),
+    ("--sigma", "nan", "'nan' is not a finite number"),
+    ("--sigma", "-0.5", "'-0.5': must be a positive number"),
+    ("--seq-len", "0", "'0': must be an integer >= 1"),
+    ("--max-windows", "0", "'0': must be an integer >= 1"),
+])
+def test_bounds_refuses_a_radius_or_size_that_is_no_positive_finite_number(tmp_path, capsys, flag, value, said):
+    given = {"--radius": "2.5", "--sigma": "0.4", "--seq-len": "20", flag: value}
+    with pytest.raises(SystemExit) as e:  # argparse's one line, before any model is built
+        main(["bounds", *MODEL, *[t for kv in given.items() for t in kv], "--out", str(tmp_path / "b")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"raystudy bounds: error: argument {flag}: {said} (see raystudy bounds --help)\n"
+    assert not (tmp_path / "b").exists()  # no bounds written
+
+
 def test_cli_bad_input_messages(tmp_path, tensors, capsys):
     _, _, xp, yp = tensors
     assert main(["plasticity", *MODEL, "--x", str(tmp_path / "missing"), "--y", str(yp), "--out", "o"]) == 2

@@ -521,7 +521,8 @@ def test_outputs_summary_curves_tensorboard(store, tmp_path):
     assert [p for p in tb.iterdir() if p.is_dir()] == []
     assert read_hparams(tb) == {"configuration": "MHA", "optimizer": "sgd", "lr": pytest.approx(0.1), "seed": 3,
                                 "steps": 5, "batch_size": 8, "model": "vit_tiny_patch16_224",
-                                "model_kwargs": json.dumps(TINY, sort_keys=True)}
+                                "model_kwargs": json.dumps(TINY, sort_keys=True),
+                                "dataset": "tiny"}  # the store's name (make_store's), as a study gives its dataset
 
 
 def accuracy(model: torch.nn.Module, state: dict[str, torch.Tensor], split: SplitData) -> float:

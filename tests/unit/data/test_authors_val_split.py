@@ -314,7 +314,40 @@ def test_the_evaluation_reads_the_test_rows_in_the_authors_order(cifar10c_source
         assert np.concatenate(shares).tolist() == list(range(len(read))), world
 
 
+def test_data_rows_refuses_a_folder_as_out_in_one_line(pool_store, tmp_path, capsys):
+    folder = tmp_path / "existing"
+    folder.mkdir()
+    (folder / "kept.txt").write_text("mine")
+    assert main(["data", "rows", str(pool_store), "--out", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"raystudy data: error: --out: {folder} is a folder, not a file (--out is the CSV file to write)\n"
+    assert out == ""
+    assert [p.name for p in folder.iterdir()] == ["kept.txt"] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "existing"]  # nothing written beside it either (no temporary file left)
+
+
 # ----------------------------------------------------------------------------- refusals and presets
+
+
+@pytest.mark.parametrize("order, said", [
+    (["a", 101], "entry 0 is 'a', not an integer"),
+    ([100, 1.5], "entry 1 is 1.5, not an integer"),
+    ([100, True], "entry 1 is True, not an integer"),
+    ("100,101", "'100,101' is a str, not a list"),
+])
+def test_a_malformed_recorded_authors_order_is_named_with_its_value(pool_store, tmp_path, order, said):
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(pool_store, store)
+    meta = json.loads((store / "dataset.json").read_text())
+    meta.setdefault("splits", {})["authors_order"] = order  # a hand-edited dataset.json
+    (store / "dataset.json").write_text(json.dumps(meta))
+    want = (f"{store}: val_split authors: dataset.json splits.authors_order: {said}; expected a list of integer "
+            "stable indices (prepare the store again); use val_split per_seed or fixed")
+    with pytest.raises(ValueError) as e:
+        run_indices(store, "authors", 0)
+    assert str(e.value) == want
 
 
 def test_stores_not_in_the_authors_order_are_refused(tmp_path):

@@ -47,6 +47,21 @@ def test_an_unusable_out_is_one_line(builtin, tmp_path, capsys, case):
     assert err.startswith(f"raystudy study: error: out: {out}: ") and why in err, err
 
 
+def test_an_analysis_folder_linking_out_of_the_study_is_refused_before_any_trial(builtin, tmp_path, capsys):
+    """A study that analyses its results at the end refuses, at launch, an analysis/ that is a symbolic link (its
+    files would land outside the study), not after its trials."""
+    study, elsewhere = tmp_path / "study", tmp_path / "elsewhere"
+    study.mkdir()
+    elsewhere.mkdir()
+    (study / "analysis").symlink_to(elsewhere, target_is_directory=True)
+    assert cli(["study", "--preset", spec_file(builtin, tmp_path, out=str(study), analysis=True)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"raystudy study: error: {study / 'analysis'} is a symbolic link (to {elsewhere}): the analysis "
+                   "writes only inside the study directory; remove the link, or give --out "
+                   f"{study / 'analysis'} to write through it\n")
+    assert sorted(p.name for p in study.iterdir()) == ["analysis"] and not list(elsewhere.iterdir())
+
+
 def test_bad_flag_value_malformed_yaml_and_misspelt_field_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["study", "--seeds", "0,a", "--dry-run"])

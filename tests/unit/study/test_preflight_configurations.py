@@ -73,6 +73,26 @@ def test_auto_resolves_as_random_with_its_budget(files, tmp_path):
     assert all("below the smallest unit (96 parameters)" in p for p in problems)
 
 
+def test_a_budget_below_the_smallest_unit_is_named_as_given(files, tmp_path):
+    """A criterion's or auto's budget is packed in random:B's order before its scores or plasticity exist,
+    but the error names the configuration the spec gives, not that stand-in (the launch's check and the dry
+    run's cost alike)."""
+    from raystudy.commands.study import dry_run
+    from raystudy.study.preflight import configuration_problems
+
+    given = ["fisher:20", "auto:10", "magnitude:20", "random:20"]
+    spec = _spec(files, tmp_path / "b", given)
+    units = {"fisher:20": 20, "auto:10": 10, "magnitude:20": 20, "random:20": 20}
+    assert configuration_problems(spec) == [
+        f"configurations: {c!r} does not resolve on {MODEL}: configuration {c!r}: the budget of {units[c]} "
+        "parameters is below the smallest unit (96 parameters)" for c in given]
+    for c in ("fisher:20", "magnitude:20"):
+        with pytest.raises(ValueError) as e:
+            dry_run(_spec(files, tmp_path / "d", ["MHA", c]))
+        assert str(e.value) == (f"configuration {c!r}: the budget of 20 parameters is below the smallest unit "
+                                "(96 parameters)")
+
+
 def test_dry_run_lists_them_and_exits_1_before_any_launch(files, tmp_path, capsys):
     """The dry run (every store and the weights usable) names the bad configuration on stderr, exits 1 and
     writes nothing; the same study with a resolvable adapter exits 0."""

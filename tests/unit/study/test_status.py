@@ -72,3 +72,40 @@ def test_status_counts_failed_rows_and_checkpointed_trials(tmp_path, capsys):
         status = json.loads(capsys.readouterr().out)
     assert status["trials"]["running"] == [checkpointed, torn] and status["trials"]["failed"] == [failed]
 
+
+
+def test_status_and_the_study_agree_on_a_done_row_whose_summary_is_garbage(tmp_path, capsys, caplog):
+    """trials.parquet's row is the record: a trial it holds as done, whose summary.json was later overwritten
+    with garbage (bytes that are no UTF-8, a JSON list, an unknown status), is done for status as for the
+    study, which launches it no more; a failed row is run again by both."""
+    import logging
+
+    from raystudy.study.callback import failed_trial_row
+    from raystudy.study.persist import write_spec
+    from raystudy.study.results import ResultTables, trial_dir, trial_row
+    from raystudy.study.spec import load_spec_file
+    from raystudy.study.tune import plan_study
+
+    spec = load_spec_file(spec_file({"weights": str(tmp_path / "w.safetensors"), "data_root": str(tmp_path)},
+                                     tmp_path, configurations=["MHA", "LN1", "FC1", "Head"]))
+    write_spec(spec)
+    points = spec.grid()
+    tables = ResultTables(spec.out)
+    garbage = [b"\xff\xfe not text", b'["not", "a", "summary"]', b'{"status": "bogus"}']
+    for point, body in zip(points[:3], garbage):
+        tables.add(trial_row(point, spec.model, {"configuration": point["configuration"], "optimizer": "sgd",
+                                                 "lr": 0.1, "seed": 0, "status": "ok", "wall_seconds": 10.0}))
+        Path(trial_dir(spec.out, point["trial_id"])).mkdir(parents=True)
+        (Path(trial_dir(spec.out, point["trial_id"])) / "summary.json").write_bytes(body)
+    tables.add(failed_trial_row(spec, points[3], "ValueError: bad"))
+    tables.flush()
+
+    caplog.set_level(logging.WARNING)
+    assert cli(["status", spec.out]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"Study 'pre' ({spec.out}): 3/4 trials done (ok 3, diverged 0), failed 1, running 0, "
+                      "resumable 0, unfinished 0, pending 0")
+    assert out[-2:] == ["  last errors:", f"    {points[3]['trial_id']}: ValueError: bad"]
+    assert not [r for r in caplog.records if "runs again" in r.getMessage()]  # no rerun promised
+    plan = plan_study(spec, ResultTables(spec.out), echo=lambda _: None)  # what a launch would run
+    assert [p["trial_id"] for p in plan.points] == [points[3]["trial_id"]] and plan.retry == [points[3]["trial_id"]]
