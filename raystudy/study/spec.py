@@ -155,14 +155,6 @@ class PretrainSpec:
     path_steps: list[int] | None = None
 
 
-#: The one recipe every demo pretrains its toy ViT with (from a random init on the built-in ``pretrain`` store;
-#: the presets spell it out, ``tests/unit/study/test_presets.py`` checks that each preset that pretrains
-#: has this one): AdamW at lr 1e-2 for 300 steps reaches the paper's component order but for LN1/LN2, while at
-#: lr 1e-3 the toy keeps its random-init order (demo.yaml's header gives the measurements).
-TOY_PRETRAINING = PretrainSpec(enabled=True, steps=300, batch_size=64, lr=1e-2, optimizer="adamw", warmup_steps=30,
-                               seed=0, augment=False, path_steps=[0, 30, 75, 150, 300])
-
-
 @dataclass
 class ProbeSpec(ProbeSettings):
     """The linear-probe baseline (configuration ``LP``): a logistic regression on the frozen model's

@@ -78,7 +78,7 @@ def test_every_preset_loads_validates_and_has_its_grid(path):
 def test_every_preset_that_pretrains_the_toy_uses_the_one_recipe():
     """One pretraining recipe (AdamW lr 1e-2, 300 steps): at lr 1e-3 the toy keeps its random-init component
     order, so a demo pretrained so would show the initialisation's ranking, not pretraining's."""
-    from raystudy.study.spec import TOY_PRETRAINING
+    from raystudy.study.pretrain import TOY_PRETRAINING
 
     pretraining = {name: load_preset(name).pretrain for name in preset_names() if load_preset(name).pretrain.enabled}
     assert {"demo", "plasticity-demo", "selection-demo", "vtab1k-demo", "beyond-demo"} <= set(pretraining)
