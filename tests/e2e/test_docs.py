@@ -257,6 +257,22 @@ def test_pages_have_the_blocks_they_document():
         assert command in commands, command
 
 
+#: where a page's example may write, relative to the repository root a reader runs it from: folders git ignores
+#: (.gitignore) or a temporary one, so that trying the pages leaves the checkout as it was
+WRITES = re.compile(r"""--out[ =]["']?([^\s"']+)|\bout(?:_dir)?\s*=\s*["']([^"']+)|prepare_default\(\s*["']([^"']+)""")
+SCRATCH = ("results/", "runs/", "/tmp/")
+
+
+def test_examples_write_only_where_git_looks_away():
+    """``raystudy data prepare synthetic --out data/default`` left a data/ folder in the checkout."""
+    ignored = (REPO / ".gitignore").read_text(encoding="utf-8").split()
+    assert all(folder in ignored for folder in SCRATCH if not folder.startswith("/")), ignored
+    written = [(b.id, path) for b in PYTHON + SHELL for m in WRITES.finditer(b.code) for path in m.groups() if path]
+    assert len(written) >= 8, written  # every example that writes (--out, out_dir=, prepare_default(...))
+    outside = [(where, path) for where, path in written if not path.startswith(SCRATCH)]
+    assert not outside, f"examples that write into the checkout: {outside}"
+
+
 def test_expected_output_wildcards():
     assert matches("ok ~0.3", "ok 0.35\n") and not matches("ok ~0.3", "ok 0.4166\n")  # within 20%, or not
     assert matches("~48 trials", "40 trials\n") and not matches("~48 trials", "12 trials\n")
