@@ -35,6 +35,7 @@ from raystudy.analysis.options import (
     DEFAULT_SELECT_BY,
     check_options,
     check_subset,
+    output_folder,
 )
 from raystudy.analysis.stats import (
     canonical_reference,
@@ -290,16 +291,6 @@ def study_dirs(study_dir) -> list[str]:
     return [str(d) for d in many]
 
 
-def _out_dir(dirs: list[str], out_dir) -> str:
-    """``out_dir``, or ``<study_dir>/analysis`` for one study; several studies need one."""
-    if out_dir is not None:
-        return str(out_dir)
-    if len(dirs) > 1:
-        raise ValueError(f"out_dir: {len(dirs)} study directories analysed together need an output folder "
-                         f"(--out): {', '.join(dirs)}")
-    return storage.join(dirs[0], "analysis")
-
-
 def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAULT_REFERENCE,
                  alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                  round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
@@ -323,7 +314,7 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     options = dict(reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
                    select_by=select_by)
     dirs = study_dirs(study_dir)
-    target = _out_dir(dirs, out_dir)
+    target = output_folder(dirs, out_dir)
     inputs = read_studies(dirs)
     problem = storage.folder_problem(target)  # a file on the way, no permission: refused before any table
     if problem:

@@ -47,10 +47,10 @@ def _name_list(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
-def _configuration_list(text: str) -> list[str]:
-    from raystudy.core.expression_lists import split_configurations  # torch (raystudy.core): --help stays light
-
-    return split_configurations(text)
+def _configuration_list(text: str) -> str:
+    """The comma list as given: the spec splits it (:meth:`StudySpec.normalize`) once its names are checked,
+    so that a misspelt name is refused before the expression grammar loads torch."""
+    return text
 
 
 #: flags whose value is a comma list
@@ -272,6 +272,7 @@ def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
     if not args.dry_run and any(v is not None for v in cost_flags.values()):
         raise ValueError("--gpus, --mfu, --gpu-result: only with --dry-run (they set the cost it prints)")
     spec = spec_from_args(args, preset_prefix=preset_prefix)
+    spec.validate(check_files=False)  # before torch, Ray and pandas load: a bad value is refused within a second
     if args.print_spec:
         return print_spec(spec)
     if args.dry_run:
