@@ -380,3 +380,16 @@ def test_shell_block_prints_its_output(block, demo_cwd):
                                   f"{proc.stdout}\n{proc.stderr[-4000:]}")
     assert_prints(block, proc.stdout, proc.stderr)
     assert_quiet(block, proc.stdout, proc.stderr)
+
+
+def test_the_streaming_example_is_quiet_on_its_own(builtin, tmp_path):
+    """Run alone, as a reader tries it (no earlier block has started Ray), api.md's streaming example printed
+    44 lines of Ray's own before its 3: it starts Ray through raystudy's quiet helper first."""
+    block = next(b for b in PYTHON if "open_split(" in b.code)
+    store = tmp_path / "results" / "demo" / "data"
+    store.mkdir(parents=True)
+    (store / "shift-color").symlink_to(builtin["stores"]["shift-color"], target_is_directory=True)
+    proc = _run([sys.executable, "-c", block.code], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_quiet(block, proc.stdout, proc.stderr)
+    assert len(printed(proc.stdout).splitlines()) == 3, proc.stdout
