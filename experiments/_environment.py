@@ -25,6 +25,8 @@ LATER_DEPENDENCIES = ("torch", "ray", "timm")
 #: PyTorch's own kernels (its AVX-512 ones sum in another order), MKL's GEMM (the CNR branch COMPATIBLE, the only
 #: one MKL honours on non-Intel CPUs: it ignores AVX2 there) and oneDNN's (convolution, GELU)
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "DNNL_MAX_CPU_ISA": "AVX2"}
+#: the line of a Ctrl-C while raystudy's modules load (exit status 130, as the command's own Ctrl-C)
+STARTING = "interrupted (Ctrl-C) during the start-up: nothing had started; run the same command again to start"
 HINT = ("{prog}: raystudy's dependencies are not installed in this Python ({python}: {problem}): run "
         "`make venv` then `source .venv/bin/activate`, or use `make demo`")
 
@@ -81,7 +83,11 @@ def study_main(prog):
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     pin_cpu_kernels()
-    problem = missing_dependency()
+    try:
+        problem = missing_dependency()
+    except KeyboardInterrupt:  # raystudy's own line, not a traceback, also while its modules load
+        print(f"{prog}: {STARTING}", file=sys.stderr)
+        sys.exit(130)
     if problem is not None:
         print(HINT.format(prog=prog, python=sys.executable, problem=problem), file=sys.stderr)
         sys.exit(2)

@@ -36,6 +36,11 @@ DESCRIPTION = (
 )
 
 
+#: a Ctrl-C while the command starts, before the study holds its directory (imports, checks)
+STARTING = ("interrupted (Ctrl-C) during the start-up, before the study held {out}: nothing had started, nothing "
+            "is lost; run the same command again to start it")
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",") if s.strip()]
@@ -278,9 +283,14 @@ def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
     if args.dry_run:
         return dry_run(spec, as_json=args.json, **cost_flags)
     check_cluster_auth(args.address)  # before torch's import: a refusing cluster is one line within a second
-    from raystudy.study.tune import run_study  # torch, pandas, matplotlib (study.tune): --help stays light
+    try:
+        from raystudy.study.tune import run_study  # torch, pandas, matplotlib (study.tune): --help stays light
 
-    outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))
+        outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))
+    except KeyboardInterrupt as e:
+        if str(e):  # the study's own line: what it interrupted, how to resume
+            raise
+        raise KeyboardInterrupt(STARTING.format(out=spec.out)) from None
     failed = outcome.counts.get("failed", 0) + outcome.probes.get("failed", 0)
     return 0 if failed == 0 else 1
 
