@@ -1,9 +1,9 @@
 """Errors on arguments come before torch, Ray and pandas load (issue #45, item 6): ``raystudy status`` of a
 folder that holds no study, ``analyze`` / ``report`` of one without tables or with a misspelt ``--reference``,
 a misspelt ``--configurations`` name (a flag's, or ``--set``'s) answer in a fresh interpreter without
-importing any of them, and as a user runs them (``python -m raystudy``) within 2 s: they took 16-24 s on
-2 busy cores when the imports came first (5-7 s on quiet ones), against ~1.2-2.2 s measured for these with a
-load average of 15 on the same 2 cores."""
+importing any of them, and as a user runs them (``python -m raystudy``) within 2 s. Measured on 2 cores
+without a bytecode cache: 0.44-0.68 s at a load average of 2 (as a ``--set`` error), 1.2-2.2 s at 15, where
+the imports came first: 4.6-5.4 s at 2, 24-31 s at 15."""
 
 from __future__ import annotations
 

@@ -73,6 +73,32 @@ def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path, monkeypatch, caps
                    "had started, nothing is lost; run the same command again to start it\n")
 
 
+def test_ctrl_c_while_the_scripts_load_raystudy_is_one_line(monkeypatch, capsys):
+    """experiments/full_study.py loads raystudy's modules (a second or more) before its command runs."""
+    import importlib.util
+    import sys
+
+    from tests.support.processes import REPO
+
+    spec = importlib.util.spec_from_file_location("experiments_environment", REPO / "experiments" / "_environment.py")
+    environment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(environment)
+
+    def loading():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(environment, "missing_dependency", loading)
+    monkeypatch.setattr(environment, "pin_cpu_kernels", lambda: None)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "RAY_DEDUP_LOGS"):
+        monkeypatch.setenv(name, "0")
+    with pytest.raises(SystemExit) as exit_info:
+        environment.study_main("full_study.py")
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == ("full_study.py: interrupted (Ctrl-C) during the start-up: nothing had "
+                                       "started; run the same command again to start\n")
+
+
 def test_an_interrupt_without_a_message_still_says_what_happened(capsys):
     from raystudy.cli import interrupted
 
