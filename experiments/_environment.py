@@ -21,6 +21,8 @@ PYTHON = (3, 11)
 #: dependencies raystudy's commands import only once they run (``--help`` stays light), looked up here so
 #: that a Python without them stops at once rather than minutes into a study
 LATER_DEPENDENCIES = ("torch", "ray", "timm")
+#: the line of a Ctrl-C while raystudy's modules load (exit status 130, as the command's own Ctrl-C)
+STARTING = "interrupted (Ctrl-C) during the start-up: nothing had started; run the same command again to start"
 HINT = ("{prog}: raystudy's dependencies are not installed in this Python ({python}: {problem}): run "
         "`make venv` then `source .venv/bin/activate`, or use `make demo`")
 
@@ -52,7 +54,11 @@ def study_main(prog):
     from raystudy.cpu_kernels import pin_cpu_kernels  # the standard library only, like this module
 
     pin_cpu_kernels()
-    problem = missing_dependency()
+    try:
+        problem = missing_dependency()
+    except KeyboardInterrupt:  # raystudy's own line, not a traceback, also while its modules load
+        print(f"{prog}: {STARTING}", file=sys.stderr)
+        sys.exit(130)
     if problem is not None:
         print(HINT.format(prog=prog, python=sys.executable, problem=problem), file=sys.stderr)
         sys.exit(2)

@@ -89,8 +89,9 @@ INTERRUPTED_STATUS = 130
 
 
 def interrupted(prog: str, e: KeyboardInterrupt) -> int:
-    """Ctrl-C: one line on stderr (what was stopped, how to resume) and exit status 130, never 0."""
-    print(f"{prog}: {e or 'interrupted (Ctrl-C)'}", file=sys.stderr)
+    """Ctrl-C: one line on stderr (what was stopped, how to resume: the interrupt's message, else that the
+    command was interrupted) and exit status 130, never 0."""
+    print(f"{prog}: {str(e) or 'interrupted (Ctrl-C)'}", file=sys.stderr)
     return INTERRUPTED_STATUS
 
 

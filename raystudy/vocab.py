@@ -23,6 +23,7 @@ use it.
 from __future__ import annotations
 
 import difflib
+import re
 
 import pyarrow as pa
 
@@ -35,6 +36,8 @@ CONFIGURATIONS: tuple[str, ...] = COMPONENTS + ("Emb",) + BASELINES
 LINEAR_PROBE: str = "LP"
 #: Every name a trials table's ``configuration`` column may hold: trained configurations and the probe.
 TRIALS_CONFIGURATIONS: tuple[str, ...] = CONFIGURATIONS + (LINEAR_PROBE,)
+#: a word of a configuration expression that is a name alone (``MHA``, ``bias``, ``ia3``), no ``:``, ``@`` or ``+``
+BARE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 STATUSES: tuple[str, ...] = ("ok", "diverged", "failed")
 FINAL_STATUSES: tuple[str, ...] = ("ok", "diverged")
@@ -303,6 +306,17 @@ def did_you_mean(name: object, choices) -> str:
     folded = str(name).casefold()
     close = [folded] if folded in by_folded else difflib.get_close_matches(folded, list(by_folded), n=1)
     return f"; did you mean {by_folded[close[0]]!r}?" if close else ""
+
+
+def misspelt_configuration(word: object, names: tuple[str, ...] = CONFIGURATIONS) -> bool:
+    """Whether ``word``, when it is a bare name (letters, digits, ``_``: no expression), names no configuration
+    of ``names`` for certain: it is none of them, yet one of them up to case (``fc1``), or capitalised (every
+    other word of the expression grammar is lower-case: a budget's strategy, a PEFT method, an adapter's layer).
+    Told from the names alone, before the grammar (:mod:`raystudy.core.expressions`, which loads torch), so that
+    such a name is refused within a second; ``False`` leaves the word to the grammar."""
+    if not isinstance(word, str) or not BARE_NAME.fullmatch(word) or word in names:
+        return False
+    return word[0].isupper() or word.casefold() in {n.casefold() for n in names}
 
 
 def check_name(value: str, allowed: tuple[str, ...], what: str) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import pandas as pd
 
 from raystudy import storage
+from raystudy.analysis.options import tables_problem
 from raystudy.io import TableError, read_result, table_path
 from raystudy.vocab import (
     BOUNDS_FORMULAS,
@@ -307,8 +308,7 @@ def read_inputs(study_dir: str | os.PathLike) -> StudyInputs:
     else:
         inputs.notes.append("No plasticity.parquet: the plasticity figures and the ranking agreement are omitted.")
     if trials is None and plasticity is None:
-        raise TableError(f"{inputs.study_dir}: neither trials.parquet nor plasticity.parquet found; "
-                         "is this a study directory?")
+        raise TableError(tables_problem(inputs.study_dir))
     _read_optional(inputs)
     return inputs
 

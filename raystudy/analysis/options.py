@@ -5,12 +5,26 @@ The reference may be any configuration a trials table holds, the linear probe ``
 ``lora:r=8``: :mod:`raystudy.core.expressions`), matched to the study's configurations by canonical spelling
 (:func:`raystudy.analysis.stats.reference_in`, which checks the grammar: it needs :mod:`raystudy.core`).
 
-Imports only :mod:`raystudy.vocab`, so the CLI can offer these choices without loading pandas or scipy.
+Imports only :mod:`raystudy.vocab` and :mod:`raystudy.storage`, so the CLI can offer these choices, and refuse
+a misspelt reference (:func:`reference_problem`) or a folder without a study's tables (:func:`tables_problem`),
+without loading pandas, scipy or torch.
 """
 
 from __future__ import annotations
 
-from raystudy.vocab import ALTERNATIVES, OPTIMIZERS, PAIR_BY, SELECT_BY, check_name
+import os
+
+from raystudy.storage import exists, is_uri, join
+from raystudy.vocab import (
+    ALTERNATIVES,
+    OPTIMIZERS,
+    PAIR_BY,
+    SELECT_BY,
+    TRIALS_CONFIGURATIONS,
+    check_name,
+    did_you_mean,
+    misspelt_configuration,
+)
 
 #: the paper's tables' rule (and a study spec's default); an analysis given ``select_by=None`` uses it for them
 #: and validation for VTAB-1k's table (:data:`raystudy.analysis.vtab.VTAB_SELECT_BY`, the benchmark's rule)
@@ -46,6 +60,51 @@ def check_options(reference: str, alternative: str, pair_by: str, round_to: int 
     check_name(pair_by, PAIR_BY, "pair_by")
     if round_to is not None and (type(round_to) is not int or not 0 <= round_to <= MAX_ROUND):
         raise ValueError(f"round_to: decimals of a percent from 0 to {MAX_ROUND}, or None; got {round_to!r}")
+
+
+def unknown_reference(reference: object) -> str:
+    """The error of a reference that names no configuration, with the closest name ("did you mean")."""
+    return (f"reference: unknown value {reference!r}{did_you_mean(reference, TRIALS_CONFIGURATIONS) or ';'} "
+            f"expected one of {list(TRIALS_CONFIGURATIONS)} or a configuration expression (MHA+FC1, MHA@8-11, "
+            "auto:5%, lora:r=8)")
+
+
+def reference_problem(reference: object) -> str | None:
+    """:func:`unknown_reference` of a reference that is a name no configuration has for certain (``mha``,
+    ``Mha``: :func:`raystudy.vocab.misspelt_configuration`), told without the grammar (which loads torch);
+    ``None`` otherwise (the grammar checks an expression: :func:`raystudy.analysis.stats.canonical_reference`)."""
+    return unknown_reference(reference) if misspelt_configuration(reference, TRIALS_CONFIGURATIONS) else None
+
+
+def tables_problem(study_dir: str) -> str | None:
+    """Why ``study_dir`` cannot be analysed at all (neither ``trials.parquet`` nor ``plasticity.parquet``), or
+    ``None``: a question of two paths, answered before pandas loads."""
+    if exists(join(study_dir, "trials.parquet")) or exists(join(study_dir, "plasticity.parquet")):
+        return None
+    return f"{study_dir}: neither trials.parquet nor plasticity.parquet found; is this a study directory?"
+
+
+def output_folder(dirs: list[str], out_dir) -> str:
+    """``out_dir``, or ``<study_dir>/analysis`` for one study (:func:`study_analysis_dir`); several studies
+    need one."""
+    if out_dir is not None:
+        return str(out_dir)
+    if len(dirs) > 1:
+        raise ValueError(f"out_dir: {len(dirs)} study directories analysed together need an output folder "
+                         f"(--out): {', '.join(dirs)}")
+    return study_analysis_dir(dirs[0])
+
+
+def study_analysis_dir(study_dir: str) -> str:
+    """``<study_dir>/analysis``, where a study's analysis goes unless ``--out`` says otherwise. ``ValueError``
+    when it or its ``figures/`` is a symbolic link: the analysis would write its files, and clear those of an
+    earlier analysis, outside the study directory; given as ``--out``, a link is written through."""
+    target = join(study_dir, "analysis")
+    for path in (target, join(target, "figures")):
+        if not is_uri(path) and os.path.islink(path):
+            raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}): the analysis writes only inside "
+                             f"the study directory; remove the link, or give --out {target} to write through it")
+    return target
 
 
 def fixed_run_list(fixed_run) -> list[dict]:

@@ -37,6 +37,7 @@ from raystudy.analysis.options import (
     DEFAULT_SELECT_BY,
     check_options,
     check_subset,
+    output_folder,
 )
 from raystudy.analysis.stats import (
     canonical_reference,
@@ -319,29 +320,6 @@ def study_dirs(study_dir) -> list[str]:
     return [str(d) for d in many]
 
 
-def _out_dir(dirs: list[str], out_dir) -> str:
-    """``out_dir``, or ``<study_dir>/analysis`` for one study (:func:`study_analysis_dir`); several studies
-    need one."""
-    if out_dir is not None:
-        return str(out_dir)
-    if len(dirs) > 1:
-        raise ValueError(f"out_dir: {len(dirs)} study directories analysed together need an output folder "
-                         f"(--out): {', '.join(dirs)}")
-    return study_analysis_dir(dirs[0])
-
-
-def study_analysis_dir(study_dir: str) -> str:
-    """``<study_dir>/analysis``, where a study's analysis goes unless ``--out`` says otherwise. ``ValueError``
-    when it or its ``figures/`` is a symbolic link: the analysis would write its files, and clear those of an
-    earlier analysis, outside the study directory; given as ``--out``, a link is written through."""
-    target = storage.join(study_dir, "analysis")
-    for path in (target, storage.join(target, "figures")):
-        if not storage.is_uri(path) and os.path.islink(path):
-            raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}): the analysis writes only inside "
-                             f"the study directory; remove the link, or give --out {target} to write through it")
-    return target
-
-
 def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAULT_REFERENCE,
                  alternative: str = DEFAULT_ALTERNATIVE, pair_by: str = DEFAULT_PAIR_BY,
                  round_to: int | None = DEFAULT_ROUND, out_dir: str | os.PathLike | None = None,
@@ -365,7 +343,7 @@ def run_analysis(study_dir: str | os.PathLike | list, *, reference: str = DEFAUL
     options = dict(reference=reference, alternative=alternative, pair_by=pair_by, round_to=round_to,
                    select_by=select_by)
     dirs = study_dirs(study_dir)
-    target = _out_dir(dirs, out_dir)
+    target = output_folder(dirs, out_dir)
     inputs = read_studies(dirs)
     problem = storage.folder_problem(target)  # a file on the way, no permission: refused before any table
     if problem:

@@ -18,6 +18,7 @@ from raystudy.analysis.options import (
     DEFAULT_REFERENCE,
     DEFAULT_ROUND,
     check_options,
+    unknown_reference,
 )
 from raystudy.analysis.ranks import order_string, tau_b, tied
 from raystudy.analysis.tables import OVERALL, _with_model, finish, n_models
@@ -97,8 +98,7 @@ def canonical_reference(reference: str) -> str:
     if reference in TRIALS_CONFIGURATIONS:
         return reference
     if not isinstance(reference, str) or not is_configuration(reference):
-        raise ValueError(f"reference: unknown value {reference!r}; expected one of {list(TRIALS_CONFIGURATIONS)} "
-                         "or a configuration expression (MHA+FC1, MHA@8-11, auto:5%, lora:r=8)")
+        raise ValueError(unknown_reference(reference))
     return canonical(reference)
 
 

@@ -15,7 +15,11 @@ from raystudy.analysis.options import (
     DEFAULT_SELECT_BY,
     FIXED_RUN_KEYS,
     FIXED_RUN_OPTIONAL,
+    check_options,
     check_subset,
+    output_folder,
+    reference_problem,
+    tables_problem,
 )
 from raystudy.study.signals import analysis_interrupted, sigterm_exits
 from raystudy.vocab import ALTERNATIVES, PAIR_BY, SELECT_BY, TRIALS_CONFIGURATIONS
@@ -107,7 +111,23 @@ def register(subparsers) -> None:
     r.set_defaults(func=run_report)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse what the arguments alone tell is wrong (an option's value, a misspelt reference, a folder without
+    a study's tables, several folders without ``--out``) before torch, pandas and matplotlib load: within a
+    second, not after their import."""
+    check_options(args.reference, args.alternative, args.pair_by, args.round_to, args.select_by)
+    problem = reference_problem(args.reference)
+    if problem:
+        raise ValueError(problem)
+    for study_dir in args.study_dir:
+        problem = tables_problem(study_dir)
+        if problem:
+            raise FileNotFoundError(problem)
+    output_folder(args.study_dir, args.out)
+
+
 def _analysis(args: argparse.Namespace):
+    check_arguments(args)
     from raystudy.analysis.pipeline import run_analysis  # torch, pandas, matplotlib: --help stays light
 
     # several DIRs without --out: run_analysis's ValueError, one line from the CLI
@@ -141,6 +161,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    check_arguments(args)
     from raystudy.analysis.html_report import write_report  # pandas, matplotlib: --help stays light
 
     with _sigterm_said(args):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from raystudy.study.persist import load_study_spec
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("status", help="a study's progress: done / running / failed / pending, ETA, last errors",
@@ -16,6 +18,7 @@ def register(subparsers) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    load_study_spec(args.study_dir, what=None)  # a folder that holds no study: refused before pandas and torch load
     from raystudy.study.status import study_status  # pandas, torch: --help stays light
 
     status = study_status(args.study_dir)

@@ -7,7 +7,8 @@ field (``--set datasets.pets.steps=2000`` one dataset's protocol); ``--print-spe
 ``--dry-run`` the resolved per-dataset protocol and the grid (``--dry-run --json``: one JSON object,
 :func:`dry_run_json`), with its cost: FLOPs, GPU-hours and wall time per dataset and in total
 (:mod:`raystudy.study.cost`; ``--gpus K``, ``--mfu X`` or a GPU benchmark's ``--gpu-result FILE`` set what
-they assume).
+they assume), or for a CPU study (no GPU per trial) CPU core-hours at the rate measured on this CPU
+(:mod:`raystudy.study.cpu_cost`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ DESCRIPTION = (
 )
 
 
+#: a Ctrl-C while the command starts, before the study holds its directory (imports, checks)
+STARTING = ("interrupted (Ctrl-C) during the start-up, before the study held {out}: nothing had started, nothing "
+            "is lost; run the same command again to start it")
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",") if s.strip()]
@@ -47,10 +53,10 @@ def _name_list(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
-def _configuration_list(text: str) -> list[str]:
-    from raystudy.core.expression_lists import split_configurations  # torch (raystudy.core): --help stays light
-
-    return split_configurations(text)
+def _configuration_list(text: str) -> str:
+    """The comma list as given: the spec splits it (:meth:`StudySpec.normalize`) once its names are checked,
+    so that a misspelt name is refused before the expression grammar loads torch."""
+    return text
 
 
 #: flags whose value is a comma list
@@ -86,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="validate the spec and print the grid and what is already done; launch nothing")
     p.add_argument("--json", action="store_true",
                    help="with --dry-run: print one JSON object (per-dataset protocol, trial ids, probes, cost)")
-    cost = p.add_argument_group("the cost a --dry-run prints (FLOPs, GPU-hours, wall time; docs/studies.md)")
+    cost = p.add_argument_group("the cost a --dry-run prints (FLOPs, GPU-hours or a CPU study's core-hours, wall "
+                                "time; docs/studies.md)")
     cost.add_argument("--gpus", type=float, default=None, metavar="K",
                       help="GPUs the wall time assumes (default: max_concurrent_trials x workers_per_trial x "
                            "gpus_per_worker; 8 when max_concurrent_trials is 0)")
@@ -150,12 +157,15 @@ def dry_run(spec, *, as_json: bool = False, gpus: float | None = None, mfu: floa
     (:func:`raystudy.study.preflight.launch_problems`): each problem listed on stderr, exit status 1 when
     there is any. Launches nothing, writes nothing. The cost (:func:`raystudy.study.cost.study_cost`) assumes
     ``gpus`` GPUs at an MFU of ``mfu`` or the one measured in ``gpu_result`` (defaults: the spec's concurrency,
-    0.35); it needs neither the weights nor the stores (without a store, its evaluations are left out)."""
-    from raystudy.study import cost, preflight, selection_cost  # torch (FLOP counts), pandas: --help stays light
+    0.35); a CPU study asked none of them is priced in core-hours at the rate its model reaches on this CPU
+    (:func:`raystudy.study.cpu_cost.study_rate`, a second or so of timing); it needs neither the weights nor
+    the stores (without a store, its evaluations are left out)."""
+    from raystudy.study import cost, cpu_cost, preflight, selection_cost  # torch, pandas: --help stays light
 
     spec, problems = preflight.preflight(spec)  # a study directory created with another protocol is refused here
     flags = {"gpus": gpus, "mfu": mfu, "gpu_result": gpu_result}
-    estimate = selection_cost.add_selection(spec, cost.study_cost(spec, **flags), **flags)
+    rate = cpu_cost.study_rate(spec, **flags)  # a CPU study: measured on this CPU, priced in core-hours
+    estimate = selection_cost.add_selection(spec, cost.study_cost(spec, rate=rate), rate=rate, **flags)
     if as_json:
         print(json.dumps({**dry_run_json(spec, estimate), "problems": problems}, indent=1))
     else:
@@ -236,7 +246,8 @@ def dry_run_json(spec, cost: dict | None = None) -> dict:
     ``final_trials``: how many of ``total_trials`` the final fit runs after the search, their lrs unknown
     before it ends, so their ids are not listed).
 
-    With ``cost`` (:func:`raystudy.study.cost.study_cost`): each dataset also carries ``flops``, ``gpu_hours``,
+    With ``cost`` (:func:`raystudy.study.cost.study_cost`): each dataset also carries ``flops``, ``gpu_hours``
+    (a CPU study: ``cpu_hours``, core-hours, and ``gpu_hours`` null),
     ``wall_hours`` and ``cost`` (its breakdown: train / eval / probe FLOPs, rows, per-image FLOPs), and
     ``"cost"`` the total's (``flops``, ``gpu_hours``, ``wall_hours``, ``trials``, ...) with what they assume:
     ``mfu``, ``gpus``, ``precision``, ``peak_tflops``, ``device``, where each comes from, and ``notes``."""
@@ -249,7 +260,8 @@ def dry_run_json(spec, cost: dict | None = None) -> dict:
     }
     if cost is not None:
         for name, d in cost["datasets"].items():
-            datasets[name].update({k: d[k] for k in ("flops", "gpu_hours", "wall_hours")}, cost=d)
+            datasets[name].update({k: d.get(k) for k in ("flops", "gpu_hours", "cpu_hours", "wall_hours")
+                                   if k in d}, cost=d)
     trials = [p["trial_id"] for p in spec.grid()] if spec.search == "grid" else []
     out = {"datasets": datasets, "trials": trials, "total_trials": spec.total_trials(),
            "final_trials": len(spec.groups()) if spec.final_fit else 0, "probes": spec.probe_datasets()}
@@ -272,14 +284,20 @@ def run(args: argparse.Namespace, *, preset_prefix: str = "") -> int:
     if not args.dry_run and any(v is not None for v in cost_flags.values()):
         raise ValueError("--gpus, --mfu, --gpu-result: only with --dry-run (they set the cost it prints)")
     spec = spec_from_args(args, preset_prefix=preset_prefix)
+    spec.validate(check_files=False)  # before torch, Ray and pandas load: a bad value is refused within a second
     if args.print_spec:
         return print_spec(spec)
     if args.dry_run:
         return dry_run(spec, as_json=args.json, **cost_flags)
     check_cluster_auth(args.address)  # before torch's import: a refusing cluster is one line within a second
-    from raystudy.study.tune import run_study  # torch, pandas, matplotlib (study.tune): --help stays light
+    try:
+        from raystudy.study.tune import run_study  # torch, pandas, matplotlib (study.tune): --help stays light
 
-    outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))
+        outcome = run_study(spec, address=args.address, verbose=getattr(args, "verbose", False))
+    except KeyboardInterrupt as e:
+        if str(e):  # the study's own line: what it interrupted, how to resume
+            raise
+        raise KeyboardInterrupt(STARTING.format(out=spec.out)) from None
     failed = outcome.counts.get("failed", 0) + outcome.probes.get("failed", 0)
     return 0 if failed == 0 else 1
 

@@ -73,7 +73,9 @@ def open_split(
     per epoch with its ``epoch``. ``verify`` recomputes the store checksum first. ``resize``: the eval
     transform's geometry (:func:`raystudy.data.transforms.eval_geometry`; ``train=False`` only).
     Rows come out as ``image`` float32 ``(3, size, size)``, ``label`` int64 and ``index`` int64; e.g.
-    ``ds.iter_torch_batches(batch_size=B)`` yields ``image`` ``(B, 3, size, size)``.
+    ``ds.iter_torch_batches(batch_size=B)`` yields ``image`` ``(B, 3, size, size)``. Ray is not started here
+    (the data layer sits below :mod:`raystudy.distributed`): without a running Ray, Ray Data starts one that
+    prints its own logs; :func:`raystudy.distributed.cluster.init_ray` first starts a quiet one.
     """
     import ray.data
     from ray.data.expressions import col, lit

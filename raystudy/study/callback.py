@@ -103,7 +103,7 @@ class StudyCallback(tune.Callback):
         self.progress.trial_finished(point["trial_id"], row)
 
     def on_trial_start(self, iteration, trials, trial, **info):
-        self.progress.running.add(trial.config["point"]["trial_id"])
+        self.progress.trial_started(trial.config["point"]["trial_id"])
 
     def on_trial_recover(self, iteration, trials, trial, **info):
         tid = trial.config["point"]["trial_id"]

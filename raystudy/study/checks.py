@@ -23,7 +23,7 @@ from raystudy.data.pairing import check_pretrain_split
 from raystudy.data.splits import SPLITS, authors_order_problem, val_origin
 from raystudy.data.store import StoreError, check_store, required_splits_problem
 from raystudy.settings import ModelSettings, PlasticitySettings, ProbeSettings, ProtocolSettings, problems
-from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, TRACKERS, check_name
+from raystudy.vocab import CONFIGURATIONS, OPTIMIZERS, TRACKERS, check_name, did_you_mean, misspelt_configuration
 
 #: A :class:`raystudy.study.spec.StudySpec`, read by its fields only: ``spec.py`` imports this module (its
 #: ``validate`` calls :func:`validate`), so this one imports neither it nor :mod:`raystudy.study.spec_values`.
@@ -64,9 +64,31 @@ def _check_names(spec: StudySpec) -> None:
     if not isinstance(spec.model_kwargs, dict):
         raise SpecError("model_kwargs: expected a mapping")
 
+#: a piece of a comma list that names an adapter's layers (``lora:r=8:qkv``, ``ia3:fc2``): lower-case pieces
+#: after it may be more of them (``fc1``), which only the grammar tells from a configuration
+_ADAPTER_LAYERS = re.compile(r"[a-z][a-z0-9]*(:r=\d+)?:(?!r=)[A-Za-z_]")
+
+
+def check_configuration_names(pieces: list[str]) -> None:
+    """Refuse the first of ``pieces`` (a comma list's pieces, or a spec's configurations) that is a name no
+    configuration has for certain (:func:`raystudy.vocab.misspelt_configuration`: ``fc1``, ``Mha``), with a
+    "did you mean", before the grammar loads torch: a misspelt ``--configurations`` is refused within a
+    second. A lower-case piece after an adapter's layers (``lora:r=8:qkv,fc1``) may be one of them: left to
+    the grammar, as every other piece."""
+    layers = False
+    for piece in (str(p).strip() for p in pieces):
+        if misspelt_configuration(piece) and not (layers and piece[0].islower()):
+            names = CONFIGURATIONS + ("bias",)
+            raise SpecError(f"configurations: invalid configuration {piece!r}: unknown name {piece!r}"
+                            f"{did_you_mean(piece, names) or ';'} expected one of {', '.join(names)} or an "
+                            "expression (MHA+FC1, MHA@8-11, auto:5%, lora:r=8: docs/finetuning.md)")
+        layers = bool(_ADAPTER_LAYERS.match(piece)) or (layers and piece[:1].islower())
+
+
 def _check_configurations(spec: StudySpec) -> None:
     """Each configuration parses (a name, a union, a depth range, a budget or LoRA: the error points at
     the offending character); no two spell the same selection; ``auto:`` needs the measured plasticity."""
+    check_configuration_names(spec.configurations)  # before torch loads
     from raystudy.core.expressions import Budgeted, ExpressionError, canonical, parse  # torch: --help stays light
 
     for c in spec.configurations:

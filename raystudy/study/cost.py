@@ -47,6 +47,7 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -116,8 +117,22 @@ class Throughput:
     gpus: float
     gpus_source: str
 
+    hours_key: ClassVar[str] = "gpu_hours"
+
     def gpu_hours(self, flops: float) -> float:
         return flops / (self.peak_tflops * 1e12 * self.mfu) / 3600.0
+
+    def seconds(self, flops: float) -> float:
+        """GPU-seconds of ``flops``."""
+        return self.gpu_hours(flops) * 3600.0
+
+    def price(self, flops: float | None) -> dict:
+        """``{"gpu_hours", "wall_hours"}`` of ``flops`` (``None``: not counted)."""
+        hours = None if flops is None else self.gpu_hours(flops)
+        return {"gpu_hours": hours, "wall_hours": None if hours is None else hours / self.gpus}
+
+    def describe(self) -> str:
+        return f"{self.precision} at MFU {self.mfu:g} ({self.mfu_source}) of {self.peak_tflops:g} TFLOP/s on one GPU"
 
     def as_dict(self) -> dict:
         return {"mfu": self.mfu, "mfu_source": self.mfu_source, "gpus": self.gpus, "gpus_source": self.gpus_source,
@@ -386,7 +401,8 @@ def trial_cells(spec) -> Counter:
 # ----------------------------------------------------------------------------------------------------
 
 
-def study_cost(spec, *, gpus: float | None = None, mfu: float | None = None, gpu_result: str | None = None) -> dict:
+def study_cost(spec, *, gpus: float | None = None, mfu: float | None = None, gpu_result: str | None = None,
+               rate=None) -> dict:
     """The cost of ``spec``'s whole grid (done trials included), JSON-able::
 
         {"datasets": {name: {"trials", "flops", "gpu_hours", "wall_hours", "flops_train", "flops_eval",
@@ -398,8 +414,10 @@ def study_cost(spec, *, gpus: float | None = None, mfu: float | None = None, gpu
     (:func:`raystudy.study.selection_cost.add_selection` adds what choosing a budget's units costs.)
 
     FLOPs per the module docstring's rule; ``flops`` is ``None`` where a configuration could not be counted.
+    ``rate`` prices them (default: the GPU :func:`throughput` of the flags); a CPU study's
+    (:func:`raystudy.study.cpu_cost.study_rate`) gives ``cpu_hours`` (``gpu_hours`` None) and what it measured.
     """
-    rate = throughput(spec, gpus=gpus, mfu=mfu, gpu_result=gpu_result)
+    rate = rate or throughput(spec, gpus=gpus, mfu=mfu, gpu_result=gpu_result)
     notes: list[str] = []
     plasticity = None
     if any(isinstance(normalise(c), Budgeted) and normalise(c).strategy == "auto" for c in spec.configurations):
@@ -416,8 +434,7 @@ def study_cost(spec, *, gpus: float | None = None, mfu: float | None = None, gpu
                      "tested once, not validated")
     total = {k: _sum(d[k] for d in datasets.values()) for k in keys}
     for entry in (*datasets.values(), total):
-        entry["gpu_hours"] = None if entry["flops"] is None else rate.gpu_hours(entry["flops"])
-        entry["wall_hours"] = None if entry["gpu_hours"] is None else entry["gpu_hours"] / rate.gpus
+        entry.update(rate.price(entry["flops"]))
     missing = [n for n, d in datasets.items() if not d["eval_counted"]]
     if missing:
         notes.append(f"store not found for {', '.join(missing)}: their eval and probe FLOPs are left out "
@@ -524,13 +541,26 @@ def cost_lines(cost: dict) -> list[str]:
         forward = next(iter(first["per_image"].values()))["forward"]
         lines.append(f"    per training image, GFLOPs: {per} (forward {_gflops(forward)})")
     width = max([len(n) for n in cost["datasets"]] + [5])
+    unit = "CPU core-h" if "cpu_flops_per_core_s" in cost else "GPU-h"
     for name, d in [*cost["datasets"].items(), ("total", cost["total"])]:
         extra = "" if name == "total" or d["eval_counted"] else " (training only: no store)"
         final = f" (incl. {d['final_trials']} final)" if d.get("final_trials") else ""
+        hours = d["cpu_hours"] if unit.startswith("CPU") else d["gpu_hours"]
         lines.append(f"    {name:<{width}}  {d['trials']:>5} trials{final}  {format_flops(d['flops'])} FLOPs  "
-                     f"{format_hours(d['gpu_hours'])} GPU-h  {format_hours(d['wall_hours'])} h wall{extra}")
-    lines.append(f"    assumes MFU {cost['mfu']:g} ({cost['mfu_source']}) of {cost['peak_tflops']:g} TFLOP/s "
-                 f"({cost['device']}, {cost['precision']})")
-    lines.append(f"    on {cost['gpus']:g} GPU(s) ({cost['gpus_source']}); wall = {cost['wall']}")
+                     f"{format_hours(hours)} {unit}  {format_hours(d['wall_hours'])} h wall{extra}")
+    if unit.startswith("CPU"):
+        lines.append(f"    a CPU study: {cost['cpu_flops_per_core_s'] / 1e9:.3g} GFLOP/s per core, measured on this "
+                     f"CPU ({cost['cpu_measured']}; raystudy/study/cpu_cost.py; --gpus K prices it on GPUs)")
+        lines.append(f"    on {cost['cores']:g} core(s) ({cost['cores_source']}); wall = {cost['wall']}")
+        done = cost.get("finished_trials")
+        if done:
+            lines.append(f"    measured: {done['trials']} finished trial(s) took {done['wall_seconds']:,.0f} s on "
+                         f"{done['cores_per_trial']} core(s) each, {format_hours(done['core_hours'])} core-h "
+                         f"(wall_seconds in trials.parquet): {format_hours(done['projected_core_hours'])} core-h for "
+                         f"the {cost['total']['trials']} trials at that pace")
+    else:
+        lines.append(f"    assumes MFU {cost['mfu']:g} ({cost['mfu_source']}) of {cost['peak_tflops']:g} TFLOP/s "
+                     f"({cost['device']}, {cost['precision']})")
+        lines.append(f"    on {cost['gpus']:g} GPU(s) ({cost['gpus_source']}); wall = {cost['wall']}")
     lines += [f"    note: {n}" for n in cost["notes"]]
     return lines

@@ -1,5 +1,6 @@
 """A study directory's spec: the paths it resolves to, the ``spec.yaml`` it is stored as, and the checks
-that a directory keeps one meaning (:func:`check_stored`) and that its experiment trackers are installed.
+that a directory keeps one meaning (:func:`check_stored`) and that its experiment trackers are installed; and
+the record of what its own analysis was drawn from (:data:`ANALYSIS_STAMP`).
 
 A study directory never silently changes meaning: :func:`write_spec` stores the resolved spec once it is
 valid, and :func:`check_stored` refuses another spec whose trials mean something else.
@@ -8,12 +9,15 @@ valid, and :func:`check_stored` refuses another spec whose trials mean something
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from typing import Any
 
+import pyarrow.fs as pafs
+
 from raystudy.data.modality import absolute_model
-from raystudy.storage import exists, is_uri, join, read_text, write_text_atomic
+from raystudy.storage import exists, filesystem, is_uri, join, read_text, write_text_atomic
 from raystudy.study.checks import SpecError, pretrained_weights_path
 from raystudy.study.spec import StudySpec
 from raystudy.study.spec_values import load_yaml
@@ -118,3 +122,37 @@ def check_tracking(spec: StudySpec) -> None:
         if package not in sys.modules and importlib.util.find_spec(package) is None:
             raise SpecError(f"tracking: {name} needs the package {package!r}, which is not installed "
                             f"(pip install {package}), or remove {name!r} from tracking")
+
+
+#: the record of what the study's own analysis was drawn from (:func:`analysis_inputs`), beside it
+ANALYSIS_STAMP = join("analysis", ".inputs.json")
+
+
+def analysis_inputs(study_dir: str, options: dict[str, Any]) -> dict[str, Any]:
+    """What the study's analysis reads, as it is now: ``{"options": options, "tables": [[path, size, mtime in
+    ns], ...], "report": [size, mtime in ns] or None}``, the tables every file of the study directory's
+    ``*.parquet`` tables (a table's file, or each part of a dataset folder), paths relative to the directory,
+    and ``report`` its ``analysis/report.html``. A study whose stored :data:`ANALYSIS_STAMP` equals it has its
+    analysis up to date with its tables: a re-run of a finished study draws nothing again."""
+    fs, root = filesystem(study_dir)
+    root = root.rstrip("/")
+    files = []
+    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+        if not info.base_name.endswith(".parquet"):
+            continue
+        parts = ([info] if info.type == pafs.FileType.File else
+                 fs.get_file_info(pafs.FileSelector(info.path, recursive=True)))
+        files += [[p.path[len(root) + 1:], p.size, p.mtime_ns] for p in parts if p.type == pafs.FileType.File]
+    report = fs.get_file_info(f"{root}/analysis/report.html")
+    return {"options": options, "tables": sorted(files),
+            "report": [report.size, report.mtime_ns] if report.type == pafs.FileType.File else None}
+
+
+def analysis_current(study_dir: str, inputs: dict[str, Any]) -> bool:
+    """Whether the study's analysis was drawn from ``inputs`` (:func:`analysis_inputs`), as its stamp says."""
+    text = read_text(join(study_dir, ANALYSIS_STAMP))
+    try:
+        stored = json.loads(text) if text is not None else None
+    except ValueError:  # a torn or edited stamp: the analysis is drawn again
+        return False
+    return inputs["report"] is not None and stored == json.loads(json.dumps(inputs))

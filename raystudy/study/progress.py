@@ -5,15 +5,19 @@
     [demo] ok shift-color-MHA-sgd-lr0.03-s0: test acc 0.412 (41s) | 3/12 done, ETA 4m10s
     [demo] 3/12 done, 2 running, 0 failed, 7 pending (this launch: 3 ok, 0 diverged) | elapsed 2m05s, ETA 4m10s
 
-:class:`Progress` reads time from an injectable ``clock`` (``time.monotonic`` by default), so its ETA can
-be tested without sleeping and does not jump when the wall clock is adjusted.
+The ETA (:func:`eta_seconds`) rests on the time between the finishes of each slot's trials: the first trial
+of each slot also carries the launch's start-up (Tune's actors starting, the model and the data loaded),
+which on the demo took longer than a dozen later trials, so no ETA is printed (``ETA ?``) until more trials
+have finished than run at a time. :class:`Progress` reads time from an injectable ``clock``
+(``time.monotonic`` by default), so its ETA can be tested without sleeping and does not jump when the wall
+clock is adjusted.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,12 +40,36 @@ def fmt_seconds(s: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
 
 
+def eta_seconds(finished: Sequence[float], now: float, remaining: int, slots: int) -> float:
+    """Seconds until ``remaining`` more trials have finished, from the clock readings ``finished`` (ascending)
+    at which this launch's trials finished, ``now``, and ``slots``, the trials that run at a time (``s``).
+
+    A slot's trials follow each other, so finish ``k + s`` comes one trial's time ``T`` after finish ``k``;
+    averaged over the ``n - s`` such pairs (a telescoping sum)::
+
+        T = (sum of the last s finish times - sum of the first s) / (n - s),   ETA = remaining x T / s
+
+    which leaves out the launch's start-up, which only the first trial of each slot waited for. Before that
+    (``n <= s``) the estimate would rest on the start-up alone: NaN (unknown). A stall counts: the trial that
+    followed the oldest of the last ``s`` finishes has taken at least ``now`` minus that finish, and ``T`` is
+    never less. ``0.0`` when nothing remains."""
+    if remaining <= 0:
+        return 0.0
+    n, s = len(finished), max(int(slots), 1)
+    if n <= s:
+        return math.nan
+    per_trial = (sum(finished[n - s:]) - sum(finished[:s])) / (n - s)
+    per_trial = max(per_trial, now - finished[n - s])
+    return remaining * per_trial / s
+
+
 @dataclass
 class Progress:
-    """Counts of the study's trials and an ETA from this launch's throughput (finished trials per second).
+    """Counts of the study's trials and an ETA from this launch's throughput (:func:`eta_seconds`).
 
     ``total`` trials in the study, ``done_before`` of them final before this launch. ``every``: seconds
-    between two periodic summaries (:meth:`tick`).
+    between two periodic summaries (:meth:`tick`). ``finished_at``: the clock at each finish of this launch;
+    ``slots``: the most trials seen running at once (:meth:`trial_started`).
     """
 
     total: int
@@ -55,6 +83,8 @@ class Progress:
     t0: float | None = None
     last_shown: float | None = None
     device_warned: bool = False  # a trial that asked for GPUs ran on the CPU: said once per launch
+    finished_at: list = field(default_factory=list)
+    slots: int = 0
 
     def __post_init__(self) -> None:
         if self.t0 is None:
@@ -71,12 +101,14 @@ class Progress:
         return self.done_before + self.counts["ok"] + self.counts["diverged"]
 
     def eta(self) -> float:
-        """Seconds left: (time per finished trial of this launch) x (trials left); NaN before the first."""
-        n = self.finished_now
-        remaining = self.total - self.done_before - n
-        if n == 0 or remaining <= 0:
-            return math.nan if remaining > 0 else 0.0
-        return (self.clock() - self.t0) / n * remaining
+        """Seconds left for this launch's trials not yet finished (:func:`eta_seconds`); NaN while unknown."""
+        remaining = self.total - self.done_before - self.finished_now
+        return eta_seconds(self.finished_at, self.clock(), remaining, self.slots)
+
+    def trial_started(self, trial_id: str) -> None:
+        """Count a trial as running (and the most running at once: :attr:`slots`)."""
+        self.running.add(trial_id)
+        self.slots = max(self.slots, len(self.running))
 
     def line(self, event: str = "") -> str:
         c = self.counts
@@ -105,6 +137,7 @@ class Progress:
         self.running.discard(trial_id)
         status = row["status"]
         self.counts[status] += 1
+        self.finished_at.append(self.clock())
         acc = row.get("test_acc")
         acc = f"test acc {acc:.3f}" if isinstance(acc, float) and math.isfinite(acc) else "no test acc"
         wall = row.get("wall_seconds")

@@ -103,13 +103,15 @@ def measured_seconds(spec, dataset: str, strategy: str, seed: int, phase: str) -
 
 
 def add_selection(spec, estimate: dict, *, gpus: float | None = None, mfu: float | None = None,
-                  gpu_result: str | None = None) -> dict:
+                  gpu_result: str | None = None, rate=None) -> dict:
     """``estimate`` (:func:`raystudy.study.cost.study_cost` of ``spec`` with the same flags) with its
     ``"selection"`` (:func:`selection_cost`) when ``spec`` has a budget; each dataset's forward FLOPs per image
-    counted as the trials' are (its head's classes from the estimate)."""
+    counted as the trials' are (its head's classes from the estimate); ``rate``: what priced the estimate (default:
+    the GPU throughput of the flags; a CPU study's :class:`~raystudy.study.cpu_cost.CpuRate` prices the scoring
+    passes on this CPU too)."""
     if not strategies(spec):
         return estimate
-    rate = throughput(spec, gpus=gpus, mfu=mfu, gpu_result=gpu_result)
+    rate = rate or throughput(spec, gpus=gpus, mfu=mfu, gpu_result=gpu_result)
     forwards = {}
     for name, d in estimate["datasets"].items():
         f = image_flops(spec.model, "Head", model_kwargs=spec.model_kwargs, img_size=spec.img_size,
@@ -139,7 +141,7 @@ def selection_cost(spec, rate, forwards: dict[str, int | None], *, gpu_result: s
         seconds = sum(d["seconds"] for d in per.values())
         out[strategy] = {**NEEDS[strategy], "per_sample": strategy == "fisher",
                          "passes": sum(d["passes"] for d in per.values()), "flops": total,
-                         "seconds": seconds, "gpu_hours": seconds / 3600.0,
+                         "seconds": seconds, scoring.hours_key: seconds / 3600.0,
                          "measured_passes": sum(d["measured_passes"] for d in per.values()), "per_dataset": per}
     if any(f is None for f in forwards.values()):
         notes.append("a dataset's forward FLOPs could not be counted: its selection FLOPs are n/a")
@@ -149,8 +151,10 @@ def selection_cost(spec, rate, forwards: dict[str, int | None], *, gpu_result: s
     if "auto" in out and spec.plasticity.control != "none":
         notes.append(f"auto: plasticity's controls ({', '.join(CONTROL_WEIGHTS)}) are measured as well (as much "
                      "again each); not a cost of the selection, not counted")
-    return {"strategies": out, "scoring_precision": scoring.precision, "scoring_peak_tflops": scoring.peak_tflops,
-            "scoring_mfu": scoring.mfu, "scoring_mfu_source": scoring.mfu_source, "notes": notes}
+    return {"strategies": out, "scoring_precision": scoring.precision,
+            "scoring_peak_tflops": getattr(scoring, "peak_tflops", None), "scoring_mfu": getattr(scoring, "mfu", None),
+            "scoring_mfu_source": getattr(scoring, "mfu_source", None), "scoring_rate": scoring.describe(),
+            "notes": notes}
 
 
 def _dataset_entry(spec, name: str, strategy: str, keys: list, forward: int | None, rate) -> dict:
@@ -163,7 +167,7 @@ def _dataset_entry(spec, name: str, strategy: str, keys: list, forward: int | No
         if got is not None:
             seconds, measured = seconds + got, measured + 1
         elif flops is not None:
-            seconds += rate.gpu_hours(flops) * 3600.0
+            seconds += rate.seconds(flops)
     return {"passes": len(keys), "flops": None if flops is None else flops * len(keys), "seconds": seconds,
             "measured_passes": measured}
 
@@ -171,7 +175,10 @@ def _dataset_entry(spec, name: str, strategy: str, keys: list, forward: int | No
 def scoring_rate(rate, *, gpu_result: str | None = None, mfu: float | None = None):
     """The :class:`~raystudy.study.cost.Throughput` a criterion is scored at: ``rate``'s device at
     :data:`SCORING_PRECISION`'s peak, the MFU given (``mfu``), else that of ``gpu_result`` for this precision,
-    else :data:`~raystudy.study.cost.DEFAULT_MFU`; one pass at a time on one GPU."""
+    else :data:`~raystudy.study.cost.DEFAULT_MFU`; one pass at a time on one GPU. A CPU study's rate (not a
+    :class:`~raystudy.study.cost.Throughput`: fp32 on one core, measured) is its own."""
+    if not isinstance(rate, Throughput):
+        return rate
     precision = resolve_precision(SCORING_PRECISION, cuda=True)
     if precision == rate.precision:
         return rate
@@ -204,9 +211,7 @@ def selection_lines(selection: dict) -> list[str]:
         lines.append(f"    {s:<{width}}  labels {'yes' if r['labels'] else 'no':<3}  backward "
                      f"{'yes' if r['backward'] else 'no':<3}  {r['passes']:>4} passes  {flops} FLOPs  "
                      f"{seconds} s ({source})  data: {r['data']}")
-    rate = (f"{selection['scoring_precision']} at MFU {selection['scoring_mfu']:g} "
-            f"({selection['scoring_mfu_source']}) of {selection['scoring_peak_tflops']:g} TFLOP/s")
     lines.append(f"    measured: the cached scores' seconds, on the device that scored them; estimated: a criterion in "
-                 f"{rate} on one GPU, auto at the trials' rate (raystudy/study/selection_cost.py)")
+                 f"{selection['scoring_rate']}, auto at the trials' rate (raystudy/study/selection_cost.py)")
     lines += [f"    note: {n}" for n in selection["notes"]]
     return lines

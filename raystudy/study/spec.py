@@ -319,6 +319,7 @@ class StudySpec(ModelSettings, ProtocolSettings):
         if isinstance(self.seeds, int):
             self.seeds = [self.seeds]
         if isinstance(self.configurations, str):
+            checks.check_configuration_names(self.configurations.split(","))  # a misspelt name: before torch loads
             from raystudy.core.expression_lists import split_configurations  # torch (raystudy.core): --help stays light
 
             self.configurations = split_configurations(self.configurations)

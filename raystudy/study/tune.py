@@ -45,6 +45,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
+from raystudy.analysis.options import study_analysis_dir
 from raystudy.core.models import WeightsError, check_weights_format
 from raystudy.data.cache import kinds_read
 from raystudy.data.splits import SPLITS
@@ -54,7 +55,7 @@ from raystudy.distributed.cluster import check_cluster_auth, init_ray, orphaned_
 from raystudy.distributed.job_inputs import weights_problem
 from raystudy.distributed.reaper import start_reaper
 from raystudy.io import table_path
-from raystudy.storage import exists, folder_problem, is_uri, join, subdirs
+from raystudy.storage import delete_file, exists, folder_problem, is_uri, join, subdirs, write_json_atomic
 from raystudy.study import final
 from raystudy.study.checks import SpecError, pretraining_writes_weights, weights_not_found
 from raystudy.study.health import (
@@ -68,6 +69,10 @@ from raystudy.study.jobs import set_aside_unreadable_cache
 from raystudy.study.lock import StudyLock
 from raystudy.study.measure import measure_plasticity, plasticity_todo
 from raystudy.study.persist import (
+    ANALYSIS_STAMP,
+    SPEC_FILE,
+    analysis_current,
+    analysis_inputs,
     check_stored,
     check_tracking,
     load_study_spec,
@@ -84,9 +89,12 @@ from raystudy.study.progress import echo as _echo
 from raystudy.study.results import TABLE_PERIOD, ResultTables
 from raystudy.study.signals import (
     Interrupted,
+    Stage,
     analysis_interrupted,
+    ctrl_c_named,
     sigint_noticed,
     sigterm_exits,
+    tune_interrupt_lines,
 )
 from raystudy.study.spec import StudySpec
 from raystudy.study.trial import trainable
@@ -160,7 +168,8 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     tuner = tune.Tuner(trainable(spec), param_space=param_space, tune_config=tune_config, run_config=run_config)
     try:
         # a Ray Train controller lost with its node leaves a placement group behind
-        with orphaned_placement_groups_removed(), sigint_noticed() as interrupted:
+        with orphaned_placement_groups_removed(), sigint_noticed() as interrupted, \
+                tune_interrupt_lines(echo, spec.name):
             results = tuner.fit()
             stopped = interrupted()
     except Exception:
@@ -170,8 +179,8 @@ def launch_trials(spec: StudySpec, tables: ResultTables, points: list[dict] | No
     finally:
         study_callback.flush()  # the rows the timer deferred, however the launch ended
     if stopped:
-        raise Interrupted(f"[{spec.name}] interrupted (Ctrl-C): the launch stopped with {len(tables.done_ids())}/"
-                          f"{total} trials done; nothing was analysed. Run the same command again to resume")
+        raise Interrupted(f"[{spec.name}] interrupted (Ctrl-C): the launch stopped with "
+                          f"{done_line(spec, tables, total)}; nothing was analysed; {resume_line(spec.out)}")
     progress.show("launch finished")
     if study_callback.disk_full:
         raise StudyStorageError(disk_full_message(spec.out, f" ({study_callback.disk_full})"))
@@ -271,6 +280,17 @@ def check_weights_format_of(spec: StudySpec) -> None:
             raise SpecError(f"weights: {e}") from None
 
 
+def check_given_weights(spec: StudySpec) -> None:
+    """The weights file of the resolved ``spec`` exists, unless its own pretraining writes it (:func:`~raystudy.
+    study.checks.pretraining_writes_weights`), and is a weights file: checked before anything is built or
+    written, so that a missing ``--weights`` stops a launch at once and leaves no folder behind."""
+    if spec.weights is None or (pretraining_writes_weights(spec) and not exists(spec.weights)):
+        return
+    if not exists(spec.weights):
+        raise SpecError(weights_not_found(spec))
+    check_weights_format_of(spec)
+
+
 def check_weights_load(spec: StudySpec) -> None:
     """Build the model with its weights once in the driver, as every trial will, so a checkpoint that does
     not fit the model (wrong architecture, missing keys) stops the study before any launch."""
@@ -281,40 +301,66 @@ def check_weights_load(spec: StudySpec) -> None:
         raise SpecError(error)
 
 
-def prepare_study(spec: StudySpec, echo: Echo = _echo) -> StudySpec:
+def prepare_study(spec: StudySpec, echo: Echo = _echo, stage: Stage | None = None) -> StudySpec:
     """Validate, resolve and check ``spec``, build what the demo builds, and write ``spec.yaml`` (only a
-    valid spec marks a directory as a study); returns the resolved spec."""
+    valid spec marks a directory as a study); returns the resolved spec. ``stage`` is kept up to date (what a
+    Ctrl-C interrupts).
+
+    What can be checked without the built-in data and the pretrained weights is checked first (the weights
+    file given, the configurations on the meta-device model, the stores not built here); a launch that then
+    builds (the built-in data, the pretraining: minutes) writes ``spec.yaml`` before it, so that a study stopped
+    while building is a study (``raystudy status``, ``--resume``), and removes it again if a check after the
+    build refuses the spec (a directory it created is then no study)."""
+    stage = stage or Stage()
     spec.validate(check_files=False)
     check_tracking(spec)
     spec = resolve_paths(spec)
     check_stored(spec)
-    echo(f"[{spec.name}] study directory {spec.out}")
-    if spec.builtin_data:
-        prepare_builtin_data(spec, echo)
-    spec.check_files(weights=False)  # stores, before any work
-    if spec.pretrain.enabled:
-        if exists(spec.weights):
-            check_weights_format_of(spec)
-            echo(f"[{spec.name}] pretrained weights found: {spec.weights}")
-        elif pretraining_writes_weights(spec):
-            pretrain_weights(spec, spec.weights, echo=echo)
-        else:  # a --weights path that does not exist: not where the pretraining writes
-            raise SpecError(weights_not_found(spec))
-    spec.check_files(weights=True)
-    for problem in final.store_problems(spec):
-        raise SpecError(problem)
-    check_weights_load(spec)
+    if not spec.builtin_data:
+        spec.check_files(weights=False)  # stores, before any work
+    check_given_weights(spec)
     problems = configuration_problems(spec)  # a layer or block the model lacks: refused before any trial
     if problems:
         raise SpecError("\n".join(problems))
     if spec.analysis:  # its folder a link out of the study: refused now, not after the trials
-        from raystudy.analysis.pipeline import study_analysis_dir  # scipy: only for a spec that asks
-
         study_analysis_dir(spec.out)
-    if spec.pretrain.enabled and spec.pretrain.path_steps and spec.plasticity.enabled and not path_done(spec):
-        measure_path(spec, echo)
+    echo(f"[{spec.name}] study directory {spec.out}")
+    builds = spec.builtin_data or (pretraining_writes_weights(spec) and not exists(spec.weights))
+    written_here = builds and not exists(join(spec.out, SPEC_FILE))
+    if builds:
+        write_spec(spec)
+    try:
+        _build_and_check(spec, echo, stage)
+    except SpecError:
+        if written_here:
+            delete_file(join(spec.out, SPEC_FILE))
+        raise
     write_spec(spec)
     return spec
+
+
+def _build_and_check(spec: StudySpec, echo: Echo, stage: Stage) -> None:
+    """The built-in data and the pretrained weights the resolved ``spec`` asks for, then the checks that need
+    them (stores, weights loaded into the model)."""
+    if spec.builtin_data:
+        stage.now = "the preparation of the built-in data"
+        prepare_builtin_data(spec, echo)
+    stage.now = "the start-up checks"
+    spec.check_files(weights=False)
+    if spec.pretrain.enabled and exists(spec.weights):
+        echo(f"[{spec.name}] pretrained weights found: {spec.weights}")
+    elif pretraining_writes_weights(spec):
+        stage.now = "the pretraining"
+        pretrain_weights(spec, spec.weights, echo=echo)
+        stage.now = "the start-up checks"
+    spec.check_files(weights=True)
+    for problem in final.store_problems(spec):
+        raise SpecError(problem)
+    check_weights_load(spec)
+    if spec.pretrain.enabled and spec.pretrain.path_steps and spec.plasticity.enabled and not path_done(spec):
+        stage.now = "the plasticity along the pretraining"
+        measure_path(spec, echo)
+        stage.now = "the start-up checks"
 
 
 def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> StudyPlan:
@@ -365,23 +411,30 @@ def plan_study(spec: StudySpec, tables: ResultTables, echo: Echo = _echo) -> Stu
 
 
 def execute(spec: StudySpec, tables: ResultTables, plan: StudyPlan, *, address: str | None, verbose: bool,
-            echo: Echo = _echo) -> None:
+            echo: Echo = _echo, stage: Stage | None = None) -> None:
     """Run the plan on Ray (started here, and shut down after, unless it was running already). A local Ray
-    started here is watched by a reaper process that ends it if the driver is killed (SIGKILL)."""
+    started here is watched by a reaper process that ends it if the driver is killed (SIGKILL). ``stage`` is
+    kept up to date (what a Ctrl-C interrupts)."""
+    stage = stage or Stage()
     local = not (address or os.environ.get("RAY_ADDRESS")) or address == "local"
+    stage.now = "the start of Ray"
     started = init_ray(address, verbose=verbose)
     if started and local:
         start_reaper()
     try:
         with sigterm_exits(echo, spec.name):  # again: ray.init installed its own SIGTERM handler
             if plan.plasticity:
+                stage.now = "the plasticity measurement"
                 measure_plasticity(spec, echo)
             if plan.probes:  # before the grid: the relative gain's reference exists even if the grid is cut off
+                stage.now = "the linear probes"
                 run_probes(spec, tables, echo, address=address)
             if plan.to_launch:
+                stage.now = "the preparation of the trials"
                 check_run_dirs(spec, tables.done_ids(), echo)
                 # decoded once here, not in every trial's driver (a final fit's: every dataset's)
                 build_study_caches(spec, None if spec.final_fit else plan.points, echo)
+                stage.now = "the trials"
                 if plan.points is None or plan.points:  # a grid whose search is done launches its final fit only
                     launch_trials(spec, tables, plan.points, total=plan.total,
                                   done_before=plan.total - plan.to_launch, echo=echo, verbose=verbose)
@@ -407,30 +460,48 @@ def run_study(spec: StudySpec, *, address: str | None = None, verbose: bool = Fa
         why = folder_problem(folder)  # a file on the way, a read-only mount: one line, before the lock file
         if why:
             raise SpecError(f"{name}: {why}")
-    with StudyLock(out, echo=echo), sigterm_exits(echo, spec.name), storage_errors(out):
-        spec = prepare_study(spec, echo)
+    stage = Stage()
+    with StudyLock(out, echo=echo), sigterm_exits(echo, spec.name), storage_errors(out), \
+            ctrl_c_named(spec.name, stage, lambda: resume_line(out)):
+        spec = prepare_study(spec, echo, stage)
         tables = ResultTables(spec.out, repair=True, period=TABLE_PERIOD)
         plan = plan_study(spec, tables, echo)
         try:
             if plan.plasticity or plan.probes or plan.to_launch:
-                execute(spec, tables, plan, address=address, verbose=verbose, echo=echo)
+                execute(spec, tables, plan, address=address, verbose=verbose, echo=echo, stage=stage)
         finally:
             tables.flush()  # every row on disk before the analysis reads it, also when the study is stopped
         outcome = StudyOutcome(study_dir=spec.out, total=plan.total, launched=plan.to_launch,
                                counts=tables.counts(), probes=tables.counts(probes=True))
         if spec.analysis:
-            from raystudy.analysis.html_report import report  # scipy: only for a spec that asks
-
-            t0 = time.monotonic()
+            stage.now = "the analysis"
             # ours again (ray.init installed its own), saying how to redo the analysis alone
             with sigterm_exits(echo, line=f"[{spec.name}] {analysis_interrupted([spec.out])}"):
-                outcome.report = str(report(spec.out, seeds=spec.analysis_seeds, fixed_run=spec.fixed_run,
-                                            round_to=spec.analysis_round, select_by=spec.analysis_select_by))
+                outcome.report = analyse(spec, echo)
             outcome.analysis_dir = join(spec.out, "analysis")
-            echo(f"[{spec.name}] analysis written in {fmt_seconds(time.monotonic() - t0)}")
     outcome.wall_seconds = time.monotonic() - t_start
     print_summary(spec, outcome, echo)
     return outcome
+
+
+def analyse(spec: StudySpec, echo: Echo = _echo) -> str:
+    """The study's report (:func:`raystudy.analysis.html_report.report` with the spec's analysis options), drawn
+    unless the one in ``analysis/`` was drawn from the tables as they are now, with the same options (its
+    stamp: :func:`~raystudy.study.results.analysis_inputs`); returns the report's path."""
+    options = {"seeds": spec.analysis_seeds, "fixed_run": spec.fixed_run, "round_to": spec.analysis_round,
+               "select_by": spec.analysis_select_by}
+    inputs = analysis_inputs(spec.out, options)
+    if analysis_current(spec.out, inputs):
+        echo(f"[{spec.name}] analysis up to date with the tables: nothing redrawn (raystudy report {spec.out} "
+             "draws it again)")
+        return join(spec.out, "analysis", "report.html")
+    from raystudy.analysis.html_report import report  # scipy: only for a spec that asks
+
+    t0 = time.monotonic()
+    path = str(report(spec.out, **options))
+    write_json_atomic(join(spec.out, ANALYSIS_STAMP), analysis_inputs(spec.out, options))
+    echo(f"[{spec.name}] analysis written in {fmt_seconds(time.monotonic() - t0)}")
+    return path
 
 
 def print_summary(spec: StudySpec, o: StudyOutcome, echo: Echo = _echo) -> None:
@@ -451,6 +522,16 @@ def print_summary(spec: StudySpec, o: StudyOutcome, echo: Echo = _echo) -> None:
         echo(f"  report:      {o.report}")
 
 
+def done_line(spec: StudySpec, tables: ResultTables, total: int) -> str:
+    """``3/48 trials done`` (the finetuning trials' final rows, never the linear probes'), then, with probes,
+    ``, 1/2 probes fitted``."""
+    c = tables.counts()
+    line = f"{c['ok'] + c['diverged']}/{total} trials done"
+    if spec.probe.enabled:
+        line += f", {tables.counts(probes=True)['ok']}/{len(spec.probe_datasets())} probes fitted"
+    return line
+
+
 def tables_written(study_dir: str) -> list[str]:
     """The result tables present in ``study_dir``, in :data:`raystudy.vocab.SCHEMAS` order
     (``trials.parquet``, ``curves.parquet``, ``changes.parquet``, ``plasticity.parquet``, ``rates.parquet``,
@@ -469,6 +550,13 @@ def restore_command(study_dir: str) -> str:
     code = (f"from raystudy.study.tune import restore_tuner, tune_experiments; "
             f"grid = restore_tuner(tune_experiments({study_dir!r})[-1]).get_results(); print(grid.get_dataframe())")
     return f"python -c {_shell_word(code)}"
+
+
+def resume_line(study_dir: str) -> str:
+    """How to continue a stopped study, in words: the same command, or ``raystudy study --resume DIR`` once the
+    study directory holds its ``spec.yaml`` (not Tune's ``Tuner.restore``, which does not resume a study)."""
+    also = f" (or {resume_command(study_dir)})" if exists(join(study_dir, SPEC_FILE)) else ""
+    return f"run the same command again{also} to resume"
 
 
 def resume_command(study_dir: str) -> str:

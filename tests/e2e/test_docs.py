@@ -257,6 +257,22 @@ def test_pages_have_the_blocks_they_document():
         assert command in commands, command
 
 
+#: where a page's example may write, relative to the repository root a reader runs it from: folders git ignores
+#: (.gitignore) or a temporary one, so that trying the pages leaves the checkout as it was
+WRITES = re.compile(r"""--out[ =]["']?([^\s"']+)|\bout(?:_dir)?\s*=\s*["']([^"']+)|prepare_default\(\s*["']([^"']+)""")
+SCRATCH = ("results/", "runs/", "/tmp/")
+
+
+def test_examples_write_only_where_git_looks_away():
+    """``raystudy data prepare synthetic --out data/default`` left a data/ folder in the checkout."""
+    ignored = (REPO / ".gitignore").read_text(encoding="utf-8").split()
+    assert all(folder in ignored for folder in SCRATCH if not folder.startswith("/")), ignored
+    written = [(b.id, path) for b in PYTHON + SHELL for m in WRITES.finditer(b.code) for path in m.groups() if path]
+    assert len(written) >= 8, written  # every example that writes (--out, out_dir=, prepare_default(...))
+    outside = [(where, path) for where, path in written if not path.startswith(SCRATCH)]
+    assert not outside, f"examples that write into the checkout: {outside}"
+
+
 def test_expected_output_wildcards():
     assert matches("ok ~0.3", "ok 0.35\n") and not matches("ok ~0.3", "ok 0.4166\n")  # within 20%, or not
     assert matches("~48 trials", "40 trials\n") and not matches("~48 trials", "12 trials\n")
@@ -364,3 +380,16 @@ def test_shell_block_prints_its_output(block, demo_cwd):
                                   f"{proc.stdout}\n{proc.stderr[-4000:]}")
     assert_prints(block, proc.stdout, proc.stderr)
     assert_quiet(block, proc.stdout, proc.stderr)
+
+
+def test_the_streaming_example_is_quiet_on_its_own(builtin, tmp_path):
+    """Run alone, as a reader tries it (no earlier block has started Ray), api.md's streaming example printed
+    44 lines of Ray's own before its 3: it starts Ray through raystudy's quiet helper first."""
+    block = next(b for b in PYTHON if "open_split(" in b.code)
+    store = tmp_path / "results" / "demo" / "data"
+    store.mkdir(parents=True)
+    (store / "shift-color").symlink_to(builtin["stores"]["shift-color"], target_is_directory=True)
+    proc = _run([sys.executable, "-c", block.code], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_quiet(block, proc.stdout, proc.stderr)
+    assert len(printed(proc.stdout).splitlines()) == 3, proc.stdout

@@ -101,6 +101,11 @@ def test_an_interrupted_study_exits_non_zero_without_analysing(builtin, tmp_path
     assert proc.returncode == status, (stdout[-3000:], stderr[-3000:])
     assert said in stdout + stderr, (stdout[-3000:], stderr[-3000:])
     assert "Traceback" not in stderr, stderr[-3000:]
+    # the study's own lines, not Tune's: its stop notice, its list of trials, its Tuner.restore(...) advice
+    for ray_line in ("Stop signal received", "Trials did not complete", "Tuner.restore"):
+        assert ray_line not in stdout + stderr, (stdout[-3000:], stderr[-3000:])
+    assert "[pre] Ctrl-C: ending the running trials (their checkpoints are kept" in stdout, stdout[-3000:]
+    assert f"run the same command again (or raystudy study --resume {tmp_path / 'study'}) to resume" in stderr
     assert not (tmp_path / "study" / "analysis").exists() and not (tmp_path / "study" / "report.html").exists()
 
 

@@ -9,8 +9,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from raystudy.study.progress import Progress, fmt_seconds
 from tests.support.processes import user_env
 
@@ -47,20 +45,17 @@ class FakeClock:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_eta_from_the_injected_clock():
+def test_summary_line_from_the_injected_clock():
+    """The summary's counts and elapsed time (the ETA's arithmetic: tests/unit/study/test_study_terminal.py)."""
     clock, lines = FakeClock(), []
     p = Progress(total=10, done_before=4, echo=lines.append, prefix="x", clock=clock)
     assert math.isnan(p.eta()) and "ETA ?" in p.line()  # nothing ended yet: no estimate
     p.running.update({"a", "b"})
     clock.t += 100.0  # 100 s into this launch, 3 trials ended
     p.counts.update(ok=1, diverged=1, failed=1)
-    # 3 trials in 100 s, 3 to go (10 - 4 before - 3 now) -> 100 s, whatever the real time is
-    assert p.eta() == pytest.approx(100.0)
     p.show("e")
     assert lines == ["[x] 6/10 done, 2 running, 1 failed, 1 pending (this launch: 1 ok, 1 diverged)"
-                     " | elapsed 1m40s, ETA 1m40s | e"]
-    clock.t += 50.0  # a stall of any length only moves the estimate by its own arithmetic
-    assert p.eta() == pytest.approx(150.0) and "ETA 2m30s" in p.line()
+                     " | elapsed 1m40s, ETA ? | e"]
     p.counts.update(ok=4)  # all remaining trials done
     assert p.eta() == 0.0
 
@@ -74,7 +69,7 @@ def test_one_line_per_finished_trial():
     clock.t += 30.0
     p.trial_finished("t2", {"status": "failed", "test_acc": float("nan"), "wall_seconds": None, "error": "boom"})
     assert lines == [
-        "[demo] ok t1: test acc 0.412 (30s) | 1/3 done, ETA 1m00s",
+        "[demo] ok t1: test acc 0.412 (30s) | 1/3 done, ETA ?",  # the first finish: the start-up's time
         "[demo] failed t2: no test acc: boom | 1/3 done, ETA 30s",
     ]
     assert p.running == set() and p.counts == {"ok": 1, "diverged": 0, "failed": 1}
