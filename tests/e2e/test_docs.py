@@ -12,7 +12,8 @@ Conventions of the pages (their Markdown source; a reader sees only the blocks):
   Runs of spaces match runs of spaces (table columns move with the numbers). A block whose numbers
   depend on the demo's exact pretrained weights (a few inputs through them) may say, on the line above it,
   ``<!-- within 50%: why -->``: its wildcards then admit that fraction (the 300-step pretraining ends at
-  other weights on another kind of CPU: floating-point sums in another order).
+  other weights on another architecture, its floating-point sums in another order; every x86-64 CPU runs the
+  kernels raystudy/cpu_kernels.py pins, tests/e2e/test_cpu_numbers.py).
   A wildcard never stands for ``nan``, ``inf``, ``failed``, ``error`` or a ``Traceback``: a block that
   prints one of them matches only an expected output that spells it out.
 * A block that is not run says why, on the line above it: ``<!-- not run: the reason -->``. Every
