@@ -76,9 +76,10 @@ def path_headlines(t: pd.DataFrame) -> list[str]:
         if first["step"] != 0:
             continue
         moved = g[g["ranking"] != first["ranking"]]
-        when = (f"the ranking first departs from the random init's at step {int(moved['step'].iloc[0])}; a model "
-                f"trained fewer steps keeps the random-init order" if len(moved)
-                else "pretraining never moved the random init's ranking")
+        kept = [str(int(k)) for k in g["step"] if len(moved) and k < moved["step"].iloc[0]]
+        when = (f"the ranking first departs from the random init's at step {int(moved['step'].iloc[0])} (at step(s) "
+                f"{', '.join(kept)} before it, a model pretrained that little keeps the random-init order)"
+                if len(moved) else "pretraining never moved the random init's ranking")
         lines.append(f"Along the pretraining ({mode} mode, steps {', '.join(str(int(s)) for s in g['step'])}): step 0 "
                      f"(random init) {first['ranking']} (τ-b with the paper {fmt_num(first['tau_paper'], 2)}) → "
                      f"step {int(last['step'])} {last['ranking']} (τ-b with the paper {fmt_num(last['tau_paper'], 2)}, "

@@ -145,7 +145,8 @@ def _sigterm_said(args: argparse.Namespace):
     def to_stderr(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    return sigterm_exits(to_stderr, line=f"raystudy {args.command}: {analysis_interrupted(args.study_dir, args.out)}")
+    command = getattr(args, "command", "analyze")  # a parser of the sub-command alone sets none
+    return sigterm_exits(to_stderr, line=f"raystudy {command}: {analysis_interrupted(args.study_dir, args.out)}")
 
 
 def run_analyze(args: argparse.Namespace) -> int:

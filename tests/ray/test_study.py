@@ -421,5 +421,6 @@ def test_plasticity_only_study(ray_session, builtin, tmp_path):
     assert outcome.total == 0 and outcome.launched == 0
     assert any("plasticity only" in ln for ln in lines)
     plast = read_result(out, "plasticity")
-    assert set(plast.dataset) == {"noise"} and (plast.n_pairs == 8).all() and len(plast) == 2 * 3 * 5
+    assert set(plast.dataset) == {"noise"} and (plast.n_pairs == 8).all()
+    assert len(plast) == 3 * 3 * 5  # 3 layers x 5 components of the model and of both controls
     assert not (out / "tune").exists() and not (out / "trials").exists()  # no Tune experiment, no trial

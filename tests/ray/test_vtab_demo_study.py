@@ -22,8 +22,8 @@ def study(ray_session, tmp_path_factory):
     out = tmp_path_factory.mktemp("vtab1k-demo") / "study"
     spec = load_preset("vtab1k-demo").with_overrides({
         "out": str(out), "configurations": CONFIGURATIONS, "seeds": [0], "steps": 6, "eval_period": 3,
-        "warmup_steps": 1, "checkpoint_period": 6, "pretrain.steps": 30, "plasticity.pairs": 64,
-        "probe.enabled": False,
+        "warmup_steps": 1, "checkpoint_period": 6, "pretrain.steps": 30, "pretrain.path_steps": [0, 30],
+        "plasticity.pairs": 64, "probe.enabled": False,
     })
     lines: list[str] = []
     tune.run_study(spec, echo=lines.append)

@@ -60,10 +60,12 @@ def test_the_headline_says_where_the_path_starts_ends_and_first_moves():
                            "LN1 = LN2 > FC1 > FC2 > MHA")
     assert f"step 300 MHA > FC1 > FC2 > LN1 > LN2 (τ-b with the paper {t.loc[300, 'tau_paper']:.2f}" in line
     # step 30's ranking breaks the LN1 = LN2 tie: it differs from step 0's, so the path moved there
-    assert "the ranking first departs from the random init's at step 30" in line
+    assert "the ranking first departs from the random init's at step 30 (at step(s) 0 before it, a model " \
+           "pretrained that little keeps the random-init order)" in line
     still = _rows()
     still.loc[still["step"] == 30, "plasticity"] = still.loc[still["step"] == 0, "plasticity"].to_numpy()
-    assert "first departs from the random init's at step 300" in path_headlines(pretraining_table(still))[0]
+    assert "first departs from the random init's at step 300 (at step(s) 0, 30 before it" in \
+        path_headlines(pretraining_table(still))[0]
 
 
 def test_the_analysis_writes_the_table_the_figure_and_the_headline(tmp_path):

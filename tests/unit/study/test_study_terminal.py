@@ -88,7 +88,7 @@ def test_ctrl_c_while_the_scripts_load_raystudy_is_one_line(monkeypatch, capsys)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(environment, "missing_dependency", loading)
-    monkeypatch.setattr(environment, "pin_cpu_kernels", lambda: None)
+    monkeypatch.setattr("raystudy.cpu_kernels.pin_cpu_kernels", lambda: {})  # this process's environment kept
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "RAY_DEDUP_LOGS"):
         monkeypatch.setenv(name, "0")
