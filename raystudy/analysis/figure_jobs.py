@@ -49,7 +49,8 @@ def _slug(*parts) -> str:
 FigureJob = tuple[str, str, str, Callable[[Path], list[Path]]]
 
 
-def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
+def _plasticity_figures(inputs: StudyInputs, path: pd.DataFrame | None = None) -> list[FigureJob]:
+    """The plasticity figures; ``path``: the ``plasticity_pretraining`` table, whose figure comes before the bounds'."""
     p, jobs = inputs.plasticity, []
     if p is not None:
         depth = p if inputs.control is None else pd.concat([p, inputs.control], ignore_index=True)
@@ -70,8 +71,8 @@ def _plasticity_figures(inputs: StudyInputs) -> list[FigureJob]:
                          "raystudy's statistic: every pair's rate of each component, pooled over layers, a panel "
                          "per dataset (violin, quartiles, median); the paper's boxes of per-layer means are the "
                          "figure above.", lambda s: F.plot_rate_distribution(rates, s)))
-    if inputs.pretraining is not None and len(inputs.pretraining):
-        jobs.append(P.figure_job(P.pretraining_table(inputs.pretraining)))
+    if path is not None:
+        jobs.append(P.figure_job(path))
     if inputs.bounds is not None:
         b = inputs.bounds
         formulas = set(F.bounds_of(b))
@@ -256,7 +257,8 @@ def figure_jobs(inputs: StudyInputs, tables: dict[str, pd.DataFrame], notes: lis
     adds the curves of one dataset's runs at one seed and lr (:data:`raystudy.analysis.options.FIXED_RUN_KEYS`,
     perhaps of one optimizer), or of each of a list of such runs. In a study with a final fit each caption says
     which phase the figure reads (:func:`_with_phases`)."""
-    return _plasticity_figures(inputs) + _with_phases(_trial_figures(inputs, tables, notes, fixed_run), inputs)
+    return (_plasticity_figures(inputs, tables.get("plasticity_pretraining"))
+            + _with_phases(_trial_figures(inputs, tables, notes, fixed_run), inputs))
 
 
 def chosen_figures(jobs: list[FigureJob], figures: bool | Collection[str]) -> list[FigureJob]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from raystudy.analysis import figures as F
-from raystudy.analysis.ranks import TIE_RULE, order_string, strict_scores, tau_b, tie_groups
+from raystudy.analysis.ranks import TIE_RULE, order_string, ranks, strict_scores, tau_b
 from raystudy.analysis.render import Block, Rendered, fmt_num
 from raystudy.analysis.style import MARKERS, styled
 from raystudy.vocab import COMPONENTS, PAPER_RANKING
@@ -85,15 +85,6 @@ def path_headlines(t: pd.DataFrame) -> list[str]:
                      f"step {int(last['step'])} {last['ranking']} (τ-b with the paper {fmt_num(last['tau_paper'], 2)}, "
                      f"with step 0 {fmt_num(last['tau_init'], 2)}); {when}.")
     return lines
-
-
-def ranks(values: pd.Series) -> pd.Series:
-    """Each component's rank (1: most plastic; a tie shares its group's best rank)."""
-    out, rank = {}, 1
-    for group in tie_groups(values):
-        out.update({c: rank for c in group})
-        rank += len(group)
-    return pd.Series(out, dtype=float)
 
 
 @styled

@@ -58,6 +58,15 @@ def order_string(values: pd.Series, fmt: Callable[[float], str] | None = None,
     return " > ".join(" = ".join(item(k) for k in group) for group in tie_groups(values))
 
 
+def ranks(values: pd.Series) -> pd.Series:
+    """Each component's rank (1: most plastic; a tie shares its group's best rank)."""
+    out, rank = {}, 1
+    for group in tie_groups(values):
+        out.update({c: rank for c in group})
+        rank += len(group)
+    return pd.Series(out, dtype=float)
+
+
 def strict_scores(ranking: Sequence[str]) -> pd.Series:
     """A strict ranking (most first, e.g. :data:`raystudy.vocab.PAPER_RANKING`) as scores that sort to it."""
     return pd.Series(range(len(ranking), 0, -1), index=list(ranking), dtype=float)

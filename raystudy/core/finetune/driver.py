@@ -337,10 +337,11 @@ def train_local(cfg: FinetuneConfig, *, checkpoint_dir: str | os.PathLike | None
     ``restore`` called at the start, its ``save`` at the checkpoint events) replaces that folder's. Returns
     ``(summary, finetuner)``.
     """
-    if checkpointer is None:
+    given = checkpointer is not None  # its restore always runs: it decides what to restore
+    if not given:
         checkpointer = DirectoryCheckpointer(checkpoint_dir) if checkpoint_dir else NoCheckpoints()
-    summary, ft = run(cfg, checkpointer=checkpointer, resume=resume or checkpoint_dir is None,
-                      tensorboard=tensorboard, write_weights=write)
+    summary, ft = run(cfg, checkpointer=checkpointer, resume=resume or given, tensorboard=tensorboard,
+                      write_weights=write)
     if write:
         finish_run(cfg, summary, run_record(summary, ft), config=cfg.to_dict())
     return summary, ft

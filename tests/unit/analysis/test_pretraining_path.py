@@ -11,7 +11,8 @@ import math
 import pandas as pd
 import pytest
 
-from raystudy.analysis.pretraining import path_headlines, pretraining_table, ranks
+from raystudy.analysis.pretraining import path_headlines, pretraining_table
+from raystudy.analysis.ranks import ranks
 from raystudy.io import write_result
 from raystudy.vocab import COMPONENTS, PAPER_RANKING
 
